@@ -1,0 +1,98 @@
+"""TBA's replay buffer: every trajectory the searchers made, grouped by prompt, and its sampling.
+
+Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
+- One group per prompt, holding the newest `capacity` trajectories; an exact token duplicate of a
+  response already in the group replaces it (the newest copy is kept). Memory is bounded by
+  capacity x the number of prompts in the data set.
+- A training batch is B prompts x K responses. For each of the B prompts, independently:
+  with probability m (`recency`) a prompt with data added since the last weight sync, and K of
+  those recent responses drawn uniformly; otherwise a prompt of the whole buffer, and K of its
+  responses drawn by softmax(reward x `reward_inv_temp`) (0 = uniform). Draws are without
+  replacement where the pool holds at least K responses, with replacement where it holds fewer.
+- Departure from the authors' MPI code, where data reaches the trainer only at a sync: here it
+  streams in, so right after a sync nothing is "recent" yet; until new data arrives, the recent
+  pool is the newest data there is (the data of the latest window that has any).
+- Prompts are distinct within a batch while the pool has enough of them.
+"""
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Trajectory:
+    prompt_id: int           # index into the task's training problems
+    response: np.ndarray     # (T,) int32 response token ids, EOS included when generation stopped on it
+    reward: float            # r(y, x)
+    logp_ref: float          # log pi_ref(y|x), summed over response tokens, from logits / temperature
+    logp_behaviour: float    # log-prob under the searcher's policy that sampled y (vLLM's, same temperature)
+    version: int             # trainer step whose weights sampled y (0 = the initial model)
+
+
+class ReplayBuffer:
+    def __init__(self, capacity: int, recency: float, reward_inv_temp: float):
+        self.capacity, self.recency, self.reward_inv_temp = capacity, recency, reward_inv_temp
+        self.groups: dict[int, OrderedDict] = {}  # prompt id -> {response bytes: (Trajectory, window)}
+        self.window = 0                           # number of weight syncs so far
+        self.recent_window = 0                    # the newest window that has data
+        self.recent_prompts: dict[int, None] = {} # prompts with data in recent_window (an ordered set)
+        self.prompts: list[int] = []              # every prompt with a group, in order of arrival
+        self.size = 0                             # trajectories held
+
+    def add(self, trajectories: list[Trajectory]):
+        for t in trajectories:
+            if t.prompt_id not in self.groups:
+                self.groups[t.prompt_id] = OrderedDict()
+                self.prompts.append(t.prompt_id)
+            group = self.groups[t.prompt_id]
+            key = t.response.tobytes()
+            self.size -= group.pop(key, None) is not None  # exact duplicate: drop the older copy
+            group[key] = (t, self.window)
+            self.size += 1
+            if len(group) > self.capacity:                 # keep the newest `capacity`
+                group.popitem(last=False)
+                self.size -= 1
+            if self.window != self.recent_window:          # first data since the last sync
+                self.recent_window, self.recent_prompts = self.window, {}
+            self.recent_prompts[t.prompt_id] = None
+
+    def mark_sync(self):
+        """Called at every weight sync: data added after this is 'recent'."""
+        self.window += 1
+
+    def __len__(self):
+        return self.size
+
+    def sample(self, B: int, K: int, rng: np.random.Generator) -> list[list[Trajectory]]:
+        """B groups of K trajectories, each group from one prompt (see the module docstring)."""
+        assert self.groups, "sample() from an empty buffer"
+        chosen: set[int] = set()
+        batch = []
+        for _ in range(B):
+            recent = rng.random() < self.recency
+            prompt = pick(list(self.recent_prompts) if recent else self.prompts, chosen, rng)
+            chosen.add(prompt)
+            items = self.groups[prompt].values()
+            if recent:   # data since the last sync (on-policy up to the sync period), uniformly
+                pool_t = [t for t, w in items if w >= self.recent_window]
+                probs = None
+            else:        # the whole group, by softmax(reward x inverse temperature)
+                pool_t = [t for t, _ in items]
+                logits = self.reward_inv_temp * np.array([t.reward for t in pool_t])
+                probs = np.exp(logits - logits.max())
+                probs /= probs.sum()
+            idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=probs)
+            batch.append([pool_t[i] for i in idx])
+        return batch
+
+
+def pick(pool: list[int], chosen: set[int], rng: np.random.Generator) -> int:
+    """A uniform draw from `pool`, avoiding `chosen` while `pool` has prompts outside it."""
+    for _ in range(8):  # rejection is cheap when the pool is much larger than the batch
+        prompt = pool[rng.integers(len(pool))]
+        if prompt not in chosen:
+            return prompt
+    rest = [p for p in pool if p not in chosen]
+    return rest[rng.integers(len(rest))] if rest else prompt

@@ -1,0 +1,116 @@
+"""Bad input is refused before anything is spawned: one line naming the flag, exit status 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tasks
+import tba
+from conftest import DATA, ROOT, env
+from tasks import ConfigError
+
+
+def refuse(args, tmp_path, monkeypatch, capsys, match):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as e:
+        tba.main(args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2
+    assert "\n" not in err and err.startswith("tba.py: error: ") and match in err, err
+    assert not (tmp_path / "runs").exists()  # nothing was started or written
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--recency", "1.5"], "--recency"),
+    (["--recency", "-0.1"], "--recency"),
+    (["--samples-per-prompt", "1"], "--samples-per-prompt"),
+    (["--sync-every", "0"], "--sync-every"),
+    (["--task", "chess"], "--task"),
+    (["--search-samples-per-prompt", "4"], "--search-samples-per-prompt"),
+    (["--prompts-per-step", "0"], "--prompts-per-step"),
+    (["--beta", "0"], "--beta"),
+    (["--temperature", "0"], "--temperature"),
+    (["--max-new-tokens", "300"], "--max-new-tokens"),  # beyond the tiny model's 256-token context
+    (["--resume", "/nonexistent/ckpt"], "--resume"),
+])
+def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capsys):
+    refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
+
+
+def test_bad_models(tmp_path, monkeypatch, capsys):
+    refuse(["--model", str(tmp_path / "missing")], tmp_path, monkeypatch, capsys, "--model")
+    refuse(["--model", "./missing"], tmp_path, monkeypatch, capsys, "does not exist")
+    (tmp_path / "empty").mkdir()
+    refuse(["--model", str(tmp_path / "empty")], tmp_path, monkeypatch, capsys, "no config.json")
+    refuse(["--model", "nobody/no-such-model-xyz"], tmp_path, monkeypatch, capsys, "Hugging Face hub")
+
+
+def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):
+    import shutil
+    folder = tmp_path / "noeos"
+    shutil.copytree(tiny_model, folder)
+    with open(folder / "tokenizer_config.json") as f:
+        config = json.load(f)
+    config["eos_token"] = None
+    with open(folder / "tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    refuse(["--model", str(folder)], tmp_path, monkeypatch, capsys, "no EOS token")
+
+
+def test_more_searchers_than_gpus(tiny_model, monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    cfg = tba.Config(model=tiny_model, searchers=2)
+    with pytest.raises(ConfigError, match="--searchers: 2 searcher"):
+        tba.check(cfg, world=1)
+
+
+def test_synchronous_mode_needs_one_trainer_process(tiny_model):
+    with pytest.raises(ConfigError, match="--searchers"):
+        tba.check(tba.Config(model=tiny_model, searchers=0, prompts_per_step=4), world=2)
+
+
+def test_bad_data_files(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    good = open(os.path.join(DATA, "train.jsonl")).read().splitlines()[:3]
+    (d / "test.jsonl").write_text("\n".join(good) + "\n")
+    (d / "train.jsonl").write_text("\n".join(good[:2] + ["{not json"]) + "\n")
+    with pytest.raises(ConfigError, match=r"train\.jsonl line 3: not valid JSON"):
+        tasks.load_task("gsm8k", str(d))
+    (d / "train.jsonl").write_text(good[0] + "\n" + json.dumps({"question": "q?"}) + "\n")
+    with pytest.raises(ConfigError, match=r"line 2: missing or non-text field 'answer'"):
+        tasks.load_task("gsm8k", str(d))
+    (d / "train.jsonl").write_text(json.dumps({"question": "q?", "answer": "no marker"}) + "\n")
+    with pytest.raises(ConfigError, match=r"line 1: .*####"):
+        tasks.load_task("gsm8k", str(d))
+    (d / "train.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="holds no problems"):
+        tasks.load_task("gsm8k", str(d))
+    with pytest.raises(ConfigError, match="--data"):
+        tasks.load_task("gsm8k", str(tmp_path / "nowhere"))
+
+
+def test_gsm8k_without_data_names_the_flag(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="--data"):
+        tasks.load_task("gsm8k", None)
+
+
+def test_gsm8k_prompt_format():
+    train, test = tasks.load_task("gsm8k", DATA)
+    first = json.loads(open(os.path.join(DATA, "train.jsonl")).readline())
+    assert train[0].prompt == f"[MATH TASK] Problem:\n{first['question']}\n\nSolution:\n"
+    assert train[0].answer == first["answer"] and len(test) > 0
+
+
+def test_command_line_exit_status_and_one_line(tiny_model, tmp_path):
+    """The same refusal seen from a shell: `python tba.py ...` prints one line and exits with 2."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tba.py"), "--model", tiny_model, "--recency", "2"],
+                       cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == ["tba.py: error: --recency: must be in [0, 1], got 2.0"]

@@ -1,0 +1,122 @@
+"""The `tiny` model: a small Llama with a character-level tokenizer, warm-started on `arith`.
+
+It plays the paper's SFT model (pi_ref): `--model tiny` builds it once (about a minute on two
+CPU cores), caches it under $TBA_CACHE (default ~/.cache/tba) and reuses it. The warm start
+is a short supervised pass on the answers of training problems, stopped early on
+purpose so that greedy held-out accuracy starts low (about 25%) and RL has room to improve it.
+
+    python tiny.py OUT_DIR    # build it into OUT_DIR instead of the cache
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+
+from tasks import arith_splits
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # printable ASCII and newline: enough for GSM8K too
+RECIPE = dict(  # everything that decides the cached model; its hash names the cache folder
+    version=2, hidden=128, layers=3, heads=4, ffn=384, max_len=256, seed=0,
+    sft_steps=275, sft_batch=64, sft_lr=1e-3,
+)
+
+
+def make_tokenizer():
+    """A character-level tokenizer that loads in transformers and in vLLM."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token a character
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+
+
+def make_model(out: str, hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0):
+    """Save a randomly initialised tiny Llama and its tokenizer to `out`; return (model, tokenizer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = make_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn or 3 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=max_len, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model, tokenizer
+
+
+def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int):
+    """Supervised pass on arith answers; the loss covers the answer and EOS only."""
+    train, _ = arith_splits()
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for step in range(steps):
+        rows = []
+        for p in rng.sample(train, batch):
+            prompt = tokenizer(p.prompt).input_ids
+            target = tokenizer(p.answer).input_ids + [tokenizer.eos_token_id]
+            rows.append((prompt + target, [0] * len(prompt) + [1] * len(target)))
+        T = max(len(ids) for ids, _ in rows)
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r, _ in rows])  # (B, T)
+        mask = torch.tensor([m + [0] * (T - len(m)) for _, m in rows])                   # (B, T)
+        logits = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long()).logits
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def build(out: str, recipe: dict = RECIPE) -> str:
+    """Build the tiny model into `out` (made atomically: a temporary folder, then a rename)."""
+    r = recipe
+    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(os.path.abspath(out)))
+    model, tokenizer = make_model(tmp, r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
+    warm_start(model, tokenizer, r["sft_steps"], r["sft_batch"], r["sft_lr"], r["seed"])
+    model.save_pretrained(tmp)
+    with open(os.path.join(tmp, "tiny_recipe.json"), "w") as f:
+        json.dump(r, f, indent=1)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process finished the same build first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def cached() -> str:
+    """The path of the cached tiny model, building it on first use."""
+    root = os.environ.get("TBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tba")
+    key = hashlib.sha256(json.dumps([RECIPE, SPECIALS, CHARS], sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(root, f"tiny-{key}")
+    if not os.path.isfile(os.path.join(path, "tiny_recipe.json")):
+        os.makedirs(root, exist_ok=True)
+        print(f"building the tiny model once into {path} ...", flush=True)
+        t0 = time.time()
+        build(path)
+        print(f"built in {time.time() - t0:.0f} s", flush=True)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    print(build(sys.argv[1]))
