@@ -173,14 +173,17 @@ class Engine:
         return sum(out.prompt_logprobs[len(prompt) + i][tok].logprob for i, tok in enumerate(response))
 
     # --- evaluation ------------------------------------------------------------------------
-    def evaluate(self, prompts: list[list[int]], answers: list[str]) -> float:
-        """Greedy pass@1 with the loaded weights."""
+    def evaluate(self, prompts: list[list[int]], answers: list[str]) -> tuple[float, dict]:
+        """Greedy pass@1 with the loaded weights, and the first problem's completion as an example."""
         from vllm import SamplingParams
 
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                     SamplingParams(temperature=0.0, max_tokens=self.cfg.max_new_tokens),
                                     use_tqdm=False)
-        return float(np.mean([self.reward(o.outputs[0].text, a) for o, a in zip(outputs, answers)]))
+        rewards = [self.reward(o.outputs[0].text, a) for o, a in zip(outputs, answers)]
+        example = dict(prompt=self.llm.get_tokenizer().decode(prompts[0], skip_special_tokens=True),
+                       completion=outputs[0].outputs[0].text, reward=rewards[0])
+        return float(np.mean(rewards)), example
 
 
 def collate(pairs, pad: int, device):
@@ -249,8 +252,8 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
             engine.sync(weights, parent_alive, cfg.timeout)
             if requested:
                 t0 = time.time()
-                accuracy = engine.evaluate(test_prompts, test_answers)
-                put(queue, dict(kind="eval", version=engine.version, accuracy=accuracy,
+                accuracy, example = engine.evaluate(test_prompts, test_answers)
+                put(queue, dict(kind="eval", version=engine.version, accuracy=accuracy, example=example,
                                 seconds=time.time() - t0), stop)
             t0 = time.time()
             ids = rng.choice(len(prompts), size=min(cfg.prompts_per_step, len(prompts)), replace=False)

@@ -415,7 +415,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
             t0 = time.time()
             if engine.version != step:
                 engine.load(list(sd.items()), step)
-            log.eval(step, engine.evaluate(test_prompts, test_answers), time.time() - t0, log.clock())
+            log.eval(step, *engine.evaluate(test_prompts, test_answers), time.time() - t0, log.clock())
             log.overhead += time.time() - t0
 
         def checkpoint():
@@ -535,7 +535,7 @@ def drain(queue, buffer, log, alive, done, timeout: float) -> float:
         if block:
             waited += time.time() - t0
         if msg["kind"] == "eval":
-            log.eval(msg["version"], msg["accuracy"], msg["seconds"], log.published[msg["version"]])
+            log.eval(msg["version"], msg["accuracy"], msg["example"], msg["seconds"], log.published[msg["version"]])
         else:
             buffer.add(msg["trajectories"])
             log.samples += len(msg["trajectories"])
@@ -577,10 +577,10 @@ class Log:
     def clock(self) -> tuple[float, float]:
         return self.now(), self.overhead
 
-    def eval(self, version: int, accuracy: float, seconds: float, made: tuple[float, float]):
+    def eval(self, version: int, accuracy: float, example: dict, seconds: float, made: tuple[float, float]):
         """An evaluation of the weights of step `version`; time and overhead: when they were made."""
         self.row(kind="eval", step=version, version=version, accuracy=accuracy, time=made[0], overhead=made[1],
-                 seconds=seconds)
+                 seconds=seconds, example=example)
 
     def row(self, **row):
         if self.rank != 0:

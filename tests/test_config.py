@@ -35,7 +35,7 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--prompts-per-step", "0"], "--prompts-per-step"),
     (["--beta", "0"], "--beta"),
     (["--temperature", "0"], "--temperature"),
-    (["--max-new-tokens", "300"], "--max-new-tokens"),  # beyond the tiny model's 256-token context
+    (["--max-new-tokens", "1020"], "--max-new-tokens"),  # beyond the test model's 1024-token context
     (["--resume", "/nonexistent/ckpt"], "--resume"),
 ])
 def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capsys):

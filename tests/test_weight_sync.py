@@ -1,0 +1,106 @@
+"""Weight sync: after new weights are published, vLLM in a searcher computes the same log-probs
+as the trainer for the same weights (float32, within 1e-4), and no stale prefix cache survives."""
+
+import dataclasses
+import queue as queue_module
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import searcher
+import tba
+from loss import sequence_logprobs
+from rewards import arith_reward
+from searcher import Engine, collate, publish, share_weights
+
+
+def config(model, **kw):
+    cfg = tba.Config(model=model, prompts_per_step=3, samples_per_prompt=4, temperature=0.7, max_new_tokens=6, **kw)
+    cfg.device, cfg.threads, cfg.model_path, cfg.max_model_len, cfg.dtype = "cpu", 1, model, 512, "float32"
+    cfg.search_samples_per_prompt = cfg.samples_per_prompt
+    return cfg
+
+
+def perturbed(model_path, seed):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def trainer_logprobs(model, pairs, temperature):
+    with torch.no_grad():
+        return sequence_logprobs(model, *collate(pairs, 0, "cpu"), temperature).tolist()
+
+
+def test_engine_matches_trainer_after_sync(tiny_model):
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    cfg = config(tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = tok("12+34=46\n" * 40 + "47+85=").input_ids  # long: whole KV blocks get cached
+    response = tok("132").input_ids + [tok.eos_token_id]
+    model = perturbed(tiny_model, 0)
+    weights = share_weights(model.state_dict(), "cpu", torch.float32, mp.get_context("spawn"))
+    engine = Engine(cfg, tiny_model, tiny_model, "cpu", 0.1, [prompt], ["132"], arith_reward)
+    sample = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    before = engine.llm.generate([{"prompt_token_ids": prompt}], sample, use_tqdm=False)[0].outputs[0]
+    for version, seed in ((2, 1), (4, 2)):
+        model = perturbed(tiny_model, seed)
+        publish(weights, model.state_dict(), version, lambda: None, 10)
+        assert engine.sync(weights, lambda: None, 10) and engine.version == version
+        assert not engine.sync(weights, lambda: None, 10)  # no version move, no reload
+        # a fixed response: vLLM's prompt log-probs (raw logits) vs the trainer's at temperature 1
+        assert abs(engine.score(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
+        # the cached prompt prefix was dropped: sampled tokens' log-probs follow the new weights
+        after = engine.llm.generate([{"prompt_token_ids": prompt}], sample, use_tqdm=False)[0].outputs[0]
+        expected = trainer_logprobs(model, [(prompt, list(after.token_ids))], 1.0)[0]
+        assert abs(after.cumulative_logprob - expected) < 1e-4
+        assert abs(after.cumulative_logprob - before.cumulative_logprob) > 1e-3
+    engine.close()
+
+
+def test_searcher_process_after_sync(tiny_model):
+    """The real searcher process: trajectories sampled after a sync carry vLLM's log-probs at the
+    sampling temperature, equal to the trainer's for the published weights, and pi_ref's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    cfg = config(tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = [tok(f"{a}+{b}=").input_ids for a, b in ((12, 34), (56, 78), (90, 11), (25, 25))]
+    answers = ["46", "134", "101", "50"]
+    ctx = mp.get_context("spawn")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    weights = share_weights(ref.state_dict(), "cpu", torch.float32, ctx)
+    queue, stop = ctx.Queue(maxsize=4), ctx.Event()
+    proc = ctx.Process(target=searcher.run, daemon=True,
+                       args=(0, dataclasses.asdict(cfg), weights, queue, stop, None, prompts, answers,
+                             prompts, answers, "cpu"))
+    proc.start()
+    try:
+        model = perturbed(tiny_model, 3)
+        publish(weights, model.state_dict(), 2, lambda: None, 10)
+        deadline, fresh = time.time() + 120, []
+        while not fresh:
+            assert time.time() < deadline and proc.is_alive()
+            try:
+                msg = queue.get(timeout=1)
+            except queue_module.Empty:
+                continue
+            fresh = [t for t in msg["trajectories"] if t.version == 2]
+        pairs = [(prompts[t.prompt_id], t.response.tolist()) for t in fresh]
+        for t, lp, lp_ref in zip(fresh, trainer_logprobs(model, pairs, 0.7), trainer_logprobs(ref, pairs, 0.7)):
+            assert abs(t.logp_behaviour - lp) < 1e-4
+            assert abs(t.logp_ref - lp_ref) < 1e-4
+            assert t.reward == arith_reward(tok.decode(t.response, skip_special_tokens=True), answers[t.prompt_id])
+        assert len(fresh) == 3 * 4
+    finally:
+        stop.set()
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
