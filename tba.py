@@ -26,6 +26,7 @@ transformers' warmup-stable-decay).
 """
 
 import dataclasses
+import glob
 import json
 import math
 import multiprocessing
@@ -260,27 +261,49 @@ def broadcast(obj, rank):
     return box[0]
 
 
-# --- checkpoints: a temporary folder, then a rename, so a crash mid-save keeps the previous one --
+# --- checkpoints ---------------------------------------------------------------------------------
 def save_checkpoint(cfg, rank, model, opt, buffer, weights, step, elapsed, tokenizer):
+    """Model (Hugging Face format), optimizer, step (the schedules and per-step seeds derive from it),
+    RNG state, replay buffer, and the weights the searchers hold if older than the model's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     sd = full_state_dict(model)
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
-    final, tmp, old = (os.path.join(cfg.out, n) for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_hf(model, sd, tokenizer, os.path.join(tmp, "model"))
-    synced = {n: t.cpu() for n, t in weights.tensors.items()} if weights.version.value != step else None
-    torch.save(dict(optimizer=osd, step=step, elapsed=elapsed, synced=synced, synced_version=weights.version.value,
-                    torch_rng=torch.get_rng_state()), os.path.join(tmp, "trainer.pt"))
-    with open(os.path.join(tmp, "buffer.pkl"), "wb") as f:
-        pickle.dump(buffer, f, protocol=pickle.HIGHEST_PROTOCOL)
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(vars(cfg), f, indent=1)
-    if os.path.isdir(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+
+    def write(folder):
+        save_hf(model, sd, tokenizer, os.path.join(folder, "model"))
+        synced = {n: t.cpu() for n, t in weights.tensors.items()} if weights.version.value != step else None
+        torch.save(dict(optimizer=osd, step=step, elapsed=elapsed, synced=synced,
+                        synced_version=weights.version.value, torch_rng=torch.get_rng_state()),
+                   os.path.join(folder, "trainer.pt"))
+        with open(os.path.join(folder, "buffer.pkl"), "wb") as f:
+            pickle.dump(buffer, f, protocol=pickle.HIGHEST_PROTOCOL)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(vars(cfg), f, indent=1)
+    atomic_checkpoint(cfg.out, step, write)
+
+
+def atomic_checkpoint(out: str, step: int, write):
+    """OUT/checkpoint is a link to the newest complete OUT/checkpoint-STEP: the new one is written
+    under a temporary name, renamed, then the link is swapped in one rename, then the old one goes.
+    A crash at any point leaves the link on a complete checkpoint."""
+    name = f"checkpoint-{step:06d}"
+    for stale in glob.glob(os.path.join(out, "checkpoint-*.tmp")):  # left by a crash mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = os.path.join(out, name + ".tmp")
+    os.makedirs(tmp)
+    write(tmp)
+    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    os.replace(tmp, os.path.join(out, name))
+    link = os.path.join(out, "checkpoint")
+    previous = os.path.realpath(link) if os.path.islink(link) else None
+    if os.path.lexists(link + ".tmp"):
+        os.remove(link + ".tmp")
+    os.symlink(name, link + ".tmp")
+    os.replace(link + ".tmp", link)
+    if previous and os.path.basename(previous) != name:
+        shutil.rmtree(previous, ignore_errors=True)
 
 
 def save_hf(model, state_dict, tokenizer, path):
@@ -418,6 +441,14 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
             log.eval(step, *engine.evaluate(test_prompts, test_answers), time.time() - t0, log.clock())
             log.overhead += time.time() - t0
 
+        def sync_weights():
+            """Publish the trainer's weights; searchers reload them before their next round."""
+            sd = full_state_dict(model)
+            if rank == 0:
+                publish(weights, sd, step, alive, cfg.timeout)
+                buffer.mark_sync()
+                log.published[step] = log.clock()
+
         def checkpoint():
             t0 = time.time()
             save_checkpoint(cfg, rank, model, opt, buffer, weights, step, log.now(), tokenizer)
@@ -470,15 +501,10 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            # ===== sync weights to the searchers every k steps (and at the end) =================
+            # ===== sync weights to the searchers every k steps ===================================
             t_sync = time.time()
-            if step % cfg.sync_every == 0 or step == cfg.steps:
-                sd = full_state_dict(model)
-                if rank == 0:
-                    publish(weights, sd, step, alive, cfg.timeout)
-                    buffer.mark_sync()
-                    log.published[step] = log.clock()
-                del sd
+            if step % cfg.sync_every == 0:
+                sync_weights()
             sync_seconds = time.time() - t_sync
             # ===== log ============================================================================
             if rank == 0:
@@ -490,13 +516,16 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
                         sync=sync_seconds, seconds=time.time() - t_step, samples=log.samples,
                         buffer=len(buffer), overhead=log.overhead)
             # ===== evaluate ======================================================================
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 evaluate()
             # ===== checkpoint =====================================================================
             if cfg.save_every and step % cfg.save_every == 0:
                 checkpoint()
 
-        # --- the end: the final evaluation (from searcher 0), the final model
+        # --- the end: the final weights to the searchers, the final evaluation, the final model
+        if step % cfg.sync_every:
+            sync_weights()
+        evaluate()
         if rank == 0 and cfg.searchers:
             receive(lambda: log.evals and log.evals[-1]["version"] == cfg.steps)
             if stop_signal:

@@ -1,0 +1,159 @@
+"""Faults: signals, a dying searcher, checkpoints and resume, non-finite losses. No hangs, no
+process left behind, no data lost."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+import tba
+from conftest import ROOT, env, metrics, run_tba
+
+SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3",
+         "--eval-every", "0"]
+
+
+def start(args, tmp, torchrun=False):
+    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *args]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", *cmd[1:]]
+    return subprocess.Popen(cmd, cwd=tmp, env=env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def wait_for_steps(proc, out, n, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        if os.path.exists(out / "metrics.jsonl") and sum(r["kind"] == "train" for r in metrics(out)) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the run made no progress")
+
+
+def searcher_pids(pid):
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)
+            if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+
+
+def assert_all_gone(pids, within=5):
+    deadline = time.time() + within
+    alive = pids
+    while alive and time.time() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    assert not alive, f"left behind: {alive}"
+
+
+def assert_checkpoint(out):
+    ckpt = out / "checkpoint"
+    assert ckpt.is_symlink() and (ckpt / "trainer.pt").is_file() and (ckpt / "buffer.pkl").is_file()
+    assert (ckpt / "model" / "config.json").is_file()
+    state = torch.load(ckpt / "trainer.pt", weights_only=False)
+    assert state["step"] >= 3
+    return state
+
+
+@pytest.mark.parametrize("how", ["SIGINT to the process group", "SIGTERM to torchrun"])
+def test_signal_stops_everything_with_a_checkpoint(how, tiny_model, tmp_path):
+    out = tmp_path / "run"
+    torchrun = "torchrun" in how
+    proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, "--out", str(out)], tmp_path, torchrun)
+    try:
+        wait_for_steps(proc, out, 3)
+        everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert searcher_pids(proc.pid), "no searcher running"
+        t0 = time.time()
+        if torchrun:
+            os.kill(proc.pid, signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        output = proc.communicate(timeout=15)[0]
+        assert time.time() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "stopped by SIG" in output, output[-3000:]
+    assert_all_gone(everything)
+    state = assert_checkpoint(out)
+    assert state["step"] == max(r["step"] for r in metrics(out) if r["kind"] == "train")
+
+
+def test_dead_searcher_stops_the_run(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, "--out", str(out)], tmp_path)
+    try:
+        wait_for_steps(proc, out, 2)
+        everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        (pid,) = searcher_pids(proc.pid)
+        t0 = time.time()
+        os.kill(pid, signal.SIGKILL)
+        output = proc.communicate(timeout=60)[0]
+        assert time.time() - t0 < 60
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1
+    assert f"searcher 0 (pid {pid}) died with exit code -9" in output, output[-3000:]
+    assert_all_gone(everything)
+
+
+def test_resume_gives_the_same_weights(tiny_model, tmp_path):
+    """Synchronous mode, fixed seed: 6 steps straight == 3 steps, then resume to 6."""
+    from transformers import AutoModelForCausalLM
+    common = ["--model", tiny_model, "--searchers", "0", "--seed", "3", "--sync-every", "2", *SMALL]
+    a = run_tba([*common, "--steps", "6", "--out", str(tmp_path / "a")], tmp_path)
+    assert a.returncode == 0, a.stdout[-3000:]
+    b1 = run_tba([*common, "--steps", "3", "--save-every", "3", "--out", str(tmp_path / "b")], tmp_path)
+    assert b1.returncode == 0, b1.stdout[-3000:]
+    state = assert_checkpoint(tmp_path / "b")
+    assert state["step"] == 3 and state["synced_version"] == 2 and state["synced"] is not None
+    b2 = run_tba([*common, "--steps", "6", "--resume", str(tmp_path / "b" / "checkpoint"),
+                  "--out", str(tmp_path / "b2")], tmp_path)
+    assert b2.returncode == 0, b2.stdout[-3000:]
+    rows_a = [r for r in metrics(tmp_path / "a") if r["kind"] == "train"]
+    rows_b = [r for r in metrics(tmp_path / "b2") if r["kind"] == "train"]
+    assert [r["step"] for r in rows_b] == [4, 5, 6]
+    for ra, rb in zip(rows_a[3:], rows_b):  # same learning rate, beta, batches and losses
+        assert ra["lr"] == rb["lr"] and ra["beta"] == rb["beta"] and ra["reward"] == rb["reward"]
+        assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * max(1.0, abs(ra["loss"]))
+    wa = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final").state_dict()
+    wb = AutoModelForCausalLM.from_pretrained(tmp_path / "b2" / "final").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-4
+    assert max((wa[k] - start[k]).abs().max().item() for k in wa) > 1e-3  # and they did train
+
+
+def test_checkpoint_swap_is_atomic(tmp_path):
+    def write(value):
+        def w(folder):
+            open(os.path.join(folder, "trainer.pt"), "w").write(value)
+            if value == "crash":
+                raise KeyboardInterrupt("killed while saving")
+        return w
+
+    tba.atomic_checkpoint(str(tmp_path), 3, write("three"))
+    assert (tmp_path / "checkpoint" / "trainer.pt").read_text() == "three"
+    with pytest.raises(KeyboardInterrupt):
+        tba.atomic_checkpoint(str(tmp_path), 6, write("crash"))
+    assert (tmp_path / "checkpoint" / "trainer.pt").read_text() == "three"  # the previous one, intact
+    tba.atomic_checkpoint(str(tmp_path), 9, write("nine"))
+    assert (tmp_path / "checkpoint" / "trainer.pt").read_text() == "nine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint-000009"]  # no leftovers
+
+
+def test_non_finite_loss_stops_with_the_step(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    p = run_tba(["--model", tiny_model, "--searchers", "0", "--steps", "20", "--save-every", "1", *SMALL[:6],
+                 "--lr", "1e30", "--eval-every", "0", "--out", str(out)], tmp_path)
+    assert p.returncode == 1
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("tba.py: error: non-finite loss at step "), p.stdout[-2000:]
+    step = int(last.split("at step ")[1].split(";")[0])
+    assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=False)["step"] == step - 1
