@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The paper's headline run (Bartoldson et al., 2025, Sec. 5; the authors' launch_training_gsm8k.sh):
+# TBA on GSM8K with RhoMath-1B SFT (realtreetune/rho-1b-sft-GSM8K) on one 4-GPU node, reported at
+# 54.6% +- 0.6 greedy pass@1 on the test set after 700 steps (82 min on 4 x A100 80 GB).
+#
+#   bash run_gsm8k.sh                          # run it
+#   bash run_gsm8k.sh --dry-run                # print the command and settings, start nothing
+#   bash run_gsm8k.sh --data ../gsm8k --steps 50   # extra arguments pass through to tba.py (last wins)
+#
+# GPU split: TRAINERS GPUs train (torchrun ranks, FSDP2), the next SEARCHERS GPUs each run one vLLM
+# searcher; the authors used 1 + 3. Change it with the environment, e.g. on an 8-GPU node:
+#   TRAINERS=2 SEARCHERS=6 bash run_gsm8k.sh   # --prompts-per-step must stay a multiple of TRAINERS
+set -euo pipefail
+cd "$(dirname "$0")"
+TRAINERS=${TRAINERS:-1}
+SEARCHERS=${SEARCHERS:-3}
+
+settings=(
+  --model rho-math-1b --task gsm8k          # RhoMath-1B SFT, GSM8K train split for searching
+  --searchers "$SEARCHERS"
+  --steps 700                               # 98,000 episodes at 140 a step
+  --prompts-per-step 7                      # B
+  --samples-per-prompt 20                   # K: the TB loss's log Z is over them
+  --search-samples-per-prompt 24            # searchers draw 24 per prompt
+  --sync-every 2                            # k
+  --recency 0.95                            # m; the other 5% uniform over the buffer
+  --reward-inv-temp 0
+  --beta 0.014 --beta-final 0.004 --beta-anneal-steps 500
+  --lr 1e-5 --warmup-steps 50 --stable-steps 350 --decay-steps 600   # warmup-stable-decay
+  --grad-clip 1.0
+  --temperature 0.7 --max-new-tokens 512
+  --micro-batch 20                          # one prompt's K=20 responses per forward/backward
+  --dtype bfloat16
+  --eval-every 100                          # greedy pass@1 on the 1,319 test problems
+)
+passthrough=()
+dry_run=0
+for arg in "$@"; do
+  if [ "$arg" = "--dry-run" ]; then dry_run=1; else passthrough+=("$arg"); fi
+done
+cmd=(torchrun --standalone --nproc_per_node="$TRAINERS" tba.py "${settings[@]}" "${passthrough[@]}")
+
+echo "GPU split: $TRAINERS trainer GPU(s) + $SEARCHERS searcher GPU(s)"
+echo "${cmd[*]}"
+if [ "$dry_run" = 1 ]; then
+  exit 0
+fi
+exec "${cmd[@]}"

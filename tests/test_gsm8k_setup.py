@@ -1,0 +1,51 @@
+"""The paper's GSM8K settings: run_gsm8k.sh (dry run) and the schedules it relies on."""
+
+import math
+import os
+import shlex
+import subprocess
+
+import pytest
+
+import tba
+from conftest import ROOT
+
+
+def dry_run(*args, **environ):
+    p = subprocess.run(["bash", os.path.join(ROOT, "run_gsm8k.sh"), "--dry-run", *args], capture_output=True,
+                       text=True, timeout=30, env=dict(os.environ, **environ))
+    assert p.returncode == 0, p.stderr
+    command = shlex.split(p.stdout.strip().splitlines()[-1])
+    return command, tba.parse(command[command.index("tba.py") + 1:])
+
+
+def test_run_gsm8k_dry_run_has_the_papers_settings(tmp_path):
+    command, cfg = dry_run()
+    assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"]
+    assert (cfg.model, cfg.task, cfg.searchers, cfg.steps) == ("rho-math-1b", "gsm8k", 3, 700)
+    assert (cfg.prompts_per_step, cfg.samples_per_prompt, cfg.search_samples_per_prompt) == (7, 20, 24)
+    assert (cfg.sync_every, cfg.recency, cfg.reward_inv_temp) == (2, 0.95, 0.0)
+    assert (cfg.beta, cfg.beta_final, cfg.beta_anneal_steps) == (0.014, 0.004, 500)
+    assert (cfg.lr, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps) == (1e-5, 50, 350, 600)
+    assert (cfg.temperature, cfg.max_new_tokens, cfg.dtype) == (0.7, 512, "bfloat16")
+
+
+def test_run_gsm8k_passes_arguments_through_and_splits_gpus():
+    command, cfg = dry_run("--steps", "5", "--data", "/some/gsm8k", TRAINERS="2", SEARCHERS="6")
+    assert "--nproc_per_node=2" in command
+    assert (cfg.steps, cfg.data, cfg.searchers) == (5, "/some/gsm8k", 6)
+
+
+def test_schedules():
+    cfg = tba.Config(steps=700, beta=0.014, beta_final=0.004, beta_anneal_steps=500, lr=1e-5,
+                     warmup_steps=50, stable_steps=350, decay_steps=600)
+    assert tba.beta_at(cfg, 0) == pytest.approx(0.014)
+    assert tba.beta_at(cfg, 250) == pytest.approx(0.009)
+    assert tba.beta_at(cfg, 500) == tba.beta_at(cfg, 699) == pytest.approx(0.004)
+    assert tba.lr_at(cfg, 0) == pytest.approx(1e-5 / 50)  # linear warmup
+    assert tba.lr_at(cfg, 49) == tba.lr_at(cfg, 50) == tba.lr_at(cfg, 399) == pytest.approx(1e-5)
+    assert tba.lr_at(cfg, 700) == pytest.approx(1e-5 * 0.5 * (1 + math.cos(math.pi * 300 / 600)))  # cosine decay
+    assert tba.lr_at(cfg, 1000) == pytest.approx(0.0, abs=1e-20)
+    constant = tba.Config(steps=10, lr=3e-4, beta=0.05, beta_final=0.05)
+    assert {tba.lr_at(constant, s) for s in range(10)} == {3e-4}
+    assert {tba.beta_at(constant, s) for s in range(10)} == {constant.beta}
