@@ -145,9 +145,10 @@ class Engine:
             from transformers import AutoModelForCausalLM
             self.ref = AutoModelForCausalLM.from_pretrained(self.ref_path, dtype=getattr(torch, self.cfg.dtype))
             self.ref.to(self.device).eval().requires_grad_(False)
-        logp_ref = self.logprobs(self.ref, [(self.prompts[t.prompt_id], t.response) for t in trajectories])
-        for t, lp in zip(trajectories, logp_ref):
-            t.logp_ref = lp
+        pairs, index = unique_pairs(trajectories, self.prompts)
+        logp_ref = self.logprobs(self.ref, pairs)
+        for t, i in zip(trajectories, index):
+            t.logp_ref = logp_ref[i]
         tokens = sum(len(t.response) for t in trajectories)
         return trajectories, {"tokens": tokens}
 
@@ -184,6 +185,19 @@ class Engine:
         example = dict(prompt=self.llm.get_tokenizer().decode(prompts[0], skip_special_tokens=True),
                        completion=outputs[0].outputs[0].text, reward=rewards[0])
         return float(np.mean(rewards)), example
+
+
+def unique_pairs(trajectories, prompts) -> tuple[list, list[int]]:
+    """The distinct (prompt, response) pairs among `trajectories`, and each trajectory's index into
+    them: log-probs are computed once per distinct sequence (sampling repeats short answers often)."""
+    pairs, seen, index = [], {}, []
+    for t in trajectories:
+        key = (t.prompt_id, t.response.tobytes())
+        if key not in seen:
+            seen[key] = len(pairs)
+            pairs.append((prompts[t.prompt_id], t.response))
+        index.append(seen[key])
+    return pairs, index
 
 
 def collate(pairs, pad: int, device):

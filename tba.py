@@ -49,7 +49,7 @@ import torch.distributed as dist
 from buffer import ReplayBuffer
 from loss import sequence_logprobs, tb_loss
 from rewards import REWARDS
-from searcher import Dead, Engine, collate, publish, share_weights
+from searcher import Dead, Engine, collate, publish, share_weights, unique_pairs
 from tasks import ConfigError, load_task
 
 
@@ -68,8 +68,8 @@ class Config:
     searchers: int = arg(1, "searcher processes (one GPU each on a GPU node); 0 = the synchronous baseline, "
                             "generating inside the trainer before each step")
     # --- TBA (paper's names: B, K, k, m)
-    steps: int = arg(150, "trainer steps (optimizer updates)")
-    prompts_per_step: int = arg(16, "B: prompts per training batch, and per search round of a searcher")
+    steps: int = arg(200, "trainer steps (optimizer updates)")
+    prompts_per_step: int = arg(32, "B: prompts per training batch, and per search round of a searcher")
     samples_per_prompt: int = arg(8, "K: responses per prompt in a training batch (the TB loss's log Z is over them)")
     search_samples_per_prompt: int | None = arg(None, "responses a searcher draws per prompt (>= K; default K)")
     sync_every: int = arg(2, "k: trainer steps between weight syncs to the searchers")
@@ -81,7 +81,7 @@ class Config:
     beta_final: float | None = arg(None, "beta at the end of the anneal (default: --beta, no anneal)")
     beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
     # --- optimisation
-    lr: float = arg(3e-4, "peak learning rate (AdamW)")
+    lr: float = arg(1e-4, "peak learning rate (AdamW)")
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
     stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until decay or the end)")
     decay_steps: int = arg(0, "learning rate: cosine decay steps to 0 after the stable phase")
@@ -89,7 +89,7 @@ class Config:
     micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
     # --- sampling and evaluation
     temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
-    max_new_tokens: int = arg(24, "response length limit in tokens")
+    max_new_tokens: int = arg(8, "response length limit in tokens (toy answers: 3 digits and EOS; GSM8K: 512)")
     eval_every: int = arg(10, "steps between evaluations (greedy pass@1 on held-out problems); 0 = start and end only")
     eval_limit: int | None = arg(None, "evaluate on the first N held-out problems only")
     # --- run
@@ -484,9 +484,9 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
             stats = torch.zeros(3, dtype=torch.float64)  # sum of loss x prompts, sum of log Z, prompts
             for i in range(0, len(mine), per_pass):
                 groups = mine[i:i + per_pass]
-                pairs = [(prompts[t.prompt_id], t.response) for g in groups for t in g]
-                logp = sequence_logprobs(model, *collate(pairs, pad, device), cfg.temperature)  # (b*K,)
-                logp = logp.view(len(groups), cfg.samples_per_prompt)                             # (b, K)
+                pairs, index = unique_pairs([t for g in groups for t in g], prompts)  # each distinct sequence once
+                logp = sequence_logprobs(model, *collate(pairs, pad, device), cfg.temperature)  # (distinct,)
+                logp = logp[torch.tensor(index, device=device)].view(len(groups), cfg.samples_per_prompt)  # (b, K)
                 logp_ref = torch.tensor([[t.logp_ref for t in g] for g in groups], device=device)  # (b, K)
                 reward = torch.tensor([[t.reward for t in g] for g in groups], device=device)      # (b, K)
                 loss, log_z = tb_loss(logp, logp_ref, reward, beta)
@@ -597,7 +597,7 @@ class Log:
         if rank == 0:
             os.makedirs(cfg.out, exist_ok=True)
             with open(os.path.join(cfg.out, "config.json"), "w") as f:
-                json.dump(vars(cfg), f, indent=1)
+                json.dump(dict(vars(cfg), started=t0), f, indent=1)  # started: the Unix time of t = 0
             self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "a")
 
     def now(self) -> float:

@@ -1,0 +1,285 @@
+"""What asynchrony buys, measured on the machine at hand: one script for a CPU laptop or a GPU node.
+
+    python bench.py                        # everything (about 25 min on 2 CPU cores)
+    python bench.py --seeds 0 --cap 120    # a smaller budget
+    python bench.py --quick                # a tiny budget: checks that it runs, numbers mean little
+
+It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
+1. time to target: the embedded default (`tba.py`, the toy task) with --searchers 1 (TBA) and
+   --searchers 0 (the synchronous baseline), same seed, flags and cores, each until held-out greedy
+   accuracy first reaches its start + 0.15 or the time cap; both times and sync / async per seed.
+   Time counts from the launch of the process, minus the time the trainer spent evaluating (the
+   baseline evaluates inside the trainer, TBA in searcher 0) and checkpointing.
+2. trainer utilisation of the TBA runs: the fraction of the trainer's wall time, from its first step
+   to its last, not spent waiting for data or for a weight sync.
+3. weight-sync cost: seconds per sync (publish on the trainer, reload into vLLM, prefix-cache reset)
+   against one plain `copy_` of the same bytes, for the tiny model and a ~100M-parameter Llama.
+4. searcher overhead: trajectories/s and tokens/s of a search round (vLLM sampling, rewards, pi_ref's
+   log-probs) against the same vLLM engine generating the same prompts with nothing around it.
+5. trainer overhead: training tokens/s of a TB update (collate, log-probs, TB loss, backward, clip,
+   optimizer) against a bare forward+backward of the same model on the same batch.
+Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import searcher  # first: vLLM's environment
+import numpy as np
+import torch
+
+import tba
+from buffer import Trajectory
+from loss import sequence_logprobs, tb_loss
+from rewards import REWARDS
+from searcher import Engine, collate, publish, share_weights
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of fn() over `repeat` runs, after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+# --- 1 and 2: time to target, trainer utilisation ---------------------------------------------
+def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: list[str]) -> dict:
+    """Launch tba.py; stop it when an evaluation reaches start + 0.15, or at the time cap."""
+    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", str(searchers), "--seed", str(seed),
+           "--out", out, *flags]
+    launched = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    rows, hit, metrics = [], None, os.path.join(out, "metrics.jsonl")
+    try:
+        while hit is None and time.time() - launched < cap and proc.poll() is None:
+            time.sleep(0.5)
+            if os.path.exists(metrics):
+                rows = [json.loads(line) for line in open(metrics)]
+                evals = [r for r in rows if r["kind"] == "eval"]
+                hit = next((e for e in evals[1:] if e["accuracy"] >= evals[0]["accuracy"] + 0.15), None)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole run: trainer and searchers
+        proc.wait()
+    if not rows:
+        raise RuntimeError(f"tba.py produced no metrics: {proc.stderr.read()[-2000:]}")
+    started = json.load(open(os.path.join(out, "config.json")))["started"]
+    offset = started - launched  # imports, flag checks, tiny-model cache lookup
+
+    def clock(row):  # seconds since launch, without the trainer's evaluation and checkpoint time
+        return offset + row["time"] - row["overhead"]
+
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    busy = [r["wait"] + r["sync"] for r in train[1:]]
+    span = train[-1]["time"] - train[0]["time"] - (train[-1]["overhead"] - train[0]["overhead"]) if len(train) > 1 else 0
+    return dict(
+        searchers=searchers, seed=seed, reached=hit is not None,
+        seconds=clock(hit) if hit else None, step=hit["step"] if hit else None,
+        start_accuracy=evals[0]["accuracy"], target=evals[0]["accuracy"] + 0.15,
+        first_step_seconds=clock(train[0]) if train else None,
+        seconds_per_step=span / (len(train) - 1) if len(train) > 1 else None,
+        utilisation=1 - sum(busy) / span if span > 0 else None,
+        curve=[(clock(e), e["step"], e["accuracy"]) for e in evals],
+    )
+
+
+# --- 3: weight-sync cost ------------------------------------------------------------------------
+def make_llama_100m(folder: str):
+    """A ~100M-parameter Llama with random weights (GPT-2-small-like shape, 32k vocabulary)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    import tiny
+    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tiny.make_tokenizer().save_pretrained(folder)  # a tokenizer is needed to start vLLM; never used here
+    return folder
+
+
+def sync_cost(model_path: str, cfg, repeat: int) -> dict:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    state = model.state_dict()
+    weights = share_weights(state, "cpu", torch.float32, torch.multiprocessing.get_context("spawn"))
+    engine = Engine(cfg, model_path, model_path, "cpu", 0.2, [[1, 2, 3]], ["0"], REWARDS["arith"])
+    version = [0]
+
+    def publish_once():
+        version[0] += 1
+        publish(weights, state, version[0], lambda: None, 60)
+
+    def reload_once():
+        weights.version.value += 1
+        engine.sync(weights, lambda: None, 60)  # reload into vLLM + prefix-cache reset
+
+    unique = {t.data_ptr(): t for t in weights.tensors.values()}.values()
+    nbytes = sum(t.numel() * t.element_size() for t in unique)
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    out = dict(parameters=sum(p.numel() for p in model.parameters()), bytes=nbytes,
+               publish=timed(publish_once, repeat), reload=timed(reload_once, repeat),
+               plain_copy=timed(lambda: dst.copy_(src), repeat))
+    out["ratio"] = (out["publish"] + out["reload"]) / out["plain_copy"]
+    engine.close()
+    return out
+
+
+# --- 4: searcher overhead -------------------------------------------------------------------------
+def searcher_overhead(cfg, prompts, answers, repeat: int) -> dict:
+    from vllm import SamplingParams
+    engine = Engine(cfg, cfg.model_path, cfg.model_path, "cpu", 0.2, prompts, answers, REWARDS[cfg.task])
+    ids = np.arange(cfg.prompts_per_step)
+    n = cfg.search_samples_per_prompt
+
+    def bare():  # the same requests, seeds and engine, nothing around them
+        params = [SamplingParams(n=n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, logprobs=0,
+                                 seed=int(np.random.SeedSequence([0, 0, 0, int(p)]).generate_state(1)[0])) for p in ids]
+        outs = engine.llm.generate([{"prompt_token_ids": prompts[p]} for p in ids], params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+    def loop():
+        trajectories, stats = engine.search(ids, n, (0, 0, 0))
+        return stats["tokens"]
+
+    tokens = bare()
+    assert tokens == loop()  # same seeds: the very same samples
+    t_bare, t_loop = timed(bare, repeat), timed(loop, repeat)
+    engine.close()
+    count = len(ids) * n
+    return dict(trajectories_per_s=count / t_loop, tokens_per_s=tokens / t_loop,
+                bare_trajectories_per_s=count / t_bare, bare_tokens_per_s=tokens / t_bare, ratio=t_bare / t_loop)
+
+
+# --- 5: trainer overhead ----------------------------------------------------------------------------
+def trainer_overhead(cfg, prompts, repeat: int) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
+    model.config.use_cache = False
+    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    rng = np.random.default_rng(0)
+    B, K = cfg.prompts_per_step, cfg.samples_per_prompt
+    batch = [[Trajectory(int(p), rng.integers(3, 60, size=4).astype(np.int32), float(rng.integers(2)), -5.0, -5.0, 0)
+              for _ in range(K)] for p in rng.choice(len(prompts), B, replace=False)]
+    pairs = [(prompts[t.prompt_id], t.response) for g in batch for t in g]
+    ids, attention, response = collate(pairs, 0, "cpu")
+
+    def bare():
+        model(input_ids=ids, attention_mask=attention).logits.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    def tb_update():  # what tba.py does for one step on one rank
+        groups = batch
+        logp = sequence_logprobs(model, *collate([(prompts[t.prompt_id], t.response) for g in groups for t in g],
+                                                 0, "cpu"), cfg.temperature).view(B, K)
+        logp_ref = torch.tensor([[t.logp_ref for t in g] for g in groups])
+        reward = torch.tensor([[t.reward for t in g] for g in groups])
+        loss, _ = tb_loss(logp, logp_ref, reward, cfg.beta)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    tokens = int(attention.sum())
+    t_bare, t_tb = timed(bare, repeat), timed(tb_update, repeat)
+    return dict(tokens=tokens, tokens_per_s=tokens / t_tb, bare_tokens_per_s=tokens / t_bare, ratio=t_bare / t_tb)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the time-to-target runs")
+    p.add_argument("--cap", type=float, default=600, help="time cap of each run, seconds")
+    p.add_argument("--out", default=None, help="output folder (default: runs/bench-<time>)")
+    p.add_argument("--quick", action="store_true", help="a tiny budget (for the tests)")
+    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="which measurements (2 comes with 1)")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
+    args = p.parse_args()
+    flags = [f for f in args.flags if f != "--"]
+    out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    if args.quick:
+        args.seeds, args.cap = args.seeds[:1], min(args.cap, 90)
+    repeat = 3 if args.quick else 10
+
+    # the embedded default's config, as tba.py resolves it (this builds the tiny model if needed)
+    cfg, tokenizer, train, test, prompts, test_prompts = tba.check(tba.parse(flags), world=1)
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // 2)  # what the trainer and the searcher each get in a run with one searcher
+    torch.set_num_threads(threads)  # before any vLLM engine starts in this process
+    machine = dict(cores=cores, threads_per_process=threads, device=cfg.device, torch=torch.__version__,
+                   cpu=next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?"))
+    result = dict(machine=machine, flags=flags, seeds=args.seeds, cap=args.cap)
+
+    # 1, 2
+    runs = []
+    for seed in args.seeds if 1 in args.parts or 2 in args.parts else []:
+        for searchers in (1, 0):
+            run_out = os.path.join(out, f"seed{seed}-searchers{searchers}")
+            runs.append(run_until_target(searchers, seed, args.cap, run_out,
+                                         ["--eval-every", "2" if args.quick else "5", *flags]))
+    result["time_to_target"] = runs
+    # 5, then 3 and 4 (they start vLLM engines, which share this process group)
+    tba.init_distributed(cfg)
+    if 5 in args.parts:
+        result["trainer_overhead"] = trainer_overhead(cfg, prompts, repeat)
+    if 4 in args.parts:
+        result["searcher_overhead"] = searcher_overhead(cfg, prompts, [p.answer for p in train], repeat)
+    if 3 in args.parts:
+        result["sync_cost"] = {"tiny": sync_cost(cfg.model_path, cfg, repeat)}
+        if not args.quick:
+            with tempfile.TemporaryDirectory() as folder:
+                result["sync_cost"]["llama-100m"] = sync_cost(make_llama_100m(folder), cfg, repeat)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(result))
+    print(f"\nwritten: {os.path.join(out, 'bench.json')}")
+    os._exit(0)  # the vLLM engines' teardown would try to destroy the process group twice
+
+
+def table(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"machine: {m['cpu']}, {m['cores']} cores ({m['threads_per_process']} thread(s) per process), "
+             f"torch {m['torch']}; tba.py flags: {' '.join(r['flags']) or '(the embedded default)'}", "",
+             "1. time to target (held-out greedy accuracy >= start + 0.15), seconds from launch",
+             f"   {'seed':>4} {'sync (s)':>9} {'async (s)':>10} {'ratio':>6}   steps sync/async   s/step sync/async"]
+    for seed in r["seeds"] if r["time_to_target"] else []:
+        a, s = (next(x for x in r["time_to_target"] if x["seed"] == seed and x["searchers"] == n) for n in (1, 0))
+        fmt = lambda x: f"{x['seconds']:.1f}" if x["reached"] else f">{r['cap']:.0f}"
+        ratio = f"{s['seconds'] / a['seconds']:.2f}" if a["reached"] and s["reached"] else "-"
+        lines.append(f"   {seed:>4} {fmt(s):>9} {fmt(a):>10} {ratio:>6}   {s['step']}/{a['step']}"
+                     f"   {s['seconds_per_step'] or 0:.3f}/{a['seconds_per_step'] or 0:.3f}")
+    util = [x["utilisation"] for x in r["time_to_target"] if x["searchers"] == 1 and x["utilisation"] is not None]
+    lines.append(f"2. trainer utilisation (TBA runs): {', '.join(f'{u:.3f}' for u in util)}")
+    lines.append("3. weight sync: publish + reload + prefix reset vs plain copy_ of the same bytes")
+    for name, c in r.get("sync_cost", {}).items():
+        lines.append(f"   {name:>10}: {c['parameters'] / 1e6:.1f}M params, publish {c['publish'] * 1e3:.2f} ms + "
+                     f"reload {c['reload'] * 1e3:.2f} ms vs copy {c['plain_copy'] * 1e3:.2f} ms: {c['ratio']:.1f}x")
+    s = r.get("searcher_overhead")
+    lines.append("4. -" if s is None else f"4. searcher: {s['trajectories_per_s']:.0f} trajectories/s, {s['tokens_per_s']:.0f} tokens/s vs "
+                 f"bare vLLM {s['bare_trajectories_per_s']:.0f}/s, {s['bare_tokens_per_s']:.0f} tokens/s: {s['ratio']:.2f}")
+    t = r.get("trainer_overhead")
+    lines.append("5. -" if t is None else f"5. trainer: {t['tokens_per_s']:.0f} tokens/s per TB update vs bare forward+backward "
+                 f"{t['bare_tokens_per_s']:.0f}: {t['ratio']:.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
