@@ -81,10 +81,10 @@ class Config:
     beta_final: float | None = arg(None, "beta at the end of the anneal (default: --beta, no anneal)")
     beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
     # --- optimisation
-    lr: float = arg(1e-4, "peak learning rate (AdamW)")
+    lr: float = arg(5e-5, "peak learning rate (AdamW)")
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
     stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until decay or the end)")
-    decay_steps: int = arg(0, "learning rate: cosine decay steps to 0 after the stable phase")
+    decay_steps: int = arg(100, "learning rate: cosine decay steps to 0 after the stable phase (the toy run settles)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
     # --- sampling and evaluation
