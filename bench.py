@@ -3,6 +3,7 @@
     python bench.py                        # everything (about 25 min on 2 CPU cores)
     python bench.py --seeds 0 --cap 120    # a smaller budget
     python bench.py --quick                # a tiny budget: checks that it runs, numbers mean little
+    python bench.py --full && python plot.py runs/bench-*/bench.json   # whole runs, and the plot
 
 It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
 1. time to target: the embedded default (`tba.py`, the toy task) with --searchers 1 (TBA) and
@@ -20,6 +21,8 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    log-probs) against the same vLLM engine generating the same prompts with nothing around it.
 5. trainer overhead: training tokens/s of a TB update (collate, log-probs, TB loss, backward, clip,
    optimizer) against a bare forward+backward of the same model on the same batch.
+6. (only with --parts 6) memory: resident memory summed over all processes of a TBA run of
+   --minutes (20), sampled every 10 s: growth after the first 5 minutes.
 Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher.
 """
 
@@ -57,26 +60,32 @@ def timed(fn, repeat: int) -> float:
 
 
 # --- 1 and 2: time to target, trainer utilisation ---------------------------------------------
-def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: list[str]) -> dict:
-    """Launch tba.py; stop it when an evaluation reaches start + 0.15, or at the time cap."""
+def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: list[str], full: bool) -> dict:
+    """Launch tba.py; stop it when an evaluation reaches start + 0.15 (unless `full`), or at the time cap."""
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", str(searchers), "--seed", str(seed),
            "--out", out, *flags]
     launched = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    rows, hit, metrics = [], None, os.path.join(out, "metrics.jsonl")
+    log = open(out + ".log", "w")  # the run's console, beside its folder
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+
+    def read():
+        rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+        evals = [r for r in rows if r["kind"] == "eval"]
+        return rows, next((e for e in evals[1:] if e["accuracy"] >= evals[0]["accuracy"] + 0.15), None)
+
+    rows, hit = [], None
     try:
-        while hit is None and time.time() - launched < cap and proc.poll() is None:
+        while (hit is None or full) and time.time() - launched < cap and proc.poll() is None:
             time.sleep(0.5)
-            if os.path.exists(metrics):
-                rows = [json.loads(line) for line in open(metrics)]
-                evals = [r for r in rows if r["kind"] == "eval"]
-                hit = next((e for e in evals[1:] if e["accuracy"] >= evals[0]["accuracy"] + 0.15), None)
+            rows, hit = read()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the whole run: trainer and searchers
         proc.wait()
+    rows, hit = read()
     if not rows:
-        raise RuntimeError(f"tba.py produced no metrics: {proc.stderr.read()[-2000:]}")
+        raise RuntimeError(f"tba.py produced no metrics: {open(out + '.log').read()[-2000:]}")
     started = json.load(open(os.path.join(out, "config.json")))["started"]
     offset = started - launched  # imports, flag checks, tiny-model cache lookup
 
@@ -96,6 +105,36 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
         utilisation=1 - sum(busy) / span if span > 0 else None,
         curve=[(clock(e), e["step"], e["accuracy"]) for e in evals],
     )
+
+
+# --- 6: memory of a long TBA run ----------------------------------------------------------------------
+def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
+    """Resident memory summed over every process of an async run, sampled every 10 s."""
+    import psutil
+    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--steps", str(10**9), "--eval-every", "0", "--out", out, *flags]
+    log = open(out + ".log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    t0, samples = time.time(), []
+    try:
+        while time.time() - t0 < minutes * 60 and proc.poll() is None:
+            time.sleep(10)
+            tree = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+            rss = 0
+            for p in tree:
+                try:
+                    rss += p.memory_info().rss
+                except psutil.NoSuchProcess:
+                    pass
+            samples.append((time.time() - t0, rss / 2**20, len(tree)))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    at5 = next(m for t, m, _ in samples if t >= min(300, minutes * 60 / 4))
+    steps = max((json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))
+                 if '"train"' in line), default=0)
+    return dict(minutes=minutes, mib_at_5_min=at5, mib_at_end=samples[-1][1], mib_peak=max(m for _, m, _ in samples),
+                growth_after_5_min=samples[-1][1] / at5 - 1, steps=steps, samples=samples)
 
 
 # --- 3: weight-sync cost ------------------------------------------------------------------------
@@ -211,7 +250,10 @@ def main():
     p.add_argument("--cap", type=float, default=600, help="time cap of each run, seconds")
     p.add_argument("--out", default=None, help="output folder (default: runs/bench-<time>)")
     p.add_argument("--quick", action="store_true", help="a tiny budget (for the tests)")
-    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="which measurements (2 comes with 1)")
+    p.add_argument("--full", action="store_true", help="run tba.py to its end (whole accuracy curves for plot.py)")
+    p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5],
+                   help="which measurements (2 comes with 1); 6: memory of a long TBA run (--minutes)")
+    p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
     args = p.parse_args()
     flags = [f for f in args.flags if f != "--"]
@@ -236,8 +278,10 @@ def main():
         for searchers in (1, 0):
             run_out = os.path.join(out, f"seed{seed}-searchers{searchers}")
             runs.append(run_until_target(searchers, seed, args.cap, run_out,
-                                         ["--eval-every", "2" if args.quick else "10", *flags]))
+                                         ["--eval-every", "2" if args.quick else "10", *flags], args.full))
     result["time_to_target"] = runs
+    if 6 in args.parts:
+        result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
     tba.init_distributed(cfg)
     if 5 in args.parts:
@@ -284,6 +328,11 @@ def table(r: dict) -> str:
     t = r.get("trainer_overhead")
     lines.append("5. -" if t is None else f"5. trainer: {t['tokens_per_s']:.0f} tokens/s per TB update vs bare forward+backward "
                  f"{t['bare_tokens_per_s']:.0f}: {t['ratio']:.2f}")
+    mem = r.get("memory")
+    if mem:
+        lines.append(f"6. memory of a {mem['minutes']:.0f}-minute TBA run ({mem['steps']} steps), all processes: "
+                     f"{mem['mib_at_5_min']:.0f} MiB at 5 min, {mem['mib_at_end']:.0f} MiB at the end "
+                     f"({100 * mem['growth_after_5_min']:+.1f}%), peak {mem['mib_peak']:.0f} MiB")
     return "\n".join(lines)
 
 

@@ -248,7 +248,8 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
         test_prompts, test_answers, device: str):
     """Searcher process main: search, push, reload weights when they move, until told to stop.
     Searcher 0 also answers evaluation requests (`evals`) between rounds."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the trainer decides
+    for sig in (signal.SIGINT, signal.SIGTERM):  # signals to the whole group: the trainer decides, then stops us
+        signal.signal(sig, signal.SIG_IGN)
     for k in list(os.environ):  # drop torchrun's variables: vLLM makes its own one-process group
         if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_"):
             del os.environ[k]

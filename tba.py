@@ -29,7 +29,6 @@ import dataclasses
 import glob
 import json
 import math
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -329,18 +328,15 @@ def main(argv=None):
     code = 0
     try:
         run(cfg, *data)
-    except Dead as e:
+    except (Dead, FloatingPointError, TimeoutError) as e:  # a searcher died, a non-finite loss, a wait timed out
         print(f"tba.py: error: {e}", file=sys.stderr, flush=True)
         code = 1
     except Stop as e:
         print(f"tba.py: stopped by {e}; checkpoint in {os.path.join(cfg.out, 'checkpoint')}", file=sys.stderr, flush=True)
         code = 130 if str(e) == "SIGINT" else 143
-    except FloatingPointError as e:
-        print(f"tba.py: error: {e}", file=sys.stderr, flush=True)
-        code = 1
-    except TimeoutError as e:
-        print(f"tba.py: error: {e}", file=sys.stderr, flush=True)
-        code = 1
+    except KeyboardInterrupt:
+        print("tba.py: stopped at once by a second signal, without a checkpoint", file=sys.stderr, flush=True)
+        code = 130
     sys.exit(code)
 
 
@@ -365,7 +361,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
     torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
     answers = [p.answer for p in train_problems]
     test_answers = [p.answer for p in test_problems]
-    ctx = multiprocessing.get_context("spawn")
+    ctx = torch.multiprocessing.get_context("spawn")
     procs, engine, channels = [], None, None
     log = Log(cfg, rank, t_start)
 
@@ -571,18 +567,15 @@ def drain(queue, buffer, log, alive, done, timeout: float) -> float:
 
 
 def shutdown(procs, queue, stop):
-    """Stop the searchers: ask, then terminate, then kill; nothing is left behind."""
+    """Stop the searchers: ask (they finish their round), then kill; nothing is left behind."""
     stop.set()
     deadline = time.time() + 5
     for p in procs:
         p.join(timeout=max(0.1, deadline - time.time()))
     for p in procs:
         if p.is_alive():
-            p.terminate()
-            p.join(timeout=3)
-        if p.is_alive():
             p.kill()
-            p.join(timeout=3)
+            p.join(timeout=5)
     queue.cancel_join_thread()
 
 

@@ -8,6 +8,7 @@ purpose so that greedy held-out accuracy starts low (about 25%) and RL has room 
     python tiny.py OUT_DIR    # build it into OUT_DIR instead of the cache
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -107,12 +108,14 @@ def cached() -> str:
     root = os.environ.get("TBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tba")
     key = hashlib.sha256(json.dumps([RECIPE, SPECIALS, CHARS], sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(root, f"tiny-{key}")
-    if not os.path.isfile(os.path.join(path, "tiny_recipe.json")):
-        os.makedirs(root, exist_ok=True)
-        print(f"building the tiny model once into {path} ...", flush=True)
-        t0 = time.time()
-        build(path)
-        print(f"built in {time.time() - t0:.0f} s", flush=True)
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (torchrun ranks start together)
+        if not os.path.isfile(os.path.join(path, "tiny_recipe.json")):
+            print(f"building the tiny model once into {path} ...", flush=True)
+            t0 = time.time()
+            build(path)
+            print(f"built in {time.time() - t0:.0f} s", flush=True)
     return path
 
 

@@ -1,0 +1,34 @@
+"""bench.py on a tiny budget: it runs end to end and its bench.json is well formed."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, env
+
+
+def test_bench_quick(tiny_model, tmp_path):
+    out = tmp_path / "bench"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--quick", "--out", str(out), "--",
+                        "--model", tiny_model, "--steps", "6", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+                        "--max-new-tokens", "6"],
+                       cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:]
+    r = json.load(open(out / "bench.json"))
+    assert r["machine"]["cores"] >= 1 and r["seeds"] == [0]
+    runs = r["time_to_target"]
+    assert sorted(x["searchers"] for x in runs) == [0, 1]
+    for x in runs:
+        assert isinstance(x["reached"], bool) and (x["seconds"] is None) == (not x["reached"])
+        assert x["target"] == x["start_accuracy"] + 0.15
+        assert x["seconds_per_step"] > 0 and x["first_step_seconds"] > 0
+        assert x["curve"][0][1] == 0 and all(0 <= acc <= 1 for _, _, acc in x["curve"])
+    (async_run,) = [x for x in runs if x["searchers"] == 1]
+    assert 0 < async_run["utilisation"] <= 1
+    tiny = r["sync_cost"]["tiny"]
+    assert tiny["publish"] > 0 and tiny["reload"] > 0 and tiny["plain_copy"] > 0 and tiny["ratio"] > 0
+    assert r["searcher_overhead"]["ratio"] > 0 and r["trainer_overhead"]["ratio"] > 0
+    for line in ("1. time to target", "2. trainer utilisation", "3. weight sync", "4. searcher", "5. trainer"):
+        assert line in p.stdout
