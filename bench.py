@@ -35,13 +35,12 @@ import sys
 import tempfile
 import time
 
-import searcher  # first: vLLM's environment
+import searcher  # noqa: F401  (first: it sets vLLM's environment)
 import numpy as np
 import torch
 
 import tba
 from buffer import Trajectory
-from loss import sequence_logprobs, tb_loss
 from rewards import REWARDS
 from searcher import Engine, collate, publish, share_weights
 
@@ -140,7 +139,7 @@ def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
 # --- 3: weight-sync cost ------------------------------------------------------------------------
 def make_llama_100m(folder: str):
     """A ~100M-parameter Llama with random weights (GPT-2-small-like shape, 32k vocabulary)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
     import tiny
     config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
                          num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=256,
@@ -207,34 +206,20 @@ def searcher_overhead(cfg, prompts, answers, repeat: int) -> dict:
 
 # --- 5: trainer overhead ----------------------------------------------------------------------------
 def trainer_overhead(cfg, prompts, repeat: int) -> dict:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
-    model.config.use_cache = False
-    policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    model = tba.load_policy(cfg.model_path, "cpu", cfg.dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rng = np.random.default_rng(0)
     B, K = cfg.prompts_per_step, cfg.samples_per_prompt
     batch = [[Trajectory(int(p), rng.integers(3, 60, size=4).astype(np.int32), float(rng.integers(2)), -5.0, -5.0, 0)
-              for _ in range(K)] for p in rng.choice(len(prompts), B, replace=False)]
-    pairs = [(prompts[t.prompt_id], t.response) for g in batch for t in g]
-    ids, attention, response = collate(pairs, 0, "cpu")
+              for _ in range(K)] for p in rng.choice(len(prompts), B, replace=False)]  # all responses distinct
+    ids, attention, _ = collate([(prompts[t.prompt_id], t.response) for g in batch for t in g], 0, "cpu")
 
     def bare():
         model(input_ids=ids, attention_mask=attention).logits.sum().backward()
         model.zero_grad(set_to_none=True)
 
-    def tb_update():  # what tba.py does for one step on one rank
-        groups = batch
-        logp = sequence_logprobs(model, *collate([(prompts[t.prompt_id], t.response) for g in groups for t in g],
-                                                 0, "cpu"), cfg.temperature).view(B, K)
-        logp_ref = torch.tensor([[t.logp_ref for t in g] for g in groups])
-        reward = torch.tensor([[t.reward for t in g] for g in groups])
-        loss, _ = tb_loss(logp, logp_ref, reward, cfg.beta)
-        loss.backward()
+    def tb_update():  # the trainer's step on one rank: tba.py's own code
+        tba.tb_backward(model, batch, B, prompts, 0, "cpu", cfg, cfg.beta)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -315,7 +300,8 @@ def table(r: dict) -> str:
         lines.append(f"   {seed:>4} {fmt(s, s['seconds'] or 0):>9} {fmt(a, a['seconds'] or 0):>10} "
                      f"{s['seconds'] / a['seconds'] if both else float('nan'):>6.2f}  |                      "
                      f"{fmt(s, train(s)):>5} {fmt(a, train(a)):>6} {train(s) / train(a) if both else float('nan'):>6.2f} | "
-                     f"{s['step']}/{a['step']:<12} | {s['seconds_per_step'] or 0:.3f}/{a['seconds_per_step'] or 0:.3f}")
+                     f"{str(s['step']) + '/' + str(a['step']):<16} | "
+                     f"{s['seconds_per_step'] or 0:.3f}/{a['seconds_per_step'] or 0:.3f}")
     util = [x["utilisation"] for x in r["time_to_target"] if x["searchers"] == 1 and x["utilisation"] is not None]
     lines.append(f"2. trainer utilisation (TBA runs): {', '.join(f'{u:.3f}' for u in util)}")
     lines.append("3. weight sync: publish + reload + prefix reset vs plain copy_ of the same bytes")

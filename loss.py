@@ -13,7 +13,6 @@ searcher that made the trajectory, and travel with it. TB is valid for responses
 policy, which is what lets TBA train on stale, replayed data.
 """
 
-import torch
 import torch.nn.functional as F
 
 

@@ -234,6 +234,40 @@ def lr_at(cfg, step: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+# --- the trainer's model and its TB gradient ---------------------------------------------------------
+def load_policy(path: str, device, dtype: str):
+    """float32 weights, sharded with FSDP2 over the trainer ranks (per decoder layer, then the
+    whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model.config.use_cache = False
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def tb_backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, beta: float):
+    """Accumulate the gradient of the TB loss over this rank's groups (K trajectories of one prompt
+    each), in passes of whole prompts. Returns (sum of loss x prompts, sum of log Z, prompts)."""
+    per_pass = max(1, cfg.micro_batch // cfg.samples_per_prompt)
+    stats = torch.zeros(3, dtype=torch.float64)
+    for i in range(0, len(groups), per_pass):
+        part = groups[i:i + per_pass]
+        pairs, index = unique_pairs([t for g in part for t in g], prompts)  # each distinct sequence once
+        logp = sequence_logprobs(model, *collate(pairs, pad, device), cfg.temperature)         # (distinct,)
+        logp = logp[torch.tensor(index, device=device)].view(len(part), cfg.samples_per_prompt)  # (b, K)
+        logp_ref = torch.tensor([[t.logp_ref for t in g] for g in part], device=device)        # (b, K)
+        reward = torch.tensor([[t.reward for t in g] for g in part], device=device)            # (b, K)
+        loss, log_z = tb_loss(logp, logp_ref, reward, beta)
+        # the mean over all B prompts: FSDP averages gradients over the ranks, each holding B / ranks
+        (loss * len(part) / prompts_per_rank).backward()
+        stats += torch.tensor([loss.item() * len(part), log_z.sum().item(), len(part)], dtype=torch.float64)
+    return stats
+
+
 # --- distributed helpers -------------------------------------------------------------------------
 def init_distributed(cfg):
     """One process group even for a single process, so one code path serves 1 and N ranks."""
@@ -341,8 +375,6 @@ def main(argv=None):
 
 
 def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
-    from transformers import AutoModelForCausalLM
-
     t_start = time.time()
     # --- signals: the first stops the run after a checkpoint; a second stops it at once
     stop_signal = []
@@ -371,14 +403,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
             engine = Engine(cfg, cfg.model_path, cfg.model_path, str(device), cfg.trainer_memory,
                             prompts, answers, REWARDS[cfg.task])
         # --- the trainer's model: FSDP2 over the trainer ranks
-        start_path = os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path
-        model = AutoModelForCausalLM.from_pretrained(start_path, dtype=torch.float32).to(device)
-        model.config.use_cache = False
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.dtype), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
+        model = load_policy(os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path, device, cfg.dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -476,19 +501,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
             beta, lr = beta_at(cfg, step), lr_at(cfg, step)
             for g in opt.param_groups:
                 g["lr"] = lr
-            per_pass = max(1, cfg.micro_batch // cfg.samples_per_prompt)  # whole prompts per pass
-            stats = torch.zeros(3, dtype=torch.float64)  # sum of loss x prompts, sum of log Z, prompts
-            for i in range(0, len(mine), per_pass):
-                groups = mine[i:i + per_pass]
-                pairs, index = unique_pairs([t for g in groups for t in g], prompts)  # each distinct sequence once
-                logp = sequence_logprobs(model, *collate(pairs, pad, device), cfg.temperature)  # (distinct,)
-                logp = logp[torch.tensor(index, device=device)].view(len(groups), cfg.samples_per_prompt)  # (b, K)
-                logp_ref = torch.tensor([[t.logp_ref for t in g] for g in groups], device=device)  # (b, K)
-                reward = torch.tensor([[t.reward for t in g] for g in groups], device=device)      # (b, K)
-                loss, log_z = tb_loss(logp, logp_ref, reward, beta)
-                # the mean over all B prompts: FSDP averages gradients over ranks, hence x world / B
-                (loss * len(groups) * world / len(batch)).backward()
-                stats += torch.tensor([loss.item() * len(groups), log_z.sum().item(), len(groups)], dtype=torch.float64)
+            stats = tb_backward(model, mine, len(batch) / world, prompts, pad, device, cfg, beta)
             dist.all_reduce(stats)
             if not math.isfinite(stats[0].item()):
                 raise FloatingPointError(f"non-finite loss at step {step + 1}; the last good checkpoint, if any, "

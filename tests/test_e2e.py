@@ -4,8 +4,6 @@ import json
 import os
 
 import numpy as np
-import pytest
-import torch
 
 from conftest import DATA, metrics, run_tba
 from rewards import gsm8k_reward
@@ -43,11 +41,16 @@ def check_final(out, initial):
     assert moved > 1e-4  # it trained
 
 
-def test_async_run(tiny_model, tmp_path):
+def run_small(tiny_model, tmp_path, *args, torchrun=None):
+    """A short toy run that must succeed; returns (its output folder, the completed process)."""
     out = tmp_path / "run"
-    p = run_tba(["--model", tiny_model, "--steps", "6", "--sync-every", "2", "--eval-every", "3", *SMALL,
-                 "--out", str(out)], tmp_path)
+    p = run_tba(["--model", tiny_model, *SMALL, *args, "--out", str(out)], tmp_path, torchrun=torchrun)
     assert p.returncode == 0, p.stdout[-3000:]
+    return out, p
+
+
+def test_async_run(tiny_model, tmp_path):
+    out, p = run_small(tiny_model, tmp_path, "--steps", "6", "--sync-every", "2", "--eval-every", "3")
     train, evals = check_rows(metrics(out), 6)
     # the final evaluation is searcher 0's: its engine reloaded the step-6 weights (its version moved)
     assert evals[-1]["version"] == 6 and evals[-1]["step"] == 6
@@ -60,10 +63,7 @@ def test_async_run(tiny_model, tmp_path):
 
 
 def test_synchronous_run(tiny_model, tmp_path):
-    out = tmp_path / "run"
-    p = run_tba(["--model", tiny_model, "--searchers", "0", "--steps", "4", "--eval-every", "2", *SMALL,
-                 "--out", str(out)], tmp_path)
-    assert p.returncode == 0, p.stdout[-3000:]
+    out, _ = run_small(tiny_model, tmp_path, "--searchers", "0", "--steps", "4", "--eval-every", "2")
     train, evals = check_rows(metrics(out), 4)
     assert all(r["wait"] == 0 for r in train)
     assert [e["version"] for e in evals] == [0, 2, 4]
@@ -72,10 +72,7 @@ def test_synchronous_run(tiny_model, tmp_path):
 
 def test_fsdp_two_ranks(tiny_model, tmp_path):
     """torchrun --nproc_per_node=2: FSDP2 over two trainer ranks (gloo), one searcher."""
-    out = tmp_path / "run"
-    p = run_tba(["--model", tiny_model, "--steps", "4", "--eval-every", "0", *SMALL, "--out", str(out)],
-                tmp_path, torchrun=2)
-    assert p.returncode == 0, p.stdout[-3000:]
+    out, _ = run_small(tiny_model, tmp_path, "--steps", "4", "--eval-every", "0", torchrun=2)
     train, _ = check_rows(metrics(out), 4)
     assert json.load(open(out / "config.json"))["threads"] >= 1
     check_final(out, tiny_model)

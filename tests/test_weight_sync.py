@@ -5,7 +5,6 @@ import dataclasses
 import queue as queue_module
 import time
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
