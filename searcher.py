@@ -263,19 +263,19 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
         rng = np.random.default_rng([cfg.seed, index, 1])
         round_ = 0
         while not stop.is_set():
-            requested = drain_requests(evals)  # first: the weights to evaluate were published before it
             engine.sync(weights, parent_alive, cfg.timeout)
-            if requested:
-                t0 = time.time()
-                accuracy, example = engine.evaluate(test_prompts, test_answers)
-                put(queue, dict(kind="eval", version=engine.version, accuracy=accuracy, example=example,
-                                seconds=time.time() - t0), stop)
             t0 = time.time()
             ids = rng.choice(len(prompts), size=min(cfg.prompts_per_step, len(prompts)), replace=False)
             trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_))
             put(queue, dict(kind="search", searcher=index, version=engine.version, trajectories=trajectories,
                             seconds=time.time() - t0, **stats), stop)
             round_ += 1
+            if drain_requests(evals):  # after a round, so that the trainer gets its first data first
+                engine.sync(weights, parent_alive, cfg.timeout)  # the newest published weights
+                t0 = time.time()
+                accuracy, example = engine.evaluate(test_prompts, test_answers)
+                put(queue, dict(kind="eval", version=engine.version, accuracy=accuracy, example=example,
+                                seconds=time.time() - t0), stop)
     except Dead:
         sys.exit(3)
     except BaseException:

@@ -48,6 +48,7 @@ def test_bad_models(tmp_path, monkeypatch, capsys):
     (tmp_path / "empty").mkdir()
     refuse(["--model", str(tmp_path / "empty")], tmp_path, monkeypatch, capsys, "no config.json")
     refuse(["--model", "nobody/no-such-model-xyz"], tmp_path, monkeypatch, capsys, "Hugging Face hub")
+    refuse(["--model", "rho-math-1b"], tmp_path, monkeypatch, capsys, "'realtreetune/rho-1b-sft-GSM8K'")  # the alias
 
 
 def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):

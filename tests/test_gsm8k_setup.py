@@ -46,6 +46,6 @@ def test_schedules():
     assert tba.lr_at(cfg, 49) == tba.lr_at(cfg, 50) == tba.lr_at(cfg, 399) == pytest.approx(1e-5)
     assert tba.lr_at(cfg, 700) == pytest.approx(1e-5 * 0.5 * (1 + math.cos(math.pi * 300 / 600)))  # cosine decay
     assert tba.lr_at(cfg, 1000) == pytest.approx(0.0, abs=1e-20)
-    constant = tba.Config(steps=10, lr=3e-4, beta=0.05, beta_final=0.05)
+    constant = tba.Config(steps=10, lr=3e-4, beta=0.05, beta_final=0.05, decay_steps=0)
     assert {tba.lr_at(constant, s) for s in range(10)} == {3e-4}
     assert {tba.beta_at(constant, s) for s in range(10)} == {constant.beta}
