@@ -13,7 +13,8 @@ Weights travel through `SharedWeights`: tensors allocated once by trainer rank 0
 every searcher at spawn, in shared memory on the CPU and as CUDA IPC handles on a GPU (the
 tensors then stay on the trainer's GPU and vLLM copies from them peer to peer), plus a version
 counter and a lock. `Engine` is the same code in a searcher process and, with `--searchers 0`
-(the synchronous baseline) or for evaluation, inside the trainer.
+(the synchronous baseline), inside the trainer. Searcher 0 also evaluates (greedy pass@1 on the
+held-out problems) after a round when the trainer has asked for it.
 """
 
 import multiprocessing as mp

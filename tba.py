@@ -15,8 +15,9 @@ layout and the trainer loop.
 Layout: torchrun starts the trainer ranks, which train one model with FSDP2 (`fully_shard`).
 Rank 0 holds the replay buffer, samples each batch and broadcasts it, and spawns `--searchers`
 searcher processes with torch.multiprocessing. On a GPU node trainer rank r uses GPU r and
-searcher i GPU (ranks + i); on a CPU machine everything shares the cores, split evenly. Rank 0
-also keeps a vLLM engine of its own for evaluation, and for generation when `--searchers 0`.
+searcher i GPU (ranks + i); on a CPU machine everything shares the cores, split evenly. Searcher 0
+also evaluates, between two rounds, when the trainer asks. With `--searchers 0` (one trainer
+process) the trainer runs the vLLM engine itself: it generates before each step and evaluates.
 
 Departures from the authors' code (MPI + DeepSpeed + TRL): trajectories stream to the trainer
 through a bounded queue instead of arriving at each sync, so "recent" data means data added since
@@ -61,7 +62,7 @@ class Config:
     # --- model and task
     model: str = arg("tiny", "'tiny' (built and cached on first use), 'rho-math-1b' (realtreetune/rho-1b-sft-GSM8K), "
                              "a Hugging Face id or a local folder; it is also pi_ref")
-    task: str = arg("arith", "'arith' (toy: running sums of six digits, built in) or 'gsm8k'")
+    task: str = arg("arith", "'arith' (toy: two-digit addition, built in) or 'gsm8k'")
     data: str | None = arg(None, "folder with the task's train.jsonl and test.jsonl (gsm8k); default: the Hugging Face hub")
     # --- processes
     searchers: int = arg(1, "searcher processes (one GPU each on a GPU node); 0 = the synchronous baseline, "
@@ -99,7 +100,7 @@ class Config:
     timeout: float = arg(600.0, "seconds any wait on another process may last before the run stops")
     dtype: str = arg("auto", "float32 | bfloat16 | auto (bfloat16 on GPUs, float32 on the CPU)")
     searcher_memory: float = arg(0.85, "GPU: fraction of a searcher GPU's memory for its vLLM engine")
-    trainer_memory: float = arg(0.2, "GPU: fraction of trainer GPU 0's memory for the trainer's vLLM engine")
+    trainer_memory: float = arg(0.2, "GPU, --searchers 0: fraction of the trainer GPU's memory for its vLLM engine")
     # --- derived by check(), saved with the run; not flags
     device: str = field(default="", init=False)      # cuda | cpu
     threads: int = field(default=0, init=False)      # CPU threads per process
@@ -179,7 +180,8 @@ def check(cfg: Config, world: int):
     need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
     need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
     need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")
-    need(cfg.eval_every >= 0 and cfg.save_every >= 0, "eval-every", "steps must be 0 or more")
+    need(cfg.eval_every >= 0, "eval-every", "must be 0 or more")
+    need(cfg.save_every >= 0, "save-every", "must be 0 or more")
     need(cfg.timeout > 0, "timeout", "must be positive")
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
