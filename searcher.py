@@ -10,7 +10,8 @@ cache (vLLM never clears it after new weights arrive; stale cached prefixes woul
 policy's values).
 
 Weights travel through `SharedWeights`: tensors allocated once by trainer rank 0 and handed to
-every searcher at spawn, in shared memory on the CPU and as CUDA IPC handles on a GPU (the
+every searcher through a queue once the trainer has loaded its model (searchers start first, so
+their engines come up meanwhile), in shared memory on the CPU and as CUDA IPC handles on a GPU (the
 tensors then stay on the trainer's GPU and vLLM copies from them peer to peer), plus a version
 counter and a lock. `Engine` is the same code in a searcher process and, with `--searchers 0`
 (the synchronous baseline), inside the trainer. Searcher 0 also evaluates (greedy pass@1 on the
@@ -48,9 +49,10 @@ class Dead(RuntimeError):
 
 @dataclass
 class SharedWeights:
-    tensors: dict  # Hugging Face parameter name -> shared tensor (tied names share one tensor)
+    tensors: dict | None  # Hugging Face parameter name -> shared tensor (tied names share one tensor)
     version: object  # mp.Value("q"): trainer step of the weights in `tensors` (0 = initial model)
     lock: object  # mp.Lock: held while `tensors` are written or read
+    handoff: object  # mp.Queue: `tensors`, once per searcher, for searchers started before they existed
 
 
 def acquire(lock, alive, timeout: float):
@@ -62,8 +64,16 @@ def acquire(lock, alive, timeout: float):
             raise TimeoutError(f"weight-sync lock not free after {timeout:.0f} s")
 
 
-def share_weights(state_dict: dict, device, dtype, ctx) -> SharedWeights:
-    """Allocate the shared copy of the weights that searchers read (trainer rank 0, once)."""
+def shared_weights(ctx) -> SharedWeights:
+    """The version counter, lock and handoff queue, made before the searchers are spawned; the
+    tensors follow with `share_weights` (the searchers start their engines meanwhile)."""
+    return SharedWeights(None, ctx.Value("q", 0), ctx.Lock(), ctx.Queue())
+
+
+def share_weights(state_dict: dict, device, dtype, ctx=None, weights=None) -> SharedWeights:
+    """Allocate the shared copy of the weights that searchers read (trainer rank 0, once), into
+    `weights` or new SharedWeights; the caller puts `tensors` on the handoff queue for searchers."""
+    weights = weights or shared_weights(ctx)
     tensors, by_storage = {}, {}
     for name, t in state_dict.items():
         key = (t.data_ptr(), t.shape)
@@ -72,7 +82,19 @@ def share_weights(state_dict: dict, device, dtype, ctx) -> SharedWeights:
             shared.copy_(t)
             by_storage[key] = shared.share_memory_() if shared.device.type == "cpu" else shared
         tensors[name] = by_storage[key]
-    return SharedWeights(tensors, ctx.Value("q", 0), ctx.Lock())
+    weights.tensors = tensors
+    return weights
+
+
+def receive_weights(weights: SharedWeights, stop) -> bool:
+    """Searcher side: wait for the trainer's handoff (unless the tensors came at spawn), polling,
+    never on a stopped or dead trainer. False if stopped first."""
+    while weights.tensors is None and not stop.is_set():
+        try:
+            weights.tensors = weights.handoff.get(timeout=WAIT)
+        except Empty:
+            parent_alive()
+    return weights.tensors is not None
 
 
 def publish(weights: SharedWeights, state_dict: dict, version: int, alive, timeout: float):
@@ -102,6 +124,9 @@ class Engine:
                       enforce_eager=self.device.type == "cpu", enable_prefix_caching=True)
         if self.device.type == "cuda":  # pick this GPU without hiding the others (CUDA IPC needs them)
             kwargs.update(device_ids=[self.device.index], gpu_memory_utilization=memory)
+        else:  # vLLM's sampler compiles its log-prob gather with torch.compile on first use: 3-4 s of
+            torch._dynamo.config.disable = True  # C++ build per process on the CPU, for no speed-up there
+                                                 # (this process only; on GPUs vLLM's compilation stays)
         self.llm = LLM(**kwargs)
         self.version = 0  # trainer step of the weights loaded (0 = the initial model)
         self.ref_path, self.ref = ref_path, None  # pi_ref, loaded on the first search
@@ -263,6 +288,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
                         REWARDS[cfg.task])
         rng = np.random.default_rng([cfg.seed, index, 1])
         round_ = 0
+        receive_weights(weights, stop)
         while not stop.is_set():
             engine.sync(weights, parent_alive, cfg.timeout)
             t0 = time.time()

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from buffer import ReplayBuffer
 from loss import sequence_logprobs, tb_loss
 from rewards import REWARDS
-from searcher import Dead, Engine, collate, publish, share_weights, unique_pairs
+from searcher import Dead, Engine, collate, publish, share_weights, shared_weights, unique_pairs
 from tasks import ConfigError, load_task
 
 
@@ -400,6 +400,18 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
     log = Log(cfg, rank, t_start)
 
     try:
+        # --- the searchers first (rank 0): their vLLM engines start while the trainer loads its model
+        weights = shared_weights(ctx) if rank == 0 else None
+        if rank == 0 and cfg.searchers:
+            channels = (ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue())
+            queue, stop, evals = channels
+            for i in range(cfg.searchers):
+                dev = f"cuda:{world + i}" if cfg.device == "cuda" else "cpu"
+                p = ctx.Process(target=searcher.run, name=f"searcher-{i}", daemon=True,
+                                args=(i, dict(vars(cfg)), weights, queue, stop, evals if i == 0 else None,
+                                      prompts, answers, test_prompts, test_answers, dev))
+                p.start()
+                procs.append(p)
         # --- synchronous baseline: a vLLM engine inside the trainer (one process: see check())
         if cfg.searchers == 0:
             engine = Engine(cfg, cfg.model_path, cfg.model_path, str(device), cfg.trainer_memory,
@@ -420,25 +432,16 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
             with open(os.path.join(cfg.resume, "buffer.pkl"), "rb") as f:
                 buffer = pickle.load(f)
 
-        # --- shared weights (rank 0 allocates them once) and the searchers
+        # --- the shared weights (rank 0 allocates them once), handed to the searchers
         sd = full_state_dict(model)
-        weights = None
         if rank == 0:
-            weights = share_weights(sd, device, getattr(torch, cfg.dtype), ctx)
+            share_weights(sd, device, getattr(torch, cfg.dtype), weights=weights)
             weights.version.value = step
             if ckpt is not None and ckpt["synced"] is not None:  # the searchers held older weights
                 publish(weights, ckpt["synced"], ckpt["synced_version"], lambda: None, cfg.timeout)
+            for _ in procs:  # now the searchers may read them (shared memory / CUDA IPC handles, not copies)
+                weights.handoff.put(weights.tensors)
             log.published[weights.version.value] = log.clock()
-            if cfg.searchers:
-                channels = (ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue())
-                queue, stop, evals = channels
-                for i in range(cfg.searchers):
-                    dev = f"cuda:{world + i}" if cfg.device == "cuda" else "cpu"
-                    p = ctx.Process(target=searcher.run, name=f"searcher-{i}", daemon=True,
-                                    args=(i, dict(vars(cfg)), weights, queue, stop, evals if i == 0 else None,
-                                          prompts, answers, test_prompts, test_answers, dev))
-                    p.start()
-                    procs.append(p)
         del sd
 
         def alive():
@@ -548,7 +551,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
             log.summary()
     finally:
         if channels is not None:
-            shutdown(procs, *channels[:2])
+            shutdown(procs, *channels[:2], weights.handoff)
         if engine is not None:
             engine.close()
         if dist.is_initialized():
@@ -581,7 +584,7 @@ def drain(queue, buffer, log, alive, done, timeout: float) -> float:
             log.samples += len(msg["trajectories"])
 
 
-def shutdown(procs, queue, stop):
+def shutdown(procs, queue, stop, handoff):
     """Stop the searchers: ask (they finish their round), then kill; nothing is left behind."""
     stop.set()
     deadline = time.time() + 5
@@ -592,6 +595,7 @@ def shutdown(procs, queue, stop):
             p.kill()
             p.join(timeout=5)
     queue.cancel_join_thread()
+    handoff.cancel_join_thread()
 
 
 class Log:
