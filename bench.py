@@ -1,6 +1,6 @@
 """What asynchrony buys, measured on the machine at hand: one script for a CPU laptop or a GPU node.
 
-    python bench.py                        # everything (about 25 min on 2 CPU cores)
+    python bench.py                        # parts 1-5 (about 10 min on 2 CPU cores)
     python bench.py --seeds 0 --cap 120    # a smaller budget
     python bench.py --quick                # a tiny budget: checks that it runs, numbers mean little
     python bench.py --full && python plot.py runs/bench-*/bench.json   # whole runs, and the plot

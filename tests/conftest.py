@@ -22,8 +22,10 @@ def tiny_model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny") / "model")
     r = tiny.RECIPE
     model, tokenizer = tiny.make_model(path, r["hidden"], r["layers"], r["heads"], r["ffn"], max_len=1024)  # GSM8K fits
-    tiny.warm_start(model, tokenizer, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2)
+    done = tiny.warm_start(model, tokenizer, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2)
     model.save_pretrained(path)
+    with open(os.path.join(path, "warm_start.json"), "w") as f:  # for tests/test_tiny.py
+        json.dump(done, f)
     return path
 
 
