@@ -86,15 +86,14 @@ def share_weights(state_dict: dict, device, dtype, ctx=None, weights=None) -> Sh
     return weights
 
 
-def receive_weights(weights: SharedWeights, stop) -> bool:
+def receive_weights(weights: SharedWeights, stop):
     """Searcher side: wait for the trainer's handoff (unless the tensors came at spawn), polling,
-    never on a stopped or dead trainer. False if stopped first."""
+    never on a stopped or dead trainer."""
     while weights.tensors is None and not stop.is_set():
         try:
             weights.tensors = weights.handoff.get(timeout=WAIT)
         except Empty:
             parent_alive()
-    return weights.tensors is not None
 
 
 def publish(weights: SharedWeights, state_dict: dict, version: int, alive, timeout: float):
@@ -124,9 +123,9 @@ class Engine:
                       enforce_eager=self.device.type == "cpu", enable_prefix_caching=True)
         if self.device.type == "cuda":  # pick this GPU without hiding the others (CUDA IPC needs them)
             kwargs.update(device_ids=[self.device.index], gpu_memory_utilization=memory)
-        else:  # vLLM's sampler compiles its log-prob gather with torch.compile on first use: 3-4 s of
-            torch._dynamo.config.disable = True  # C++ build per process on the CPU, for no speed-up there
-                                                 # (this process only; on GPUs vLLM's compilation stays)
+        else:  # vLLM's sampler torch.compiles its log-prob gather on first use: 3-4 s of C++ build
+            # per process on the CPU, for no speed-up there (this process only; GPUs keep compiling)
+            torch._dynamo.config.disable = True
         self.llm = LLM(**kwargs)
         self.version = 0  # trainer step of the weights loaded (0 = the initial model)
         self.ref_path, self.ref = ref_path, None  # pi_ref, loaded on the first search
