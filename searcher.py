@@ -9,12 +9,9 @@ version: if the trainer published new weights it reloads them into vLLM and rese
 cache (vLLM never clears it after new weights arrive; stale cached prefixes would keep the old
 policy's values).
 
-Weights travel through `SharedWeights`: tensors allocated once by trainer rank 0 and handed to
-every searcher through a queue once the trainer has loaded its model (searchers start first, so
-their engines come up meanwhile), in shared memory on the CPU and as CUDA IPC handles on a GPU (the
-tensors then stay on the trainer's GPU and vLLM copies from them peer to peer), plus a version
-counter and a lock. `Engine` is the same code in a searcher process and, with `--searchers 0`
-(the synchronous baseline), inside the trainer. Searcher 0 also evaluates (greedy pass@1 on the
+Weights arrive through `weights.py` (shared tensors, a version counter and a lock: its docstring
+gives the protocol). `Engine` is the same code in a searcher process and, with `--searchers 0`
+(the synchronous baseline), inside the trainer. Searcher 0 also evaluates (greedy, on the
 held-out problems) after a round when the trainer has asked for it.
 """
 
@@ -25,7 +22,6 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from queue import Empty, Full
 from types import SimpleNamespace
 
@@ -33,120 +29,76 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")           # GiB of KV cache on the CPU
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# On CUDA vLLM 0.32 defaults to its V2 model runner where Triton works (vllm/config/vllm.py:703-739);
+# the CPU build, which the tests run, derives from V1. Pin V1 so that a GPU runs the code the tests
+# cover; both reload weights and apply the temperature to processed log-probs.
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 import numpy as np
 import torch
 
 from buffer import Trajectory
-from loss import sequence_logprobs
-
-WAIT = 1.0  # s: every blocking wait polls at this period and checks that the other side lives
-
-
-class Dead(RuntimeError):
-    """Another process of the run died; the message names it."""
-
-
-@dataclass
-class SharedWeights:
-    tensors: dict | None  # Hugging Face parameter name -> shared tensor (tied names share one tensor)
-    version: object  # mp.Value("q"): trainer step of the weights in `tensors` (0 = initial model)
-    lock: object  # mp.Lock: held while `tensors` are written or read
-    handoff: object  # mp.Queue: `tensors`, once per searcher, for searchers started before they existed
-
-
-def acquire(lock, alive, timeout: float):
-    """Take `lock`, polling; `alive()` raises Dead if the process we wait for has died."""
-    deadline = time.monotonic() + timeout
-    while not lock.acquire(timeout=WAIT):
-        alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"weight-sync lock not free after {timeout:.0f} s")
-
-
-def shared_weights(ctx) -> SharedWeights:
-    """The version counter, lock and handoff queue, made before the searchers are spawned; the
-    tensors follow with `share_weights` (the searchers start their engines meanwhile)."""
-    return SharedWeights(None, ctx.Value("q", 0), ctx.Lock(), ctx.Queue())
-
-
-def share_weights(state_dict: dict, device, dtype, ctx=None, weights=None) -> SharedWeights:
-    """Allocate the shared copy of the weights that searchers read (trainer rank 0, once), into
-    `weights` or new SharedWeights; the caller puts `tensors` on the handoff queue for searchers."""
-    weights = weights or shared_weights(ctx)
-    tensors, by_storage = {}, {}
-    for name, t in state_dict.items():
-        key = (t.data_ptr(), t.shape)
-        if key not in by_storage:  # tied weights (embeddings = LM head) share one tensor
-            shared = torch.empty(t.shape, dtype=dtype, device=device)
-            shared.copy_(t)
-            by_storage[key] = shared.share_memory_() if shared.device.type == "cpu" else shared
-        tensors[name] = by_storage[key]
-    weights.tensors = tensors
-    return weights
-
-
-def receive_weights(weights: SharedWeights, stop):
-    """Searcher side: wait for the trainer's handoff (unless the tensors came at spawn), polling,
-    never on a stopped or dead trainer."""
-    while weights.tensors is None and not stop.is_set():
-        try:
-            weights.tensors = weights.handoff.get(timeout=WAIT)
-        except Empty:
-            parent_alive()
-
-
-def publish(weights: SharedWeights, state_dict: dict, version: int, alive, timeout: float):
-    """Trainer side of a weight sync: copy the full weights in, then move the version."""
-    acquire(weights.lock, alive, timeout)
-    try:
-        for name, shared in weights.tensors.items():
-            shared.copy_(state_dict[name], non_blocking=True)
-        if any(t.is_cuda for t in weights.tensors.values()):
-            torch.cuda.synchronize()
-        weights.version.value = version
-    finally:
-        weights.lock.release()
-
+from loss import collate, sequence_logprobs, unique_pairs
+from weights import WAIT, Dead, SharedWeights, locked, receive
 
 class Engine:
     """vLLM plus the frozen reference model, for searching, scoring and evaluation."""
 
-    def __init__(self, cfg, model_path: str, ref_path: str, device: str, memory: float,
-                 prompts: list[list[int]], answers: list[str], reward):
-        from vllm import LLM
-
+    def __init__(self, cfg, device: str, memory: float, prompts: list[list[int]], answers: list[str], reward):
         self.cfg, self.prompts, self.answers, self.reward = cfg, prompts, answers, reward
         self.device = torch.device(device)
-        kwargs = dict(model=model_path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
+        kwargs = dict(model=cfg.model_path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
                       logprobs_mode="processed_logprobs",  # behaviour log-probs after temperature
                       enforce_eager=self.device.type == "cpu", enable_prefix_caching=True)
         if self.device.type == "cuda":  # pick this GPU without hiding the others (CUDA IPC needs them)
             kwargs.update(device_ids=[self.device.index], gpu_memory_utilization=memory)
+            # vLLM caches its compiled graphs under VLLM_CACHE_ROOT by rank (compilation/decorators.py:
+            # 565-584, backends.py:1074-1084), and every engine here is rank 0 of its own, while
+            # Inductor's code hard-codes the device index: engines on other GPUs would load each
+            # other's artifacts. A cache per device index; read when the engine starts (envs.py).
+            import vllm.envs
+            root, own = vllm.envs.VLLM_CACHE_ROOT, f"tba-cuda{self.device.index}"
+            os.environ["VLLM_CACHE_ROOT"] = root if os.path.basename(root) == own else os.path.join(root, own)
         else:  # vLLM's sampler torch.compiles its log-prob gather on first use: 3-4 s of C++ build
             # per process on the CPU, for no speed-up there (this process only; GPUs keep compiling)
             torch._dynamo.config.disable = True
+        from vllm import LLM
         self.llm = LLM(**kwargs)
-        self.version = 0  # trainer step of the weights loaded (0 = the initial model)
-        self.ref_path, self.ref = ref_path, None  # pi_ref, loaded on the first search
+        self.version = 0      # trainer step of the weights loaded (0 = the initial model)
+        self.ref_version = 0  # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
+        self.ref = None       # pi_ref, loaded on the first search
 
     # --- weights ---------------------------------------------------------------------------
     def load(self, named_tensors, version: int):
         """Reload weights into vLLM (Hugging Face names) and drop the prefix cache."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        self.llm.reset_prefix_cache()
+        # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV
+        # values. reset_prefix_cache() returns False when blocks are still in use (v1/core/
+        # block_pool.py); between two rounds none are, so False is a bug to stop on, not to log.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"vLLM could not reset its prefix cache after loading the weights of step {version}")
         self.version = version
 
     def sync(self, weights: SharedWeights, alive, timeout: float) -> bool:
-        """Load the published weights if their version moved; True if it did."""
-        if weights.version.value == self.version:
+        """Load the published weights if their version moved, and pi_ref if it was reset (TBA′);
+        True if anything moved. Read under the lock: the trainer cannot overwrite them half-way."""
+        if weights.version.value == self.version and weights.ref_version.value == self.ref_version:
             return False
-        acquire(weights.lock, alive, timeout)
-        try:  # read under the lock: the trainer cannot overwrite them half-way
-            self.load(list(weights.tensors.items()), weights.version.value)
-        finally:
-            weights.lock.release()
+        with locked(weights, alive, timeout, self.device):
+            if weights.version.value != self.version:
+                self.load(list(weights.tensors.items()), weights.version.value)
+            if weights.ref_version.value != self.ref_version:
+                self.reference().load_state_dict(weights.ref, strict=False)
+                self.ref_version = weights.ref_version.value
         return True
+
+    def reference(self):
+        """pi_ref, a transformers model on this device (frozen: the initial model until a reset)."""
+        if self.ref is None:
+            from transformers import AutoModelForCausalLM
+            self.ref = AutoModelForCausalLM.from_pretrained(self.cfg.model_path, dtype=getattr(torch, self.cfg.dtype))
+            self.ref.to(self.device).eval().requires_grad_(False)
+        return self.ref
 
     # --- searching -------------------------------------------------------------------------
     def search(self, prompt_ids, n: int, seed: tuple) -> tuple[list[Trajectory], dict]:
@@ -165,13 +117,10 @@ class Engine:
                 trajectories.append(Trajectory(
                     prompt_id=int(p), response=np.asarray(c.token_ids, dtype=np.int32),
                     reward=self.reward(c.text, self.answers[p]), logp_ref=0.0,
-                    logp_behaviour=float(c.cumulative_logprob), version=self.version))
-        if self.ref is None:  # frozen pi_ref: the initial model
-            from transformers import AutoModelForCausalLM
-            self.ref = AutoModelForCausalLM.from_pretrained(self.ref_path, dtype=getattr(torch, self.cfg.dtype))
-            self.ref.to(self.device).eval().requires_grad_(False)
+                    logp_behaviour=float(c.cumulative_logprob), version=self.version,
+                    ref_version=self.ref_version))
         pairs, index = unique_pairs(trajectories, self.prompts)
-        logp_ref = self.logprobs(self.ref, pairs)
+        logp_ref = self.logprobs(self.reference(), pairs)
         for t, i in zip(trajectories, index):
             t.logp_ref = logp_ref[i]
         tokens = sum(len(t.response) for t in trajectories)
@@ -199,8 +148,8 @@ class Engine:
         return sum(out.prompt_logprobs[len(prompt) + i][tok].logprob for i, tok in enumerate(response))
 
     # --- evaluation ------------------------------------------------------------------------
-    def evaluate(self, prompts: list[list[int]], answers: list[str]) -> tuple[float, dict]:
-        """Greedy pass@1 with the loaded weights, and the first problem's completion as an example."""
+    def evaluate(self, prompts: list[list[int]], answers: list[str]) -> tuple[dict, dict]:
+        """Greedy pass@1 ({"accuracy"}) with the loaded weights, and the first problem's completion."""
         from vllm import SamplingParams
 
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -209,35 +158,7 @@ class Engine:
         rewards = [self.reward(o.outputs[0].text, a) for o, a in zip(outputs, answers)]
         example = dict(prompt=self.llm.get_tokenizer().decode(prompts[0], skip_special_tokens=True),
                        completion=outputs[0].outputs[0].text, reward=rewards[0])
-        return float(np.mean(rewards)), example
-
-
-def unique_pairs(trajectories, prompts) -> tuple[list, list[int]]:
-    """The distinct (prompt, response) pairs among `trajectories`, and each trajectory's index into
-    them: log-probs are computed once per distinct sequence (sampling repeats short answers often)."""
-    pairs, seen, index = [], {}, []
-    for t in trajectories:
-        key = (t.prompt_id, t.response.tobytes())
-        if key not in seen:
-            seen[key] = len(pairs)
-            pairs.append((prompts[t.prompt_id], t.response))
-        index.append(seen[key])
-    return pairs, index
-
-
-def collate(pairs, pad: int, device):
-    """(prompt, response) pairs -> input_ids, attention_mask, response_mask, each (N, T), right-padded."""
-    T = max(len(p) + len(r) for p, r in pairs)
-    ids = torch.full((len(pairs), T), pad, dtype=torch.long)
-    attention = torch.zeros((len(pairs), T), dtype=torch.long)
-    response = torch.zeros((len(pairs), T), dtype=torch.long)
-    for i, (p, r) in enumerate(pairs):
-        n, m = len(p), len(r)
-        ids[i, :n] = torch.as_tensor(p)
-        ids[i, n:n + m] = torch.as_tensor(r, dtype=torch.long)
-        attention[i, :n + m] = 1
-        response[i, n:n + m] = 1
-    return ids.to(device), attention.to(device), response.to(device)
+        return {"accuracy": float(np.mean(rewards))}, example
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -283,11 +204,10 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
     from rewards import REWARDS
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
-        engine = Engine(cfg, cfg.model_path, cfg.model_path, device, cfg.searcher_memory, prompts, answers,
-                        REWARDS[cfg.task])
+        engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers, REWARDS[cfg.task])
         rng = np.random.default_rng([cfg.seed, index, 1])
         round_ = 0
-        receive_weights(weights, stop)
+        receive(weights, stop, parent_alive)
         while not stop.is_set():
             engine.sync(weights, parent_alive, cfg.timeout)
             t0 = time.time()
@@ -299,8 +219,8 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
             if drain_requests(evals):  # after a round, so that the trainer gets its first data first
                 engine.sync(weights, parent_alive, cfg.timeout)  # the newest published weights
                 t0 = time.time()
-                accuracy, example = engine.evaluate(test_prompts, test_answers)
-                put(queue, dict(kind="eval", version=engine.version, accuracy=accuracy, example=example,
+                scores, example = engine.evaluate(test_prompts, test_answers)
+                put(queue, dict(kind="eval", version=engine.version, scores=scores, example=example,
                                 seconds=time.time() - t0), stop)
     except Dead:
         sys.exit(3)

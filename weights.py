@@ -1,0 +1,165 @@
+"""Weights from the trainer to the searchers: one shared copy, a version counter and a lock.
+
+The protocol (every wait polls, checks that the other side lives and has a timeout):
+1. Trainer rank 0 makes `SharedWeights` before spawning the searchers, then allocates the tensors
+   once it has loaded its model (`allocate`): in shared memory on the CPU, on its own GPU on a GPU
+   node (sent to other processes as CUDA IPC handles, so the bytes are never copied to the host).
+   It hands them to each searcher through the `handoff` queue (`receive`).
+2. Publishing (`publish`, trainer): every rank gathers each parameter in turn on its device
+   (`gather`: FSDP2's all-gather, so memory holds one full parameter at a time); rank 0, holding
+   the lock, copies it into its shared tensor, waits for the copies to finish, then moves `version`.
+3. Reading (`locked`, searcher): when `version` has moved, the searcher takes the lock, loads the
+   shared tensors into its engine, and waits for its devices to finish those copies before it
+   lets the lock go, so that a publish can never overwrite weights still being read.
+TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `ref`, with
+its own `ref_version`: pi_ref after the latest reset, published the same way.
+"""
+
+import contextlib
+import time
+from dataclasses import dataclass
+from queue import Empty
+
+import torch
+
+WAIT = 1.0  # s: every blocking wait polls at this period and checks that the other side lives
+
+
+class Dead(RuntimeError):
+    """Another process of the run died; the message names it."""
+
+
+@dataclass
+class SharedWeights:
+    tensors: dict | None  # Hugging Face parameter name -> shared tensor (tied names share one tensor)
+    ref: dict | None      # the same for pi_ref after the latest reset (TBA′ only; else None)
+    version: object       # mp.Value("q"): trainer step of the weights in `tensors` (0 = initial model)
+    ref_version: object   # mp.Value("q"): trainer step whose weights `ref` holds (0 = initial model)
+    lock: object          # mp.Lock: held while the tensors are written or read
+    handoff: object       # mp.Queue: (tensors, ref), once per searcher, for searchers started before them
+
+
+def create(ctx) -> SharedWeights:
+    """The counters, lock and handoff queue, made before the searchers are spawned."""
+    return SharedWeights(None, None, ctx.Value("q", 0), ctx.Value("q", 0), ctx.Lock(), ctx.Queue())
+
+
+# --- trainer side ------------------------------------------------------------------------------------
+def gather(model):
+    """(Hugging Face name, full tensor on the model's device) for each distinct tensor of the state
+    dict, one at a time: every trainer rank must iterate it to the end (each `full_tensor` of an
+    FSDP2 DTensor is an all-gather). A tied name (LM head = embeddings) is not repeated: see `aliases`."""
+    seen = set()
+    for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: tied names are one object
+        if id(t) not in seen:
+            seen.add(id(t))
+            t = t.detach()
+            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+
+def aliases(model) -> dict:
+    """Tied names of the state dict: {name: the name `gather` yields for the same tensor}."""
+    first, out = {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        out[name] = first.setdefault(id(t), name)
+    return {n: f for n, f in out.items() if n != f}
+
+
+def allocate(weights: SharedWeights, named, tied: dict, device, dtype, with_ref: bool = False):
+    """Allocate the shared copies (trainer rank 0, once), filled from `named` (name, tensor) pairs;
+    `tied` names ({name: name in `named`}) share their tensor."""
+    with allocator_for_sharing(device):
+        tensors = {name: share(torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                           device=device).copy_(t)) for name, t in named}
+        ref = {name: share(t.clone()) for name, t in tensors.items()} if with_ref else None
+    for name, first in tied.items():
+        tensors[name] = tensors[first]
+        if ref is not None:
+            ref[name] = ref[first]
+    synchronize(tensors.values())
+    weights.tensors, weights.ref = tensors, ref
+
+
+def share(t):
+    return t.share_memory_() if t.device.type == "cpu" else t  # CUDA tensors travel as IPC handles
+
+
+@contextlib.contextmanager
+def allocator_for_sharing(device):
+    """CUDA tensors sent to other processes must not live in expandable segments
+    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, common with FSDP): those travel as the
+    sender's file descriptors, which the receiver opens with pidfd_getfd, refused in unprivileged
+    containers and under Yama ptrace_scope=1 (PyTorch issue 165685; c10/cuda/CUDACachingAllocator.cpp,
+    ExpandableSegment::fromShared). The allocator takes plain cudaMalloc segments while the setting is
+    off, so turn it off around the allocation, as vLLM does around its sleep-mode pool
+    (vllm/device_allocator/cumem.py:383-428). The setter resets options it is not given: rewrite the
+    whole string (torch/cuda/memory.py:1191 deprecates _set_allocator_settings for this API)."""
+    conf = torch._C._accelerator_getAllocatorSettings() if torch.device(device).type == "cuda" else ""
+    fields = [f.strip() for f in conf.split(",") if f.strip()]
+    key = lambda f: f.split(":")[0].strip()
+    on = any(key(f) == "expandable_segments" and f.split(":", 1)[-1].strip().lower() in ("true", "1") for f in fields)
+    if on:
+        torch._C._accelerator_setAllocatorSettings(",".join(
+            "expandable_segments:False" if key(f) == "expandable_segments" else f for f in fields))
+    try:
+        yield
+    finally:
+        if on:
+            torch._C._accelerator_setAllocatorSettings(conf)
+
+
+def publish(weights: SharedWeights, named, version: int, alive, timeout: float, to=("policy",)):
+    """Copy (name, tensor) pairs into the shared tensors of `to` ("policy", "ref" or both), then move
+    their version(s). `named` may be `gather(model)`: it is consumed under the lock."""
+    targets = [t for key, t in (("policy", weights.tensors), ("ref", weights.ref)) if key in to]
+    with locked(weights, alive, timeout):
+        for name, t in named:  # tied names share a tensor: `named` gives it once
+            for target in targets:
+                target[name].copy_(t, non_blocking=True)
+        synchronize([t for target in targets for t in target.values()])  # done before the version moves
+        if "policy" in to:
+            weights.version.value = version
+        if "ref" in to:
+            weights.ref_version.value = version
+
+
+# --- searcher side -----------------------------------------------------------------------------------
+def receive(weights: SharedWeights, stop, parent_alive):
+    """Wait for the trainer's handoff (unless the tensors came at spawn), polling, never on a stopped
+    or dead trainer."""
+    while weights.tensors is None and not stop.is_set():
+        try:
+            weights.tensors, weights.ref = weights.handoff.get(timeout=WAIT)
+        except Empty:
+            parent_alive()
+
+
+# --- the lock and its synchronisation ----------------------------------------------------------------
+def acquire(lock, alive, timeout: float):
+    """Take `lock`, polling; `alive()` raises Dead if the process we wait for has died."""
+    deadline = time.monotonic() + timeout
+    while not lock.acquire(timeout=WAIT):
+        alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"weight-sync lock not free after {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def locked(weights: SharedWeights, alive, timeout: float, *devices):
+    """Hold the lock; before letting it go, wait for every CUDA device that the shared tensors or
+    `devices` live on. CUDA copies do not block the host, and vLLM's reload (model_loader/reload/
+    layerwise.py) never synchronises: without this wait the next publish could overwrite tensors
+    that a searcher's GPU is still reading, leaving it with a mix of two versions."""
+    acquire(weights.lock, alive, timeout)
+    try:
+        yield
+        synchronize([*(weights.tensors or {}).values(), *(weights.ref or {}).values()], *devices)
+    finally:
+        weights.lock.release()
+
+
+def synchronize(tensors, *devices):
+    """Wait for all work queued on the CUDA devices of `tensors` and `devices` (no-op on the CPU)."""
+    cuda = {t.device for t in tensors if t.is_cuda} | {torch.device(d) for d in devices if torch.device(d).type == "cuda"}
+    for d in cuda:
+        torch.cuda.synchronize(d)
