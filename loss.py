@@ -1,4 +1,5 @@
-"""The trajectory balance (TB) loss of TBA (Bartoldson et al., 2025, Sec. 3), and the log-probs it needs.
+"""The trajectory balance (TB) loss of TBA (Bartoldson et al., 2025, Sec. 3), two on-policy
+baselines to compare it with, and the sequence log-probs they all need.
 
 Target: pi*(y|x) proportional to pi_ref(y|x) exp(r(y, x) / beta), the KL-regularised RL optimum.
 For the K responses y_1..y_K of one prompt x:
@@ -11,26 +12,132 @@ Log-probs are SUMMED over response tokens (no length normalisation) and come fro
 by the sampling temperature, as in the authors' code. pi_ref's log-probs are computed once, by the
 searcher that made the trajectory, and travel with it. TB is valid for responses sampled from any
 policy, which is what lets TBA train on stale, replayed data.
+
+Every loss (`LOSSES`, chosen with `--loss`) takes the same (B, K) tensors by keyword: `logp` (the
+trainer's, with gradient), `logp_ref`, `logp_behaviour` (of the policy that sampled the response),
+`reward`, `length` (response tokens), and the scalars `beta` and `clip`; it returns the scalar
+loss (a mean over the B x K responses) and a dict of (B,) statistics that are logged. A new
+objective is one more function of this shape, added to `LOSSES`.
 """
 
-import torch.nn.functional as F
+import torch
+import torch.utils.checkpoint
 
 
-def tb_loss(logp, logp_ref, reward, beta: float):
-    """Mean TB loss over B prompts x K responses, and log Z per prompt. Inputs are (B, K)."""
+# ===== the method: TB ===============================================================================
+def tb_loss(logp, logp_ref, reward, beta: float, **_):
+    """Trajectory balance with the VarGrad log Z (the paper, Sec. 3)."""
     delta = logp - logp_ref - reward / beta            # (B, K) log pi_theta - log R, R = pi_ref exp(r / beta)
     log_z = -delta.mean(dim=1, keepdim=True).detach()  # (B, 1) VarGrad log Z: no gradient
     loss = (log_z + delta).pow(2).mean()               # scalar: mean over the B*K responses
-    return loss, log_z.squeeze(1)                      # (), (B,)
+    return loss, {"log_z": log_z.squeeze(1)}           # (), {(B,)}
 
 
-def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature: float):
+# ===== baselines (for the off-policy study, bench.py part 7) =====================================
+def rloo_loss(logp, logp_ref, reward, beta: float, **_):
+    """REINFORCE with a leave-one-out baseline (RLOO, Ahmadian et al. 2024; the "(proximal) RLOO"
+    of the paper's Table 1) on the KL-regularised reward, with NO off-policy correction: what an
+    on-policy method does with stale data.
+
+        R_j   = r_j - beta (log pi_theta(y_j) - log pi_ref(y_j))   (no gradient)
+        A_j   = R_j - mean_{i != j} R_i
+        L     = -mean_j A_j log pi_theta(y_j)
+
+    On the same data, grad L_TB = 2 (K - 1) / (beta K) * grad L_RLOO exactly (tests/test_loss.py):
+    delta_j - mean delta = -(R_j - mean R) / beta, and A_j = K / (K - 1) (R_j - mean R).
+    """
+    K = logp.shape[1]
+    R = (reward - beta * (logp - logp_ref)).detach()    # (B, K) KL-regularised reward
+    baseline = (R.sum(dim=1, keepdim=True) - R) / (K - 1)  # (B, K) mean of the other K - 1
+    advantage = R - baseline                            # (B, K)
+    loss = -(advantage * logp).mean()                   # scalar
+    return loss, {"kl": (logp - logp_ref).detach().mean(dim=1)}  # (B,) log pi_theta / pi_ref
+
+
+def grpo_loss(logp, logp_ref, logp_behaviour, reward, length, beta: float, clip: float, **_):
+    """Dr. GRPO (Liu et al. 2025: advantages r - mean r, no division by the standard deviation or
+    by the length) with a clipped importance ratio against the behaviour policy, and GRPO's k3 KL
+    penalty to pi_ref weighted by beta.
+
+    The ratio is per SEQUENCE, the geometric mean of the per-token ratios (GSPO, Zheng et al.
+    2025), because a trajectory carries its behaviour log-prob summed over tokens: per-token
+    ratios would need per-token behaviour log-probs stored for every trajectory in the buffer.
+    Each term is multiplied by the length, so that on on-policy data (ratio 1, clip inactive) the
+    gradient is Dr. GRPO's exactly: mean_j A_j grad log pi_theta(y_j), summed over tokens.
+
+        A_j = r_j - mean_i r_i
+        s_j = exp((log pi_theta(y_j) - log mu(y_j)) / |y_j|)                   mu: behaviour policy
+        u_j = (log pi_ref(y_j) - log pi_theta(y_j)) / |y_j|
+        L   = -mean_j |y_j| min(s_j A_j, clip(s_j, 1 - eps, 1 + eps) A_j)
+              + beta mean_j |y_j| (exp(u_j) - u_j - 1)
+    """
+    advantage = reward - reward.mean(dim=1, keepdim=True)          # (B, K) Dr. GRPO: no std
+    ratio = torch.exp((logp - logp_behaviour) / length)            # (B, K) per-token geometric mean
+    surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)  # (B, K)
+    u = (logp_ref - logp) / length                                 # (B, K) mean log pi_ref / pi_theta
+    kl = torch.exp(u) - u - 1                                      # (B, K) k3, per token
+    loss = (-surrogate * length + beta * kl * length).mean()       # scalar
+    clipped = ((ratio - 1).abs() > clip).float().detach()          # (B, K)
+    return loss, {"clip_frac": clipped.mean(dim=1), "kl": (-u * length).detach().mean(dim=1)}
+
+
+LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "grpo": grpo_loss}
+
+
+# ===== log-probs ====================================================================================
+def token_logprobs(logits, targets, temperature: float):
+    """log softmax(logits / temperature) at `targets`: (N, C, V), (N, C) -> (N, C), in float32."""
+    x = logits.float() / temperature                                          # (N, C, V)
+    return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - x.logsumexp(-1)  # (N, C)
+
+
+def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature: float,
+                      chunk_bytes: int = 2**28):
     """Summed log-prob of each sequence's response tokens, from logits / temperature. Returns (N,).
 
     input_ids, attention_mask, response_mask: (N, T), prompt then response then right padding;
     response_mask is 1 on response tokens (EOS included) and 0 on prompt and padding.
+    The float32 log-softmax is computed over chunks of positions of at most `chunk_bytes`, and
+    recomputed in the backward pass, so the only (N, T, V) tensor is the model's own logits (in its
+    compute dtype): a full float32 copy is 2 GB at GSM8K's 20 x 750 tokens x 32k vocabulary.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (N, T, V)
-    logits = logits[:, :-1].float() / temperature                              # (N, T-1, V): predicts token t+1
-    logp_token = -F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")  # (N, T-1)
-    return (logp_token * response_mask[:, 1:]).sum(dim=1)                      # (N,)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, V)
+    targets, mask = input_ids[:, 1:], response_mask[:, 1:]                            # (N, T-1): token t+1
+    N, T1, V = logits.shape
+    C = max(1, chunk_bytes // (4 * N * V))                                            # positions per chunk
+    total = torch.zeros(N, device=logits.device)                                      # (N,)
+    for s in range(0, T1, C):
+        args = (logits[:, s:s + C], targets[:, s:s + C], temperature)
+        lp = (torch.utils.checkpoint.checkpoint(token_logprobs, *args, use_reentrant=False)
+              if torch.is_grad_enabled() else token_logprobs(*args))                  # (N, C)
+        total = total + (lp * mask[:, s:s + C]).sum(dim=1)
+    return total                                                                      # (N,)
+
+
+# ===== batching sequences ===========================================================================
+def unique_pairs(trajectories, prompts) -> tuple[list, list[int]]:
+    """The distinct (prompt, response) pairs among `trajectories`, and each trajectory's index into
+    them: log-probs are computed once per distinct sequence (sampling repeats short answers often)."""
+    pairs, seen, index = [], {}, []
+    for t in trajectories:
+        key = (t.prompt_id, t.response.tobytes())
+        if key not in seen:
+            seen[key] = len(pairs)
+            pairs.append((prompts[t.prompt_id], t.response))
+        index.append(seen[key])
+    return pairs, index
+
+
+def collate(pairs, pad: int, device):
+    """(prompt, response) pairs -> input_ids, attention_mask, response_mask, each (N, T), right-padded."""
+    T = max(len(p) + len(r) for p, r in pairs)
+    ids = torch.full((len(pairs), T), pad, dtype=torch.long)
+    attention = torch.zeros((len(pairs), T), dtype=torch.long)
+    response = torch.zeros((len(pairs), T), dtype=torch.long)
+    for i, (p, r) in enumerate(pairs):
+        n, m = len(p), len(r)
+        ids[i, :n] = torch.as_tensor(p)
+        ids[i, n:n + m] = torch.as_tensor(r, dtype=torch.long)
+        attention[i, :n + m] = 1
+        response[i, n:n + m] = 1
+    return ids.to(device), attention.to(device), response.to(device)

@@ -1,9 +1,9 @@
-"""The TB loss against a loop-written reference, and the paper's REINFORCE identity."""
+"""The losses against loop-written references, the paper's REINFORCE identity, and chunked log-probs."""
 
+import pytest
 import torch
 
-from loss import sequence_logprobs, tb_loss
-from searcher import collate
+from loss import collate, grpo_loss, rloo_loss, sequence_logprobs, tb_loss
 
 
 def tb_loss_reference(logp, logp_ref, reward, beta):
@@ -24,7 +24,8 @@ def test_tb_loss_matches_reference():
         logp = -torch.rand(B, K, generator=g, dtype=torch.float64) * 50
         logp_ref = -torch.rand(B, K, generator=g, dtype=torch.float64) * 50
         reward = (torch.rand(B, K, generator=g, dtype=torch.float64) > 0.5).double()
-        loss, log_z = tb_loss(logp, logp_ref, reward, beta)
+        loss, stats = tb_loss(logp, logp_ref, reward, beta)
+        log_z = stats["log_z"]
         ref_loss, ref_log_z = tb_loss_reference(logp.tolist(), logp_ref.tolist(), reward.tolist(), beta)
         assert abs(loss.item() - ref_loss) <= 1e-9 * max(1.0, ref_loss)
         assert torch.allclose(log_z, torch.tensor(ref_log_z, dtype=torch.float64), rtol=1e-12, atol=1e-9)
@@ -74,3 +75,102 @@ def test_on_policy_gradient_is_reinforce_with_kl_regularised_reward(tiny_model):
     assert scale > 1e-3  # a real gradient, not zeros on both sides
     for a, b in zip(g_tb, g_rf):  # equal up to float32 rounding (log-softmax runs in float32)
         assert torch.allclose(a, (2 / beta) * b, rtol=1e-5, atol=1e-6 * scale)
+
+
+# --- the baselines of --loss (loss.py) -----------------------------------------------------------------
+def random_batch(B, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda scale: -torch.rand(B, K, generator=g, dtype=torch.float64) * scale
+    length = torch.randint(1, 9, (B, K), generator=g).double()
+    logp = rand(20).requires_grad_()
+    return dict(logp=logp, logp_ref=rand(20), logp_behaviour=logp.detach() + 2.0 * torch.randn(B, K, generator=g, dtype=torch.float64),
+                reward=(torch.rand(B, K, generator=g, dtype=torch.float64) > 0.5).double(), length=length)
+
+
+def rloo_reference(logp, logp_ref, reward, beta):
+    """REINFORCE, leave-one-out baseline, KL-regularised reward (no gradient through it): a loop."""
+    B, K = len(logp), len(logp[0])
+    total = 0.0
+    for b in range(B):
+        R = [reward[b][j] - beta * (logp[b][j].item() - logp_ref[b][j]) for j in range(K)]
+        for j in range(K):
+            baseline = sum(R[i] for i in range(K) if i != j) / (K - 1)
+            total = total - (R[j] - baseline) * logp[b][j]
+    return total / (B * K)
+
+
+def grpo_reference(logp, logp_ref, logp_behaviour, reward, length, beta, clip):
+    """Dr. GRPO with a sequence-level clipped ratio and a k3 KL penalty: a loop over responses."""
+    B, K = len(logp), len(logp[0])
+    total = 0.0
+    for b in range(B):
+        mean_r = sum(reward[b]) / K
+        for j in range(K):
+            n, a = length[b][j], reward[b][j] - mean_r
+            ratio = torch.exp((logp[b][j] - logp_behaviour[b][j]) / n)
+            clipped = min(max(ratio, torch.tensor(1 - clip, dtype=ratio.dtype)), torch.tensor(1 + clip, dtype=ratio.dtype))
+            u = (logp_ref[b][j] - logp[b][j]) / n
+            total = total - n * min(ratio * a, clipped * a) + beta * n * (torch.exp(u) - u - 1)
+    return total / (B * K)
+
+
+@pytest.mark.parametrize("B,K,beta,clip", [(1, 2, 1.0, 0.2), (3, 5, 0.05, 0.2), (4, 8, 0.014, 0.1)])
+def test_baselines_match_their_loop_references(B, K, beta, clip):
+    clipped = 0.0
+    for seed in range(3):
+        x = random_batch(B, K, seed)
+        loss, _ = rloo_loss(**x, beta=beta, clip=clip)
+        ref = rloo_reference(x["logp"], x["logp_ref"].tolist(), x["reward"].tolist(), beta)
+        assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12)
+        g, g_ref = torch.autograd.grad(loss, x["logp"])[0], torch.autograd.grad(ref, x["logp"])[0]
+        assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-12)
+
+        loss, stats = grpo_loss(**x, beta=beta, clip=clip)
+        ref = grpo_reference(x["logp"], x["logp_ref"], x["logp_behaviour"], x["reward"].tolist(), x["length"], beta, clip)
+        assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12)
+        g, g_ref = torch.autograd.grad(loss, x["logp"])[0], torch.autograd.grad(ref, x["logp"])[0]
+        assert torch.allclose(g, g_ref, rtol=1e-10, atol=1e-12)
+        clipped += stats["clip_frac"].sum().item()
+    assert clipped > 0  # behaviour log-probs about 2 nats away per sequence: some ratios are clipped
+
+
+def test_grpo_on_policy_ratio_is_one_and_clip_inactive():
+    x = random_batch(3, 6, 0)
+    x["logp_behaviour"] = x["logp"].detach().clone()  # on-policy: sampled by the policy being trained
+    loss, stats = grpo_loss(**x, beta=0.0, clip=0.2)
+    assert stats["clip_frac"].sum() == 0
+    g = torch.autograd.grad(loss, x["logp"])[0]
+    advantage = x["reward"] - x["reward"].mean(dim=1, keepdim=True)
+    assert torch.allclose(g, -advantage / advantage.numel())  # Dr. GRPO: A grad log pi, summed over tokens
+
+
+def test_rloo_and_tb_gradients_obey_the_papers_identity():
+    """grad L_TB = 2 (K - 1) / (beta K) grad L_RLOO on the same responses: the on-policy identity
+    of the paper (Sec. 3) with RLOO's leave-one-out baseline, K / (K - 1) times the mean baseline."""
+    for B, K, beta in ((2, 2, 1.0), (3, 8, 0.05), (5, 20, 0.014)):
+        x = random_batch(B, K, K)
+        x["logp_behaviour"] = x["logp"].detach().clone()
+        g_tb = torch.autograd.grad(tb_loss(**x, beta=beta)[0], x["logp"])[0]
+        g_rloo = torch.autograd.grad(rloo_loss(**x, beta=beta)[0], x["logp"])[0]
+        assert g_tb.abs().max() > 1e-3
+        assert torch.allclose(g_tb, 2 * (K - 1) / (beta * K) * g_rloo, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_logprobs_equal_the_plain_ones(tiny_model):
+    """sequence_logprobs over chunks of positions (recomputed in backward) = one float32 log-softmax."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(4, 90, (n,), generator=g).tolist(), torch.randint(4, 90, (m,), generator=g).numpy())
+             for n, m in ((5, 3), (9, 7), (4, 12))]
+    batch = collate(pairs, 0, "cpu")
+    plain = sequence_logprobs(model, *batch, 0.7, chunk_bytes=2**40)  # one chunk
+    chunked = sequence_logprobs(model, *batch, 0.7, chunk_bytes=4 * 3 * 100 * 2)  # two positions a chunk
+    assert torch.allclose(plain, chunked, rtol=0, atol=1e-5)
+    g_plain = torch.autograd.grad(plain.sum(), list(model.parameters()))
+    g_chunked = torch.autograd.grad(chunked.sum(), list(model.parameters()))
+    for a, b in zip(g_plain, g_chunked):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    logits = model(input_ids=batch[0], attention_mask=batch[1]).logits[:, :-1].float() / 0.7
+    direct = (logits.log_softmax(-1).gather(-1, batch[0][:, 1:, None]).squeeze(-1) * batch[2][:, 1:]).sum(1)
+    assert torch.allclose(direct, chunked, atol=1e-5)
