@@ -23,7 +23,8 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    optimizer) against a bare forward+backward of the same model on the same batch.
 6. (only with --parts 6) memory: resident memory summed over all processes of a TBA run of
    --minutes (20), sampled every 10 s: growth after the first 5 minutes.
-Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher.
+Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher,
+on the devices a run would use: on a GPU node the trainer's GPU 0 and the first searcher's GPU 1.
 """
 
 import argparse
@@ -40,9 +41,11 @@ import numpy as np
 import torch
 
 import tba
+import weights
 from buffer import Trajectory
+from loss import collate
 from rewards import REWARDS
-from searcher import Engine, collate, publish, share_weights
+from searcher import Engine
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -150,38 +153,61 @@ def make_llama_100m(folder: str):
     return folder
 
 
+def devices(cfg) -> tuple[str, str]:
+    """Where a run puts trainer rank 0 and searcher 0 (tba.py: trainer rank r on GPU r, searcher i on
+    GPU ranks + i); one GPU serves both here if there is only one."""
+    if cfg.device != "cuda":
+        return "cpu", "cpu"
+    return "cuda:0", f"cuda:{min(1, torch.cuda.device_count() - 1)}"
+
+
 def sync_cost(model_path: str, cfg, repeat: int) -> dict:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    state = model.state_dict()
-    weights = share_weights(state, "cpu", torch.float32, torch.multiprocessing.get_context("spawn"))
-    engine = Engine(cfg, model_path, model_path, "cpu", 0.2, [[1, 2, 3]], ["0"], REWARDS["arith"])
+    trainer, searcher_device = devices(cfg)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(trainer)
+    shared = weights.create(torch.multiprocessing.get_context("spawn"))
+    weights.allocate(shared, weights.gather(model), weights.aliases(model), trainer, getattr(torch, cfg.dtype))
+    engine = Engine(dataclass_replace(cfg, model_path=model_path), searcher_device, 0.2, [[1, 2, 3]], ["0"],
+                    REWARDS["arith"])
     version = [0]
 
-    def publish_once():
+    def publish_once():  # the trainer's side: gather (a no-op on one rank) and copy into the shared tensors
         version[0] += 1
-        publish(weights, state, version[0], lambda: None, 60)
+        weights.publish(shared, weights.gather(model), version[0], lambda: None, 60)
 
     def reload_once():
-        weights.version.value += 1
-        engine.sync(weights, lambda: None, 60)  # reload into vLLM + prefix-cache reset
+        shared.version.value += 1
+        engine.sync(shared, lambda: None, 60)  # reload into vLLM + prefix-cache reset, synchronised
 
-    unique = {t.data_ptr(): t for t in weights.tensors.values()}.values()
+    unique = {t.data_ptr(): t for t in shared.tensors.values()}.values()
     nbytes = sum(t.numel() * t.element_size() for t in unique)
-    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    src, dst = (torch.empty(nbytes, dtype=torch.uint8, device=searcher_device) for _ in range(2))
     src.fill_(1)
+
+    def plain_copy():
+        dst.copy_(src)
+        weights.synchronize([dst])
+
     out = dict(parameters=sum(p.numel() for p in model.parameters()), bytes=nbytes,
                publish=timed(publish_once, repeat), reload=timed(reload_once, repeat),
-               plain_copy=timed(lambda: dst.copy_(src), repeat))
+               plain_copy=timed(plain_copy, repeat))
     out["ratio"] = (out["publish"] + out["reload"]) / out["plain_copy"]
     engine.close()
     return out
 
 
+def dataclass_replace(cfg, **changes):
+    """A copy of `cfg` with `changes` (dataclasses.replace would reset the derived, init=False fields)."""
+    import copy
+    new = copy.copy(cfg)
+    new.__dict__.update(changes)
+    return new
+
+
 # --- 4: searcher overhead -------------------------------------------------------------------------
 def searcher_overhead(cfg, prompts, answers, repeat: int) -> dict:
     from vllm import SamplingParams
-    engine = Engine(cfg, cfg.model_path, cfg.model_path, "cpu", 0.2, prompts, answers, REWARDS[cfg.task])
+    engine = Engine(cfg, devices(cfg)[1], 0.2, prompts, answers, REWARDS[cfg.task])
     ids = np.arange(cfg.prompts_per_step)
     n = cfg.search_samples_per_prompt
 
@@ -206,23 +232,26 @@ def searcher_overhead(cfg, prompts, answers, repeat: int) -> dict:
 
 # --- 5: trainer overhead ----------------------------------------------------------------------------
 def trainer_overhead(cfg, prompts, repeat: int) -> dict:
-    model = tba.load_policy(cfg.model_path, "cpu", cfg.dtype)
+    device = devices(cfg)[0]
+    model = tba.load_policy(cfg.model_path, device, cfg.dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rng = np.random.default_rng(0)
     B, K = cfg.prompts_per_step, cfg.samples_per_prompt
     batch = [[Trajectory(int(p), rng.integers(3, 60, size=4).astype(np.int32), float(rng.integers(2)), -5.0, -5.0, 0)
               for _ in range(K)] for p in rng.choice(len(prompts), B, replace=False)]  # all responses distinct
-    ids, attention, _ = collate([(prompts[t.prompt_id], t.response) for g in batch for t in g], 0, "cpu")
+    ids, attention, _ = collate([(prompts[t.prompt_id], t.response) for g in batch for t in g], 0, device)
 
     def bare():
         model(input_ids=ids, attention_mask=attention).logits.sum().backward()
         model.zero_grad(set_to_none=True)
+        weights.synchronize([ids])
 
     def tb_update():  # the trainer's step on one rank: tba.py's own code
-        tba.tb_backward(model, batch, B, prompts, 0, "cpu", cfg, cfg.beta)
+        tba.backward(model, batch, B, prompts, 0, device, cfg, cfg.beta)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        weights.synchronize([ids])
 
     tokens = int(attention.sum())
     t_bare, t_tb = timed(bare, repeat), timed(tb_update, repeat)
@@ -249,7 +278,7 @@ def main():
     repeat = 3 if args.quick else 10
 
     # the embedded default's config, as tba.py resolves it (this builds the tiny model if needed)
-    cfg, tokenizer, train, test, prompts, test_prompts = tba.check(tba.parse(flags), world=1)
+    cfg, tokenizer, train, test, prompts, test_prompts, _ = tba.check(tba.parse(flags), world=1)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 2)  # what the trainer and the searcher each get in a run with one searcher
     torch.set_num_threads(threads)  # before any vLLM engine starts in this process

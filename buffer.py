@@ -13,6 +13,10 @@ Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
   streams in, so right after a sync nothing is "recent" yet; until new data arrives, the recent
   pool is the newest data there is (the data of the latest window that has any).
 - Prompts are distinct within a batch while the pool has enough of them.
+- TBA′ (reference-policy resetting): every trajectory records the pi_ref that scored it; at a
+  reset the buffer is emptied and only data scored under the new pi_ref is kept, so that no TB
+  group mixes log-probs under two references (recomputing them would need pi_ref in the trainer).
+- Checkpoints store the buffer as plain arrays (`state`, `from_state`): no pickle, no code.
 """
 
 from collections import OrderedDict
@@ -29,6 +33,7 @@ class Trajectory:
     logp_ref: float          # log pi_ref(y|x), summed over response tokens, from logits / temperature
     logp_behaviour: float    # log-prob under the searcher's policy that sampled y (vLLM's, same temperature)
     version: int             # trainer step whose weights sampled y (0 = the initial model)
+    ref_version: int = 0     # trainer step whose weights were pi_ref when logp_ref was computed (TBA′)
 
 
 class ReplayBuffer:
@@ -40,9 +45,12 @@ class ReplayBuffer:
         self.recent_prompts: dict[int, None] = {} # prompts with data in recent_window (an ordered set)
         self.prompts: list[int] = []              # every prompt with a group, in order of arrival
         self.size = 0                             # trajectories held
+        self.reference = 0                        # ref_version of the data kept (TBA′)
 
     def add(self, trajectories: list[Trajectory]):
         for t in trajectories:
+            if t.ref_version != self.reference:  # scored under another pi_ref (TBA′): not kept
+                continue
             if t.prompt_id not in self.groups:
                 self.groups[t.prompt_id] = OrderedDict()
                 self.prompts.append(t.prompt_id)
@@ -61,6 +69,12 @@ class ReplayBuffer:
     def mark_sync(self):
         """Called at every weight sync: data added after this is 'recent'."""
         self.window += 1
+
+    def set_reference(self, version: int):
+        """TBA′: pi_ref is now the policy of step `version`; the data scored under the old one goes."""
+        window = self.window
+        self.__init__(self.capacity, self.recency, self.reward_inv_temp)
+        self.window, self.recent_window, self.reference = window, window, version
 
     def __len__(self):
         return self.size
@@ -86,6 +100,43 @@ class ReplayBuffer:
             idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=probs)
             batch.append([pool_t[i] for i in idx])
         return batch
+
+
+    # --- checkpoints: plain arrays -------------------------------------------------------------------
+    def state(self) -> dict:
+        """The whole buffer as NumPy arrays (groups in order of arrival, each oldest first)."""
+        rows = [(t, w) for p in self.prompts for t, w in self.groups[p].values()]
+        ts = [t for t, _ in rows]
+        return dict(
+            prompt_id=np.array([t.prompt_id for t in ts], np.int64),
+            reward=np.array([t.reward for t in ts], np.float64),
+            logp_ref=np.array([t.logp_ref for t in ts], np.float64),
+            logp_behaviour=np.array([t.logp_behaviour for t in ts], np.float64),
+            version=np.array([t.version for t in ts], np.int64),
+            ref_version=np.array([t.ref_version for t in ts], np.int64),
+            window=np.array([w for _, w in rows], np.int64),
+            length=np.array([len(t.response) for t in ts], np.int64),
+            tokens=np.concatenate([t.response for t in ts] + [np.zeros(0, np.int32)]).astype(np.int32),
+            prompts=np.array(self.prompts, np.int64),
+            recent_prompts=np.array(list(self.recent_prompts), np.int64),
+            counters=np.array([self.window, self.recent_window, self.reference], np.int64),
+            settings=np.array([self.capacity, self.recency, self.reward_inv_temp], np.float64))
+
+    @classmethod
+    def from_state(cls, s: dict) -> "ReplayBuffer":
+        capacity, recency, inv_temp = s["settings"].tolist()
+        buf = cls(int(capacity), recency, inv_temp)
+        ends = np.cumsum(s["length"])
+        for i, end in enumerate(ends.tolist()):
+            t = Trajectory(int(s["prompt_id"][i]), s["tokens"][end - s["length"][i]:end].copy(), float(s["reward"][i]),
+                           float(s["logp_ref"][i]), float(s["logp_behaviour"][i]), int(s["version"][i]),
+                           int(s["ref_version"][i]))
+            buf.groups.setdefault(t.prompt_id, OrderedDict())[t.response.tobytes()] = (t, int(s["window"][i]))
+        buf.prompts = s["prompts"].tolist()
+        buf.recent_prompts = dict.fromkeys(s["recent_prompts"].tolist())
+        buf.window, buf.recent_window, buf.reference = s["counters"].tolist()
+        buf.size = len(ends)
+        return buf
 
 
 def pick(pool: list[int], chosen: set[int], rng: np.random.Generator) -> int:

@@ -4,10 +4,10 @@ Searcher processes generate responses with vLLM and a local copy of the policy, 
 push them to the trainer without ever waiting for it (searcher.py). The trainer keeps learning
 from a replay buffer of everything searched so far (buffer.py) with the trajectory balance
 objective (loss.py), which stays valid for off-policy data, and every `--sync-every` steps its
-weights go to the searchers through shared tensors. This file holds the config, the process
-layout and the trainer loop.
+weights go to the searchers through shared tensors (weights.py). This file holds the config, the
+process layout and the trainer loop.
 
-    torchrun --nproc_per_node=1 tba.py                  # the toy task on a laptop: a few minutes
+    torchrun --nproc_per_node=1 tba.py                  # the toy task on a laptop: about a minute
     torchrun --nproc_per_node=1 tba.py --searchers 0    # the synchronous baseline, same code
     python tba.py --help                                # every flag
     bash run_gsm8k.sh                                   # the paper's GSM8K run on a 4-GPU node
@@ -18,39 +18,55 @@ searcher processes with torch.multiprocessing. On a GPU node trainer rank r uses
 searcher i GPU (ranks + i); on a CPU machine everything shares the cores, split evenly. Searcher 0
 also evaluates, between two rounds, when the trainer asks. With `--searchers 0` (one trainer
 process) the trainer runs the vLLM engine itself: it generates before each step and evaluates.
+One node only: `--nnodes` above 1 is refused (README, "Where one node ends").
 
 Departures from the authors' code (MPI + DeepSpeed + TRL): trajectories stream to the trainer
 through a bounded queue instead of arriving at each sync, so "recent" data means data added since
 the last sync, or the newest data until some arrives (buffer.py); weights travel through shared
 memory / CUDA IPC instead of MPI; the learning-rate schedule is computed here (same shape as
-transformers' warmup-stable-decay).
+transformers' warmup-stable-decay). `--loss` swaps TB for an on-policy baseline (loss.py), for the
+off-policy study of `bench.py` part 7; `--ref-reset-every` is TBA′ (the paper, Sec. 6).
 """
 
-import dataclasses
+import os
+import signal
+import sys
+
+
+def stopped_at_start(signum, frame):
+    """Ctrl-C or SIGTERM while importing and checking: nothing runs yet, so stop quietly."""
+    print(f"tba.py: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # 130 / 143; no process has been spawned yet
+
+
+if __name__ == "__main__":  # before the heavy imports below, which take seconds
+    signal.signal(signal.SIGINT, stopped_at_start)
+    signal.signal(signal.SIGTERM, stopped_at_start)
+
+import dataclasses  # noqa: E402  (after the handlers: a signal during these imports stops quietly)
 import glob
 import json
 import math
-import os
-import pickle
 import shutil
-import signal
 import socket
-import sys
 import time
 import typing
-from queue import Empty
 from dataclasses import dataclass, field
+from queue import Empty
 
 import searcher  # first: sets vLLM's environment before anything imports vllm
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from buffer import ReplayBuffer
-from loss import sequence_logprobs, tb_loss
+from log import Log
+from loss import LOSSES, collate, sequence_logprobs, unique_pairs
 from rewards import REWARDS
-from searcher import Dead, Engine, collate, publish, share_weights, shared_weights, unique_pairs
+from searcher import Engine
 from tasks import ConfigError, load_task
+from weights import Dead, aliases, allocate, create, gather, publish
 
 
 def arg(default, help: str):
@@ -77,9 +93,16 @@ class Config:
     reward_inv_temp: float = arg(0.0, "inverse temperature of the reward softmax for draws from the whole buffer; "
                                       "0 = uniform")
     buffer_capacity: int = arg(100, "trajectories kept per prompt (the newest)")
+    initial_buffer: int = arg(0, "trajectories that must have arrived before the first training step")
     beta: float = arg(0.05, "KL coefficient: target pi_ref * exp(reward / beta)")
     beta_final: float | None = arg(None, "beta at the end of the anneal (default: --beta, no anneal)")
     beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
+    ref_reset_every: int = arg(0, "TBA′: every N steps pi_ref becomes the current policy (the paper: 50); 0 = never")
+    # --- objective (loss.py)
+    loss: str = arg("tb", "tb (trajectory balance: the method) | rloo | grpo (on-policy baselines for the "
+                          "off-policy study)")
+    clip: float = arg(0.2, "grpo: clip range of the importance ratio")
+    lag: int = arg(0, "staleness study: the searchers get the weights of step t - LAG instead of step t")
     # --- optimisation
     lr: float = arg(5e-5, "peak learning rate (AdamW)")
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
@@ -90,22 +113,27 @@ class Config:
     # --- sampling and evaluation
     temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
     max_new_tokens: int = arg(8, "response length limit in tokens (toy answers: 3 digits and EOS; GSM8K: 512)")
-    eval_every: int = arg(10, "steps between evaluations (greedy pass@1 on held-out problems); 0 = start and end only")
+    eval_every: int = arg(10, "steps between evaluations (greedy, on held-out problems); 0 = start and end only")
     eval_limit: int | None = arg(None, "evaluate on the first N held-out problems only")
     # --- run
     seed: int = arg(0, "seed of every random choice: prompts, sampling, batches")
     out: str | None = arg(None, "output folder (default: a new folder under runs/)")
     save_every: int = arg(0, "steps between checkpoints in OUT/checkpoint; 0 = only when stopped by a signal")
     resume: str | None = arg(None, "checkpoint folder to continue from")
+    log_every: int = arg(10, "steps between console lines when the output is not a terminal (a terminal gets a bar)")
+    wandb: str | None = arg(None, "also log the metrics to this Weights & Biases project (optional: pip install wandb)")
     timeout: float = arg(600.0, "seconds any wait on another process may last before the run stops")
-    dtype: str = arg("auto", "float32 | bfloat16 | auto (bfloat16 on GPUs, float32 on the CPU)")
-    searcher_memory: float = arg(0.85, "GPU: fraction of a searcher GPU's memory for its vLLM engine")
+    dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bfloat16 on GPUs that have it, float16 on "
+                             "older GPUs, float32 on the CPU)")
+    searcher_memory: float = arg(0.7, "GPU: fraction of a searcher GPU's memory for its vLLM engine (the rest: "
+                                      "pi_ref and its log-probs)")
     trainer_memory: float = arg(0.2, "GPU, --searchers 0: fraction of the trainer GPU's memory for its vLLM engine")
     # --- derived by check(), saved with the run; not flags
     device: str = field(default="", init=False)      # cuda | cpu
     threads: int = field(default=0, init=False)      # CPU threads per process
     model_path: str = field(default="", init=False)  # the local folder of --model
     max_model_len: int = field(default=0, init=False)  # longest prompt + max_new_tokens
+    score: str = field(default="accuracy", init=False)  # the evaluation's headline figure
 
 
 def parse(argv) -> Config:
@@ -115,9 +143,12 @@ def parse(argv) -> Config:
     for f in dataclasses.fields(Config):
         if not f.init:
             continue
+        name, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
+        if f.type is bool:
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+            continue
         kind = next(t for t in (int, float, str) if f.type is t or t in typing.get_args(f.type))
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default,
-                       help=f"{f.metadata['help']} (default: {f.default})")
+        p.add_argument(name, type=kind, default=f.default, help=help)
     return Config(**vars(p.parse_args(argv)))
 
 
@@ -125,7 +156,7 @@ def parse(argv) -> Config:
 ALIASES = {"rho-math-1b": "realtreetune/rho-1b-sft-GSM8K"}
 
 
-def resolve_model(name: str) -> str:
+def resolve_model(name: str, flag: str = "model") -> str:
     """A local folder holding the model named by --model (building or fetching it if needed)."""
     import re
 
@@ -144,18 +175,73 @@ def resolve_model(name: str) -> str:
             try:
                 path = snapshot_download(name, allow_patterns=patterns)
             except Exception as e:
-                raise ConfigError(f"--model: {name!r} is not a local folder and could not be fetched from the "
+                raise ConfigError(f"--{flag}: {name!r} is not a local folder and could not be fetched from the "
                                   f"Hugging Face hub ({type(e).__name__})") from None
     else:
-        raise ConfigError(f"--model: {name!r} does not exist (not 'tiny', an alias, a folder or a hub id)")
+        raise ConfigError(f"--{flag}: {name!r} does not exist (not 'tiny', an alias, a folder or a hub id)")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"--model: {path} holds no model (no config.json)")
+        raise ConfigError(f"--{flag}: {path} holds no model (no config.json)")
     return path
 
 
+def load_tokenizer(path: str, flag: str = "model"):
+    """The tokenizer saved beside the model, or a one-line refusal naming what is missing."""
+    from transformers import AutoTokenizer
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+        raise ConfigError(f"--{flag}: {path} has no tokenizer (none of {', '.join(files)}); save the model's "
+                          f"tokenizer beside it (tokenizer.save_pretrained)")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"--{flag}: the tokenizer in {path} does not load ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160]})") from None
+
+
+def check_gpus(cfg, world: int):
+    """GPU settings that would fail inside a spawned process: refuse them here, in one line."""
+    gpus = torch.cuda.device_count()
+    used = range(world + cfg.searchers)
+    if len(used) > gpus:
+        raise ConfigError(f"--searchers: {cfg.searchers} searcher(s) + {world} trainer rank(s) need "
+                          f"{len(used)} GPUs, {gpus} visible")
+    # vLLM refuses bf16 below compute capability 8.0 (vllm/platforms/cuda.py:636-654, checking GPU 0
+    # only); torch.cuda.is_bf16_supported() says True there (emulation) and checks one device
+    oldest = min((torch.cuda.get_device_capability(i), i) for i in used)
+    if cfg.dtype == "auto":
+        cfg.dtype = "bfloat16" if oldest[0] >= (8, 0) else "float16"
+    if cfg.dtype == "bfloat16" and oldest[0] < (8, 0):
+        raise ConfigError(f"--dtype: bfloat16 needs compute capability 8.0 or newer; GPU {oldest[1]} has "
+                          f"{'.'.join(map(str, oldest[0]))} (use --dtype float16)")
+    if cfg.searchers and compute_mode(0) == 3:  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+        raise ConfigError("--searchers: GPU 0 is in EXCLUSIVE_PROCESS compute mode, but the searchers open the "
+                          "shared weights there beside the trainer; set it to DEFAULT (nvidia-smi -i 0 -c DEFAULT)")
+
+
+def compute_mode(index: int) -> int | None:
+    """NVML compute mode of CUDA device `index` (as torch numbers it), or None without NVML. vLLM ships
+    nvidia-ml-py as vllm.third_party.pynvml (vllm/utils/import_utils.py:24-52); NVML numbers GPUs
+    physically, so the device is found by its UUID."""
+    try:
+        import pynvml
+    except ImportError:
+        from vllm.third_party import pynvml
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid
+        return pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def check(cfg: Config, world: int):
-    """Validate flags and data; fill in derived values. Returns (cfg, tokenizer, train, test, prompt ids)."""
-    from transformers import AutoConfig, AutoTokenizer
+    """Validate flags and data; fill in derived values.
+    Returns (cfg, tokenizer, train, test, prompt ids, test prompt ids, checkpoint or None)."""
+    from transformers import AutoConfig
 
     def need(ok, flag, msg):
         if not ok:
@@ -181,27 +267,42 @@ def check(cfg: Config, world: int):
     need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
     need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")
     need(cfg.eval_every >= 0, "eval-every", "must be 0 or more")
+    need(cfg.eval_limit is None or cfg.eval_limit >= 1, "eval-limit", "must be at least 1")
     need(cfg.save_every >= 0, "save-every", "must be 0 or more")
+    need(cfg.log_every >= 1, "log-every", "must be at least 1")
     need(cfg.timeout > 0, "timeout", "must be positive")
-    for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps"):
+    for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
-    need(cfg.dtype in ("auto", "float32", "bfloat16"), "dtype", f"unknown dtype {cfg.dtype!r}")
-    if cfg.resume:
-        need(os.path.isfile(os.path.join(cfg.resume, "trainer.pt")), "resume", f"{cfg.resume} is not a checkpoint folder")
+    need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
+    need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
+    need(not (cfg.lag and cfg.ref_reset_every), "lag", "cannot be combined with --ref-reset-every (a reset "
+         "publishes the current weights as pi_ref)")
+    need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"unknown dtype {cfg.dtype!r}")
+    if cfg.wandb:
+        try:
+            import wandb  # noqa: F401  (optional: imported only when asked for)
+        except ImportError:
+            raise ConfigError("--wandb: the wandb package is not installed (it is optional: pip install wandb)") from None
+    ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
     # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
-    gpus = torch.cuda.device_count()
-    cfg.device = "cuda" if gpus else "cpu"
-    if gpus:
-        need(world + cfg.searchers <= gpus, "searchers",
-             f"{cfg.searchers} searcher(s) + {world} trainer rank(s) need {world + cfg.searchers} GPUs, {gpus} visible")
-    cfg.dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if gpus else "float32")
+    cfg.device = "cuda" if torch.cuda.device_count() else "cpu"
+    if cfg.device == "cuda":
+        check_gpus(cfg, world)
+    need(cfg.device == "cuda" or cfg.dtype in ("auto", "float32"), "dtype",
+         f"{cfg.dtype} on the CPU is not supported here (vLLM's CPU engine and the log-prob checks run in float32)")
+    cfg.dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     cores = len(os.sched_getaffinity(0))
     cfg.threads = max(1, cores // (world + cfg.searchers))  # CPU: split the cores evenly between processes
     # task, model, tokenizer
     train, test = load_task(cfg.task, cfg.data)
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
+    need(cfg.prompts_per_step <= len(train), "prompts-per-step", f"B = {cfg.prompts_per_step} distinct prompts a step, "
+         f"but the task has {len(train)} training problems")
+    need(cfg.initial_buffer <= cfg.buffer_capacity * len(train), "initial-buffer",
+         f"{cfg.initial_buffer} trajectories can never be held: the buffer keeps at most --buffer-capacity "
+         f"{cfg.buffer_capacity} x {len(train)} problems")
     cfg.model_path = resolve_model(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    tokenizer = load_tokenizer(cfg.model_path)
     need(tokenizer.eos_token_id is not None, "model", f"the tokenizer of {cfg.model_path} has no EOS token")
     prompts = [tokenizer(p.prompt).input_ids for p in train]
     test_prompts = [tokenizer(p.prompt).input_ids for p in test]
@@ -217,7 +318,32 @@ def check(cfg: Config, world: int):
                           else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}"))
     if not cfg.resume and os.path.isdir(cfg.out) and os.listdir(cfg.out):
         raise ConfigError(f"--out: {cfg.out} exists and is not empty (pass --resume to continue a run)")
-    return cfg, tokenizer, train, test, prompts, test_prompts
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files
+        check_writable(cfg.out)
+    return cfg, tokenizer, train, test, prompts, test_prompts, ckpt
+
+
+def check_writable(out: str):
+    """Check that `out` can be created and written (a file is written and removed), or refuse in one
+    line. Folders made for the check are removed again: nothing is left until the run starts."""
+    made, parent = [], os.path.abspath(out)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--out: cannot write to {out} ({e.strerror or type(e).__name__})") from None
+    finally:
+        for folder in made:  # deepest first
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
 
 
 # --- schedules (the authors': beta annealed linearly, lr warmup-stable-decay) -------------------
@@ -236,38 +362,45 @@ def lr_at(cfg, step: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-# --- the trainer's model and its TB gradient ---------------------------------------------------------
+# --- the trainer's model and its gradient ------------------------------------------------------------
 def load_policy(path: str, device, dtype: str):
-    """float32 weights, sharded with FSDP2 over the trainer ranks (per decoder layer, then the
-    whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32."""
+    """float32 weights, sharded with FSDP2 over the trainer ranks (per decoder block, then the
+    whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32. The blocks are
+    the modules whose class the model lists in `_no_split_modules` (transformers' convention for
+    sharding wrappers): LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, Qwen2DecoderLayer, ..."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     model.config.use_cache = False
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for module in [m for m in model.modules() if type(m).__name__ in blocks]:
+        fully_shard(module, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
 
 
-def tb_backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, beta: float):
-    """Accumulate the gradient of the TB loss over this rank's groups (K trajectories of one prompt
-    each), in passes of whole prompts. Returns (sum of loss x prompts, sum of log Z, prompts)."""
+def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, beta: float) -> dict:
+    """Accumulate the gradient of the loss (`--loss`) over this rank's groups (K trajectories of one
+    prompt each), in passes of whole prompts. Returns sums over the groups: "loss" x prompts,
+    "prompts", and each of the loss's (B,) statistics."""
     per_pass = max(1, cfg.micro_batch // cfg.samples_per_prompt)
-    stats = torch.zeros(3, dtype=torch.float64)
+    sums = {}
     for i in range(0, len(groups), per_pass):
         part = groups[i:i + per_pass]
         pairs, index = unique_pairs([t for g in part for t in g], prompts)  # each distinct sequence once
         logp = sequence_logprobs(model, *collate(pairs, pad, device), cfg.temperature)         # (distinct,)
         logp = logp[torch.tensor(index, device=device)].view(len(part), cfg.samples_per_prompt)  # (b, K)
-        logp_ref = torch.tensor([[t.logp_ref for t in g] for g in part], device=device)        # (b, K)
-        reward = torch.tensor([[t.reward for t in g] for g in part], device=device)            # (b, K)
-        loss, log_z = tb_loss(logp, logp_ref, reward, beta)
+        field = lambda f: torch.tensor([[float(f(t)) for t in g] for g in part], device=device)  # (b, K)
+        loss, stats = LOSSES[cfg.loss](
+            logp=logp, logp_ref=field(lambda t: t.logp_ref), reward=field(lambda t: t.reward), beta=beta,
+            logp_behaviour=field(lambda t: t.logp_behaviour), length=field(lambda t: len(t.response)), clip=cfg.clip)
         # the mean over all B prompts: FSDP averages gradients over the ranks, each holding B / ranks
         (loss * len(part) / prompts_per_rank).backward()
-        stats += torch.tensor([loss.item() * len(part), log_z.sum().item(), len(part)], dtype=torch.float64)
-    return stats
+        for k, v in {"loss": loss.item() * len(part), "prompts": len(part),
+                     **{k: v.sum().item() for k, v in stats.items()}}.items():
+            sums[k] = sums.get(k, 0.0) + v
+    return sums
 
 
 # --- distributed helpers -------------------------------------------------------------------------
@@ -285,7 +418,7 @@ def init_distributed(cfg):
 
 
 def full_state_dict(model) -> dict:
-    """All ranks call; rank 0 gets the full weights on the CPU (Hugging Face names)."""
+    """All ranks call; rank 0 gets the full weights on the CPU (Hugging Face names): for checkpoints."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -296,10 +429,11 @@ def broadcast(obj, rank):
     return box[0]
 
 
-# --- checkpoints ---------------------------------------------------------------------------------
-def save_checkpoint(cfg, rank, model, opt, buffer, weights, step, elapsed, tokenizer):
+# --- checkpoints: tensors and plain data only (torch.load(weights_only=True), NumPy without pickle) ---
+def save_checkpoint(cfg, rank, model, opt, buffer, shared, step, log, tokenizer):
     """Model (Hugging Face format), optimizer, step (the schedules and per-step seeds derive from it),
-    RNG state, replay buffer, and the weights the searchers hold if older than the model's."""
+    RNG state, counters, replay buffer, the weights the searchers hold if older than the model's,
+    and pi_ref if TBA′ is on."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     sd = full_state_dict(model)
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -308,15 +442,36 @@ def save_checkpoint(cfg, rank, model, opt, buffer, weights, step, elapsed, token
 
     def write(folder):
         save_hf(model, sd, tokenizer, os.path.join(folder, "model"))
-        synced = {n: t.cpu() for n, t in weights.tensors.items()} if weights.version.value != step else None
-        torch.save(dict(optimizer=osd, step=step, elapsed=elapsed, synced=synced,
-                        synced_version=weights.version.value, torch_rng=torch.get_rng_state()),
+        cpu = lambda tensors: {n: t.cpu() for n, t in tensors.items()}
+        torch.save(dict(optimizer=osd, step=step, elapsed=log.now(), torch_rng=torch.get_rng_state(),
+                        samples=log.samples, first_eval=log.first_eval,
+                        synced=cpu(shared.tensors) if shared.version.value != step else None,
+                        synced_version=shared.version.value,
+                        ref=cpu(shared.ref) if shared.ref is not None else None, ref_version=shared.ref_version.value),
                    os.path.join(folder, "trainer.pt"))
-        with open(os.path.join(folder, "buffer.pkl"), "wb") as f:
-            pickle.dump(buffer, f, protocol=pickle.HIGHEST_PROTOCOL)
+        np.savez(os.path.join(folder, "buffer.npz"), **buffer.state())
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(vars(cfg), f, indent=1)
     atomic_checkpoint(cfg.out, step, write)
+
+
+def load_checkpoint(folder: str) -> dict:
+    """The trainer state and buffer of a checkpoint, read without running any code it could carry."""
+    trainer, buffer = os.path.join(folder, "trainer.pt"), os.path.join(folder, "buffer.npz")
+    if not os.path.isfile(trainer):
+        old = " (written by an older version, with pickle: not loaded)" if os.path.isfile(
+            os.path.join(folder, "buffer.pkl")) else ""
+        raise ConfigError(f"--resume: {folder} is not a checkpoint folder{old}")
+    if not os.path.isfile(buffer):
+        raise ConfigError(f"--resume: {folder} has no buffer.npz (written by an older version?)")
+    try:
+        state = torch.load(trainer, weights_only=True, map_location="cpu")  # tensors and plain data only
+        with np.load(buffer, allow_pickle=False) as f:
+            state["buffer"] = ReplayBuffer.from_state(dict(f))
+    except Exception as e:
+        raise ConfigError(f"--resume: {folder} does not parse as a checkpoint ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    return state
 
 
 def atomic_checkpoint(out: str, step: int, write):
@@ -348,43 +503,61 @@ def save_hf(model, state_dict, tokenizer, path):
 
 # --- the run -------------------------------------------------------------------------------------
 class Stop(Exception):
-    """A signal asked the run to stop (after a checkpoint)."""
+    """A signal asked the run to stop (after a checkpoint, once training has begun)."""
 
 
+def fail(message: str, code: int, rank: int):
+    """Exit with one line. Under torchrun, also leave it in the worker's error file, so that
+    torchrun's failure report names it (torch/distributed/elastic/multiprocessing/errors/__init__.py,
+    _format_failure: it shows the file's message.extraInfo.py_callstack)."""
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(code)
+
+
+@record  # torchrun's convention: an unexpected exception lands in its report with its traceback
 def main(argv=None):
     cfg = parse(sys.argv[1:] if argv is None else argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_env = int(os.environ.get("RANK", "0"))
     try:
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        if nodes > 1 or world != int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+            raise ConfigError(f"--nnodes: tba.py runs on one node (its searchers share trainer rank 0's memory and "
+                              f"GPUs); got {nodes} nodes. README: 'Where one node ends'")
         cfg, *data = check(cfg, world)
     except ConfigError as e:
-        if rank_env == 0:
-            print(f"tba.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    code = 0
+        fail(f"tba.py: error: {e}", 2, rank_env)
     try:
         run(cfg, *data)
     except (Dead, FloatingPointError, TimeoutError) as e:  # a searcher died, a non-finite loss, a wait timed out
-        print(f"tba.py: error: {e}", file=sys.stderr, flush=True)
-        code = 1
+        fail(f"tba.py: error: {e}", 1, rank_env)
     except Stop as e:
-        print(f"tba.py: stopped by {e}; checkpoint in {os.path.join(cfg.out, 'checkpoint')}", file=sys.stderr, flush=True)
-        code = 130 if str(e) == "SIGINT" else 143
+        name, saved = e.args
+        where = f"checkpoint in {os.path.join(cfg.out, 'checkpoint')}" if saved else "before the first step: nothing to save"
+        fail(f"tba.py: stopped by {name}; {where}", 130 if name == "SIGINT" else 143, rank_env)
     except KeyboardInterrupt:
-        print("tba.py: stopped at once by a second signal, without a checkpoint", file=sys.stderr, flush=True)
-        code = 130
-    sys.exit(code)
+        fail("tba.py: stopped at once by a second signal, without a checkpoint", 130, rank_env)
 
 
-def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
+def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ckpt):
     t_start = time.time()
-    # --- signals: the first stops the run after a checkpoint; a second stops it at once
-    stop_signal = []
+    # --- signals: before the first step, one stops the run at once (nothing to save); after, the
+    # first stops it after a checkpoint and a second stops it at once
+    stop_signal, training = [], [False]
 
     def on_signal(signum, frame):
+        name = signal.Signals(signum).name
+        if not training[0]:
+            raise Stop(name, False)
         if stop_signal:
             raise KeyboardInterrupt
-        stop_signal.append(signal.Signals(signum).name)
+        stop_signal.append(name)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
@@ -396,53 +569,55 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
     answers = [p.answer for p in train_problems]
     test_answers = [p.answer for p in test_problems]
     ctx = torch.multiprocessing.get_context("spawn")
-    procs, engine, channels = [], None, None
-    log = Log(cfg, rank, t_start)
+    procs, engine, channels, shared = [], None, None, None
+    step = ckpt["step"] if ckpt else 0
+    log = Log(cfg, rank, t_start - (ckpt["elapsed"] if ckpt else 0.0), step,
+              resumed={"step": step} if ckpt else None)
 
     try:
         # --- the searchers first (rank 0): their vLLM engines start while the trainer loads its model
-        weights = shared_weights(ctx) if rank == 0 else None
+        shared = create(ctx) if rank == 0 else None
         if rank == 0 and cfg.searchers:
             channels = (ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue())
             queue, stop, evals = channels
             for i in range(cfg.searchers):
                 dev = f"cuda:{world + i}" if cfg.device == "cuda" else "cpu"
                 p = ctx.Process(target=searcher.run, name=f"searcher-{i}", daemon=True,
-                                args=(i, dict(vars(cfg)), weights, queue, stop, evals if i == 0 else None,
+                                args=(i, dict(vars(cfg)), shared, queue, stop, evals if i == 0 else None,
                                       prompts, answers, test_prompts, test_answers, dev))
                 p.start()
                 procs.append(p)
         # --- synchronous baseline: a vLLM engine inside the trainer (one process: see check())
         if cfg.searchers == 0:
-            engine = Engine(cfg, cfg.model_path, cfg.model_path, str(device), cfg.trainer_memory,
-                            prompts, answers, REWARDS[cfg.task])
+            engine = Engine(cfg, str(device), cfg.trainer_memory, prompts, answers, REWARDS[cfg.task])
         # --- the trainer's model: FSDP2 over the trainer ranks
         model = load_policy(os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path, device, cfg.dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-        # --- resume: step, optimizer, buffer, RNG, and the weights the searchers held
-        step, buffer, ckpt = 0, ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp), None
-        if cfg.resume:
+        # --- resume: optimizer, buffer, RNG, counters, and the weights the searchers held
+        buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+        if ckpt:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            ckpt = torch.load(os.path.join(cfg.resume, "trainer.pt"), weights_only=False)
             set_optimizer_state_dict(model, opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
-            step, log.t0 = ckpt["step"], t_start - ckpt["elapsed"]
             torch.set_rng_state(ckpt["torch_rng"])
-            with open(os.path.join(cfg.resume, "buffer.pkl"), "rb") as f:
-                buffer = pickle.load(f)
+            buffer, log.samples, log.first_eval = ckpt["buffer"], ckpt["samples"], ckpt["first_eval"]
 
         # --- the shared weights (rank 0 allocates them once), handed to the searchers
-        sd = full_state_dict(model)
+        named = gather(model)
         if rank == 0:
-            share_weights(sd, device, getattr(torch, cfg.dtype), weights=weights)
-            weights.version.value = step
-            if ckpt is not None and ckpt["synced"] is not None:  # the searchers held older weights
-                publish(weights, ckpt["synced"], ckpt["synced_version"], lambda: None, cfg.timeout)
+            allocate(shared, named, aliases(model), device, getattr(torch, cfg.dtype), with_ref=cfg.ref_reset_every > 0)
+            shared.version.value = step
+            if ckpt and ckpt["synced"] is not None:  # the searchers held older weights
+                publish(shared, ckpt["synced"].items(), ckpt["synced_version"], lambda: None, cfg.timeout)
+            if ckpt and ckpt["ref"] is not None:  # TBA′: pi_ref of the latest reset
+                publish(shared, ckpt["ref"].items(), ckpt["ref_version"], lambda: None, cfg.timeout, to=("ref",))
             for _ in procs:  # now the searchers may read them (shared memory / CUDA IPC handles, not copies)
-                weights.handoff.put(weights.tensors)
-            log.published[weights.version.value] = log.clock()
-        del sd
+                shared.handoff.put((shared.tensors, shared.ref))
+            log.published[shared.version.value] = log.clock()
+        for _ in named:  # ranks > 0 take part in every all-gather of rank 0's allocation
+            pass
+        history = {}  # --lag: step -> the weights of that step (rank 0, CPU), until published
 
         def alive():
             for i, p in enumerate(procs):
@@ -455,43 +630,63 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
             return drain(channels[0], buffer, log, alive, lambda: until() or bool(stop_signal), cfg.timeout)
 
         def evaluate():
-            """Greedy pass@1 on the held-out problems with the current weights."""
+            """Greedy evaluation on the held-out problems with the current weights."""
             if cfg.searchers:  # searcher 0 evaluates the newest published weights between rounds
                 if rank == 0:
                     channels[2].put(step)
                 return
-            sd = full_state_dict(model)
             t0 = time.time()
             if engine.version != step:
-                engine.load(list(sd.items()), step)
-            log.eval(step, *engine.evaluate(test_prompts, test_answers), time.time() - t0, log.clock())
+                engine.load(gather(model), step)
+            scores, example = engine.evaluate(test_prompts, test_answers)
+            log.eval(step, scores, example, time.time() - t0, log.clock())
             log.overhead += time.time() - t0
 
-        def sync_weights():
-            """Publish the trainer's weights; searchers reload them before their next round."""
-            sd = full_state_dict(model)
+        def sync_weights(ref=False, lag=cfg.lag):
+            """Publish the trainer's weights, or with `lag` those of step - lag; searchers reload them
+            before their next round. `ref`: they also become pi_ref (TBA′)."""
+            named, version = gather(model), step
+            if lag:  # the staleness study: keep each step's weights (CPU) until it is published
+                if rank == 0:
+                    history[step] = {n: t.detach().to("cpu", copy=True) for n, t in named}
+                for _ in named:  # ranks > 0 take part in every all-gather
+                    pass
+                due = [v for v in history if v <= step - lag]
+                if not due:  # nothing old enough yet (and always on ranks > 0): the searchers keep step 0's
+                    return
+                version, named = max(due), history[max(due)].items()
             if rank == 0:
-                publish(weights, sd, step, alive, cfg.timeout)
+                publish(shared, named, version, alive, cfg.timeout, to=("policy", "ref") if ref else ("policy",))
                 buffer.mark_sync()
-                log.published[step] = log.clock()
+                log.published[version] = log.clock()
+            for _ in named:  # ranks > 0 take part in every all-gather
+                pass
+            for v in [v for v in history if v <= version]:
+                del history[v]
 
         def checkpoint():
             t0 = time.time()
-            save_checkpoint(cfg, rank, model, opt, buffer, weights, step, log.now(), tokenizer)
+            save_checkpoint(cfg, rank, model, opt, buffer, shared, step, log, tokenizer)
             log.overhead += time.time() - t0
 
         evaluate()
+        first_step = step
         while step < cfg.steps:
             t_step, wait = time.time(), 0.0
             # ===== collect: searched trajectories into the buffer ==============================
+            initial = cfg.initial_buffer if step == first_step and not ckpt else 0  # before the first step
             if rank == 0 and cfg.searchers == 0 and not stop_signal:  # synchronous: generate here
-                engine.sync(weights, alive, cfg.timeout)
-                ids = np.random.default_rng([cfg.seed, step, 3]).choice(len(prompts), cfg.prompts_per_step, replace=False)
-                trajectories, _ = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, 0, step))
-                buffer.add(trajectories)
-                log.samples += len(trajectories)
+                engine.sync(shared, alive, cfg.timeout)
+                for round_ in range(10**9):  # one round a step; more before the first (--initial-buffer)
+                    ids = np.random.default_rng([cfg.seed, step, 3, round_]).choice(
+                        len(prompts), cfg.prompts_per_step, replace=False)
+                    trajectories, _ = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, step))
+                    buffer.add(trajectories)
+                    log.samples += len(trajectories)
+                    if log.samples >= initial or stop_signal:
+                        break
             elif rank == 0 and cfg.searchers:  # TBA: whatever arrived; wait only at the start
-                wait = receive(lambda: len(buffer.prompts) >= cfg.prompts_per_step)
+                wait = receive(lambda: len(buffer.prompts) >= cfg.prompts_per_step and log.samples >= initial)
             # ===== sample a batch: B prompts x K responses (TBA: recency m, reward softmax) =====
             batch = None  # stays None on rank 0 when a signal asked to stop
             if rank == 0 and not stop_signal:
@@ -499,33 +694,41 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
                                       np.random.default_rng([cfg.seed, step, 2]))
             batch = broadcast(batch, rank)
             if batch is None:
-                checkpoint()
-                raise Stop(stop_signal[0] if stop_signal else "a signal")
+                if step > first_step:
+                    checkpoint()
+                raise Stop(stop_signal[0] if stop_signal else "a signal", step > first_step)
             mine = batch[rank * len(batch) // world:(rank + 1) * len(batch) // world]
-            # ===== TB loss and update ============================================================
+            # ===== loss (TB unless --loss) and update ============================================
             beta, lr = beta_at(cfg, step), lr_at(cfg, step)
             for g in opt.param_groups:
                 g["lr"] = lr
-            stats = tb_backward(model, mine, len(batch) / world, prompts, pad, device, cfg, beta)
+            sums = backward(model, mine, len(batch) / world, prompts, pad, device, cfg, beta)
+            stats = torch.tensor(list(sums.values()), dtype=torch.float64)
             dist.all_reduce(stats)
-            if not math.isfinite(stats[0].item()):
+            stats = dict(zip(sums, (stats / stats[list(sums).index("prompts")]).tolist()))  # means over prompts
+            if not math.isfinite(stats["loss"]):
                 raise FloatingPointError(f"non-finite loss at step {step + 1}; the last good checkpoint, if any, "
                                          f"is {os.path.join(cfg.out, 'checkpoint')}")
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            # ===== sync weights to the searchers every k steps ===================================
+            training[0] = True  # from now on a signal stops the run after a checkpoint
+            # ===== sync weights to the searchers every k steps; TBA′: reset pi_ref every rho ===
             t_sync = time.time()
-            if step % cfg.sync_every == 0:
+            if cfg.ref_reset_every and step % cfg.ref_reset_every == 0:
+                sync_weights(ref=True)  # pi_ref <- the current policy; older data leaves the buffer
+                if rank == 0:
+                    buffer.set_reference(step)
+            elif step % cfg.sync_every == 0:
                 sync_weights()
             sync_seconds = time.time() - t_sync
             # ===== log ============================================================================
             if rank == 0:
                 stale = [step - 1 - t.version for g in batch for t in g]
-                log.row(kind="train", step=step, time=log.now(), loss=stats[0].item() / stats[2].item(),
-                        reward=float(np.mean([t.reward for g in batch for t in g])),
-                        log_z=stats[1].item() / stats[2].item(), beta=beta, lr=lr,
+                stats.pop("prompts")
+                log.row(kind="train", step=step, time=log.now(), **stats,
+                        reward=float(np.mean([t.reward for g in batch for t in g])), beta=beta, lr=lr,
                         staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait,
                         sync=sync_seconds, seconds=time.time() - t_step, samples=log.samples,
                         buffer=len(buffer), overhead=log.overhead)
@@ -537,21 +740,22 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
                 checkpoint()
 
         # --- the end: the final weights to the searchers, the final evaluation, the final model
-        if step % cfg.sync_every:
-            sync_weights()
+        if cfg.lag or step % cfg.sync_every:
+            sync_weights(lag=0)  # the final evaluation is of the final weights
         evaluate()
         if rank == 0 and cfg.searchers:
             receive(lambda: log.evals and log.evals[-1]["version"] == cfg.steps)
             if stop_signal:
                 checkpoint()
-                raise Stop(stop_signal[0])
+                raise Stop(stop_signal[0], True)
         sd = full_state_dict(model)
         if rank == 0:
             save_hf(model, sd, tokenizer, os.path.join(cfg.out, "final"))
             log.summary()
     finally:
+        log.close()
         if channels is not None:
-            shutdown(procs, *channels[:2], weights.handoff)
+            shutdown(procs, *channels[:2], shared.handoff)
         if engine is not None:
             engine.close()
         if dist.is_initialized():
@@ -561,7 +765,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts):
 def drain(queue, buffer, log, alive, done, timeout: float) -> float:
     """Move every waiting message into the buffer (trajectories) or the log (evaluations); then, while
     not done(), wait for more, polling, checking the searchers and a timeout. Returns seconds waited."""
-    waited, deadline = 0.0, time.time() + timeout
+    waited, deadline = 0.0, time.time() + timeout  # the deadline moves on with every message
     while True:
         block = not done()
         t0 = time.time()
@@ -573,12 +777,13 @@ def drain(queue, buffer, log, alive, done, timeout: float) -> float:
                 return waited
             waited += time.time() - t0
             if time.time() > deadline:
-                raise TimeoutError(f"no data from the searchers in {timeout:.0f} s (see --timeout)")
+                raise TimeoutError(f"no message from the searchers in {timeout:.0f} s (see --timeout)")
             continue
         if block:
             waited += time.time() - t0
+        deadline = time.time() + timeout
         if msg["kind"] == "eval":
-            log.eval(msg["version"], msg["accuracy"], msg["example"], msg["seconds"], log.published[msg["version"]])
+            log.eval(msg["version"], msg["scores"], msg["example"], msg["seconds"], log.published[msg["version"]])
         else:
             buffer.add(msg["trajectories"])
             log.samples += len(msg["trajectories"])
@@ -596,51 +801,6 @@ def shutdown(procs, queue, stop, handoff):
             p.join(timeout=5)
     queue.cancel_join_thread()
     handoff.cancel_join_thread()
-
-
-class Log:
-    """metrics.jsonl rows, config.json, and the console (rank 0 writes; other ranks do nothing)."""
-
-    def __init__(self, cfg, rank, t0):
-        self.cfg, self.rank, self.t0 = cfg, rank, t0
-        self.overhead = 0.0  # s the trainer spent evaluating and checkpointing (not learning)
-        self.samples = 0     # trajectories received
-        self.evals, self.published = [], {}  # eval rows; weight version -> (time, overhead) when made
-        if rank == 0:
-            os.makedirs(cfg.out, exist_ok=True)
-            with open(os.path.join(cfg.out, "config.json"), "w") as f:
-                json.dump(dict(vars(cfg), started=t0), f, indent=1)  # started: the Unix time of t = 0
-            self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "a")
-
-    def now(self) -> float:
-        return time.time() - self.t0
-
-    def clock(self) -> tuple[float, float]:
-        return self.now(), self.overhead
-
-    def eval(self, version: int, accuracy: float, example: dict, seconds: float, made: tuple[float, float]):
-        """An evaluation of the weights of step `version`; time and overhead: when they were made."""
-        self.row(kind="eval", step=version, version=version, accuracy=accuracy, time=made[0], overhead=made[1],
-                 seconds=seconds, example=example)
-
-    def row(self, **row):
-        if self.rank != 0:
-            return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        if row["kind"] == "eval":
-            self.evals.append(row)
-            print(f"eval  step {row['step']:5d} | held-out accuracy {row['accuracy']:.3f}", flush=True)
-        else:
-            print(f"step {row['step']:5d} | reward {row['reward']:.3f} | loss {row['loss']:8.4f} | "
-                  f"log_z {row['log_z']:8.3f} | beta {row['beta']:.4f} | lr {row['lr']:.2e} | "
-                  f"stale {row['staleness']:.1f}/{row['staleness_max']} | wait {row['wait']:.2f}s | "
-                  f"samples {row['samples']} | {row['time']:.0f}s", flush=True)
-
-    def summary(self):
-        first, last = self.evals[0], self.evals[-1]
-        print(f"done: {self.cfg.steps} steps in {self.now():.0f} s | held-out accuracy {first['accuracy']:.3f} "
-              f"(step {first['step']}) -> {last['accuracy']:.3f} (step {last['step']}) | {self.cfg.out}", flush=True)
 
 
 if __name__ == "__main__":

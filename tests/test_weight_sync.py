@@ -12,7 +12,9 @@ import searcher
 import tba
 from loss import sequence_logprobs
 from rewards import arith_reward
-from searcher import Engine, collate, publish, share_weights
+import weights
+from loss import collate
+from searcher import Engine
 
 
 def config(model, **kw):
@@ -20,6 +22,13 @@ def config(model, **kw):
     cfg.device, cfg.threads, cfg.model_path, cfg.max_model_len, cfg.dtype = "cpu", 1, model, 512, "float32"
     cfg.search_samples_per_prompt = cfg.samples_per_prompt
     return cfg
+
+
+def share(model, ctx, with_ref=False):
+    """The trainer's side of the weight path for `model` (one process, CPU shared memory)."""
+    shared = weights.create(ctx)
+    weights.allocate(shared, weights.gather(model), weights.aliases(model), "cpu", torch.float32, with_ref)
+    return shared
 
 
 def perturbed(model_path, seed):
@@ -45,15 +54,15 @@ def test_engine_matches_trainer_after_sync(tiny_model):
     prompt = tok("12+34=46\n" * 40 + "47+85=").input_ids  # long: whole KV blocks get cached
     response = tok("132").input_ids + [tok.eos_token_id]
     model = perturbed(tiny_model, 0)
-    weights = share_weights(model.state_dict(), "cpu", torch.float32, mp.get_context("spawn"))
-    engine = Engine(cfg, tiny_model, tiny_model, "cpu", 0.1, [prompt], ["132"], arith_reward)
+    shared = share(model, mp.get_context("spawn"))
+    engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"], arith_reward)
     sample = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True, logprobs=0)
     before = engine.llm.generate([{"prompt_token_ids": prompt}], sample, use_tqdm=False)[0].outputs[0]
     for version, seed in ((2, 1), (4, 2)):
         model = perturbed(tiny_model, seed)
-        publish(weights, model.state_dict(), version, lambda: None, 10)
-        assert engine.sync(weights, lambda: None, 10) and engine.version == version
-        assert not engine.sync(weights, lambda: None, 10)  # no version move, no reload
+        weights.publish(shared, weights.gather(model), version, lambda: None, 10)
+        assert engine.sync(shared, lambda: None, 10) and engine.version == version
+        assert not engine.sync(shared, lambda: None, 10)  # no version move, no reload
         # a fixed response: vLLM's prompt log-probs (raw logits) vs the trainer's at temperature 1
         assert abs(engine.score(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
         # the cached prompt prefix was dropped: sampled tokens' log-probs follow the new weights
@@ -74,15 +83,15 @@ def test_searcher_process_after_sync(tiny_model):
     answers = ["46", "134", "101", "50"]
     ctx = mp.get_context("spawn")
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    weights = share_weights(ref.state_dict(), "cpu", torch.float32, ctx)
+    shared = share(ref, ctx)
     queue, stop = ctx.Queue(maxsize=4), ctx.Event()
     proc = ctx.Process(target=searcher.run, daemon=True,
-                       args=(0, dataclasses.asdict(cfg), weights, queue, stop, None, prompts, answers,
+                       args=(0, dataclasses.asdict(cfg), shared, queue, stop, None, prompts, answers,
                              prompts, answers, "cpu"))
     proc.start()
     try:
         model = perturbed(tiny_model, 3)
-        publish(weights, model.state_dict(), 2, lambda: None, 10)
+        weights.publish(shared, weights.gather(model), 2, lambda: None, 10)
         deadline, fresh = time.time() + 120, []
         while not fresh:
             assert time.time() < deadline and proc.is_alive()

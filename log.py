@@ -1,0 +1,109 @@
+"""What a run reports: `metrics.jsonl` (the full record), `config.json`, the console, and optionally
+Weights & Biases. Trainer rank 0 writes; on other ranks every method does nothing.
+
+The console is a progress bar (tqdm) over the steps, with the elapsed and remaining time and the
+latest reward, loss, staleness and held-out score, where the output is a terminal; elsewhere (a log
+file, CI, nohup) it is one plain line every `--log-every` steps. Evaluations print above the bar.
+`--wandb PROJECT` sends the same rows to W&B (the package is optional and imported only then).
+"""
+
+import json
+import os
+import sys
+import time
+
+
+class Log:
+    def __init__(self, cfg, rank: int, t0: float, step: int = 0, resumed: dict | None = None):
+        self.cfg, self.rank, self.t0 = cfg, rank, t0
+        self.overhead = 0.0   # s the trainer spent evaluating and checkpointing (not learning)
+        self.samples = 0      # trajectories received, over the whole run (carried by checkpoints)
+        self.evals, self.published = [], {}  # eval rows; weight version -> (time, overhead) when made
+        self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
+        self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
+        self.last_train, self.bar, self.wandb = None, None, None
+        if rank != 0:
+            return
+        os.makedirs(cfg.out, exist_ok=True)
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump(dict(vars(cfg), started=t0), f, indent=1)  # started: the Unix time of t = 0
+        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "a")
+        if sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+        if cfg.wandb:
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb, name=os.path.basename(os.path.abspath(cfg.out)),
+                                    dir=cfg.out, config=dict(vars(cfg)))
+            for kind in ("train", "eval"):
+                self.wandb.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def clock(self) -> tuple[float, float]:
+        return self.now(), self.overhead
+
+    def eval(self, version: int, scores: dict, example: dict, seconds: float, made: tuple[float, float]):
+        """An evaluation of the weights of step `version`; time and overhead: when they were made."""
+        self.row(kind="eval", step=version, version=version, **scores, time=made[0], overhead=made[1],
+                 seconds=seconds, example=example)
+
+    def row(self, **row):
+        if self.rank != 0:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{row['kind']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))})
+        if row["kind"] == "eval":
+            self.evals.append(row)
+            self.first_eval = self.first_eval or {"step": row["step"], "score": row[self.cfg.score]}
+            if self.resumed is not None:
+                self.resumed.setdefault("score", row[self.cfg.score])
+            self.print(f"eval  step {row['step']:5d} | held-out {self.cfg.score.replace('_', ' ')} "
+                       f"{row[self.cfg.score]:.3f}")
+        else:
+            self.last_train = row
+        self.show(row)
+
+    def show(self, row):
+        """The console: the bar's position and postfix, or a plain line every --log-every steps."""
+        t = self.last_train
+        if t is None:
+            return
+        score = f" | held-out {self.evals[-1][self.cfg.score]:.3f}" if self.evals else ""
+        brief = (f"reward {t['reward']:.3f} | loss {t['loss']:.4g} | stale {t['staleness']:.1f}/{t['staleness_max']}"
+                 f"{score}")
+        if self.bar is not None:
+            self.bar.update(t["step"] - self.bar.n)
+            self.bar.set_postfix_str(brief, refresh=True)
+        elif row["kind"] == "train" and (t["step"] % self.cfg.log_every == 0 or t["step"] == self.cfg.steps):
+            print(f"step {t['step']:5d}/{self.cfg.steps} | {brief} | beta {t['beta']:.4f} | lr {t['lr']:.2e} | "
+                  f"wait {t['wait']:.2f}s | samples {t['samples']} | {t['time']:.0f}s", flush=True)
+
+    def print(self, line: str, file=None):
+        """A line on the console, above the bar if there is one."""
+        if self.rank != 0:
+            return
+        if self.bar is not None:
+            self.bar.write(line, file=file or sys.stdout)
+        else:
+            print(line, file=file or sys.stdout, flush=True)
+
+    def summary(self):
+        first, last, score = self.first_eval, self.evals[-1], self.cfg.score.replace("_", " ")
+        resumed = (f" | resumed at step {self.resumed['step']} ({self.resumed['score']:.3f})"
+                   if self.resumed and "score" in self.resumed else "")
+        self.print(f"done: {self.cfg.steps} steps in {self.now():.0f} s | held-out {score} {first['score']:.3f} "
+                   f"(step {first['step']}) -> {last[self.cfg.score]:.3f} (step {last['step']}){resumed} | "
+                   f"{self.cfg.out}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
