@@ -296,6 +296,7 @@ def check(cfg: Config, world: int):
     # task, model, tokenizer
     train, test = load_task(cfg.task, cfg.data)
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
+    cfg.score = "accuracy"  # the evaluation's headline figure (greedy pass@1)
     need(cfg.prompts_per_step <= len(train), "prompts-per-step", f"B = {cfg.prompts_per_step} distinct prompts a step, "
          f"but the task has {len(train)} training problems")
     need(cfg.initial_buffer <= cfg.buffer_capacity * len(train), "initial-buffer",
@@ -549,15 +550,15 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
     t_start = time.time()
     # --- signals: before the first step, one stops the run at once (nothing to save); after, the
     # first stops it after a checkpoint and a second stops it at once
-    stop_signal, training = [], [False]
+    stop_signal, training = [], [False]  # [(name, time)] of the first signal; [a step was taken]
 
     def on_signal(signum, frame):
         name = signal.Signals(signum).name
         if not training[0]:
             raise Stop(name, False)
-        if stop_signal:
-            raise KeyboardInterrupt
-        stop_signal.append(name)
+        if stop_signal and time.time() - stop_signal[0][1] > 1:  # torchrun forwards Ctrl-C's SIGINT again
+            raise KeyboardInterrupt                                # at once: a second signal counts after 1 s
+        stop_signal[:] = stop_signal or [(name, time.time())]
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
@@ -696,7 +697,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
             if batch is None:
                 if step > first_step:
                     checkpoint()
-                raise Stop(stop_signal[0] if stop_signal else "a signal", step > first_step)
+                raise Stop(stop_signal[0][0] if stop_signal else "a signal", step > first_step)
             mine = batch[rank * len(batch) // world:(rank + 1) * len(batch) // world]
             # ===== loss (TB unless --loss) and update ============================================
             beta, lr = beta_at(cfg, step), lr_at(cfg, step)
@@ -747,7 +748,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
             receive(lambda: log.evals and log.evals[-1]["version"] == cfg.steps)
             if stop_signal:
                 checkpoint()
-                raise Stop(stop_signal[0], True)
+                raise Stop(stop_signal[0][0], True)
         sd = full_state_dict(model)
         if rank == 0:
             save_hf(model, sd, tokenizer, os.path.join(cfg.out, "final"))

@@ -37,6 +37,18 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--temperature", "0"], "--temperature"),
     (["--max-new-tokens", "1020"], "--max-new-tokens"),  # beyond the test model's 1024-token context
     (["--resume", "/nonexistent/ckpt"], "--resume"),
+    (["--prompts-per-step", "100000"], "but the task has 7700 training problems"),  # was a 10-minute wait
+    (["--initial-buffer", "770001"], "--initial-buffer"),  # more than 100 per prompt x 7,700 prompts
+    (["--loss", "ppo"], "--loss: unknown loss 'ppo'"),
+    (["--clip", "0"], "--clip"),
+    (["--lag", "-1"], "--lag"),
+    (["--lag", "4", "--ref-reset-every", "50"], "--lag"),
+    (["--ref-reset-every", "-5"], "--ref-reset-every"),
+    (["--dtype", "bfloat16"], "--dtype"),  # on the CPU
+    (["--dtype", "int8"], "--dtype"),
+    (["--log-every", "0"], "--log-every"),
+    (["--eval-limit", "0"], "--eval-limit"),
+    (["--out", "/proc/x"], "--out: cannot write to /proc/x"),
 ])
 def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capsys):
     refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
@@ -49,6 +61,32 @@ def test_bad_models(tmp_path, monkeypatch, capsys):
     refuse(["--model", str(tmp_path / "empty")], tmp_path, monkeypatch, capsys, "no config.json")
     refuse(["--model", "nobody/no-such-model-xyz"], tmp_path, monkeypatch, capsys, "Hugging Face hub")
     refuse(["--model", "rho-math-1b"], tmp_path, monkeypatch, capsys, "'realtreetune/rho-1b-sft-GSM8K'")  # the alias
+
+
+def test_model_without_tokenizer(tiny_model, tmp_path, monkeypatch, capsys):
+    """config.json and weights only: one line naming --model and what is missing (was transformers'
+    message about sentencepiece and tiktoken, then exit 1)."""
+    import shutil
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_model, name), folder / name)
+    refuse(["--model", str(folder)], tmp_path, monkeypatch, capsys, "has no tokenizer")
+
+
+def test_unwritable_out_folder(tiny_model, tmp_path, monkeypatch, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    refuse(["--model", tiny_model, "--out", str(tmp_path / "file" / "run")], tmp_path, monkeypatch, capsys,
+           "--out: cannot write to")
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_multi_node_launch_is_refused(tiny_model, tmp_path, monkeypatch, capsys):
+    """torchrun --nnodes 2 sets GROUP_WORLD_SIZE (nodes) and a WORLD_SIZE above LOCAL_WORLD_SIZE."""
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    refuse(["--model", tiny_model], tmp_path, monkeypatch, capsys, "--nnodes: tba.py runs on one node")
 
 
 def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):
@@ -107,6 +145,28 @@ def test_gsm8k_prompt_format():
     first = json.loads(open(os.path.join(DATA, "train.jsonl")).readline())
     assert train[0].prompt == f"[MATH TASK] Problem:\n{first['question']}\n\nSolution:\n"
     assert train[0].answer == first["answer"] and len(test) > 0
+
+
+def test_loss_is_saved_with_the_run(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    cfg, *_ = tba.check(tba.parse(["--model", tiny_model, "--loss", "grpo", "--clip", "0.3",
+                                   "--out", str(tmp_path / "run")]), world=1)
+    assert not (tmp_path / "run").exists()  # checked, then removed: the run makes it
+    from log import Log
+    Log(cfg, 0, 0.0).close()
+    saved = json.load(open(tmp_path / "run" / "config.json"))
+    assert (saved["loss"], saved["clip"], saved["score"]) == ("grpo", 0.3, "accuracy")
+
+
+def test_torchrun_report_names_the_error(tiny_model, tmp_path):
+    """Under torchrun, the refusal is the worker's one line, and torchrun's failure report names it
+    (through the error file) instead of 'error_file: <N/A>'; torchrun itself exits with 1."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                        os.path.join(ROOT, "tba.py"), "--model", tiny_model, "--recency", "2"],
+                       cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert p.stderr.count("tba.py: error: --recency: must be in [0, 1], got 2.0") == 2  # the line, the report
+    assert "traceback : tba.py: error: --recency" in p.stderr and "<N/A>" not in p.stderr
 
 
 def test_command_line_exit_status_and_one_line(tiny_model, tmp_path):

@@ -59,8 +59,11 @@ def assert_checkpoint(out):
     return state
 
 
-@pytest.mark.parametrize("how", ["SIGINT to the process group", "SIGTERM to torchrun"])
+@pytest.mark.parametrize("how", ["SIGINT to the process group", "SIGTERM to torchrun",
+                                 "SIGINT to torchrun's process group"])
 def test_signal_stops_everything_with_a_checkpoint(how, tiny_model, tmp_path):
+    """Ctrl-C in a terminal is SIGINT to the whole group; under torchrun the trainer then gets it
+    twice (torchrun forwards it), which must still count as one: a checkpoint is written."""
     out = tmp_path / "run"
     torchrun = "torchrun" in how
     proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, "--out", str(out)], tmp_path, torchrun)
@@ -69,7 +72,7 @@ def test_signal_stops_everything_with_a_checkpoint(how, tiny_model, tmp_path):
         everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert searcher_pids(proc.pid), "no searcher running"
         t0 = time.time()
-        if torchrun:
+        if how == "SIGTERM to torchrun":
             os.kill(proc.pid, signal.SIGTERM)
         else:
             os.killpg(proc.pid, signal.SIGINT)
@@ -83,6 +86,42 @@ def test_signal_stops_everything_with_a_checkpoint(how, tiny_model, tmp_path):
     assert_all_gone(everything)
     state = assert_checkpoint(out)
     assert state["step"] == max(r["step"] for r in metrics(out) if r["kind"] == "train")
+
+
+def test_signal_during_start_up_stops_quietly(tiny_model, tmp_path):
+    """While tba.py imports and checks (about a second in): one line, status 130, nothing left."""
+    out = tmp_path / "run"
+    proc = start(["--model", tiny_model, *SMALL, "--out", str(out)], tmp_path)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 130, output[-3000:]
+    assert output.strip().splitlines() == ["tba.py: stopped by SIGINT during start-up"], output[-3000:]
+    assert not out.exists()
+
+
+def test_signal_before_the_first_step_stops_quietly(tiny_model, tmp_path):
+    """Searchers running, the trainer waiting for its initial buffer: one line, status 143, no
+    checkpoint (nothing was learned), no process left."""
+    out = tmp_path / "run"
+    proc = start(["--model", tiny_model, *SMALL, "--initial-buffer", "700000", "--out", str(out)], tmp_path)
+    try:
+        deadline = time.time() + 180
+        while not (os.path.exists(out / "metrics.jsonl") and metrics(out)):  # the first evaluation: searching
+            assert time.time() < deadline and proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.2)
+        everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert searcher_pids(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, output[-3000:]
+    assert output.strip().splitlines()[-1] == "tba.py: stopped by SIGTERM; before the first step: nothing to save"
+    assert "Traceback" not in output
+    assert not (out / "checkpoint").exists() and not any(r["kind"] == "train" for r in metrics(out))
+    assert_all_gone(everything)
 
 
 def test_dead_searcher_stops_the_run(tiny_model, tmp_path):
@@ -120,6 +159,12 @@ def test_resume_gives_the_same_weights(tiny_model, tmp_path):
     rows_a = [r for r in metrics(tmp_path / "a") if r["kind"] == "train"]
     rows_b = [r for r in metrics(tmp_path / "b2") if r["kind"] == "train"]
     assert [r["step"] for r in rows_b] == [4, 5, 6]
+    assert [r["samples"] for r in rows_a[3:]] == [r["samples"] for r in rows_b]  # counters carried over
+    start = next(r for r in metrics(tmp_path / "a") if r["kind"] == "eval")["accuracy"]
+    resumed = next(r for r in metrics(tmp_path / "b2") if r["kind"] == "eval")
+    summary = b2.stdout.strip().splitlines()[-1]
+    assert f"held-out accuracy {start:.3f} (step 0) -> " in summary, summary  # the whole run's start
+    assert f"resumed at step 3 ({resumed['accuracy']:.3f})" in summary, summary
     for ra, rb in zip(rows_a[3:], rows_b):  # same learning rate, beta, batches and losses
         assert ra["lr"] == rb["lr"] and ra["beta"] == rb["beta"] and ra["reward"] == rb["reward"]
         assert abs(ra["loss"] - rb["loss"]) <= 1e-4 * max(1.0, abs(ra["loss"]))
@@ -128,6 +173,37 @@ def test_resume_gives_the_same_weights(tiny_model, tmp_path):
     start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-4
     assert max((wa[k] - start[k]).abs().max().item() for k in wa) > 1e-3  # and they did train
+
+
+class RunsCode:
+    """Unpickling this runs a shell command: what a malicious checkpoint could carry."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_that_could_run_code_is_refused(tiny_model, tmp_path):
+    """Checkpoints are tensors and plain data: one that holds a pickled object is refused in one
+    line, before anything runs, and the object's code never runs."""
+    import shutil
+    run = run_tba(["--model", tiny_model, "--searchers", "0", "--steps", "2", "--save-every", "2", *SMALL,
+                   "--out", str(tmp_path / "a")], tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:]
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil"
+    shutil.copytree(tmp_path / "a" / "checkpoint", evil)
+    state = torch.load(evil / "trainer.pt", weights_only=True)
+    torch.save(dict(state, first_eval=RunsCode(marker)), evil / "trainer.pt")
+    p = run_tba(["--model", tiny_model, "--resume", str(evil), "--out", str(tmp_path / "b")], tmp_path)
+    assert p.returncode == 2 and not marker.exists(), p.stdout[-3000:]
+    assert p.stdout.strip().splitlines()[-1].startswith(f"tba.py: error: --resume: {evil} does not parse")
+    shutil.copy(tmp_path / "a" / "checkpoint" / "trainer.pt", evil / "trainer.pt")
+    (evil / "buffer.npz").write_bytes(b"not an archive")
+    p = run_tba(["--model", tiny_model, "--resume", str(evil), "--out", str(tmp_path / "b")], tmp_path)
+    assert p.returncode == 2 and "does not parse as a checkpoint" in p.stdout.strip().splitlines()[-1]
 
 
 def test_checkpoint_swap_is_atomic(tmp_path):
