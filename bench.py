@@ -44,7 +44,6 @@ import tba
 import weights
 from buffer import Trajectory
 from loss import collate
-from rewards import REWARDS
 from searcher import Engine
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -167,8 +166,7 @@ def sync_cost(model_path: str, cfg, repeat: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(trainer)
     shared = weights.create(torch.multiprocessing.get_context("spawn"))
     weights.allocate(shared, weights.gather(model), weights.aliases(model), trainer, getattr(torch, cfg.dtype))
-    engine = Engine(dataclass_replace(cfg, model_path=model_path), searcher_device, 0.2, [[1, 2, 3]], ["0"],
-                    REWARDS["arith"])
+    engine = Engine(dataclass_replace(cfg, model_path=model_path), searcher_device, 0.2, [[1, 2, 3]], ["0"])
     version = [0]
 
     def publish_once():  # the trainer's side: gather (a no-op on one rank) and copy into the shared tensors
@@ -207,7 +205,7 @@ def dataclass_replace(cfg, **changes):
 # --- 4: searcher overhead -------------------------------------------------------------------------
 def searcher_overhead(cfg, prompts, answers, repeat: int) -> dict:
     from vllm import SamplingParams
-    engine = Engine(cfg, devices(cfg)[1], 0.2, prompts, answers, REWARDS[cfg.task])
+    engine = Engine(cfg, devices(cfg)[1], 0.2, prompts, answers)
     ids = np.arange(cfg.prompts_per_step)
     n = cfg.search_samples_per_prompt
 

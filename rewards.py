@@ -4,6 +4,9 @@
 - `gsm8k_reward`: the paper's GSM8K reward (Sec. 5 of Bartoldson et al., and the authors'
   `gsm8k_utils.py`): 1.0 if the LAST number in the completion, commas removed, equals the
   number after `####` in the data set's answer, compared as floats; else 0.0.
+- `RewardModel`: a learned reward (`--reward-model`), the paper's TL;DR reward.
+The searcher calls either kind the same way, once per round: `reward(prompts, responses,
+completions, answers) -> list[float]` (a string reward through `batched`).
 """
 
 import re
@@ -41,3 +44,59 @@ def arith_reward(completion: str, answer: str) -> float:
 
 
 REWARDS = {"arith": arith_reward, "gsm8k": gsm8k_reward}
+
+
+# --- the one interface the searcher calls, once per round, for either kind of reward -------------
+def batched(reward):
+    """A string reward as the searcher calls every reward: on the lists of one round."""
+    return lambda prompts, responses, completions, answers: [reward(c, a) for c, a in zip(completions, answers)]
+
+
+class RewardModel:
+    """A learned reward: a Hugging Face sequence classifier with one output (`--reward-model`), as
+    in the paper's TL;DR runs and the authors' `tba_trainer_tldr.py` (TRL's `get_reward`):
+    - the response is cut after its first EOS; with `non_eos_penalty`, a response that never
+      produced EOS gets `penalty` (-1) instead of a score;
+    - prompt + response are scored in batches, and the score is read at the response's last
+      token (the EOS), whatever the padding token is (transformers' own pooling reads the token
+      before EOS when pad = EOS, as in many Pythia reward models);
+    - the policy's token ids are scored directly when the reward model has the same vocabulary
+      (the authors' case: both are Pythia); otherwise the decoded text is tokenized again.
+    Build it under `Engine.transformers_models()` in a process that runs vLLM (see searcher.py)."""
+
+    def __init__(self, path: str, device, dtype, policy_tokenizer, non_eos_penalty: bool,
+                 batch: int = 64, penalty: float = -1.0):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.torch, self.device, self.batch = torch, torch.device(device), batch
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.tokenizer, self.policy_tokenizer = AutoTokenizer.from_pretrained(path), policy_tokenizer
+        self.same_vocab = self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        self.eos, self.non_eos_penalty, self.penalty = policy_tokenizer.eos_token_id, non_eos_penalty, penalty
+
+    def __call__(self, prompts, responses, completions=None, answers=None) -> list[float]:
+        """Rewards of (prompt ids, response ids) pairs in the policy's tokens."""
+        cut = [list(r[:list(r).index(self.eos) + 1]) if self.eos in list(r) else list(r) for r in responses]
+        scores = self.score([list(p) + r for p, r in zip(prompts, cut)])
+        return [s if self.eos in r or not self.non_eos_penalty else self.penalty for s, r in zip(scores, cut)]
+
+    def score(self, sequences: list[list[int]]) -> list[float]:
+        """The model's output at the last token of each sequence (policy token ids)."""
+        if not self.same_vocab:  # another tokenizer: score the text, with its own EOS where there was one
+            ends = [s[-1:] == [self.eos] for s in sequences]
+            texts = self.policy_tokenizer.batch_decode(sequences, skip_special_tokens=True)
+            sequences = [self.tokenizer(t).input_ids + ([self.tokenizer.eos_token_id] if e else [])
+                         for t, e in zip(texts, ends)]
+        torch, out = self.torch, []
+        with torch.no_grad():
+            for i in range(0, len(sequences), self.batch):
+                part = sequences[i:i + self.batch]
+                T = max(len(s) for s in part)
+                ids = torch.tensor([s + [0] * (T - len(s)) for s in part], device=self.device)          # (n, T)
+                mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in part], device=self.device)
+                hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (n, T, H)
+                last = torch.tensor([len(s) - 1 for s in part], device=self.device)                 # (n,)
+                out += self.model.score(hidden[torch.arange(len(part)), last]).squeeze(-1).float().tolist()
+        return out

@@ -15,6 +15,7 @@ gives the protocol). `Engine` is the same code in a searcher process and, with `
 held-out problems) after a round when the trainer has asked for it.
 """
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -39,13 +40,16 @@ import torch
 
 from buffer import Trajectory
 from loss import collate, sequence_logprobs, unique_pairs
+from rewards import REWARDS, RewardModel, batched
 from weights import WAIT, Dead, SharedWeights, locked, receive
 
-class Engine:
-    """vLLM plus the frozen reference model, for searching, scoring and evaluation."""
 
-    def __init__(self, cfg, device: str, memory: float, prompts: list[list[int]], answers: list[str], reward):
-        self.cfg, self.prompts, self.answers, self.reward = cfg, prompts, answers, reward
+class Engine:
+    """vLLM (the searcher's copy of the policy), pi_ref and the reward, for searching, scoring and
+    evaluation."""
+
+    def __init__(self, cfg, device: str, memory: float, prompts: list[list[int]], answers: list[str]):
+        self.cfg, self.prompts, self.answers = cfg, prompts, answers
         self.device = torch.device(device)
         kwargs = dict(model=cfg.model_path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
                       logprobs_mode="processed_logprobs",  # behaviour log-probs after temperature
@@ -62,11 +66,36 @@ class Engine:
         else:  # vLLM's sampler torch.compiles its log-prob gather on first use: 3-4 s of C++ build
             # per process on the CPU, for no speed-up there (this process only; GPUs keep compiling)
             torch._dynamo.config.disable = True
+        from transformers import AutoTokenizer
         from vllm import LLM
         self.llm = LLM(**kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.version = 0      # trainer step of the weights loaded (0 = the initial model)
         self.ref_version = 0  # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
-        self.ref = None       # pi_ref, loaded on the first search
+        self.ref = self.judge = None  # pi_ref, loaded on the first search; the evaluation's judge
+        self.reward = self.reward_model(cfg.reward_model_path) if cfg.reward_model_path else batched(REWARDS[cfg.task])
+
+    @contextlib.contextmanager
+    def transformers_models(self):
+        """Build transformers models in this process (pi_ref, reward models, the synchronous trainer's
+        policy) inside this. vLLM serves architectures it has no native code for (GPT-NeoX, i.e.
+        Pythia, in 0.32: model_executor/models/registry.py:709-716) through its Transformers backend,
+        which rewrites the transformers decoder class in place (compilation/decorators.py:359, 434,
+        756, via models/transformers/base.py:172): its __init__ then needs a current vLLM config, and
+        its __call__ runs vLLM's torch.compile wrapper unless that config's compilation is off. A copy
+        of the engine's config with compilation off gives plain eager models, with log-probs and
+        gradients equal to a process without vLLM; for natively served models it changes nothing."""
+        import copy
+        from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
+        config = copy.copy(self.llm.llm_engine.vllm_config)
+        config.compilation_config = CompilationConfig(mode=CompilationMode.NONE)
+        with set_current_vllm_config(config):
+            yield
+
+    def reward_model(self, path: str):
+        with self.transformers_models():
+            return RewardModel(path, self.device, self.cfg.dtype, self.tokenizer, self.cfg.non_eos_penalty,
+                               batch=self.cfg.micro_batch)
 
     # --- weights ---------------------------------------------------------------------------
     def load(self, named_tensors, version: int):
@@ -74,7 +103,7 @@ class Engine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV
         # values. reset_prefix_cache() returns False when blocks are still in use (v1/core/
-        # block_pool.py); between two rounds none are, so False is a bug to stop on, not to log.
+        # block_pool.py:837-845); between two rounds none are, so False is a bug to stop on.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(f"vLLM could not reset its prefix cache after loading the weights of step {version}")
         self.version = version
@@ -96,7 +125,8 @@ class Engine:
         """pi_ref, a transformers model on this device (frozen: the initial model until a reset)."""
         if self.ref is None:
             from transformers import AutoModelForCausalLM
-            self.ref = AutoModelForCausalLM.from_pretrained(self.cfg.model_path, dtype=getattr(torch, self.cfg.dtype))
+            with self.transformers_models():
+                self.ref = AutoModelForCausalLM.from_pretrained(self.cfg.model_path, dtype=getattr(torch, self.cfg.dtype))
             self.ref.to(self.device).eval().requires_grad_(False)
         return self.ref
 
@@ -111,28 +141,27 @@ class Engine:
                   for p in prompt_ids]  # a seed per request: sampling is reproducible from the run's seed
         outputs = self.llm.generate([{"prompt_token_ids": self.prompts[p]} for p in prompt_ids], params,
                                     use_tqdm=False)
-        trajectories = []
-        for p, out in zip(prompt_ids, outputs):
-            for c in out.outputs:
-                trajectories.append(Trajectory(
-                    prompt_id=int(p), response=np.asarray(c.token_ids, dtype=np.int32),
-                    reward=self.reward(c.text, self.answers[p]), logp_ref=0.0,
-                    logp_behaviour=float(c.cumulative_logprob), version=self.version,
-                    ref_version=self.ref_version))
+        done = [(int(p), c) for p, out in zip(prompt_ids, outputs) for c in out.outputs]
+        rewards = self.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done],
+                              [c.text for _, c in done], [self.answers[p] for p, _ in done])
+        trajectories = [Trajectory(prompt_id=p, response=np.asarray(c.token_ids, dtype=np.int32), reward=float(r),
+                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob), version=self.version,
+                                   ref_version=self.ref_version)
+                        for (p, c), r in zip(done, rewards)]
         pairs, index = unique_pairs(trajectories, self.prompts)
-        logp_ref = self.logprobs(self.reference(), pairs)
+        logp_ref = self.logprobs(self.reference(), pairs, self.cfg.temperature)
         for t, i in zip(trajectories, index):
             t.logp_ref = logp_ref[i]
         tokens = sum(len(t.response) for t in trajectories)
         return trajectories, {"tokens": tokens}
 
     @torch.no_grad()
-    def logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]]) -> list[float]:
+    def logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]], temperature: float) -> list[float]:
         """Summed log-probs of (prompt, response) pairs under a transformers model, in micro-batches."""
         out = []
         for i in range(0, len(pairs), self.cfg.micro_batch):
             batch = collate(pairs[i:i + self.cfg.micro_batch], 0, self.device)
-            out += sequence_logprobs(model, *batch, self.cfg.temperature).tolist()
+            out += sequence_logprobs(model, *batch, temperature).tolist()
         return out
 
     def close(self):
@@ -149,16 +178,36 @@ class Engine:
 
     # --- evaluation ------------------------------------------------------------------------
     def evaluate(self, prompts: list[list[int]], answers: list[str]) -> tuple[dict, dict]:
-        """Greedy pass@1 ({"accuracy"}) with the loaded weights, and the first problem's completion."""
+        """Greedy responses with the loaded weights: their scores, and the first problem's as an example.
+        Tasks with an exact answer: {"accuracy"} (pass@1). With a reward model (tldr): {"score"} (the
+        training reward), {"win_rate"} (the judge, --eval-reward-model, scores the response above the
+        reference answer) and {"kl"} (mean log pi_theta(y|x) - log pi_ref(y|x) of the greedy response y,
+        at temperature 1: the log-ratio that the KL term acts on)."""
         from vllm import SamplingParams
 
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                    SamplingParams(temperature=0.0, max_tokens=self.cfg.max_new_tokens),
-                                    use_tqdm=False)
-        rewards = [self.reward(o.outputs[0].text, a) for o, a in zip(outputs, answers)]
-        example = dict(prompt=self.llm.get_tokenizer().decode(prompts[0], skip_special_tokens=True),
-                       completion=outputs[0].outputs[0].text, reward=rewards[0])
-        return {"accuracy": float(np.mean(rewards))}, example
+                                    SamplingParams(temperature=0.0, max_tokens=self.cfg.max_new_tokens, logprobs=0),
+                                    use_tqdm=False)  # all greedy: log-probs at temperature 1 (v1/sample/sampler.py:264-274)
+        responses = [list(o.outputs[0].token_ids) for o in outputs]
+        rewards = self.reward(prompts, responses, [o.outputs[0].text for o in outputs], answers)
+        if self.cfg.score == "accuracy":
+            scores = {"accuracy": float(np.mean(rewards))}
+        else:
+            if self.judge is None:
+                same = self.cfg.eval_reward_model_path == self.cfg.reward_model_path
+                self.judge = self.reward if same else self.reward_model(self.cfg.eval_reward_model_path)
+            eos = self.tokenizer.eos_token_id
+            references = [self.tokenizer(a).input_ids for a in answers]
+            references = [r if r[-1:] == [eos] else r + [eos] for r in references]
+            ours = self.judge.score([p + r for p, r in zip(prompts, responses)])
+            theirs = self.judge.score([p + r for p, r in zip(prompts, references)])
+            logp_ref = self.logprobs(self.reference(), list(zip(prompts, responses)), 1.0)
+            logp = [o.outputs[0].cumulative_logprob for o in outputs]
+            scores = {"score": float(np.mean(rewards)), "win_rate": float(np.mean(np.greater(ours, theirs))),
+                      "kl": float(np.mean(np.subtract(logp, logp_ref)))}
+        example = dict(prompt=self.tokenizer.decode(prompts[0], skip_special_tokens=True),
+                       completion=outputs[0].outputs[0].text, reward=float(rewards[0]))
+        return scores, example
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -201,10 +250,9 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
             del os.environ[k]
     threading.Thread(target=watchdog, daemon=True).start()
     cfg = SimpleNamespace(**cfg)
-    from rewards import REWARDS
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
-        engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers, REWARDS[cfg.task])
+        engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers)
         rng = np.random.default_rng([cfg.seed, index, 1])
         round_ = 0
         receive(weights, stop, parent_alive)

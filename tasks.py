@@ -7,6 +7,12 @@
   `test.jsonl` (evaluation) from `--data DIR`, or `openai/gsm8k` (config `main`) from the
   Hugging Face hub when no `--data` is given. Prompt exactly as the authors':
   "[MATH TASK] Problem:\\n{question}\\n\\nSolution:\\n".
+- `tldr` (the paper's summarisation task, scored by a reward model): the authors' data set
+  `vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144`, from `--data DIR`
+  (`train.jsonl` for searching, `validation.jsonl` for evaluation, one JSON object a line with the
+  fields `query`: the formatted post, ending in "TL;DR:", and `reference_response`: a human
+  summary) or from the hub. The prompt is `query` as it is; the answer is `reference_response`,
+  which the evaluation's win rate compares against. Prompts over 512 tokens are dropped (tba.py).
 
 Bad data raises `ConfigError` with a one-line message; `tba.py` prints it and exits with 2.
 """
@@ -16,7 +22,10 @@ import os
 import random
 from dataclasses import dataclass
 
-from rewards import REWARDS, gsm8k_gold
+from rewards import gsm8k_gold
+
+TASKS = ("arith", "gsm8k", "tldr")
+TLDR_HUB = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
 
 
 class ConfigError(ValueError):
@@ -55,7 +64,14 @@ def gsm8k_problem(row: dict, where: str) -> Problem:
     return Problem(prompt=GSM8K_PROMPT.format(question=row["question"]), answer=row["answer"])
 
 
-def read_jsonl(path: str) -> list[Problem]:
+def tldr_problem(row: dict, where: str) -> Problem:
+    for field in ("query", "reference_response"):
+        if not isinstance(row.get(field), str):
+            raise ConfigError(f"--data: {where}: missing or non-text field {field!r}")
+    return Problem(prompt=row["query"], answer=row["reference_response"])
+
+
+def read_jsonl(path: str, problem=None) -> list[Problem]:
     if not os.path.isfile(path):
         raise ConfigError(f"--data: {path} does not exist")
     problems = []
@@ -69,37 +85,39 @@ def read_jsonl(path: str) -> list[Problem]:
                 raise ConfigError(f"--data: {path} line {line_no}: not valid JSON") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"--data: {path} line {line_no}: not a JSON object")
-            problems.append(gsm8k_problem(row, f"{path} line {line_no}"))
+            problems.append((problem or gsm8k_problem)(row, f"{path} line {line_no}"))
     if not problems:
         raise ConfigError(f"--data: {path} holds no problems")
     return problems
 
 
-def gsm8k_from_hub() -> tuple[list[Problem], list[Problem]]:
+def from_hub(name: str, config, splits: tuple[str, str], problem) -> tuple[list[Problem], list[Problem]]:
+    files = " and ".join(f"{s}.jsonl" for s in splits)
     try:
         from datasets import load_dataset  # optional: only this path needs it
     except ImportError:
-        raise ConfigError("--data: no folder given and the 'datasets' package is not installed; "
-                          "pass --data DIR holding GSM8K's train.jsonl and test.jsonl") from None
+        raise ConfigError(f"--data: no folder given and the 'datasets' package is not installed; "
+                          f"pass --data DIR holding {files}") from None
     try:
-        ds = load_dataset("openai/gsm8k", "main")
+        ds = load_dataset(name, config)
     except Exception as e:  # no network, no hub: one line, naming the flag to use instead
-        raise ConfigError(f"--data: could not load openai/gsm8k from the Hugging Face hub "
-                          f"({type(e).__name__}); pass --data DIR holding train.jsonl and test.jsonl") from None
-    return ([gsm8k_problem(r, f"openai/gsm8k train row {i}") for i, r in enumerate(ds["train"])],
-            [gsm8k_problem(r, f"openai/gsm8k test row {i}") for i, r in enumerate(ds["test"])])
+        raise ConfigError(f"--data: could not load {name} from the Hugging Face hub "
+                          f"({type(e).__name__}); pass --data DIR holding {files}") from None
+    return tuple([problem(r, f"{name} {split} row {i}") for i, r in enumerate(ds[split])] for split in splits)
 
 
 def load_task(task: str, data: str | None) -> tuple[list[Problem], list[Problem]]:
     """(train, test) problems of `task`. Raises ConfigError on bad input."""
-    if task not in REWARDS:
-        raise ConfigError(f"--task: unknown task {task!r} (choose from {', '.join(REWARDS)})")
+    if task not in TASKS:
+        raise ConfigError(f"--task: unknown task {task!r} (choose from {', '.join(TASKS)})")
     if task == "arith":
         if data is not None:
             raise ConfigError("--data: the arith task is generated in code and takes no data folder")
         return arith_splits()
+    name, config, splits, problem = (("openai/gsm8k", "main", ("train", "test"), gsm8k_problem) if task == "gsm8k"
+                                     else (TLDR_HUB, None, ("train", "validation"), tldr_problem))
     if data is None:
-        return gsm8k_from_hub()
+        return from_hub(name, config, splits, problem)
     if not os.path.isdir(data):
         raise ConfigError(f"--data: {data} is not a folder")
-    return read_jsonl(os.path.join(data, "train.jsonl")), read_jsonl(os.path.join(data, "test.jsonl"))
+    return tuple(read_jsonl(os.path.join(data, f"{split}.jsonl"), problem) for split in splits)

@@ -43,7 +43,8 @@ if __name__ == "__main__":  # before the heavy imports below, which take seconds
     signal.signal(signal.SIGINT, stopped_at_start)
     signal.signal(signal.SIGTERM, stopped_at_start)
 
-import dataclasses  # noqa: E402  (after the handlers: a signal during these imports stops quietly)
+import contextlib  # noqa: E402  (after the handlers: a signal during these imports stops quietly)
+import dataclasses
 import glob
 import json
 import math
@@ -63,7 +64,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from buffer import ReplayBuffer
 from log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
-from rewards import REWARDS
 from searcher import Engine
 from tasks import ConfigError, load_task
 from weights import Dead, aliases, allocate, create, gather, publish
@@ -78,8 +78,13 @@ class Config:
     # --- model and task
     model: str = arg("tiny", "'tiny' (built and cached on first use), 'rho-math-1b' (realtreetune/rho-1b-sft-GSM8K), "
                              "a Hugging Face id or a local folder; it is also pi_ref")
-    task: str = arg("arith", "'arith' (toy: two-digit addition, built in) or 'gsm8k'")
-    data: str | None = arg(None, "folder with the task's train.jsonl and test.jsonl (gsm8k); default: the Hugging Face hub")
+    task: str = arg("arith", "'arith' (toy: two-digit addition, built in), 'gsm8k' or 'tldr' (needs --reward-model)")
+    data: str | None = arg(None, "folder with the task's JSONL files (gsm8k: train, test; tldr: train, validation); "
+                                 "default: the Hugging Face hub")
+    reward_model: str | None = arg(None, "a sequence classifier with one output (folder or hub id) that scores "
+                                         "prompt + response; replaces the task's string reward")
+    eval_reward_model: str | None = arg(None, "tldr: the judge of the evaluation's win rate (default: --reward-model)")
+    non_eos_penalty: bool = arg(False, "a response that never produced EOS gets -1 instead of its reward-model score")
     # --- processes
     searchers: int = arg(1, "searcher processes (one GPU each on a GPU node); 0 = the synchronous baseline, "
                             "generating inside the trainer before each step")
@@ -134,6 +139,13 @@ class Config:
     model_path: str = field(default="", init=False)  # the local folder of --model
     max_model_len: int = field(default=0, init=False)  # longest prompt + max_new_tokens
     score: str = field(default="accuracy", init=False)  # the evaluation's headline figure
+    reward_model_path: str | None = field(default=None, init=False)       # local folder of --reward-model
+    eval_reward_model_path: str | None = field(default=None, init=False)  # local folder of the judge
+
+    def __post_init__(self):  # derived fields start at their defaults, so that vars(cfg) holds them all
+        for f in dataclasses.fields(self):
+            if not f.init:
+                setattr(self, f.name, f.default)
 
 
 def parse(argv) -> Config:
@@ -181,6 +193,23 @@ def resolve_model(name: str, flag: str = "model") -> str:
         raise ConfigError(f"--{flag}: {name!r} does not exist (not 'tiny', an alias, a folder or a hub id)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"--{flag}: {path} holds no model (no config.json)")
+    return path
+
+
+TLDR_MAX_PROMPT = 512  # tokens
+
+
+def check_reward_model(name: str, flag: str) -> str:
+    """The local folder of a reward model: a sequence classifier with exactly one output, and its tokenizer."""
+    from transformers import AutoConfig
+    path = resolve_model(name, flag)
+    config = AutoConfig.from_pretrained(path)
+    kinds = getattr(config, "architectures", None) or []
+    if not any(k.endswith("ForSequenceClassification") for k in kinds):
+        raise ConfigError(f"--{flag}: {path} is not a sequence classifier (architectures: {', '.join(kinds) or 'none'})")
+    if config.num_labels != 1:
+        raise ConfigError(f"--{flag}: {path} has {config.num_labels} outputs; a reward model has exactly one")
+    load_tokenizer(path, flag)
     return path
 
 
@@ -294,19 +323,32 @@ def check(cfg: Config, world: int):
     cores = len(os.sched_getaffinity(0))
     cfg.threads = max(1, cores // (world + cfg.searchers))  # CPU: split the cores evenly between processes
     # task, model, tokenizer
+    need(cfg.task != "tldr" or cfg.reward_model, "reward-model", "the tldr task is scored by a reward model: "
+         "pass --reward-model (the paper's: mnoukhov/pythia410m-rm-tldr6.9b)")
+    need(cfg.eval_reward_model is None or cfg.task == "tldr", "eval-reward-model", "judges the tldr task only")
     train, test = load_task(cfg.task, cfg.data)
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
-    cfg.score = "accuracy"  # the evaluation's headline figure (greedy pass@1)
+    cfg.score = "win_rate" if cfg.task == "tldr" else "accuracy"  # the evaluation's headline figure
+    cfg.model_path = resolve_model(cfg.model)
+    tokenizer = load_tokenizer(cfg.model_path)
+    need(tokenizer.eos_token_id is not None, "model", f"the tokenizer of {cfg.model_path} has no EOS token")
+    for flag in ("reward_model", "eval_reward_model"):
+        if getattr(cfg, flag):
+            setattr(cfg, flag + "_path", check_reward_model(getattr(cfg, flag), flag.replace("_", "-")))
+    cfg.eval_reward_model_path = cfg.eval_reward_model_path or cfg.reward_model_path
+    prompts = [tokenizer(p.prompt).input_ids for p in train]
+    test_prompts = [tokenizer(p.prompt).input_ids for p in test]
+    if cfg.task == "tldr":  # the authors drop prompts over 512 tokens (tba_tldr.py:89-91)
+        short = lambda ids: [i for i in range(len(ids)) if len(ids[i]) <= TLDR_MAX_PROMPT]
+        keep, keep_test = short(prompts), short(test_prompts)
+        train, prompts = [train[i] for i in keep], [prompts[i] for i in keep]
+        test, test_prompts = [test[i] for i in keep_test], [test_prompts[i] for i in keep_test]
+        need(train and test, "data", f"no tldr prompt of at most {TLDR_MAX_PROMPT} tokens in the train or validation data")
     need(cfg.prompts_per_step <= len(train), "prompts-per-step", f"B = {cfg.prompts_per_step} distinct prompts a step, "
          f"but the task has {len(train)} training problems")
     need(cfg.initial_buffer <= cfg.buffer_capacity * len(train), "initial-buffer",
          f"{cfg.initial_buffer} trajectories can never be held: the buffer keeps at most --buffer-capacity "
          f"{cfg.buffer_capacity} x {len(train)} problems")
-    cfg.model_path = resolve_model(cfg.model)
-    tokenizer = load_tokenizer(cfg.model_path)
-    need(tokenizer.eos_token_id is not None, "model", f"the tokenizer of {cfg.model_path} has no EOS token")
-    prompts = [tokenizer(p.prompt).input_ids for p in train]
-    test_prompts = [tokenizer(p.prompt).input_ids for p in test]
     longest = max(len(p) for p in prompts + test_prompts)
     context = getattr(AutoConfig.from_pretrained(cfg.model_path), "max_position_embeddings", None)
     cfg.max_model_len = longest + cfg.max_new_tokens
@@ -590,9 +632,10 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
                 procs.append(p)
         # --- synchronous baseline: a vLLM engine inside the trainer (one process: see check())
         if cfg.searchers == 0:
-            engine = Engine(cfg, str(device), cfg.trainer_memory, prompts, answers, REWARDS[cfg.task])
-        # --- the trainer's model: FSDP2 over the trainer ranks
-        model = load_policy(os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path, device, cfg.dtype)
+            engine = Engine(cfg, str(device), cfg.trainer_memory, prompts, answers)
+        # --- the trainer's model: FSDP2 over the trainer ranks (beside an engine: see Engine.transformers_models)
+        with engine.transformers_models() if engine else contextlib.nullcontext():
+            model = load_policy(os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path, device, cfg.dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -732,7 +775,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
                         reward=float(np.mean([t.reward for g in batch for t in g])), beta=beta, lr=lr,
                         staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait,
                         sync=sync_seconds, seconds=time.time() - t_step, samples=log.samples,
-                        buffer=len(buffer), overhead=log.overhead)
+                        buffer=len(buffer), reference=buffer.reference, overhead=log.overhead)
             # ===== evaluate ======================================================================
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 evaluate()

@@ -10,6 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 DATA = os.path.join(ROOT, "tests", "data", "gsm8k")
+TLDR = os.path.join(ROOT, "tests", "data", "tldr")
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +27,25 @@ def tiny_model(tmp_path_factory):
     model.save_pretrained(path)
     with open(os.path.join(path, "warm_start.json"), "w") as f:  # for tests/test_tiny.py
         json.dump(done, f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_neox(tmp_path_factory):
+    """A tiny GPT-NeoX (Pythia's architecture; vLLM 0.32 serves it through its Transformers backend)
+    with a byte-level BPE tokenizer (512 subword tokens), randomly initialised."""
+    import tiny
+    path = str(tmp_path_factory.mktemp("neox") / "model")
+    tiny.make_model(path, hidden=64, layers=2, heads=2, max_len=1024, arch="gpt_neox", tokenizer=tiny.make_bpe_tokenizer())
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_rm(tmp_path_factory):
+    """A tiny GPT-NeoX reward model (one output) with the same BPE tokenizer as `tiny_neox`."""
+    import tiny
+    path = str(tmp_path_factory.mktemp("rm") / "model")
+    tiny.make_reward_model(path, arch="gpt_neox", tokenizer=tiny.make_bpe_tokenizer(), max_len=1024, seed=1)
     return path
 
 

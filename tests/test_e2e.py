@@ -5,22 +5,25 @@ import os
 
 import numpy as np
 
-from conftest import DATA, metrics, run_tba
+import pytest
+
+from conftest import DATA, TLDR, metrics, run_tba
 from rewards import gsm8k_reward
 
-TRAIN_FIELDS = {"kind": str, "step": int, "time": float, "loss": float, "reward": float, "log_z": float,
+TRAIN_FIELDS = {"kind": str, "step": int, "time": float, "loss": float, "reward": float,
                 "beta": float, "lr": float, "staleness": float, "staleness_max": int, "wait": float,
-                "samples": int}
+                "samples": int, "reference": int}
+LOSS_FIELDS = {"tb": ["log_z"], "rloo": ["kl"], "grpo": ["clip_frac", "kl"]}  # each loss's own statistics
 EVAL_FIELDS = {"kind": str, "step": int, "time": float, "accuracy": float, "version": int}
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
 
 
-def check_rows(rows, steps, batch=4 * 4):
+def check_rows(rows, steps, batch=4 * 4, loss="tb"):
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     for r in train:
-        for k, t in TRAIN_FIELDS.items():
+        for k, t in {**TRAIN_FIELDS, **{k: float for k in LOSS_FIELDS[loss]}}.items():
             assert isinstance(r[k], t) or (t is float and isinstance(r[k], int)), (k, r)
         assert np.isfinite(r["loss"]) and 0 <= r["reward"] <= 1 and r["wait"] >= 0
         assert 0 <= r["staleness"] <= r["staleness_max"] <= r["step"] - 1
@@ -71,10 +74,63 @@ def test_synchronous_run(tiny_model, tmp_path):
 
 
 def test_fsdp_two_ranks(tiny_model, tmp_path):
-    """torchrun --nproc_per_node=2: FSDP2 over two trainer ranks (gloo), one searcher."""
-    out, _ = run_small(tiny_model, tmp_path, "--steps", "4", "--eval-every", "0", torchrun=2)
-    train, _ = check_rows(metrics(out), 4)
+    """torchrun --nproc_per_node=2: FSDP2 over two trainer ranks (gloo), one searcher; with the RLOO
+    baseline and TBA′ resets of pi_ref every 2 steps."""
+    out, _ = run_small(tiny_model, tmp_path, "--steps", "4", "--eval-every", "0", "--loss", "rloo",
+                       "--ref-reset-every", "2", torchrun=2)
+    train, _ = check_rows(metrics(out), 4, loss="rloo")
     assert json.load(open(out / "config.json"))["threads"] >= 1
+    assert [r["reference"] for r in train] == [0, 2, 2, 4]
+    check_final(out, tiny_model)
+
+
+def test_synchronous_lag_sets_the_staleness(tiny_model, tmp_path):
+    """--lag L in the synchronous mode (k = 1, m = 1): every batch is exactly L steps stale once the
+    run is L steps in (the initial weights until then); with the GRPO baseline."""
+    out, _ = run_small(tiny_model, tmp_path, "--searchers", "0", "--steps", "7", "--eval-every", "0", "--lag", "3",
+                       "--sync-every", "1", "--recency", "1", "--loss", "grpo")
+    train, _ = check_rows(metrics(out), 7, loss="grpo")
+    assert [r["staleness"] for r in train] == [0, 1, 2, 3, 3, 3, 3]
+    assert all(r["staleness_max"] == r["staleness"] for r in train)
+    check_final(out, tiny_model)
+
+
+TLDR_SMALL = ["--task", "tldr", "--data", TLDR, "--prompts-per-step", "4", "--samples-per-prompt", "4",
+              "--max-new-tokens", "12", "--lr", "1e-3"]
+
+
+def check_tldr(out, steps, initial=0):
+    rows = metrics(out)
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert train[0]["samples"] >= max(initial, 16)  # the first step came after the initial buffer
+    for e in evals:
+        assert 0 <= e["win_rate"] <= 1 and np.isfinite(e["score"]) and np.isfinite(e["kl"]) and "accuracy" not in e
+    assert abs(evals[0]["kl"]) < 1e-4  # the policy is pi_ref at step 0
+    assert evals[-1]["version"] == steps
+    return train, evals
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_gpt_neox_tldr_with_a_reward_model(mode, tiny_neox, tiny_rm, tmp_path):
+    """A Pythia-shaped policy (GPT-NeoX, through vLLM's Transformers backend, BPE tokens) trained on
+    TL;DR-format prompts against a GPT-NeoX reward model, in both modes, with an initial buffer."""
+    out = tmp_path / "run"
+    p = run_tba(["--model", tiny_neox, "--reward-model", tiny_rm, *TLDR_SMALL, "--steps", "3", "--eval-every", "2",
+                 "--initial-buffer", "40", "--searchers", "1" if mode == "async" else "0", "--out", str(out)], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    check_tldr(out, 3, initial=40)
+    assert "held-out win rate" in p.stdout
+    check_final(out, tiny_neox)
+
+
+def test_tldr_under_torchrun_with_two_ranks(tiny_model, tiny_rm, tmp_path):
+    """The Llama-shaped tiny policy (character tokens) with the GPT-NeoX reward model (BPE tokens: the
+    text is tokenized again), two FSDP2 ranks, the GRPO baseline."""
+    out, _ = run_small(tiny_model, tmp_path, "--reward-model", tiny_rm, *TLDR_SMALL, "--steps", "3",
+                       "--eval-every", "0", "--loss", "grpo", "--non-eos-penalty", torchrun=2)
+    check_tldr(out, 3)
     check_final(out, tiny_model)
 
 

@@ -55,7 +55,7 @@ def test_engine_matches_trainer_after_sync(tiny_model):
     response = tok("132").input_ids + [tok.eos_token_id]
     model = perturbed(tiny_model, 0)
     shared = share(model, mp.get_context("spawn"))
-    engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"], arith_reward)
+    engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"])
     sample = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True, logprobs=0)
     before = engine.llm.generate([{"prompt_token_ids": prompt}], sample, use_tqdm=False)[0].outputs[0]
     for version, seed in ((2, 1), (4, 2)):
