@@ -143,10 +143,12 @@ def test_dead_searcher_stops_the_run(tiny_model, tmp_path):
     assert_all_gone(everything)
 
 
-def test_resume_gives_the_same_weights(tiny_model, tmp_path):
-    """Synchronous mode, fixed seed: 6 steps straight == 3 steps, then resume to 6."""
+@pytest.mark.parametrize("extra", [[], ["--ref-reset-every", "2"]], ids=["tb", "tba-prime"])
+def test_resume_gives_the_same_weights(extra, tiny_model, tmp_path):
+    """Synchronous mode, fixed seed: 6 steps straight == 3 steps, then resume to 6; with TBA′ the
+    resumed run keeps pi_ref of the step-2 reset and the reset schedule (steps 4 and 6)."""
     from transformers import AutoModelForCausalLM
-    common = ["--model", tiny_model, "--searchers", "0", "--seed", "3", "--sync-every", "2", *SMALL]
+    common = ["--model", tiny_model, "--searchers", "0", "--seed", "3", "--sync-every", "2", *SMALL, *extra]
     a = run_tba([*common, "--steps", "6", "--out", str(tmp_path / "a")], tmp_path)
     assert a.returncode == 0, a.stdout[-3000:]
     b1 = run_tba([*common, "--steps", "3", "--save-every", "3", "--out", str(tmp_path / "b")], tmp_path)
@@ -160,6 +162,7 @@ def test_resume_gives_the_same_weights(tiny_model, tmp_path):
     rows_b = [r for r in metrics(tmp_path / "b2") if r["kind"] == "train"]
     assert [r["step"] for r in rows_b] == [4, 5, 6]
     assert [r["samples"] for r in rows_a[3:]] == [r["samples"] for r in rows_b]  # counters carried over
+    assert [r["reference"] for r in rows_a[3:]] == [r["reference"] for r in rows_b] == ([4, 4, 6] if extra else [0] * 3)
     start = next(r for r in metrics(tmp_path / "a") if r["kind"] == "eval")["accuracy"]
     resumed = next(r for r in metrics(tmp_path / "b2") if r["kind"] == "eval")
     summary = b2.stdout.strip().splitlines()[-1]

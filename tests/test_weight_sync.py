@@ -5,6 +5,7 @@ import dataclasses
 import queue as queue_module
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -46,9 +47,13 @@ def trainer_logprobs(model, pairs, temperature):
         return sequence_logprobs(model, *collate(pairs, 0, "cpu"), temperature).tolist()
 
 
-def test_engine_matches_trainer_after_sync(tiny_model):
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_engine_matches_trainer_after_sync(arch, request):
+    """Llama (character tokens, vLLM's native code) and GPT-NeoX (BPE tokens, vLLM's Transformers
+    backend, pi_ref built beside it: Engine.transformers_models)."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
+    tiny_model = request.getfixturevalue("tiny_model" if arch == "llama" else "tiny_neox")
     cfg = config(tiny_model)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompt = tok("12+34=46\n" * 40 + "47+85=").input_ids  # long: whole KV blocks get cached
@@ -59,7 +64,8 @@ def test_engine_matches_trainer_after_sync(tiny_model):
     sample = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True, logprobs=0)
     before = engine.llm.generate([{"prompt_token_ids": prompt}], sample, use_tqdm=False)[0].outputs[0]
     for version, seed in ((2, 1), (4, 2)):
-        model = perturbed(tiny_model, seed)
+        with engine.transformers_models():  # the trainer's side, in this process beside the engine
+            model = perturbed(tiny_model, seed)
         weights.publish(shared, weights.gather(model), version, lambda: None, 10)
         assert engine.sync(shared, lambda: None, 10) and engine.version == version
         assert not engine.sync(shared, lambda: None, 10)  # no version move, no reload
@@ -70,6 +76,40 @@ def test_engine_matches_trainer_after_sync(tiny_model):
         expected = trainer_logprobs(model, [(prompt, list(after.token_ids))], 1.0)[0]
         assert abs(after.cumulative_logprob - expected) < 1e-4
         assert abs(after.cumulative_logprob - before.cumulative_logprob) > 1e-3
+    # pi_ref in the same process (the patched class, for GPT-NeoX) gives the trainer's log-probs
+    with engine.transformers_models():
+        initial = load(tiny_model)
+    assert abs(engine.logprobs(engine.reference(), [(prompt, response)], 0.7)[0]
+               - trainer_logprobs(initial, [(prompt, response)], 0.7)[0]) < 1e-4
+    engine.close()
+
+
+def load(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def test_reference_reset_reaches_the_searcher(tiny_model):
+    """TBA′: after the trainer publishes the weights of step 6 as pi_ref too, the searcher's
+    logp_ref of a fixed response is the trainer's log-prob under those weights (float32, 1e-4), and
+    its trajectories say which reference scored them."""
+    from transformers import AutoTokenizer
+    cfg = config(tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt, response = tok("47+85=").input_ids, tok("132").input_ids + [tok.eos_token_id]
+    shared = share(load(tiny_model), mp.get_context("spawn"), with_ref=True)
+    engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"])
+    before = engine.logprobs(engine.reference(), [(prompt, response)], 0.7)[0]
+    model = perturbed(tiny_model, 5)
+    weights.publish(shared, weights.gather(model), 6, lambda: None, 10, to=("policy", "ref"))
+    assert engine.sync(shared, lambda: None, 10) and (engine.version, engine.ref_version) == (6, 6)
+    after = engine.logprobs(engine.reference(), [(prompt, response)], 0.7)[0]
+    assert abs(after - trainer_logprobs(model, [(prompt, response)], 0.7)[0]) < 1e-4
+    assert abs(after - before) > 1e-3
+    trajectories, _ = engine.search([0], 4, (0, 0, 0))
+    assert {t.ref_version for t in trajectories} == {6}
+    for t in trajectories:
+        assert abs(t.logp_ref - trainer_logprobs(model, [(prompt, t.response.tolist())], 0.7)[0]) < 1e-4
     engine.close()
 
 
