@@ -25,6 +25,7 @@ settings=(
   --sync-every 2                            # k
   --recency 0.95                            # m; the other 5% uniform over the buffer
   --reward-inv-temp 0
+  --initial-buffer 500                      # trajectories before the first update (initial_buffer_samples)
   --beta 0.014 --beta-final 0.004 --beta-anneal-steps 500
   --lr 1e-5 --warmup-steps 50 --stable-steps 350 --decay-steps 600   # warmup-stable-decay
   --grad-clip 1.0

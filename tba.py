@@ -113,7 +113,7 @@ class Config:
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
     stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until decay or the end)")
     decay_steps: int = arg(100, "learning rate: cosine decay steps to 0 after the stable phase (the toy run settles)")
-    grad_clip: float = arg(1.0, "gradient norm clip")
+    grad_clip: float = arg(1.0, "gradient norm clip; 0 = none")
     micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
     # --- sampling and evaluation
     temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
@@ -295,6 +295,7 @@ def check(cfg: Config, world: int):
     need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
     need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
     need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")
+    need(cfg.grad_clip >= 0, "grad-clip", "must be 0 (no clipping) or more")
     need(cfg.eval_every >= 0, "eval-every", "must be 0 or more")
     need(cfg.eval_limit is None or cfg.eval_limit >= 1, "eval-limit", "must be at least 1")
     need(cfg.save_every >= 0, "save-every", "must be 0 or more")
@@ -753,7 +754,8 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
             if not math.isfinite(stats["loss"]):
                 raise FloatingPointError(f"non-finite loss at step {step + 1}; the last good checkpoint, if any, "
                                          f"is {os.path.join(cfg.out, 'checkpoint')}")
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             step += 1

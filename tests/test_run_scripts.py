@@ -1,4 +1,4 @@
-"""The paper's GSM8K settings: run_gsm8k.sh (dry run) and the schedules it relies on."""
+"""The paper's settings: run_gsm8k.sh and run_tldr.sh (dry runs) and the schedules they rely on."""
 
 import math
 import os
@@ -11,8 +11,8 @@ import tba
 from conftest import ROOT
 
 
-def dry_run(*args, **environ):
-    p = subprocess.run(["bash", os.path.join(ROOT, "run_gsm8k.sh"), "--dry-run", *args], capture_output=True,
+def dry_run(*args, script="run_gsm8k.sh", **environ):
+    p = subprocess.run(["bash", os.path.join(ROOT, script), "--dry-run", *args], capture_output=True,
                        text=True, timeout=30, env=dict(os.environ, **environ))
     assert p.returncode == 0, p.stderr
     command = shlex.split(p.stdout.strip().splitlines()[-1])
@@ -28,6 +28,23 @@ def test_run_gsm8k_dry_run_has_the_papers_settings(tmp_path):
     assert (cfg.beta, cfg.beta_final, cfg.beta_anneal_steps) == (0.014, 0.004, 500)
     assert (cfg.lr, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps) == (1e-5, 50, 350, 600)
     assert (cfg.temperature, cfg.max_new_tokens, cfg.dtype) == (0.7, 512, "bfloat16")
+    assert cfg.initial_buffer == 500  # the authors' initial_buffer_samples (src/tba_trainer_gsm8k.py:74)
+
+
+def test_run_tldr_dry_run_has_the_authors_settings():
+    command, cfg = dry_run(script="run_tldr.sh")
+    assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"]
+    assert (cfg.model, cfg.reward_model, cfg.task) == ("mnoukhov/pythia410m-sft-tldr", "mnoukhov/pythia410m-rm-tldr6.9b", "tldr")
+    assert (cfg.searchers, cfg.steps, cfg.prompts_per_step, cfg.samples_per_prompt) == (3, 256, 8, 20)
+    assert cfg.steps * cfg.prompts_per_step * cfg.samples_per_prompt == 40960  # the authors' episodes
+    assert (cfg.search_samples_per_prompt, cfg.sync_every, cfg.recency, cfg.reward_inv_temp) == (20, 10, 0.5, 1.0)
+    assert (cfg.beta, cfg.beta_final, cfg.lr, cfg.temperature, cfg.max_new_tokens) == (1.0, 0.05, 3e-6, 0.7, 128)
+    assert (cfg.initial_buffer, cfg.non_eos_penalty, cfg.grad_clip) == (10000, True, 0.0)
+    command, cfg = dry_run("--steps", "3", script="run_tldr.sh", SIZE="2.8b")
+    assert (cfg.model, cfg.steps) == ("mnoukhov/pythia2.8b-sft-tldr", 3)
+    p = subprocess.run(["bash", os.path.join(ROOT, "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
+                       timeout=30, env=dict(os.environ, SIZE="3b"))
+    assert p.returncode == 2 and p.stderr.strip() == "run_tldr.sh: SIZE must be 410m, 1b or 2.8b, got 3b"
 
 
 def test_run_gsm8k_passes_arguments_through_and_splits_gpus():
