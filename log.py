@@ -30,8 +30,12 @@ class Log:
         self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "a")
         if sys.stdout.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=cfg.steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
+            try:  # follow the terminal's size; one that reports none (0 x 0: tqdm would hide the bar)
+                width = {"dynamic_ncols": True} if os.get_terminal_size().lines > 0 else {"ncols": 120, "nrows": 24}
+            except OSError:                                                      # gets 120 x 24
+                width = {"ncols": 120, "nrows": 24}
+            self.bar = tqdm(total=cfg.steps, initial=step, unit="step", file=sys.stdout, **width,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]")
         if cfg.wandb:
             import wandb
             self.wandb = wandb.init(project=cfg.wandb, name=os.path.basename(os.path.abspath(cfg.out)),

@@ -1,41 +1,121 @@
-"""Plot held-out accuracy against wall time, TBA (one searcher) vs the synchronous baseline.
+"""Pictures of runs, drawn from their metrics.jsonl.
 
-    python plot.py runs/bench-.../bench.json docs/async_vs_sync.png
+    python plot.py RUN_DIR [RUN_DIR ...] [-o FILE.png]    # one or several runs side by side
+    python plot.py --study BENCH_JSON [-o FILE.png]        # bench.py part 7: score against staleness
 
-Reads the accuracy curves that `bench.py --full` records (time from launch, evaluation time left
-out) and draws one line per run. matplotlib is imported here only: `pip install matplotlib`.
+A run picture has six panels, one line per run: the held-out score (accuracy, or win rate for
+tldr) against seconds of training (wall time minus the trainer's evaluation and checkpoint time,
+so that runs that evaluate elsewhere compare fairly) and against steps; the training reward; the
+loss; the staleness of the batches (mean, and max dotted); the seconds the trainer waited for data.
+The README's pictures are drawn by this file from `bench.py`'s run folders and bench.json.
+matplotlib is imported here only (pip install matplotlib).
 """
 
+import argparse
 import json
+import os
 import sys
 
 
-def main(bench_json: str, out: str):
-    import matplotlib
+def read(run: str) -> tuple[list[dict], list[dict], dict]:
+    """(train rows, eval rows, config) of a run folder."""
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    config = {}
+    if os.path.isfile(os.path.join(run, "config.json")):
+        with open(os.path.join(run, "config.json")) as f:
+            config = json.load(f)
+    return [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"], config
+
+
+def label(run: str, config: dict) -> str:
+    mode = f"{config['searchers']} searcher(s)" if config.get("searchers") else "synchronous"
+    return f"{os.path.basename(os.path.normpath(run))} ({mode}, {config.get('loss', 'tb')})" if config else run
+
+
+def runs(folders: list[str], out: str, title: str | None = None):
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
+    score = "accuracy"
+    for i, run in enumerate(folders):
+        train, evals, config = read(run)
+        score = config.get("score", "accuracy")
+        color, name = f"C{i % 10}", label(run, config)
+        steps = [r["step"] for r in train]
+        if evals:
+            axes[0, 0].plot([e["time"] - e["overhead"] for e in evals], [e[score] for e in evals], ".-", color=color, label=name)
+            axes[0, 1].plot([e["step"] for e in evals], [e[score] for e in evals], ".-", color=color)
+        axes[0, 2].plot(steps, [r["reward"] for r in train], color=color, linewidth=0.8)
+        axes[1, 0].plot(steps, [r["loss"] for r in train], color=color, linewidth=0.8)
+        axes[1, 1].plot(steps, [r["staleness"] for r in train], color=color, linewidth=0.8)
+        axes[1, 1].plot(steps, [r["staleness_max"] for r in train], ":", color=color, linewidth=0.8)
+        axes[1, 2].plot(steps, [r["wait"] for r in train], color=color, linewidth=0.8)
+    held_out = f"held-out {score.replace('_', ' ')}"
+    for ax, x, y in ((axes[0, 0], "seconds of training (evaluation left out)", held_out), (axes[0, 1], "step", held_out),
+                     (axes[0, 2], "step", "training reward (batch mean)"), (axes[1, 0], "step", "loss"),
+                     (axes[1, 1], "step", "staleness, mean (max dotted)"), (axes[1, 2], "step", "trainer wait (s)")):
+        ax.set(xlabel=x, ylabel=y)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=7, loc="lower right")
+    if title:
+        fig.suptitle(title)
+    save(fig, out)
+
+
+def study(bench_json: str, out: str):
+    """bench.py part 7: final held-out accuracy against staleness, one line per loss, each seed shown."""
+    plt = pyplot()
+    with open(bench_json) as f:
+        result = json.load(f)
+    rows = result["off_policy"]["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, loss in enumerate(result["off_policy"]["losses"]):
+        mine = [r for r in rows if r["loss"] == loss]
+        lags = sorted({r["lag"] for r in mine})
+        mean = lambda lag: sum(r["final"] for r in mine if r["lag"] == lag) / len([r for r in mine if r["lag"] == lag])
+        ax.plot([lag for lag in lags], [mean(lag) for lag in lags], "-", color=f"C{i}", label=f"{loss} (mean of seeds)")
+        ax.plot([r["staleness"] for r in mine], [r["final"] for r in mine], "o", color=f"C{i}", alpha=0.5, markersize=4)
+    start = rows[0]["start"]
+    ax.axhline(start, color="gray", linewidth=0.8, linestyle=":", label="start (the warm-started model)")
+    ax.set(xlabel="staleness of every batch (steps)", ylabel="held-out accuracy at the end (mean of last 3)",
+           title="off-policy robustness: same lr, beta, steps and batch for every loss")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save(fig, out)
+
+
+def pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("plot.py: matplotlib is not installed (pip install matplotlib)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
-    result = json.load(open(bench_json))
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for run in result["time_to_target"]:
-        t, _, accuracy = zip(*run["curve"])
-        async_ = run["searchers"] > 0
-        ax.plot(t, accuracy, color="tab:blue" if async_ else "tab:orange", marker=".",
-                linestyle="-" if run["seed"] == result["seeds"][0] else "--",
-                label=f"{'TBA, 1 searcher' if async_ else 'synchronous'} (seed {run['seed']})")
-    start = result["time_to_target"][0]["start_accuracy"]
-    ax.axhline(start + 0.15, color="gray", linewidth=0.8, linestyle=":", label="target: start + 0.15")
-    m = result["machine"]
-    ax.set(xlabel="seconds since launch (evaluation time left out)", ylabel="held-out greedy accuracy",
-           title=f"toy task (tba.py defaults), {m['cores']} CPU cores")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(alpha=0.3)
+
+def save(fig, out: str):
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(out)
 
 
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="*", help="run folders (each with metrics.jsonl)")
+    p.add_argument("--study", help="bench.json of bench.py part 7 (off-policy robustness)")
+    p.add_argument("-o", "--out", default=None, help="the PNG to write (default: plot.png or off_policy.png)")
+    p.add_argument("--title", default=None, help="a title above a run picture")
+    args = p.parse_args(argv)
+    if args.study:
+        return study(args.study, args.out or "off_policy.png")
+    if not args.runs:
+        p.error("give run folders, or --study BENCH_JSON")
+    for run in args.runs:
+        if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
+            sys.exit(f"plot.py: {run} has no metrics.jsonl (not a run folder)")
+    runs(args.runs, args.out or "plot.png", args.title)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit(__doc__)
-    main(*sys.argv[1:])
+    main()

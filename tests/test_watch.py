@@ -1,0 +1,114 @@
+"""Runs people can watch: the console (a bar in a terminal, plain lines elsewhere), plot.py's
+picture of a run, and the optional Weights & Biases logging (offline)."""
+
+import glob
+import importlib.util
+import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, env, metrics, run_tba
+
+SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+
+
+@pytest.fixture(scope="module")
+def logged_run(tiny_model, tmp_path_factory):
+    """A short synchronous run whose output is a pipe (not a terminal), with --wandb where it is installed."""
+    tmp = tmp_path_factory.mktemp("watch")
+    out = tmp / "run"
+    wandb = ["--wandb", "tba-tests"] if HAS_WANDB else []
+    os.environ["WANDB_MODE"] = "offline"  # run_tba's environment copies os.environ
+    try:
+        p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "0", "--steps", "5", "--eval-every", "2",
+                     "--log-every", "2", *wandb, "--out", str(out)], tmp)
+    finally:
+        os.environ.pop("WANDB_MODE")
+    assert p.returncode == 0, p.stdout[-3000:]
+    return out, p.stdout
+
+
+def test_plain_lines_when_not_a_terminal(logged_run):
+    out, stdout = logged_run
+    lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/5", "4/5", "5/5"]  # every --log-every steps, and the last
+    assert "reward" in lines[0] and "stale" in lines[0] and "held-out" in lines[0]
+    assert "\r" not in stdout.split("eval  step")[1]  # no bar redraws after the start
+    assert len([r for r in metrics(out) if r["kind"] == "train"]) == 5  # metrics.jsonl keeps every step
+
+
+def test_progress_bar_in_a_terminal(tiny_model, tmp_path):
+    """Under a pseudo-terminal: a tqdm bar with the time left and the latest values, and the
+    evaluations printed above it; no plain step lines."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tba.py"), "--model", tiny_model, *SMALL, "--steps", "6",
+                             "--eval-every", "3", "--out", str(tmp_path / "run")],
+                            cwd=tmp_path, env=env(tmp_path), stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    output, deadline = b"", time.time() + 300
+    while time.time() < deadline:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            output += chunk
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(master)
+    text = output.decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert "6/6 [" in text and "<00:00, reward " in text  # the bar: steps, elapsed < remaining, the postfix
+    assert "stale " in text and "held-out " in text and "loss " in text
+    assert len(re.findall(r"eval  step +\d+ \| held-out accuracy", text)) >= 2  # printed above the bar
+    assert not any(line.lstrip("\r").startswith("step ") for line in text.splitlines())
+
+
+def test_plot_draws_a_run(logged_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    out, _ = logged_run
+    png = tmp_path / "run.png"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(out), str(out), "-o", str(png)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000  # six panels drawn
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(tmp_path)], capture_output=True, text=True)
+    assert p.returncode != 0 and p.stderr.strip() == f"plot.py: {tmp_path} has no metrics.jsonl (not a run folder)"
+
+
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is optional and not installed")
+def test_wandb_gets_the_same_rows(logged_run):
+    """--wandb in offline mode: every row of metrics.jsonl reaches the W&B run file (keys and values)."""
+    out, _ = logged_run
+    (run_file,) = glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = open(run_file, "rb").read()
+    rows = metrics(out)
+    for r in rows:
+        key = "train/loss" if r["kind"] == "train" else "eval/accuracy"
+        value = r["loss"] if r["kind"] == "train" else r["accuracy"]
+        assert key.encode() in data and json.dumps(value).encode() in data, (key, value)
+
+
+def test_wandb_missing_is_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    """Without the package: one line saying how to install it, status 2, before anything starts."""
+    import tba
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        tba.main(["--model", tiny_model, "--wandb", "tba-tests"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == "tba.py: error: --wandb: the wandb package is not installed " \
+                                       "(it is optional: pip install wandb)"
+    assert not (tmp_path / "runs").exists()
