@@ -1,0 +1,562 @@
+"""The GPU path without vLLM: FSDP2 over NCCL in bf16, the on-device gather into shared CUDA tensors,
+their CUDA IPC handoff, chunked log-probs on the GPU, the GPU refusals of `tba.check_gpus`, and
+`weights.allocator_for_sharing` under expandable segments.
+
+Tests marked `gpu` (and the "cuda" cases of the others) are skipped when no CUDA device is visible;
+they need PyTorch with CUDA, transformers where a model is built, and never vLLM. The rest runs on
+the CPU too, in CI: the refusals of `check_gpus` and the allocator-settings rewrite (CUDA queries
+faked), and the "cpu" cases of the handoff, FSDP2 (one gloo rank) and chunked log-prob tests.
+Run them all on a GPU machine with `bash tests/gpu_check.sh`.
+
+Every spawned process reports through a queue and every wait has a deadline; the processes that
+hold CUDA IPC tensors (producers) outlive their consumers, which are joined first (torch keeps a
+sent block until the consumer's reference counter drops: torch/include/torch/csrc/CudaIPCTypes.h:
+22-75; it is the consumer's mapping of the producer's memory, torch/multiprocessing/reductions.py:
+153-219, so it is only valid while the producer lives).
+"""
+
+import copy
+import os
+import shutil
+import socket
+import subprocess
+import time
+import traceback
+import types
+from queue import Empty
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import tba
+import weights
+from loss import collate, sequence_logprobs
+from tasks import ConfigError
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+TIMEOUT = 120.0  # s: any wait on a spawned process (first CUDA/NCCL start-up included)
+
+
+def parent_alive():
+    parent = mp.parent_process()
+    if parent is not None and not parent.is_alive():
+        raise weights.Dead("the test process is gone")
+
+
+def get(queue, procs, timeout=TIMEOUT):
+    """The next message on `queue`; fails on a deadline or when every process in `procs` has exited
+    without sending it. A message {"error": traceback} is a failure in that process."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            msg = queue.get(timeout=1.0)
+            break
+        except Empty:
+            codes = [p.exitcode for p in procs]
+            if queue.empty() and (all(c is not None for c in codes) or any(c not in (None, 0) for c in codes)):
+                raise AssertionError(f"spawned processes exited ({codes}) without a report")
+            assert time.monotonic() < deadline, f"no report in {timeout:.0f} s"
+    assert "error" not in msg, msg["error"]
+    return msg
+
+
+def finish(procs, stop=None):
+    if stop is not None:
+        stop.set()
+    for p in procs:
+        p.join(timeout=30)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+
+
+def reader_device(kind="cuda") -> str:
+    """Where a searcher's engine would be: another GPU when there is one (searcher i on GPU ranks + i)."""
+    if kind == "cpu":
+        return "cpu"
+    return "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"
+
+
+KINDS = ["cpu", pytest.param("cuda", marks=gpu)]
+
+
+# ===== tba.check_gpus: refusals (CUDA queries faked: runs anywhere) ==============================
+def fake_gpus(monkeypatch, capabilities, mode=0):
+    """torch sees len(capabilities) GPUs with these compute capabilities; NVML says GPU 0 is in
+    compute mode `mode`. Returns the indices compute_mode was asked about."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: capabilities[0 if device is None else int(device)])
+    monkeypatch.setattr(tba, "compute_mode", lambda index: asked.append(index) or mode)
+    return asked
+
+
+def test_bfloat16_is_refused_below_compute_capability_8(monkeypatch):
+    fake_gpus(monkeypatch, [(7, 0), (7, 0)])
+    cfg = types.SimpleNamespace(searchers=1, dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"--dtype: bfloat16 needs compute capability 8\.0 .*GPU 0 has 7\.0"):
+        tba.check_gpus(cfg, world=1)
+
+
+def test_auto_dtype_follows_the_oldest_gpu_used(monkeypatch):
+    fake_gpus(monkeypatch, [(7, 0), (7, 0)])
+    cfg = types.SimpleNamespace(searchers=1, dtype="auto")
+    tba.check_gpus(cfg, world=1)
+    assert cfg.dtype == "float16"
+    fake_gpus(monkeypatch, [(9, 0), (7, 5), (9, 0)])  # the searcher's GPU 1 is the old one
+    cfg = types.SimpleNamespace(searchers=1, dtype="auto")
+    tba.check_gpus(cfg, world=1)
+    assert cfg.dtype == "float16"
+    with pytest.raises(ConfigError, match=r"GPU 1 has 7\.5"):
+        tba.check_gpus(types.SimpleNamespace(searchers=1, dtype="bfloat16"), world=1)
+    fake_gpus(monkeypatch, [(9, 0), (8, 0)])
+    cfg = types.SimpleNamespace(searchers=1, dtype="auto")
+    tba.check_gpus(cfg, world=1)
+    assert cfg.dtype == "bfloat16"
+
+
+def test_exclusive_process_gpu0_is_refused_with_searchers(monkeypatch):
+    asked = fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=3)  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    with pytest.raises(ConfigError, match="EXCLUSIVE_PROCESS"):
+        tba.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=1)
+    assert asked == [0]  # the trainer's GPU, where the searchers open the shared weights
+    asked.clear()
+    cfg = types.SimpleNamespace(searchers=0, dtype="auto")  # the trainer alone on GPU 0: allowed
+    tba.check_gpus(cfg, world=1)
+    assert asked == [] and cfg.dtype == "bfloat16"
+    fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=None)  # no NVML: nothing to refuse
+    tba.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=1)
+
+
+def test_too_few_gpus_are_refused(monkeypatch):
+    fake_gpus(monkeypatch, [(9, 0), (9, 0)])
+    with pytest.raises(ConfigError, match=r"1 searcher\(s\) \+ 2 trainer rank\(s\) need 3 GPUs, 2 visible"):
+        tba.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=2)
+
+
+@gpu
+def test_compute_mode_finds_the_gpu_by_uuid():
+    """compute_mode maps a torch ordinal to NVML by UUID, prefixing torch's bare UUID with "GPU-":
+    the result must be one of nvidia-smi's UUIDs, and (with nvidia-ml-py installed, never importing
+    vLLM here) the mode must be nvidia-smi's."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        pytest.skip("nvidia-smi not found")
+    if "MIG-" in subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60).stdout:
+        pytest.skip("MIG instances: torch sees MIG devices, nvidia-smi --query-gpu lists their parent GPUs")
+    rows = subprocess.run([smi, "--query-gpu=uuid,compute_mode", "--format=csv,noheader"], capture_output=True,
+                          text=True, timeout=60, check=True).stdout.splitlines()
+    modes = {u.strip(): m.strip() for u, m in (row.split(",") for row in rows if row.strip())}
+    for i in range(torch.cuda.device_count()):
+        uuid = str(torch.cuda.get_device_properties(i).uuid)
+        uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid  # as tba.compute_mode does
+        assert uuid in modes, f"torch device {i}: {uuid} is not among nvidia-smi's {sorted(modes)}"
+    try:
+        import pynvml  # noqa: F401  (compute_mode would fall back to vllm.third_party.pynvml: not here)
+    except ImportError:
+        return
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    mode = modes[uuid if uuid.startswith("GPU-") else "GPU-" + uuid]
+    assert tba.compute_mode(0) == {"Default": 0, "Prohibited": 2, "Exclusive_Process": 3}[mode]
+
+
+# ===== weights.allocator_for_sharing ===========================================================
+def fake_allocator(monkeypatch, conf):
+    """The allocator settings read `conf`; returns the list of strings written."""
+    written = []
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: conf)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", written.append)
+    return written
+
+
+@pytest.mark.parametrize("conf,inside", [
+    ("expandable_segments:True", "expandable_segments:False"),
+    ("expandable_segments:True,max_split_size_mb:256", "expandable_segments:False,max_split_size_mb:256"),
+    (" garbage_collection_threshold:0.6 , expandable_segments : true ,max_split_size_mb:64",
+     "garbage_collection_threshold:0.6,expandable_segments:False,max_split_size_mb:64"),
+    ("max_split_size_mb:128,expandable_segments:1", "max_split_size_mb:128,expandable_segments:False"),
+])
+def test_allocator_settings_are_rewritten_whole_and_restored(monkeypatch, conf, inside):
+    """The setter resets every option it is not given (notes: vllm/device_allocator/alloc_conf.py),
+    so the whole string is written back with only expandable_segments flipped, then the original."""
+    written = fake_allocator(monkeypatch, conf)
+    with weights.allocator_for_sharing("cuda:0"):
+        assert written == [inside]
+    assert written == [inside, conf]
+    written.clear()
+    with pytest.raises(KeyError):
+        with weights.allocator_for_sharing(torch.device("cuda", 1)):
+            raise KeyError("inside")
+    assert written == [inside, conf]  # restored on an error too
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:False", "max_split_size_mb:256,expandable_segments:false"])
+def test_allocator_settings_untouched_without_expandable_segments(monkeypatch, conf):
+    written = fake_allocator(monkeypatch, conf)
+    with weights.allocator_for_sharing("cuda:0"):
+        pass
+    assert written == []
+
+
+def test_allocator_settings_not_read_for_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: pytest.fail("read for the CPU"))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: pytest.fail("written for the CPU"))
+    with weights.allocator_for_sharing("cpu"):
+        pass
+
+
+def expandable_producer(tensors, done, report):
+    """Under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (from the environment, read before
+    CUDA starts): a tensor allocated inside allocator_for_sharing lives in a plain cudaMalloc
+    segment, one allocated outside in an expandable one; send the first to a consumer."""
+    try:
+        def expandable(t):  # is the allocator's segment holding t expandable? (None: not found)
+            ptr = t.data_ptr()  # SegmentInfo.is_expandable, torch/include/c10/core/CachingDeviceAllocator.h:106,
+            # is the snapshot's "is_expandable" (torch/csrc/cuda/Module.cpp, not in the wheel)
+            for seg in torch.cuda.memory_snapshot():
+                if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+                    return seg["is_expandable"]
+            return None
+
+        conf = torch._C._accelerator_getAllocatorSettings()
+        outside = torch.ones(2**20, device="cuda:0")  # 4 MiB: large pool
+        with weights.allocator_for_sharing("cuda:0"):
+            inside_conf = torch._C._accelerator_getAllocatorSettings()
+            shared = torch.arange(2**20, dtype=torch.float32, device="cuda:0")
+        torch.cuda.synchronize()
+        report.put(dict(conf=conf, inside_conf=inside_conf, after_conf=torch._C._accelerator_getAllocatorSettings(),
+                        outside_expandable=expandable(outside), inside_expandable=expandable(shared),
+                        any_expandable=any(seg["is_expandable"] for seg in torch.cuda.memory_snapshot())))
+        tensors.put(shared)
+        deadline = time.monotonic() + TIMEOUT
+        while not done.wait(timeout=1.0):  # the producer keeps `shared` alive while the consumer reads it
+            parent_alive()
+            assert time.monotonic() < deadline, "the consumer never finished"
+    except BaseException:
+        report.put({"error": traceback.format_exc()})
+
+
+def expandable_consumer(tensors, report, device):
+    try:
+        torch.cuda.set_device(device)
+        t = tensors.get(timeout=TIMEOUT)
+        same = torch.equal(t.to(device).cpu(), torch.arange(2**20, dtype=torch.float32))
+        report.put(dict(device=str(t.device), equal=same))
+        del t
+    except BaseException:
+        report.put({"error": traceback.format_exc()})
+
+
+@gpu
+def test_tensors_allocated_for_sharing_avoid_expandable_segments(monkeypatch):
+    ctx = mp.get_context("spawn")
+    tensors, done, report = ctx.Queue(), ctx.Event(), ctx.Queue()
+    # in the children's environment from their start, before CUDA reads it
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    producer = ctx.Process(target=expandable_producer, args=(tensors, done, report), daemon=True)
+    consumer = ctx.Process(target=expandable_consumer, args=(tensors, report, reader_device()), daemon=True)
+    producer.start()
+    try:
+        r = get(report, [producer])
+        assert "expandable_segments:True" in r["conf"] and r["after_conf"] == r["conf"]
+        assert "expandable_segments:False" in r["inside_conf"]
+        assert r["outside_expandable"] or (r["outside_expandable"] is None and r["any_expandable"]), \
+            "the environment did not turn expandable segments on: the check proves nothing"
+        assert r["inside_expandable"] is False, "a tensor allocated for sharing lives in an expandable segment"
+        consumer.start()
+        r = get(report, [consumer])
+        assert r == dict(device="cuda:0", equal=True)
+        consumer.join(timeout=30)  # the consumer goes first: then the producer may free the tensor
+    finally:
+        done.set()
+        finish([consumer, producer] if consumer.pid else [producer])
+
+
+# ===== the CUDA IPC handoff to a searcher ========================================================
+def exact(shape, seed):
+    """Values exactly representable in bf16 (k / 4 for integers |k| <= 256: at most 8 significant
+    bits, bf16's precision): comparisons are exact."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-256, 257, shape, generator=g).float() / 4
+
+
+def handoff_reader(shared, stop, out, device):
+    """A searcher's side without vLLM: receive the tensors, then report what it reads under the lock
+    each time the policy or reference version moves (3 reports), then wait to be stopped."""
+    try:
+        torch.set_num_threads(1)
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        weights.receive(shared, stop, parent_alive)
+        assert shared.tensors is not None, "stopped before the handoff"
+        last, deadline = None, time.monotonic() + TIMEOUT
+        for _ in range(3):
+            while (shared.version.value, shared.ref_version.value) == last:
+                if stop.is_set():
+                    return
+                parent_alive()
+                assert time.monotonic() < deadline, "no new version"
+                time.sleep(0.01)
+            with weights.locked(shared, parent_alive, TIMEOUT, device):
+                last = (shared.version.value, shared.ref_version.value)
+                read = lambda ts: {n: t.to(device).float().cpu().tolist() for n, t in ts.items()}  # noqa: E731
+                # tied names: pickled once, and a handle already open maps to the same storage
+                # (torch/multiprocessing/reductions.py:173-196): one tensor, as in the trainer
+                tied = shared.tensors["lm_head.weight"].data_ptr() == shared.tensors["embed.weight"].data_ptr()
+                out.put(dict(version=last[0], ref_version=last[1], values=read(shared.tensors), ref=read(shared.ref),
+                             devices=sorted({str(t.device) for t in [*shared.tensors.values(), *shared.ref.values()]}),
+                             dtypes=sorted({str(t.dtype) for t in shared.tensors.values()}), tied=tied))
+        while not stop.wait(timeout=1.0):
+            parent_alive()
+            assert time.monotonic() < deadline, "never stopped"
+    except BaseException:
+        out.put({"error": traceback.format_exc()})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_handoff_of_shared_tensors_to_a_spawned_reader(kind):
+    """As tba.run: the reader is spawned first, the tensors (bf16 as on GPUs, with a tied name and
+    TBA′'s ref set) go through `handoff`, on a GPU as CUDA IPC handles of tensors on cuda:0 (CPU:
+    shared memory); the reader sees each publish."""
+    device = torch.device("cuda:0" if kind == "cuda" else "cpu")
+    ctx = mp.get_context("spawn")
+    shared = weights.create(ctx)
+    stop, out = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=handoff_reader, args=(shared, stop, out, reader_device(kind)), daemon=True)
+    proc.start()
+
+    def alive():
+        if proc.exitcode is not None:
+            raise weights.Dead(f"reader died with exit code {proc.exitcode}")
+
+    def expected(named):
+        return {**{n: t.tolist() for n, t in named}, "lm_head.weight": dict(named)["embed.weight"].tolist()}
+
+    try:
+        first = [("embed.weight", exact((16, 8), 0)), ("norm.weight", exact((8,), 1))]
+        weights.allocate(shared, [(n, t.to(device)) for n, t in first], {"lm_head.weight": "embed.weight"},
+                         device, torch.bfloat16, with_ref=True)
+        shared.handoff.put((shared.tensors, shared.ref))
+        r = get(out, [proc])
+        assert (r["version"], r["ref_version"]) == (0, 0)
+        assert r["values"] == expected(first) and r["ref"] == expected(first)
+        assert r["devices"] == [str(device)] and r["dtypes"] == ["torch.bfloat16"] and r["tied"]
+
+        second = [("embed.weight", exact((16, 8), 2)), ("norm.weight", exact((8,), 3))]
+        weights.publish(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT)
+        r = get(out, [proc])
+        assert (r["version"], r["ref_version"]) == (5, 0)
+        assert r["values"] == expected(second) and r["ref"] == expected(first)  # the tied name moved with its tensor
+
+        weights.publish(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT, to=("ref",))
+        r = get(out, [proc])
+        assert (r["version"], r["ref_version"]) == (5, 5) and r["ref"] == expected(second)
+    finally:
+        finish([proc], stop)  # the consumer first; only then may the shared tensors go
+        shared.handoff.cancel_join_thread()
+        shared.tensors = shared.ref = None
+
+
+# ===== FSDP2 in bf16 (NCCL on GPUs), and the on-device gather into the shared tensors ===========
+def compare(shared: weights.SharedWeights, full: dict, dtype, device) -> list[str]:
+    """Names whose shared tensor differs from the full state dict (float32: exactly; bf16: by more
+    than its rounding, half an ulp = 2^-9 relative, bound taken as 2^-8)."""
+    bad = []
+    for name, want in full.items():
+        have = shared.tensors.get(name)
+        if have is None or have.dtype != dtype or have.device != device or have.shape != want.shape:
+            bad.append(f"{name}: {None if have is None else (have.dtype, have.device, tuple(have.shape))}")
+            continue
+        have = have.cpu().float()
+        ok = (torch.equal(have, want) if dtype == torch.float32
+              else bool(((have - want).abs() <= want.abs() * 2**-8).all()))
+        if not ok:
+            bad.append(f"{name}: max |diff| {(have - want).abs().max().item():.3g}")
+    return bad
+
+
+def fsdp_rank(kind, rank, world, port, path, results):
+    """One trainer rank: tba's own init, load_policy (FSDP2, bf16 compute), one backward/clip/AdamW
+    step on a batch of trajectories, and the gather into shared tensors on rank 0 (float32 and bf16),
+    compared with tba.full_state_dict before and after the step."""
+    import torch.distributed as dist
+    from buffer import Trajectory
+    try:
+        torch.set_num_threads(1)  # a tiny model: OpenMP threads only spin on a shared CPU
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cfg = tba.Config(model=path, prompts_per_step=2 * world, samples_per_prompt=4, temperature=0.7,
+                         micro_batch=4, timeout=TIMEOUT)
+        got = tba.init_distributed(cfg)
+        assert got == (rank, world, rank), got
+        device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # as tba.run, after init_distributed
+        model = tba.load_policy(path, device, "bfloat16")
+        out = {"rank": rank}
+
+        ctx = mp.get_context("spawn")
+        dtypes = (torch.float32, torch.bfloat16)
+        shared = {dt: weights.create(ctx) for dt in dtypes} if rank == 0 else {}
+        for dt in dtypes:  # the initial weights, as tba.run allocates them
+            named = weights.gather(model)
+            if rank == 0:
+                weights.allocate(shared[dt], named, weights.aliases(model), device, dt)
+            for _ in named:  # ranks > 0 take part in every all-gather
+                pass
+        before = {k: v.clone() for k, v in tba.full_state_dict(model).items()}  # all ranks; rank 0 gets it
+        # (cloned: on the CPU with one rank the "copy" would be the parameters themselves)
+        if rank == 0:
+            out["aliases"] = weights.aliases(model)
+            out["initial"] = {str(dt): compare(shared[dt], before, dt, device) for dt in dtypes}
+
+        rng = np.random.default_rng(0)  # the same batch on every rank; each takes its slice
+        prompts = [rng.integers(4, 90, size=int(n)).tolist() for n in rng.integers(5, 12, size=8)]
+        B, K = cfg.prompts_per_step, cfg.samples_per_prompt
+        batch = [[Trajectory(int(p), rng.integers(4, 90, size=int(rng.integers(2, 7))).astype(np.int32),
+                             float(rng.integers(2)), -5.0, -5.0, 0) for _ in range(K)]
+                 for p in rng.choice(len(prompts), B, replace=False)]
+        mine = batch[rank * B // world:(rank + 1) * B // world]
+        # the logits' dtype, seen inside the training forward. (Not a separate forward under no_grad,
+        # which tba never runs on its FSDP2 model: tried first, with 2 gloo ranks it left the root
+        # group's parameters, embeddings and final norm, unchanged by the following AdamW step.)
+        seen = []
+        hook = model.lm_head.register_forward_hook(lambda module, args, output: seen.append(str(output.dtype)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        sums = tba.backward(model, mine, B / world, prompts, 0, device, cfg, cfg.beta)
+        hook.remove()
+        out["logits_dtype"] = sorted(set(seen))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP2
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.update(loss=sums["loss"] / sums["prompts"], grad_norm=float(norm), prompts=sums["prompts"])
+
+        for dt in dtypes:  # publish: every rank gathers, rank 0 copies under the lock
+            named = weights.gather(model)
+            if rank == 0:
+                weights.publish(shared[dt], named, 1, lambda: None, TIMEOUT)
+            for _ in named:
+                pass
+        after = tba.full_state_dict(model)
+        if rank == 0:
+            out["published"] = {str(dt): compare(shared[dt], after, dt, device) for dt in dtypes}
+            out["versions"] = [shared[dt].version.value for dt in dtypes]
+            out["unmoved"] = [k for k in after if torch.equal(before[k], after[k])]
+            out["tied"] = all(shared[dt].tensors[a].data_ptr() == shared[dt].tensors[f].data_ptr()
+                              for dt in dtypes for a, f in out["aliases"].items())
+        results.put(out)
+    except BaseException:
+        results.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp2_bf16_step_and_gather_into_shared_tensors(kind, tmp_path):
+    """GPU: NCCL (tba's "cpu:gloo,cuda:nccl"), 2 ranks with 2+ GPUs. CPU: one gloo rank, the same checks."""
+    pytest.importorskip("transformers")
+    import tiny
+    path = str(tmp_path / "model")
+    tiny.make_model(path, hidden=64, layers=2, heads=2)  # a tied Llama
+    world = min(2, torch.cuda.device_count()) if kind == "cuda" else 1  # NCCL: one GPU per rank
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=fsdp_rank, args=(kind, r, world, port, path, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        outs = sorted((get(results, procs, timeout=300) for _ in procs), key=lambda o: o["rank"])
+    finally:
+        finish(procs)
+    for o in outs:
+        assert np.isfinite(o["loss"]) and np.isfinite(o["grad_norm"]) and o["grad_norm"] > 0, o
+        assert o["logits_dtype"] == ["torch.bfloat16"], o  # FSDP2's MixedPrecisionPolicy computes in bf16
+        assert o["prompts"] == 2
+    head = outs[0]
+    assert head["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert head["initial"] == {"torch.float32": [], "torch.bfloat16": []}
+    assert head["published"] == {"torch.float32": [], "torch.bfloat16": []}
+    assert head["versions"] == [1, 1] and head["tied"]
+    assert head["unmoved"] == [], f"the step left these tensors unchanged: {head['unmoved']}"
+    assert [p.exitcode for p in procs] == [0] * world
+
+
+# ===== chunked log-probs on the device ==========================================================
+class Recorder:
+    """Calls the model and keeps its logits: the reference is computed from the very same logits."""
+
+    def __init__(self, model):
+        self.model, self.logits = model, None
+
+    def __call__(self, **kw):
+        out = self.model(**kw)
+        self.logits = out.logits
+        return out
+
+
+def plain_logprobs(logits, input_ids, response_mask, temperature, upcast=True):
+    """One log_softmax over the whole (N, T, V): the definition sequence_logprobs chunks."""
+    x = logits[:, :-1]
+    x = (x.float() if upcast else x) / temperature
+    lp = x.log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return (lp * response_mask[:, 1:].to(lp.dtype)).sum(1)
+
+
+@pytest.mark.parametrize("device", KINDS)
+def test_chunked_logprobs_match_one_log_softmax(device, tmp_path):
+    pytest.importorskip("transformers")
+    import tiny
+    model, _ = tiny.make_model(str(tmp_path / "model"), hidden=64, layers=2, heads=2)
+    model = model.to(device).eval()
+    g = torch.Generator().manual_seed(0)
+    pairs = [(torch.randint(4, 90, (n,), generator=g).tolist(), torch.randint(4, 90, (m,), generator=g).numpy())
+             for n, m in ((5, 3), (9, 7), (4, 12))]
+    ids, attention, response = collate(pairs, 0, device)
+    N, V, T = len(pairs), model.config.vocab_size, 0.7
+    small = 4 * N * V * 2  # two positions a chunk
+
+    # Tolerance, float32 and bf16 alike (both compute the log-softmax in float32): 1e-5 + 1e-6 |log p|.
+    # The two sides differ only by float32 rounding: logsumexp + gather against log_softmax + gather
+    # (a few ulps of |log p| per token, about log V = 4.6 here: ulp 5e-7), and the order of the sum
+    # over at most 11 response positions (chunk by chunk against at once; each addition rounds by
+    # half an ulp of the running sum: under 11 x 2^-24 < 1e-6 of the total, which reaches -55 here,
+    # where one float32 ulp is 3.8e-6). Measured on the CPU: 1.1e-5 at -55.
+    tol = dict(rtol=1e-6, atol=1e-5)
+
+    # float32: the chunks against one log-softmax of the same logits, and against one chunk (gradients too)
+    rec = Recorder(model)
+    chunked = sequence_logprobs(rec, ids, attention, response, T, chunk_bytes=small)
+    assert torch.allclose(chunked, plain_logprobs(rec.logits.detach(), ids, response, T), **tol)
+    plain = sequence_logprobs(model, ids, attention, response, T, chunk_bytes=2**40)
+    assert torch.allclose(chunked, plain, **tol)
+    params = list(model.parameters())
+    g_chunked = torch.autograd.grad(chunked.sum(), params)
+    g_plain = torch.autograd.grad(plain.sum(), params)
+    scale = max(a.abs().max().item() for a in g_plain)
+    assert scale > 0
+    for a, b in zip(g_chunked, g_plain):  # the chunks' log-softmax is recomputed in backward
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+    # bf16 model: logits in bf16, log-softmax in float32 on the exactly upcast logits, so the same
+    # tolerance holds against a float32 reference from the same bf16 logits. A log-softmax left in
+    # bf16 is off by up to half a bf16 ulp of |log p| per token (2^-6 = 0.016 at 4.6) and its bf16
+    # sum by more (ulp 0.25 at 55): checked below to exceed the tolerance tenfold, so the check
+    # would catch a lost upcast.
+    rec16 = Recorder(copy.deepcopy(model).to(torch.bfloat16))
+    with torch.no_grad():
+        chunked16 = sequence_logprobs(rec16, ids, attention, response, T, chunk_bytes=small)
+        assert rec16.logits.dtype == torch.bfloat16 and chunked16.dtype == torch.float32
+        reference = plain_logprobs(rec16.logits, ids, response, T)
+        assert torch.allclose(chunked16, reference, **tol)
+        in_bf16 = plain_logprobs(rec16.logits, ids, response, T, upcast=False).float()
+        assert ((in_bf16 - reference).abs() - 10 * (tol["atol"] + tol["rtol"] * reference.abs())).max() > 0

@@ -1,0 +1,230 @@
+"""Stress test of the weight-sync protocol (weights.py): a trainer publishing many versions while a
+spawned searcher-like reader keeps copying them out must never leave the reader with a mix of two
+versions, nor with weights other than the version it read under the lock, and the reader must end
+on the last version.
+
+Each shared tensor is filled with its version number, so a correct copy is uniform and equal to
+the version read under the lock. The reader gets the tensors the way searchers do: spawned before
+they exist, then `weights.receive` from `SharedWeights.handoff` (CPU: shared memory; GPU: CUDA IPC
+handles of tensors on cuda:0, read from cuda:1 when there is one, else cuda:0).
+
+Negative controls (they must DETECT a violation, which shows the check can fail):
+- CPU, "nolock": a reader that ignores the lock. Holding the lock is then the whole protocol on the
+  CPU: a CPU copy_ is done when it returns (non_blocking means nothing for CPU-to-CPU copies), so
+  a reader that holds the lock while it copies cannot race, with or without `synchronize`; the
+  "nosync" race below cannot occur on the CPU.
+- GPU, "nosync": a reader that holds the lock while it enqueues its copies but lets it go without
+  waiting for them, as `locked` would without its `synchronize`. vLLM's reload enqueues copies and
+  never synchronises (vllm/model_executor/model_loader/reload/): a copy between GPUs runs on the
+  source GPU's current stream and `copy_` returns before the bytes move (upstream aten/src/ATen/
+  native/cuda/Copy.cu, copy_device_to_device). To make "still in flight" certain rather than a
+  matter of copy sizes, the reader queues a spin kernel (`torch.cuda._sleep`, torch/cuda/
+  __init__.py:238) ahead of its copies on that stream, as busy streams or slow links would; the
+  same delay is used in the "locked" mode, where `locked` must wait it out (torch.cuda.synchronize
+  = all streams of this process on that device, torch/cuda/__init__.py:1209-1219). Detection needs
+  the GPU to run the writer's copies (another process: time-sliced, or concurrent under MPS)
+  before or among the reader's late ones; a GPU that ran them strictly in submission order would
+  hide the race, not make the protocol safe.
+
+CUDA IPC lifetimes: the producer (this test process) keeps the shared tensors alive until the
+reader has been joined, so the consumer never outlives them (the reader maps the producer's memory,
+torch/multiprocessing/reductions.py:153-219; torch keeps a sent block until the consumer's reference
+counter drops, torch/include/torch/csrc/CudaIPCTypes.h:22-75). Every wait here has a deadline and
+checks that the other process lives.
+"""
+
+import time
+import traceback
+from queue import Empty
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import weights
+
+TIMEOUT = 60.0  # s: any wait on the other process (lock, queue, join)
+VERSIONS = 200
+DETECT_SECONDS = 20.0  # negative controls: publish until the reader reports a violation, at most this long
+SLEEP_LOCKED = 10**7      # GPU clock cycles (~5 ms) queued ahead of each read's copies
+SLEEP_NOSYNC = 2 * 10**8  # ~100 ms: the writer publishes several versions while the copies wait
+# s between publishes. CPU: none, back to back is the most contention, and filling the writer's
+# tensors leaves the reader time to take the lock. GPU: filling is only a kernel launch, so the
+# writer would take the lock straight back and starve the reader; 2 ms lets it in.
+PACE = {"cpu": 0.0, "cuda": 0.002}
+# (name, elements): a few tensors, so that a read can straddle two versions
+SHAPES = {"cpu": [(f"w{i}", 2**16) for i in range(4)],   # 256 KiB each: fast, still a race without the lock
+          "cuda": [(f"w{i}", 2**23) for i in range(4)]}  # 32 MiB each: copies take measurable time
+
+
+def parent_alive():
+    parent = mp.parent_process()
+    if parent is not None and not parent.is_alive():
+        raise weights.Dead("the test process is gone")
+
+
+def reader_device(kind: str) -> torch.device:
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0")
+
+
+def reader(shared, mode, kind, ready, detected, stop, results):
+    """The searcher side: sync whenever the version moves (every loop in "nolock"), then check the
+    copy; report {"seen", "syncs", "bad", "examples", "last"} or {"error"} on `results`."""
+    try:
+        torch.set_num_threads(1)  # small copies; OpenMP threads spinning on a shared CPU only slow both sides
+        device = reader_device(kind)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # as vLLM's worker does before anything is received
+        weights.receive(shared, stop, parent_alive)
+        if shared.tensors is None:
+            raise RuntimeError("stopped before the handoff")
+        names = sorted(shared.tensors)
+        sources = sorted({t.device for t in shared.tensors.values()}, key=str)
+        mine = {n: torch.empty(shared.tensors[n].shape, dtype=shared.tensors[n].dtype, device=device) for n in names}
+        version, seen, syncs, bad, examples = 0, set(), 0, 0, []
+        deadline = time.monotonic() + TIMEOUT
+
+        def copy():
+            v = shared.version.value
+            if device.type == "cuda":  # the copies wait behind other work on the source GPU's stream
+                for d in sources:
+                    with torch.cuda.device(d):
+                        torch.cuda._sleep(SLEEP_NOSYNC if mode == "nosync" else SLEEP_LOCKED)
+            for n in names:  # as vLLM's reload: param.data.copy_(loaded_weight), non-blocking
+                mine[n].copy_(shared.tensors[n], non_blocking=True)
+            return v
+
+        ready.set()
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reader: no end after {TIMEOUT:.0f} s (version {version}, {syncs} syncs)")
+            parent_alive()
+            final = stop.is_set()  # before reading the version: after stop, this read is the last
+            if shared.version.value == version and mode != "nolock":
+                if final:
+                    break
+                time.sleep(0.0005)
+                continue
+            if mode == "locked":
+                with weights.locked(shared, parent_alive, TIMEOUT, device):
+                    v = copy()
+            elif mode == "nosync":  # the defect: the lock goes before the copies are done
+                weights.acquire(shared.lock, parent_alive, TIMEOUT)
+                try:
+                    v = copy()
+                finally:
+                    shared.lock.release()
+            else:  # "nolock"
+                v = copy()
+            # after the lock is released: the check runs on the reader's device, ordered after its copies
+            ranges = [tuple(x.item() for x in torch.aminmax(mine[n])) for n in names]
+            syncs += 1
+            seen.add(v)
+            if any(lo != v or hi != v for lo, hi in ranges):
+                bad += 1
+                if len(examples) < 5:
+                    examples.append({"version": v, "ranges": ranges})
+                detected.set()
+            version = v
+            if mode == "nolock" and final:
+                break
+        results.put({"seen": sorted(seen), "syncs": syncs, "bad": bad, "examples": examples, "last": version})
+    except BaseException:
+        results.put({"error": traceback.format_exc()})
+    # no cancel_join_thread: at exit the queue's feeder thread must flush the report into the pipe
+
+
+def run_protocol(kind: str, mode: str) -> dict:
+    """Trainer side: spawn the reader, allocate and hand off the shared tensors, publish versions
+    1..VERSIONS (fewer once a negative control has detected a violation), stop; the reader's report."""
+    ctx = mp.get_context("spawn")
+    shared = weights.create(ctx)
+    ready, detected, stop, results = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=reader, args=(shared, mode, kind, ready, detected, stop, results), daemon=True)
+    proc.start()  # before the tensors exist, as tba.run spawns its searchers
+
+    def alive():
+        if proc.exitcode is not None:
+            raise weights.Dead(f"reader died with exit code {proc.exitcode}")
+
+    def report(timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                out = results.get(timeout=1.0)
+                break
+            except Empty:
+                if proc.exitcode is not None and results.empty():
+                    raise weights.Dead(f"reader died with exit code {proc.exitcode} without a report")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no report from the reader")
+        assert "error" not in out, out["error"]
+        return out
+
+    device = torch.device("cuda:0" if kind == "cuda" else "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the reader; restored below
+    try:
+        named = [(n, torch.zeros(size, device=device)) for n, size in SHAPES[kind]]
+        weights.allocate(shared, named, {}, device, torch.float32)  # version 0: all zeros
+        shared.handoff.put((shared.tensors, shared.ref))
+        deadline = time.monotonic() + TIMEOUT
+        while not ready.wait(timeout=0.5):  # the reader holds the tensors before the first publish
+            alive()
+            if not results.empty():
+                report(1)
+            assert time.monotonic() < deadline, "the reader never got the tensors"
+        src = dict(named)  # the writer's own tensors, refilled with each version
+        v, budget = 0, time.monotonic() + DETECT_SECONDS
+        more = ((lambda: v < VERSIONS) if mode == "locked"
+                else lambda: not detected.is_set() and time.monotonic() < budget)
+        while more():
+            v += 1
+            for t in src.values():
+                t.fill_(v)  # same stream as publish's copies: ordered before them
+            weights.publish(shared, src.items(), v, alive, TIMEOUT)
+            time.sleep(PACE[kind])
+        stop.set()
+        out = report(TIMEOUT)
+        out["published"] = shared.version.value
+        proc.join(timeout=TIMEOUT)
+        return out
+    finally:
+        stop.set()
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+        shared.handoff.cancel_join_thread()
+        torch.set_num_threads(threads)
+        # only now may the shared tensors go: the consumer is gone (CUDA IPC: the producer keeps them alive)
+        shared.tensors = shared.ref = None
+
+
+KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reader_never_sees_mixed_versions(kind):
+    out = run_protocol(kind, "locked")
+    assert out["bad"] == 0, f"{out['bad']} of {out['syncs']} reads were not one version: {out['examples']}"
+    assert out["published"] == VERSIONS and out["last"] == VERSIONS
+    assert len(out["seen"]) >= 3, f"the reader read too few versions to stress anything: {out['seen']}"
+
+
+def test_check_detects_a_reader_that_ignores_the_lock():
+    """CPU negative control: without the lock, reads straddle publishes and the check sees it."""
+    out = run_protocol("cpu", "nolock")
+    assert out["bad"] >= 1, f"no mixed or mislabelled read in {out['syncs']} unlocked reads"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device (on the CPU the race cannot occur: CPU copies finish before copy_ returns)")
+def test_releasing_the_lock_before_the_copies_finish_is_detected():
+    """GPU negative control: the lock held only while the copies are enqueued (what `locked` does
+    without its synchronize) lets the trainer overwrite tensors still being read."""
+    out = run_protocol("cuda", "nosync")
+    assert out["bad"] >= 1, (f"no violation in {out['syncs']} reads: the GPU ran the reader's copies before the "
+                             f"writer's although the lock was released first")
