@@ -74,6 +74,7 @@ from tasks import arith_splits
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output folder (metrics.jsonl, config.json)")
+    p.add_argument("--model", default=None, help="model folder (default: the cached `tiny` model, built if missing)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--prompts-per-step", type=int, default=32, help="B")
@@ -130,7 +131,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    model_path = tiny.cached()
+    model_path = args.model or tiny.cached()
     train, test = arith_splits()
     test = test[: args.eval_limit] if args.eval_limit else test
     tokenizer = AutoTokenizer.from_pretrained(model_path)
