@@ -23,8 +23,9 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    optimizer) against a bare forward+backward of the same model on the same batch.
 6. (only with --parts 6) memory: resident memory summed over all processes of a TBA run of
    --minutes (20), sampled every 10 s: growth after the first 5 minutes.
-8. (only with --parts 8) TRL's GRPOTrainer on the same setup (`trl_grpo.py`: same model, prompts,
-   held-out problems, B x K, temperature, length, steps; accuracy measured the same way), per seed:
+8. (only with --parts 8) TRL's GRPOTrainer on the same setup (`trl_grpo.py`: the model, prompts,
+   held-out problems, B x K, temperature, length, steps and lr decay of tba.py's flags; accuracy
+   measured the same way; the arith task only), per seed:
    seconds from launch to start + 0.15 and start + 0.25, and accuracy after all steps. TRL is not a
    dependency: it runs in a virtual environment of its own, --trl-python PATH or one made once in
    $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line, when that cannot be done.
@@ -216,7 +217,7 @@ def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: lis
     curve = [(offset + e["time"], e["step"], e["accuracy"]) for e in evals]
     start = curve[0][2]
     (t15, s15), (t25, s25) = reached(curve, start + 0.15), reached(curve, start + 0.25)
-    later = train[1:]  # the first step holds generate's warm-up
+    later = train[1:]  # the first step may hold one-time warm-up
     return dict(
         seed=seed, start_accuracy=start, seconds_to_015=t15, step_015=s15, seconds_to_025=t25, step_025=s25,
         final_accuracy=curve[-1][2] if curve[-1][1] == config["steps"] else None, steps=config["steps"],
@@ -228,14 +229,20 @@ def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: lis
     )
 
 
-def trl_part(seeds: list[int], given: str | None, cap: float, out: str, model: str, quick: bool) -> dict:
-    """Part 8, TRL's side: {"note", "version", "runs": [run_trl's dict per seed]}, or {"note"} when skipped."""
+def trl_part(seeds: list[int], given: str | None, cap: float, out: str, cfg, quick: bool) -> dict:
+    """Part 8, TRL's side, on tba.py's setup `cfg` (model, B, K, temperature, length, steps, evaluation):
+    {"note", "python", "version", "runs": [run_trl's dict per seed]}, or {"note"} when skipped."""
+    if cfg.task != "arith":
+        return dict(note=f"trl_grpo.py runs the arith task only, not {cfg.task}")
     python, note = trl_python(given, os.path.join(out, "trl-install.log"))
     print(f"8. {note}", flush=True)
     if python is None:
         return dict(note=note)
-    extra = ["--steps", "10", "--eval-every", "2"] if quick else []
-    runs = [run_trl(python, seed, cap, os.path.join(out, f"seed{seed}-trl"), model, extra) for seed in seeds]
+    setup = ["--steps", str(min(cfg.steps, 10) if quick else cfg.steps), "--prompts-per-step", str(cfg.prompts_per_step),
+             "--samples-per-prompt", str(cfg.samples_per_prompt), "--temperature", str(cfg.temperature),
+             "--max-new-tokens", str(cfg.max_new_tokens), "--decay-steps", str(cfg.decay_steps),
+             "--eval-every", "2" if quick else str(cfg.eval_every), *(["--eval-limit", str(cfg.eval_limit)] if cfg.eval_limit else [])]
+    runs = [run_trl(python, seed, cap, os.path.join(out, f"seed{seed}-trl"), cfg.model_path, setup) for seed in seeds]
     return dict(note=note, python=python, version=runs[0]["versions"]["trl"], runs=runs)
 
 
@@ -372,7 +379,7 @@ def main():
                                          ["--eval-every", "2" if args.quick else "10", *flags], args.full))
     result["time_to_target"] = runs
     if 8 in args.parts:
-        result["trl"] = trl_part(args.seeds, args.trl_python, args.cap, out, cfg.model_path, args.quick)
+        result["trl"] = trl_part(args.seeds, args.trl_python, args.cap, out, cfg, args.quick)
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
