@@ -23,6 +23,12 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    optimizer) against a bare forward+backward of the same model on the same batch.
 6. (only with --parts 6) memory: resident memory summed over all processes of a TBA run of
    --minutes (20), sampled every 10 s: growth after the first 5 minutes.
+8. (only with --parts 8) TRL's GRPOTrainer on the same setup (`trl_grpo.py`: the model, prompts,
+   held-out problems, B x K, temperature, length, steps and lr decay of tba.py's flags; accuracy
+   measured the same way; the arith task only), per seed:
+   seconds from launch to start + 0.15 and start + 0.25, and accuracy after all steps. TRL is not a
+   dependency: it runs in a virtual environment of its own, --trl-python PATH or one made once in
+   $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line, when that cannot be done.
 Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher,
 on the devices a run would use: on a GPU node the trainer's GPU 0 and the first searcher's GPU 1.
 """
@@ -136,6 +142,110 @@ def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
                  if '"train"' in line), default=0)
     return dict(minutes=minutes, mib_at_5_min=at5, mib_at_end=samples[-1][1], mib_peak=max(m for _, m, _ in samples),
                 growth_after_5_min=samples[-1][1] / at5 - 1, steps=steps, samples=samples)
+
+
+# --- 8: TRL's GRPOTrainer on the same setup -----------------------------------------------------------
+TRL = ["trl==1.13.0", "requests"]  # TRL 1.13's GRPOTrainer imports requests without declaring it
+TRL_CHECK = ("import torch, transformers, trl; from trl import GRPOTrainer; "
+             "print(trl.__version__, transformers.__version__, torch.__version__)")
+
+
+def trl_python(given: str | None, log: str) -> tuple[str | None, str]:
+    """The python of a virtual environment that holds TRL: `given` (--trl-python), or one made once in
+    $TBA_CACHE/trl-venv (default ~/.cache/tba) with TRL and this process's torch and transformers releases,
+    so that both sides run the same kernels and model code. Returns (python or None, a line saying which
+    one, or why there is none); pip's output goes to `log`."""
+    def check(python):  # the versions it holds, or None
+        try:
+            p = subprocess.run([python, "-c", TRL_CHECK], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        except OSError:
+            return None
+        return p.stdout.split() if p.returncode == 0 else None
+
+    if given:
+        if check(given) is None:
+            return None, f"--trl-python {given}: not a python that imports trl's GRPOTrainer"
+        return given, f"TRL from --trl-python {given}"
+    import fcntl
+    import transformers
+    root = os.environ.get("TBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tba")
+    venv, python = os.path.join(root, "trl-venv"), os.path.join(root, "trl-venv", "bin", "python")
+    pins = [f"torch=={torch.__version__}", f"transformers=={transformers.__version__}", *TRL]
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".trl-lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time
+        ready = os.path.join(venv, "tba-ready.json")
+        if os.path.isfile(ready) and json.load(open(ready)) == pins and check(python):
+            return python, f"TRL from {venv} (made earlier)"
+        print(f"8. installing TRL into {venv} (once): pip install {' '.join(pins)} ...", flush=True)
+        t0 = time.time()
+        with open(log, "w") as f:
+            try:
+                ok = subprocess.run([sys.executable, "-m", "venv", "--clear", venv], stdout=f, stderr=subprocess.STDOUT).returncode == 0
+                ok = ok and subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", *pins],
+                                           stdout=f, stderr=subprocess.STDOUT, timeout=3600).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                ok = False
+        if not ok or check(python) is None:
+            return None, f"could not install {' '.join(pins)} into {venv} (see {log})"
+        json.dump(pins, open(ready, "w"))
+        return python, f"TRL installed into {venv} in {time.time() - t0:.0f} s"
+
+
+def reached(curve, level: float):
+    """(seconds, step) of the first evaluation after the start at or above `level` (accuracies are
+    counts over the problems: a tolerance keeps 0.24 + 0.15 from missing 0.39), or (None, None)."""
+    return next(((t, step) for t, step, acc in curve[1:] if acc >= level - 1e-9), (None, None))
+
+
+def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: list[str]) -> dict:
+    """Run trl_grpo.py to its end (or the time cap); times count from its launch, without evaluations."""
+    cmd = [python, os.path.join(ROOT, "trl_grpo.py"), "--seed", str(seed), "--out", out, "--model", model, *extra]
+    launched = time.time()
+    with open(out + ".log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=cap)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    metrics = os.path.join(out, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+    evals, train = [r for r in rows if r["kind"] == "eval"], [r for r in rows if r["kind"] == "train"]
+    if not evals:
+        raise RuntimeError(f"trl_grpo.py produced no evaluation: {open(out + '.log').read()[-2000:]}")
+    config = json.load(open(os.path.join(out, "config.json")))
+    offset = config["started"] - launched  # interpreter start before trl_grpo.py's first line
+    curve = [(offset + e["time"], e["step"], e["accuracy"]) for e in evals]
+    start = curve[0][2]
+    (t15, s15), (t25, s25) = reached(curve, start + 0.15), reached(curve, start + 0.25)
+    later = train[1:]  # the first step may hold one-time warm-up
+    return dict(
+        seed=seed, start_accuracy=start, seconds_to_015=t15, step_015=s15, seconds_to_025=t25, step_025=s25,
+        final_accuracy=curve[-1][2] if curve[-1][1] == config["steps"] else None, steps=config["steps"],
+        seconds=offset + train[-1]["time"] if train else None, exit_code=proc.returncode,
+        first_step_seconds=offset + train[0]["time"] - train[0]["seconds"] if train else None,
+        seconds_per_step=float(np.median([r["seconds"] for r in later])) if later else None,
+        generate_per_step=float(np.median([r["generate"] for r in later])) if later else None,
+        eval_seconds=evals[-1]["overhead"] + evals[-1]["seconds"], curve=curve, versions=config["versions"],
+    )
+
+
+def trl_part(seeds: list[int], given: str | None, cap: float, out: str, cfg, quick: bool) -> dict:
+    """Part 8, TRL's side, on tba.py's setup `cfg` (model, B, K, temperature, length, steps, evaluation):
+    {"note", "python", "version", "runs": [run_trl's dict per seed]}, or {"note"} when skipped."""
+    if cfg.task != "arith":
+        return dict(note=f"trl_grpo.py runs the arith task only, not {cfg.task}")
+    python, note = trl_python(given, os.path.join(out, "trl-install.log"))
+    print(f"8. {note}", flush=True)
+    if python is None:
+        return dict(note=note)
+    setup = ["--steps", str(min(cfg.steps, 10) if quick else cfg.steps), "--prompts-per-step", str(cfg.prompts_per_step),
+             "--samples-per-prompt", str(cfg.samples_per_prompt), "--temperature", str(cfg.temperature),
+             "--max-new-tokens", str(cfg.max_new_tokens), "--decay-steps", str(cfg.decay_steps),
+             "--eval-every", "2" if quick else str(cfg.eval_every), *(["--eval-limit", str(cfg.eval_limit)] if cfg.eval_limit else [])]
+    runs = [run_trl(python, seed, cap, os.path.join(out, f"seed{seed}-trl"), cfg.model_path, setup) for seed in seeds]
+    return dict(note=note, python=python, version=runs[0]["versions"]["trl"], runs=runs)
 
 
 # --- 3: weight-sync cost ------------------------------------------------------------------------
@@ -264,8 +374,11 @@ def main():
     p.add_argument("--quick", action="store_true", help="a tiny budget (for the tests)")
     p.add_argument("--full", action="store_true", help="run tba.py to its end (whole accuracy curves for plot.py)")
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5],
-                   help="which measurements (2 comes with 1); 6: memory of a long TBA run (--minutes)")
+                   help="which measurements (2 comes with 1); 6: memory of a long TBA run (--minutes); "
+                        "8: TRL's GRPOTrainer on the same setup")
     p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
+    p.add_argument("--trl-python", default=None,
+                   help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
     args = p.parse_args()
     flags = [f for f in args.flags if f != "--"]
@@ -292,6 +405,8 @@ def main():
             runs.append(run_until_target(searchers, seed, args.cap, run_out,
                                          ["--eval-every", "2" if args.quick else "10", *flags], args.full))
     result["time_to_target"] = runs
+    if 8 in args.parts:
+        result["trl"] = trl_part(args.seeds, args.trl_python, args.cap, out, cfg, args.quick)
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
@@ -346,6 +461,21 @@ def table(r: dict) -> str:
         lines.append(f"6. memory of a {mem['minutes']:.0f}-minute TBA run ({mem['steps']} steps), all processes: "
                      f"{mem['mib_at_5_min']:.0f} MiB at 5 min, {mem['mib_at_end']:.0f} MiB at the end "
                      f"({100 * mem['growth_after_5_min']:+.1f}%), peak {mem['mib_peak']:.0f} MiB")
+    trl = r.get("trl")
+    if trl and "runs" not in trl:
+        lines.append(f"8. TRL GRPOTrainer: skipped: {trl['note']}")
+    elif trl:
+        v = trl["runs"][0]["versions"]
+        secs = lambda t: f"{t:.1f}" if t is not None else "-"
+        lines += [f"8. TRL GRPOTrainer (trl {v['trl']}, transformers {v['transformers']}, torch {v['torch']}), "
+                  f"same setup, seconds from launch (evaluations left out)",
+                  f"   {'seed':>4} {'start':>6} {'+0.15 (s)':>10} {'+0.25 (s)':>10} {'final':>6} {'steps':>6} "
+                  f"{'total (s)':>10} | first step (s) | s/step (generate)"]
+        for x in trl["runs"]:
+            lines.append(f"   {x['seed']:>4} {x['start_accuracy']:>6.3f} {secs(x['seconds_to_015']):>10} "
+                         f"{secs(x['seconds_to_025']):>10} {x['final_accuracy'] if x['final_accuracy'] is not None else float('nan'):>6.3f} "
+                         f"{x['steps']:>6} {secs(x['seconds']):>10} | {secs(x['first_step_seconds']):>14} | "
+                         f"{x['seconds_per_step'] or 0:.3f} ({x['generate_per_step'] or 0:.3f})")
     return "\n".join(lines)
 
 
