@@ -23,6 +23,12 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    optimizer) against a bare forward+backward of the same model on the same batch.
 6. (only with --parts 6) memory: resident memory summed over all processes of a TBA run of
    --minutes (20), sampled every 10 s: growth after the first 5 minutes.
+7. (only with --parts 7) off-policy robustness, the paper's Table 1 in miniature: for each loss
+   (tb, rloo, grpo) and staleness (0, 4, 15 steps), synchronous runs (--searchers 0) that sync
+   every step and train on fresh data only (m = 1) generated with the weights of --lag steps
+   before, so that every batch is exactly that stale; the held-out accuracy at the end (mean of
+   the last 3 evaluations), the best, and whether the run collapsed (ended below its start).
+   Same learning rate, beta, steps and batch for every loss (tba.py's defaults and --flags).
 8. (only with --parts 8) TRL's GRPOTrainer on the same setup (`trl_grpo.py`: the model, prompts,
    held-out problems, B x K, temperature, length, steps and lr decay of tba.py's flags; accuracy
    measured the same way; the arith task only), per seed:
@@ -79,7 +85,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     def read():
         rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
         evals = [r for r in rows if r["kind"] == "eval"]
-        return rows, next((e for e in evals[1:] if e["accuracy"] >= evals[0]["accuracy"] + 0.15), None)
+        return rows, next((e for e in evals[1:] if e["accuracy"] >= evals[0]["accuracy"] + 0.15 - 1e-9), None)
 
     rows, hit = [], None
     try:
@@ -142,6 +148,45 @@ def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
                  if '"train"' in line), default=0)
     return dict(minutes=minutes, mib_at_5_min=at5, mib_at_end=samples[-1][1], mib_peak=max(m for _, m, _ in samples),
                 growth_after_5_min=samples[-1][1] / at5 - 1, steps=steps, samples=samples)
+
+
+# --- 7: off-policy robustness ---------------------------------------------------------------------
+STUDY = ["--searchers", "0", "--sync-every", "1", "--recency", "1", "--eval-every", "10"]
+
+
+def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dict:
+    """tba.py runs for each loss x staleness x seed (synchronous, --lag L: every batch L steps stale)."""
+    losses, lags = ["tb", "rloo", "grpo"], ([0, 2] if quick else [0, 4, 15])
+    extra = ["--steps", "6", "--eval-every", "2"] if quick else []
+    rows = []
+    for loss in losses:
+        for lag in lags:
+            for seed in seeds:
+                run = os.path.join(out, f"offpolicy-{loss}-lag{lag}-seed{seed}")
+                cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *STUDY, "--loss", loss, "--lag", str(lag),
+                       "--seed", str(seed), "--out", run, *flags, *extra]
+                t0 = time.time()
+                with open(run + ".log", "w") as log:
+                    code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+                if code != 0:
+                    raise RuntimeError(f"tba.py {' '.join(cmd[2:])} failed: {open(run + '.log').read()[-2000:]}")
+                train, evals, config = read_run(run)
+                accuracy = [e["accuracy"] for e in evals]
+                final = float(np.mean(accuracy[-3:]))
+                rows.append(dict(loss=loss, lag=lag, seed=seed, start=accuracy[0], final=final, best=max(accuracy[1:]),
+                                 collapsed=final < accuracy[0], staleness=float(np.mean([r["staleness"] for r in train])),
+                                 seconds=time.time() - t0, curve=[(e["step"], e["accuracy"]) for e in evals]))
+                print(f"7. {loss} lag {lag} seed {seed}: {accuracy[0]:.3f} -> {final:.3f} (best {rows[-1]['best']:.3f})",
+                      flush=True)
+    settings = {k: config[k] for k in ("lr", "beta", "steps", "prompts_per_step", "samples_per_prompt", "temperature",
+                                       "decay_steps", "clip", "grad_clip")}
+    return dict(losses=losses, lags=lags, settings=settings, flags=STUDY + flags + extra, rows=rows)
+
+
+def read_run(run: str) -> tuple[list[dict], list[dict], dict]:
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    return ([r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"],
+            json.load(open(os.path.join(run, "config.json"))))
 
 
 # --- 8: TRL's GRPOTrainer on the same setup -----------------------------------------------------------
@@ -375,7 +420,8 @@ def main():
     p.add_argument("--full", action="store_true", help="run tba.py to its end (whole accuracy curves for plot.py)")
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5],
                    help="which measurements (2 comes with 1); 6: memory of a long TBA run (--minutes); "
-                        "8: TRL's GRPOTrainer on the same setup")
+                        "7: off-policy robustness of the losses; 8: TRL's GRPOTrainer on the same setup "
+                        "(with tba.py and the synchronous baseline run to their end)")
     p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
@@ -397,16 +443,18 @@ def main():
                    cpu=next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?"))
     result = dict(machine=machine, flags=flags, seeds=args.seeds, cap=args.cap)
 
-    # 1, 2
+    # 1, 2 (and tba.py's side of 8: whole runs)
     runs = []
-    for seed in args.seeds if 1 in args.parts or 2 in args.parts else []:
+    for seed in args.seeds if {1, 2, 8} & set(args.parts) else []:
         for searchers in (1, 0):
             run_out = os.path.join(out, f"seed{seed}-searchers{searchers}")
             runs.append(run_until_target(searchers, seed, args.cap, run_out,
-                                         ["--eval-every", "2" if args.quick else "10", *flags], args.full))
+                                         ["--eval-every", "2" if args.quick else "10", *flags], args.full or 8 in args.parts))
     result["time_to_target"] = runs
     if 8 in args.parts:
         result["trl"] = trl_part(args.seeds, args.trl_python, args.cap, out, cfg, args.quick)
+    if 7 in args.parts:
+        result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
@@ -461,21 +509,46 @@ def table(r: dict) -> str:
         lines.append(f"6. memory of a {mem['minutes']:.0f}-minute TBA run ({mem['steps']} steps), all processes: "
                      f"{mem['mib_at_5_min']:.0f} MiB at 5 min, {mem['mib_at_end']:.0f} MiB at the end "
                      f"({100 * mem['growth_after_5_min']:+.1f}%), peak {mem['mib_peak']:.0f} MiB")
+    study = r.get("off_policy")
+    if study:
+        st = study["settings"]
+        lines += [f"7. off-policy robustness: synchronous, sync every step, m = 1, --lag L (every batch L steps stale); "
+                  f"lr {st['lr']:g}, beta {st['beta']:g}, {st['steps']} steps of {st['prompts_per_step']} x "
+                  f"{st['samples_per_prompt']}, temperature {st['temperature']:g}, grpo clip {st['clip']:g}; "
+                  f"end = mean of the last 3 evaluations",
+                  f"   {'loss':>5} {'lag':>4} {'staleness':>9} {'start':>6} | {'end, per seed':>18} | {'best, per seed':>18} "
+                  f"| collapsed"]
+        for loss in study["losses"]:
+            for lag in study["lags"]:
+                mine = [x for x in study["rows"] if x["loss"] == loss and x["lag"] == lag]
+                per = lambda k: " / ".join(f"{x[k]:.3f}" for x in mine)
+                lines.append(f"   {loss:>5} {lag:>4} {np.mean([x['staleness'] for x in mine]):>9.1f} {mine[0]['start']:>6.3f} | "
+                             f"{per('final'):>18} | {per('best'):>18} | "
+                             f"{sum(x['collapsed'] for x in mine)} of {len(mine)}")
     trl = r.get("trl")
     if trl and "runs" not in trl:
         lines.append(f"8. TRL GRPOTrainer: skipped: {trl['note']}")
     elif trl:
         v = trl["runs"][0]["versions"]
         secs = lambda t: f"{t:.1f}" if t is not None else "-"
-        lines += [f"8. TRL GRPOTrainer (trl {v['trl']}, transformers {v['transformers']}, torch {v['torch']}), "
-                  f"same setup, seconds from launch (evaluations left out)",
-                  f"   {'seed':>4} {'start':>6} {'+0.15 (s)':>10} {'+0.25 (s)':>10} {'final':>6} {'steps':>6} "
-                  f"{'total (s)':>10} | first step (s) | s/step (generate)"]
+        lines += [f"8. TRL GRPOTrainer (trl {v['trl']}, transformers {v['transformers']}, torch {v['torch']}) against "
+                  f"tba.py on the same setup; seconds from launch, evaluation time left out where it is the trainer's",
+                  f"   {'seed':>4} {'run':<22} {'start':>6} {'+0.15 (s)':>10} {'+0.25 (s)':>10} {'final':>6} "
+                  f"{'total (s)':>10} {'first step (s)':>15} {'s/step':>7}"]
         for x in trl["runs"]:
-            lines.append(f"   {x['seed']:>4} {x['start_accuracy']:>6.3f} {secs(x['seconds_to_015']):>10} "
-                         f"{secs(x['seconds_to_025']):>10} {x['final_accuracy'] if x['final_accuracy'] is not None else float('nan'):>6.3f} "
-                         f"{x['steps']:>6} {secs(x['seconds']):>10} | {secs(x['first_step_seconds']):>14} | "
-                         f"{x['seconds_per_step'] or 0:.3f} ({x['generate_per_step'] or 0:.3f})")
+            ours = [y for y in r["time_to_target"] if y["seed"] == x["seed"]]
+            rows = [("TRL GRPO", x["start_accuracy"], x["seconds_to_015"], x["seconds_to_025"], x["final_accuracy"],
+                     x["seconds"], x["first_step_seconds"], x["seconds_per_step"])]
+            for y in sorted(ours, key=lambda y: -y["searchers"]):
+                start = y["start_accuracy"]
+                done = y["curve"][-1][2] if y["curve"][-1][1] == trl["runs"][0]["steps"] else None
+                rows.append(("tba.py, 1 searcher" if y["searchers"] else "tba.py --searchers 0", start,
+                             reached(y["curve"], start + 0.15)[0], reached(y["curve"], start + 0.25)[0], done,
+                             y["curve"][-1][0], y["first_step_seconds"], y["seconds_per_step"]))
+            for name, start, t15, t25, final, total, first, per_step in rows:
+                lines.append(f"   {x['seed']:>4} {name:<22} {start:>6.3f} {secs(t15):>10} {secs(t25):>10} "
+                             f"{final if final is not None else float('nan'):>6.3f} {secs(total):>10} {secs(first):>15} "
+                             f"{per_step or 0:>7.3f}")
     return "\n".join(lines)
 
 

@@ -19,7 +19,6 @@ def test_greedy_accuracy_is_the_searchers(tiny_model, tmp_path):
     weights, whose answers run on without EOS or carry stray characters."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import trl_grpo
-    from rewards import arith_reward
     from searcher import Engine
     from tasks import arith_splits
     from test_weight_sync import config
@@ -38,8 +37,8 @@ def test_greedy_accuracy_is_the_searchers(tiny_model, tmp_path):
     for path in (tiny_model, noisy):
         cfg = config(path)
         cfg.max_new_tokens = 8
-        engine = Engine(cfg, path, path, "cpu", 0.1, prompts, [p.answer for p in test], arith_reward)
-        expected, _ = engine.evaluate(prompts, [p.answer for p in test])
+        engine = Engine(cfg, "cpu", 0.1, prompts, [p.answer for p in test])
+        expected = engine.evaluate(prompts, [p.answer for p in test])[0]["accuracy"]
         engine.close()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         accuracy, example = trl_grpo.greedy_accuracy(model, tok, test, 8)
