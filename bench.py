@@ -3,7 +3,9 @@
     python bench.py                        # parts 1-5 (about 10 min on 2 CPU cores)
     python bench.py --seeds 0 --cap 120    # a smaller budget
     python bench.py --quick                # a tiny budget: checks that it runs, numbers mean little
-    python bench.py --full && python plot.py runs/bench-*/bench.json   # whole runs, and the plot
+    python bench.py --full --out runs/bench                # whole runs (the README's figures) ...
+    python plot.py runs/bench/seed0-searchers1 runs/bench/seed0-searchers0 runs/bench/seed0-trl   # ... as curves
+    python plot.py --study runs/bench/bench.json           # part 7's study as a picture
 
 It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
 1. time to target: the embedded default (`tba.py`, the toy task) with --searchers 1 (TBA) and

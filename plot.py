@@ -29,8 +29,11 @@ def read(run: str) -> tuple[list[dict], list[dict], dict]:
 
 
 def label(run: str, config: dict) -> str:
+    name = os.path.basename(os.path.normpath(run))
+    if "trl" in config.get("versions", {}):  # trl_grpo.py's run folder
+        return f"{name} (TRL {config['versions']['trl']} GRPOTrainer)"
     mode = f"{config['searchers']} searcher(s)" if config.get("searchers") else "synchronous"
-    return f"{os.path.basename(os.path.normpath(run))} ({mode}, {config.get('loss', 'tb')})" if config else run
+    return f"{name} ({mode}, {config.get('loss', 'tb')})" if config else run
 
 
 def runs(folders: list[str], out: str, title: str | None = None):
@@ -41,15 +44,19 @@ def runs(folders: list[str], out: str, title: str | None = None):
         train, evals, config = read(run)
         score = config.get("score", "accuracy")
         color, name = f"C{i % 10}", label(run, config)
-        steps = [r["step"] for r in train]
+
+        def curve(ax, key, style="-"):  # rows without the key (TRL's have no staleness or wait) are left out
+            rows = [r for r in train if key in r]
+            ax.plot([r["step"] for r in rows], [r[key] for r in rows], style, color=color, linewidth=0.8)
+
         if evals:
             axes[0, 0].plot([e["time"] - e["overhead"] for e in evals], [e[score] for e in evals], ".-", color=color, label=name)
             axes[0, 1].plot([e["step"] for e in evals], [e[score] for e in evals], ".-", color=color)
-        axes[0, 2].plot(steps, [r["reward"] for r in train], color=color, linewidth=0.8)
-        axes[1, 0].plot(steps, [r["loss"] for r in train], color=color, linewidth=0.8)
-        axes[1, 1].plot(steps, [r["staleness"] for r in train], color=color, linewidth=0.8)
-        axes[1, 1].plot(steps, [r["staleness_max"] for r in train], ":", color=color, linewidth=0.8)
-        axes[1, 2].plot(steps, [r["wait"] for r in train], color=color, linewidth=0.8)
+        curve(axes[0, 2], "reward")
+        curve(axes[1, 0], "loss")
+        curve(axes[1, 1], "staleness")
+        curve(axes[1, 1], "staleness_max", ":")
+        curve(axes[1, 2], "wait")
     held_out = f"held-out {score.replace('_', ' ')}"
     for ax, x, y in ((axes[0, 0], "seconds of training (evaluation left out)", held_out), (axes[0, 1], "step", held_out),
                      (axes[0, 2], "step", "training reward (batch mean)"), (axes[1, 0], "step", "loss"),
@@ -72,9 +79,11 @@ def study(bench_json: str, out: str):
     for i, loss in enumerate(result["off_policy"]["losses"]):
         mine = [r for r in rows if r["loss"] == loss]
         lags = sorted({r["lag"] for r in mine})
-        mean = lambda lag: sum(r["final"] for r in mine if r["lag"] == lag) / len([r for r in mine if r["lag"] == lag])
-        ax.plot([lag for lag in lags], [mean(lag) for lag in lags], "-", color=f"C{i}", label=f"{loss} (mean of seeds)")
-        ax.plot([r["staleness"] for r in mine], [r["final"] for r in mine], "o", color=f"C{i}", alpha=0.5, markersize=4)
+        mean = lambda lag, key: sum(r[key] for r in mine if r["lag"] == lag) / len([r for r in mine if r["lag"] == lag])
+        style, marker = ["-", "--", "-."][i % 3], "osD^v"[i % 5]  # lines that coincide (tb, rloo) stay visible
+        ax.plot([mean(lag, "staleness") for lag in lags], [mean(lag, "final") for lag in lags], style, color=f"C{i}", label=f"{loss} (mean of seeds)")
+        ax.plot([r["staleness"] for r in mine], [r["final"] for r in mine], marker, color=f"C{i}", alpha=0.5,
+                markersize=7 - 2 * (i % 3), fillstyle="none" if i % 2 else "full")
     start = rows[0]["start"]
     ax.axhline(start, color="gray", linewidth=0.8, linestyle=":", label="start (the warm-started model)")
     ax.set(xlabel="staleness of every batch (steps)", ylabel="held-out accuracy at the end (mean of last 3)",

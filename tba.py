@@ -541,6 +541,8 @@ def atomic_checkpoint(out: str, step: int, write):
 
 
 def save_hf(model, state_dict, tokenizer, path):
+    import transformers
+    transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar would break ours and the logs
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
 

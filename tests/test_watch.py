@@ -88,6 +88,36 @@ def test_plot_draws_a_run(logged_run, tmp_path):
     assert p.returncode != 0 and p.stderr.strip() == f"plot.py: {tmp_path} has no metrics.jsonl (not a run folder)"
 
 
+def test_plot_draws_trl_runs_and_the_study(tmp_path):
+    """The benchmark's pictures: a trl_grpo.py run folder (train rows without staleness or wait, labelled by its
+    TRL version) beside a tba.py one, and part 7's study from a bench.json."""
+    pytest.importorskip("matplotlib")
+    trl = tmp_path / "trl"
+    trl.mkdir()
+    (trl / "config.json").write_text(json.dumps({"versions": {"trl": "9.9.9"}}))
+    rows = [{"kind": "eval", "step": 0, "accuracy": 0.3, "time": 1.0, "overhead": 0.0}]
+    rows += [{"kind": "train", "step": s, "time": 1.0 + s, "reward": 0.1, "loss": 0.01} for s in range(1, 6)]
+    rows += [{"kind": "eval", "step": 5, "accuracy": 0.4, "time": 6.0, "overhead": 0.2}]
+    (trl / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = tmp_path / "trl.png"
+    p = subprocess.run([sys.executable, "-c", f"import sys; sys.argv = ['plot.py', {str(trl)!r}, '-o', {str(png)!r}]; "
+                        f"sys.path.insert(0, {ROOT!r}); import plot, matplotlib.axes as a; "
+                        "labels = []; legend = a.Axes.legend; "
+                        "a.Axes.legend = lambda self, *x, **k: labels.extend(h.get_label() for h in self.get_lines()) or legend(self, *x, **k); "
+                        "plot.main(); print(labels)"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "trl (TRL 9.9.9 GRPOTrainer)" in p.stdout and png.stat().st_size > 20000
+    study = {"off_policy": {"losses": ["tb", "grpo"], "rows": [
+        {"loss": loss, "lag": lag, "seed": seed, "start": 0.3, "final": 0.5 - 0.01 * lag, "staleness": lag - 0.5 * (lag > 0)}
+        for loss in ("tb", "grpo") for lag in (0, 4) for seed in (0, 1)]}}
+    (tmp_path / "bench.json").write_text(json.dumps(study))
+    png = tmp_path / "study.png"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), "--study", str(tmp_path / "bench.json"), "-o", str(png)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
+
+
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is optional and not installed")
 def test_wandb_gets_the_same_rows(logged_run):
     """--wandb in offline mode: every row of metrics.jsonl reaches the W&B run file (keys and values)."""
