@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from queue import Empty, Full
 from types import SimpleNamespace
 
@@ -33,6 +34,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # the CPU build, which the tests run, derives from V1. Pin V1 so that a GPU runs the code the tests
 # cover; both reload weights and apply the temperature to processed log-probs.
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+# vLLM 0.32's Triton shim touches torch.distributed.reduce_op, deprecated: two FutureWarnings a process
+warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
 
 import numpy as np
 import torch
@@ -52,7 +55,8 @@ class Engine:
         self.device = torch.device(device)
         kwargs = dict(model=cfg.model_path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
                       logprobs_mode="processed_logprobs",  # behaviour log-probs after temperature
-                      enforce_eager=self.device.type == "cpu", enable_prefix_caching=True)
+                      enforce_eager=self.device.type == "cpu", enable_prefix_caching=True,
+                      use_tqdm_on_load=False)  # its loading bar would break the trainer's
         if self.device.type == "cuda":  # pick this GPU without hiding the others (CUDA IPC needs them)
             kwargs.update(device_ids=[self.device.index], gpu_memory_utilization=memory)
             # vLLM caches its compiled graphs under VLLM_CACHE_ROOT by rank (compilation/decorators.py:
@@ -229,6 +233,15 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
                  "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
 
 
+def quiet_loading():
+    """No loading and saving bars from transformers in this process (they would break the trainer's
+    progress bar and fill logs); the hub's download bars stay."""
+    import huggingface_hub.utils
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.enable_progress_bars()
+
+
 def parent_alive():
     parent = mp.parent_process()
     if parent is not None and not parent.is_alive():
@@ -267,6 +280,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
     cfg = SimpleNamespace(**cfg)
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
+        quiet_loading()
         engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers)
         rng = np.random.default_rng([cfg.seed, index, 1])
         round_ = 0

@@ -541,8 +541,6 @@ def atomic_checkpoint(out: str, step: int, write):
 
 
 def save_hf(model, state_dict, tokenizer, path):
-    import transformers
-    transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar would break ours and the logs
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
 
@@ -569,6 +567,7 @@ def fail(message: str, code: int, rank: int):
 @record  # torchrun's convention: an unexpected exception lands in its report with its traceback
 def main(argv=None):
     cfg = parse(sys.argv[1:] if argv is None else argv)
+    searcher.quiet_loading()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_env = int(os.environ.get("RANK", "0"))
     try:
