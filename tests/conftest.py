@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from queue import Empty
 
 import pytest
 
@@ -67,3 +69,21 @@ def run_tba(args, tmp, timeout=300, torchrun=None):
 def metrics(out):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def get_report(queue, procs, timeout: float):
+    """The next message on `queue` from spawned test processes; fails on the deadline or when every
+    process in `procs` has exited (or one has failed) without sending it. A message {"error": traceback}
+    is a failure in that process."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            msg = queue.get(timeout=1.0)
+            break
+        except Empty:
+            codes = [p.exitcode for p in procs]
+            if queue.empty() and (all(c is not None for c in codes) or any(c not in (None, 0) for c in codes)):
+                raise AssertionError(f"spawned processes exited ({codes}) without a report")
+            assert time.monotonic() < deadline, f"no report in {timeout:.0f} s"
+    assert "error" not in msg, msg["error"]
+    return msg

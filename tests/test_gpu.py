@@ -23,7 +23,6 @@ import subprocess
 import time
 import traceback
 import types
-from queue import Empty
 
 import numpy as np
 import pytest
@@ -33,6 +32,7 @@ import torch.multiprocessing as mp
 import tba
 import weights
 from loss import collate, sequence_logprobs
+from conftest import get_report
 from tasks import ConfigError
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
@@ -43,23 +43,6 @@ def parent_alive():
     parent = mp.parent_process()
     if parent is not None and not parent.is_alive():
         raise weights.Dead("the test process is gone")
-
-
-def get(queue, procs, timeout=TIMEOUT):
-    """The next message on `queue`; fails on a deadline or when every process in `procs` has exited
-    without sending it. A message {"error": traceback} is a failure in that process."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            msg = queue.get(timeout=1.0)
-            break
-        except Empty:
-            codes = [p.exitcode for p in procs]
-            if queue.empty() and (all(c is not None for c in codes) or any(c not in (None, 0) for c in codes)):
-                raise AssertionError(f"spawned processes exited ({codes}) without a report")
-            assert time.monotonic() < deadline, f"no report in {timeout:.0f} s"
-    assert "error" not in msg, msg["error"]
-    return msg
 
 
 def finish(procs, stop=None):
@@ -261,14 +244,14 @@ def test_tensors_allocated_for_sharing_avoid_expandable_segments(monkeypatch):
     consumer = ctx.Process(target=expandable_consumer, args=(tensors, report, reader_device()), daemon=True)
     producer.start()
     try:
-        r = get(report, [producer])
+        r = get_report(report, [producer], TIMEOUT)
         assert "expandable_segments:True" in r["conf"] and r["after_conf"] == r["conf"]
         assert "expandable_segments:False" in r["inside_conf"]
         assert r["outside_expandable"] or (r["outside_expandable"] is None and r["any_expandable"]), \
             "the environment did not turn expandable segments on: the check proves nothing"
         assert r["inside_expandable"] is False, "a tensor allocated for sharing lives in an expandable segment"
         consumer.start()
-        r = get(report, [consumer])
+        r = get_report(report, [consumer], TIMEOUT)
         assert r == dict(device="cuda:0", equal=True)
         consumer.join(timeout=30)  # the consumer goes first: then the producer may free the tensor
     finally:
@@ -341,19 +324,19 @@ def test_handoff_of_shared_tensors_to_a_spawned_reader(kind):
         weights.allocate(shared, [(n, t.to(device)) for n, t in first], {"lm_head.weight": "embed.weight"},
                          device, torch.bfloat16, with_ref=True)
         shared.handoff.put((shared.tensors, shared.ref))
-        r = get(out, [proc])
+        r = get_report(out, [proc], TIMEOUT)
         assert (r["version"], r["ref_version"]) == (0, 0)
         assert r["values"] == expected(first) and r["ref"] == expected(first)
         assert r["devices"] == [str(device)] and r["dtypes"] == ["torch.bfloat16"] and r["tied"]
 
         second = [("embed.weight", exact((16, 8), 2)), ("norm.weight", exact((8,), 3))]
         weights.publish(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT)
-        r = get(out, [proc])
+        r = get_report(out, [proc], TIMEOUT)
         assert (r["version"], r["ref_version"]) == (5, 0)
         assert r["values"] == expected(second) and r["ref"] == expected(first)  # the tied name moved with its tensor
 
         weights.publish(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT, to=("ref",))
-        r = get(out, [proc])
+        r = get_report(out, [proc], TIMEOUT)
         assert (r["version"], r["ref_version"]) == (5, 5) and r["ref"] == expected(second)
     finally:
         finish([proc], stop)  # the consumer first; only then may the shared tensors go
@@ -475,7 +458,7 @@ def test_fsdp2_bf16_step_and_gather_into_shared_tensors(kind, tmp_path):
     for p in procs:
         p.start()
     try:
-        outs = sorted((get(results, procs, timeout=300) for _ in procs), key=lambda o: o["rank"])
+        outs = sorted((get_report(results, procs, 300) for _ in procs), key=lambda o: o["rank"])
     finally:
         finish(procs)
     for o in outs:

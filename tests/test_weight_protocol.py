@@ -35,13 +35,13 @@ checks that the other process lives.
 
 import time
 import traceback
-from queue import Empty
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import weights
+from conftest import get_report
 
 TIMEOUT = 60.0  # s: any wait on the other process (lock, queue, join)
 VERSIONS = 200
@@ -149,19 +149,6 @@ def run_protocol(kind: str, mode: str) -> dict:
         if proc.exitcode is not None:
             raise weights.Dead(f"reader died with exit code {proc.exitcode}")
 
-    def report(timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                out = results.get(timeout=1.0)
-                break
-            except Empty:
-                if proc.exitcode is not None and results.empty():
-                    raise weights.Dead(f"reader died with exit code {proc.exitcode} without a report")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("no report from the reader")
-        assert "error" not in out, out["error"]
-        return out
 
     device = torch.device("cuda:0" if kind == "cuda" else "cpu")
     threads = torch.get_num_threads()
@@ -174,7 +161,7 @@ def run_protocol(kind: str, mode: str) -> dict:
         while not ready.wait(timeout=0.5):  # the reader holds the tensors before the first publish
             alive()
             if not results.empty():
-                report(1)
+                get_report(results, [proc], 1)
             assert time.monotonic() < deadline, "the reader never got the tensors"
         src = dict(named)  # the writer's own tensors, refilled with each version
         v, budget = 0, time.monotonic() + DETECT_SECONDS
@@ -187,7 +174,7 @@ def run_protocol(kind: str, mode: str) -> dict:
             weights.publish(shared, src.items(), v, alive, TIMEOUT)
             time.sleep(PACE[kind])
         stop.set()
-        out = report(TIMEOUT)
+        out = get_report(results, [proc], TIMEOUT)
         out["published"] = shared.version.value
         proc.join(timeout=TIMEOUT)
         return out
