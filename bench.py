@@ -54,6 +54,7 @@ import searcher  # noqa: F401  (first: it sets vLLM's environment)
 import numpy as np
 import torch
 
+import plot  # reads run folders (matplotlib only when drawing)
 import tba
 import weights
 from buffer import Trajectory
@@ -75,6 +76,12 @@ def timed(fn, repeat: int) -> float:
 
 
 # --- 1 and 2: time to target, trainer utilisation ---------------------------------------------
+def at_least(accuracy: float, level: float) -> bool:
+    """accuracy >= level, where accuracies are fractions of a count of problems: a tolerance keeps
+    0.24 + 0.15 from missing 0.39 by float rounding."""
+    return accuracy >= level - 1e-9
+
+
 def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: list[str], full: bool) -> dict:
     """Launch tba.py; stop it when an evaluation reaches start + 0.15 (unless `full`), or at the time cap."""
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", str(searchers), "--seed", str(seed),
@@ -87,7 +94,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     def read():
         rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
         evals = [r for r in rows if r["kind"] == "eval"]
-        return rows, next((e for e in evals[1:] if e["accuracy"] >= evals[0]["accuracy"] + 0.15 - 1e-9), None)
+        return rows, next((e for e in evals[1:] if at_least(e["accuracy"], evals[0]["accuracy"] + 0.15)), None)
 
     rows, hit = [], None
     try:
@@ -172,7 +179,7 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
                     code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
                 if code != 0:
                     raise RuntimeError(f"tba.py {' '.join(cmd[2:])} failed: {open(run + '.log').read()[-2000:]}")
-                train, evals, config = read_run(run)
+                train, evals, config = plot.read(run)
                 accuracy = [e["accuracy"] for e in evals]
                 final = float(np.mean(accuracy[-3:]))
                 rows.append(dict(loss=loss, lag=lag, seed=seed, start=accuracy[0], final=final, best=max(accuracy[1:]),
@@ -183,12 +190,6 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
     settings = {k: config[k] for k in ("lr", "beta", "steps", "prompts_per_step", "samples_per_prompt", "temperature",
                                        "decay_steps", "clip", "grad_clip")}
     return dict(losses=losses, lags=lags, settings=settings, flags=STUDY + flags + extra, rows=rows)
-
-
-def read_run(run: str) -> tuple[list[dict], list[dict], dict]:
-    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    return ([r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"],
-            json.load(open(os.path.join(run, "config.json"))))
 
 
 # --- 8: TRL's GRPOTrainer on the same setup -----------------------------------------------------------
@@ -240,9 +241,8 @@ def trl_python(given: str | None, log: str) -> tuple[str | None, str]:
 
 
 def reached(curve, level: float):
-    """(seconds, step) of the first evaluation after the start at or above `level` (accuracies are
-    counts over the problems: a tolerance keeps 0.24 + 0.15 from missing 0.39), or (None, None)."""
-    return next(((t, step) for t, step, acc in curve[1:] if acc >= level - 1e-9), (None, None))
+    """(seconds, step) of the first evaluation after the start at or above `level`, or (None, None)."""
+    return next(((t, step) for t, step, acc in curve[1:] if at_least(acc, level)), (None, None))
 
 
 def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: list[str]) -> dict:
@@ -256,12 +256,9 @@ def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: lis
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    metrics = os.path.join(out, "metrics.jsonl")
-    rows = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
-    evals, train = [r for r in rows if r["kind"] == "eval"], [r for r in rows if r["kind"] == "train"]
+    train, evals, config = plot.read(out) if os.path.exists(os.path.join(out, "metrics.jsonl")) else ([], [], {})
     if not evals:
         raise RuntimeError(f"trl_grpo.py produced no evaluation: {open(out + '.log').read()[-2000:]}")
-    config = json.load(open(os.path.join(out, "config.json")))
     offset = config["started"] - launched  # interpreter start before trl_grpo.py's first line
     curve = [(offset + e["time"], e["step"], e["accuracy"]) for e in evals]
     start = curve[0][2]
