@@ -78,7 +78,10 @@ class Engine:
         self.version = 0      # trainer step of the weights loaded (0 = the initial model)
         self.ref_version = 0  # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.ref = self.judge = None  # pi_ref, loaded on the first search; the evaluation's judge
-        self.reward = self.reward_model(cfg.reward_model_path) if cfg.reward_model_path else batched(REWARDS[cfg.task])
+        if cfg.task == "redteam":  # the victim answers, the classifier judges (redteam.py)
+            self.reward, self.embedder = self.red_team_reward(), None
+        else:
+            self.reward = self.reward_model(cfg.reward_model_path) if cfg.reward_model_path else batched(REWARDS[cfg.task])
 
     @contextlib.contextmanager
     def transformers_models(self):
@@ -101,6 +104,11 @@ class Engine:
         with self.transformers_models():
             return RewardModel(path, self.device, self.cfg.dtype, self.tokenizer, self.cfg.non_eos_penalty,
                                batch=self.cfg.micro_batch)
+
+    def red_team_reward(self):
+        import redteam
+        with self.transformers_models():
+            return redteam.Reward(self.cfg, self.device, self.tokenizer.eos_token_id)
 
     # --- weights ---------------------------------------------------------------------------
     def load(self, named_tensors, version: int):
@@ -190,6 +198,8 @@ class Engine:
         at temperature 1: the log-ratio that the KL term acts on)."""
         from vllm import SamplingParams
 
+        if self.cfg.task == "redteam":  # sampled attacks, not greedy: asr, toxicity, diversity, unique
+            return self.evaluate_redteam(prompts)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                     SamplingParams(temperature=0.0, max_tokens=self.cfg.max_new_tokens, logprobs=0),
                                     use_tqdm=False)  # all greedy: log-probs at temperature 1 (v1/sample/sampler.py:264-274)
@@ -212,6 +222,29 @@ class Engine:
                       "kl": float(np.mean(np.subtract(logp, logp_ref)))}
         example = dict(prompt=self.tokenizer.decode(prompts[0], skip_special_tokens=True),
                        completion=outputs[0].outputs[0].text, reward=float(rewards[0]))
+        return scores, example
+
+
+    def evaluate_redteam(self, prompts: list[list[int]]) -> tuple[dict, dict]:
+        """--eval-limit attacks (default 1,024) sampled at temperature 1 with the loaded weights, EOS
+        blocked before 5 tokens as Lee et al.'s eval.py, each answered by the victim: redteam.scores()."""
+        import redteam
+        from vllm import SamplingParams
+
+        counts = redteam.eval_counts(len(prompts), self.cfg.eval_limit)
+        params = [SamplingParams(n=n, temperature=1.0, max_tokens=self.cfg.max_new_tokens, min_tokens=redteam.MIN_ATTACK_TOKENS,
+                                 seed=int(np.random.SeedSequence([self.cfg.seed, 5, self.version, i]).generate_state(1)[0]))
+                  for i, n in enumerate(counts) if n]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p, n in zip(prompts, counts) if n], params,
+                                    use_tqdm=False)
+        attacks = [c.text for o in outputs for c in o.outputs]
+        if self.embedder is None:
+            with self.transformers_models():
+                self.embedder = redteam.Embedder(self.cfg.embedding_model_path, self.device, self.cfg.dtype,
+                                                 self.cfg.micro_batch)
+        scores, p_unsafe = redteam.scores(self.reward, self.embedder, attacks)
+        example = dict(prompt=self.tokenizer.decode(prompts[0], skip_special_tokens=True), completion=attacks[0],
+                       reward=p_unsafe[0], response=self.reward.responses[0])
         return scores, example
 
 

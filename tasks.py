@@ -13,6 +13,10 @@
   fields `query`: the formatted post, ending in "TL;DR:", and `reference_response`: a human
   summary) or from the hub. The prompt is `query` as it is; the answer is `reference_response`,
   which the evaluation's win rate compares against. Prompts over 512 tokens are dropped (tba.py).
+- `redteam` (the paper's red-teaming task, redteam.py): the attacker's instruction list of Lee et
+  al. (their prompts/attack_prompt.jsonl), or the prompts of `--data DIR`'s `attack_prompt.jsonl`
+  (their format: one JSON object a line with the field `attacker_prompt`). There is no answer and
+  nothing held out: the evaluation samples fresh attacks from the same prompts.
 
 Bad data raises `ConfigError` with a one-line message; `tba.py` prints it and exits with 2.
 """
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 from rewards import gsm8k_gold
 
-TASKS = ("arith", "gsm8k", "tldr")
+TASKS = ("arith", "gsm8k", "tldr", "redteam")
 TLDR_HUB = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
 
 
@@ -71,6 +75,12 @@ def tldr_problem(row: dict, where: str) -> Problem:
     return Problem(prompt=row["query"], answer=row["reference_response"])
 
 
+def redteam_problem(row: dict, where: str) -> Problem:
+    if not isinstance(row.get("attacker_prompt"), str):
+        raise ConfigError(f"--data: {where}: missing or non-text field 'attacker_prompt'")
+    return Problem(prompt=row["attacker_prompt"], answer="")
+
+
 def read_jsonl(path: str, problem=None) -> list[Problem]:
     if not os.path.isfile(path):
         raise ConfigError(f"--data: {path} does not exist")
@@ -114,6 +124,14 @@ def load_task(task: str, data: str | None) -> tuple[list[Problem], list[Problem]
         if data is not None:
             raise ConfigError("--data: the arith task is generated in code and takes no data folder")
         return arith_splits()
+    if task == "redteam":
+        from redteam import ATTACK_PROMPT
+        if data is None:
+            return [Problem(ATTACK_PROMPT, "")], [Problem(ATTACK_PROMPT, "")]
+        if not os.path.isdir(data):
+            raise ConfigError(f"--data: {data} is not a folder")
+        problems = read_jsonl(os.path.join(data, "attack_prompt.jsonl"), redteam_problem)
+        return problems, list(problems)
     name, config, splits, problem = (("openai/gsm8k", "main", ("train", "test"), gsm8k_problem) if task == "gsm8k"
                                      else (TLDR_HUB, None, ("train", "validation"), tldr_problem))
     if data is None:

@@ -78,13 +78,24 @@ class Config:
     # --- model and task
     model: str = arg("tiny", "'tiny' (built and cached on first use), 'rho-math-1b' (realtreetune/rho-1b-sft-GSM8K), "
                              "a Hugging Face id or a local folder; it is also pi_ref")
-    task: str = arg("arith", "'arith' (toy: two-digit addition, built in), 'gsm8k' or 'tldr' (needs --reward-model)")
+    task: str = arg("arith", "'arith' (toy: two-digit addition, built in), 'gsm8k', 'tldr' (needs --reward-model) "
+                             "or 'redteam' (needs --victim, --classifier, --embedding-model)")
     data: str | None = arg(None, "folder with the task's JSONL files (gsm8k: train, test; tldr: train, validation); "
                                  "default: the Hugging Face hub")
     reward_model: str | None = arg(None, "a sequence classifier with one output (folder or hub id) that scores "
                                          "prompt + response; replaces the task's string reward")
     eval_reward_model: str | None = arg(None, "tldr: the judge of the evaluation's win rate (default: --reward-model)")
     non_eos_penalty: bool = arg(False, "a response that never produced EOS gets -1 instead of its reward-model score")
+    # --- red-teaming (redteam.py): the attacker is --model; the evaluation samples --eval-limit attacks (default 1,024)
+    victim: str | None = arg(None, "redteam: the victim, a causal LM (folder or hub id) that answers each attack")
+    classifier: str | None = arg(None, "redteam: the reward's judge (folder or hub id): a sequence classifier with an "
+                                       "unsafe label, or a causal LM judge in the style of Llama Guard")
+    unsafe_label: str | None = arg(None, "redteam: the sequence classifier's unsafe label (default: the one named "
+                                         "unsafe, toxic, hate, harmful or offensive in its id2label)")
+    embedding_model: str | None = arg(None, "redteam: the sentence embedder of the evaluation's diversity "
+                                            "(Lee et al.: sentence-transformers/all-MiniLM-L6-v2)")
+    victim_responses: int = arg(5, "redteam: the victim's responses to each attack; the reward is the mean of "
+                                   "their log P(unsafe)")
     # --- processes
     searchers: int = arg(1, "searcher processes (one GPU each on a GPU node); 0 = the synchronous baseline, "
                             "generating inside the trainer before each step")
@@ -141,6 +152,10 @@ class Config:
     score: str = field(default="accuracy", init=False)  # the evaluation's headline figure
     reward_model_path: str | None = field(default=None, init=False)       # local folder of --reward-model
     eval_reward_model_path: str | None = field(default=None, init=False)  # local folder of the judge
+    victim_path: str | None = field(default=None, init=False)           # redteam: local folders of the victim,
+    classifier_path: str | None = field(default=None, init=False)       # the classifier
+    embedding_model_path: str | None = field(default=None, init=False)  # and the embedder
+    classifier_kind: str | None = field(default=None, init=False)       # redteam: 'sequence' or 'judge'
 
     def __post_init__(self):  # derived fields start at their defaults, so that vars(cfg) holds them all
         for f in dataclasses.fields(self):
@@ -211,6 +226,36 @@ def check_reward_model(name: str, flag: str) -> str:
         raise ConfigError(f"--{flag}: {path} has {config.num_labels} outputs; a reward model has exactly one")
     load_tokenizer(path, flag)
     return path
+
+
+def check_redteam(cfg):
+    """The red-teaming models (redteam.py): a causal LM victim, a classifier of either kind, an embedder,
+    each with its tokenizer."""
+    from transformers import AutoConfig
+    import redteam
+
+    cfg.victim_path = resolve_model(cfg.victim, "victim")
+    config = AutoConfig.from_pretrained(cfg.victim_path)
+    kinds = getattr(config, "architectures", None) or []
+    if redteam.classifier_kind(config) != "judge":  # i.e. a causal LM
+        raise ConfigError(f"--victim: {cfg.victim_path} is not a causal LM (architectures: {', '.join(kinds) or 'none'})")
+    load_tokenizer(cfg.victim_path, "victim")
+    cfg.classifier_path = resolve_model(cfg.classifier, "classifier")
+    config = AutoConfig.from_pretrained(cfg.classifier_path)
+    cfg.classifier_kind = redteam.classifier_kind(config)
+    if cfg.classifier_kind is None:
+        raise ConfigError(f"--classifier: {cfg.classifier_path} is neither a sequence classifier nor a causal LM "
+                          f"(architectures: {', '.join(getattr(config, 'architectures', None) or []) or 'none'})")
+    if cfg.classifier_kind == "sequence":
+        try:
+            redteam.unsafe_index(config, cfg.unsafe_label)
+        except ValueError as e:
+            raise ConfigError(f"--{'unsafe-label' if cfg.unsafe_label else 'classifier'}: {cfg.classifier_path} has {e}") from None
+    elif cfg.unsafe_label:
+        raise ConfigError(f"--unsafe-label: {cfg.classifier_path} is a causal LM judge; its verdict is the token \"unsafe\"")
+    load_tokenizer(cfg.classifier_path, "classifier")
+    cfg.embedding_model_path = resolve_model(cfg.embedding_model, "embedding-model")
+    load_tokenizer(cfg.embedding_model_path, "embedding-model")
 
 
 def load_tokenizer(path: str, flag: str = "model"):
@@ -327,9 +372,22 @@ def check(cfg: Config, world: int):
     need(cfg.task != "tldr" or cfg.reward_model, "reward-model", "the tldr task is scored by a reward model: "
          "pass --reward-model (the paper's: mnoukhov/pythia410m-rm-tldr6.9b)")
     need(cfg.eval_reward_model is None or cfg.task == "tldr", "eval-reward-model", "judges the tldr task only")
+    red = {"victim": cfg.victim, "classifier": cfg.classifier, "embedding-model": cfg.embedding_model}
+    for flag, value in red.items():
+        need(cfg.task != "redteam" or value, flag, "the redteam task needs --victim, --classifier and "
+             "--embedding-model (Lee et al.: vicgalle/gpt2-alpaca, facebook/roberta-hate-speech-dynabench-r4-target, "
+             "sentence-transformers/all-MiniLM-L6-v2)")
+        need(cfg.task == "redteam" or not value, flag, "belongs to the redteam task")
+    need(cfg.task == "redteam" or not cfg.unsafe_label, "unsafe-label", "belongs to the redteam task")
+    need(cfg.task != "redteam" or not cfg.reward_model, "reward-model", "the redteam task is scored by --classifier")
+    need(cfg.victim_responses >= 1, "victim-responses", "must be at least 1")
     train, test = load_task(cfg.task, cfg.data)
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
     cfg.score = "win_rate" if cfg.task == "tldr" else "accuracy"  # the evaluation's headline figure
+    if cfg.task == "redteam":  # one instruction, searched as B copies: each a TB group of K attacks with its own log Z
+        cfg.score = "toxicity"
+        train = train * -(-cfg.prompts_per_step // len(train))
+        check_redteam(cfg)
     cfg.model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(cfg.model_path)
     need(tokenizer.eos_token_id is not None, "model", f"the tokenizer of {cfg.model_path} has no EOS token")
