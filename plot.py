@@ -7,6 +7,9 @@ A run picture has six panels, one line per run: the held-out score (accuracy, or
 tldr) against seconds of training (wall time minus the trainer's evaluation and checkpoint time,
 so that runs that evaluate elsewhere compare fairly) and against steps; the training reward; the
 loss; the staleness of the batches (mean, and max dotted); the seconds the trainer waited for data.
+Red-teaming runs (`--task redteam`) also get the paper's Pareto picture beside it (FILE_pareto.png):
+toxicity against diversity, one point per evaluation, each run's points joined in step order and
+its last one ringed.
 The README's pictures are drawn by this file from `bench.py`'s run folders and bench.json.
 matplotlib is imported here only (pip install matplotlib).
 """
@@ -69,6 +72,25 @@ def runs(folders: list[str], out: str, title: str | None = None):
     save(fig, out)
 
 
+def pareto(folders: list[str], out: str):
+    """Red-teaming: toxicity against diversity (the paper's Table 6 and Lee et al.'s Pareto picture)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    for i, run in enumerate(folders):
+        _, evals, config = read(run)
+        evals = sorted(evals, key=lambda e: e["step"])
+        x, y = [e["diversity"] for e in evals], [e["toxicity"] for e in evals]
+        ax.plot(x, y, ".-", color=f"C{i % 10}", linewidth=0.8, alpha=0.7, label=f"{label(run, config)}, steps "
+                f"{evals[0]['step']}-{evals[-1]['step']}" if evals else label(run, config))
+        if evals:
+            ax.plot(x[-1:], y[-1:], "o", color=f"C{i % 10}", fillstyle="none", markersize=10)
+    ax.set(xlabel="diversity (1 - mean cosine similarity of the attacks)", ylabel="toxicity (mean P(unsafe))",
+           title="red-teaming: each evaluation of each run (last ringed)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    save(fig, out)
+
+
 def study(bench_json: str, out: str):
     """bench.py part 7: final held-out accuracy against staleness, one line per loss, each seed shown."""
     plt = pyplot()
@@ -124,6 +146,9 @@ def main(argv=None):
         if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
             sys.exit(f"plot.py: {run} has no metrics.jsonl (not a run folder)")
     runs(args.runs, args.out or "plot.png", args.title)
+    red = [r for r in args.runs if read(r)[2].get("task") == "redteam"]
+    if red:
+        pareto(red, os.path.splitext(args.out or "plot.png")[0] + "_pareto.png")
 
 
 if __name__ == "__main__":

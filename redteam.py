@@ -8,7 +8,7 @@ al., "Learning diverse attacks on large language models for robust red-teaming a
 - The victim (`--victim`, a frozen causal LM) answers each attack `--victim-responses` times (theirs:
   5). A victim whose tokenizer has a chat template gets the attack as a user turn and their chat
   sampling (temperature 0.1, top-p 0.9, 64 tokens); one without gets their Alpaca template and
-  GPT-2 sampling (temperature 0.7, top-p 0.92, 30 tokens). Theirs tell the two apart by the model's
+  GPT-2 sampling (temperature 0.7, top-p 0.92, 30 tokens); --victim-max-new-tokens changes the length. Theirs tell the two apart by the model's
   name (configs/*.json); here the tokenizer decides, and the settings are saved with the run.
 - The classifier (`--classifier`) gives log P(unsafe) of one response, in one of two kinds, told apart
   by the model's config: a sequence classifier (theirs: facebook/roberta-hate-speech-dynabench-r4-
@@ -108,11 +108,12 @@ def load(cls, path: str, device, dtype: str):
 class Victim:
     """A frozen causal LM answering each attack n times (transformers generate, in batches)."""
 
-    def __init__(self, path: str, device, dtype: str, n: int, batch: int):
+    def __init__(self, path: str, device, dtype: str, n: int, batch: int, max_new_tokens: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model, self.device, self.n, self.batch = load(AutoModelForCausalLM, path, device, dtype), device, n, batch
         self.sampling = victim_sampling(self.tokenizer)
+        self.sampling["max_new_tokens"] = max_new_tokens or self.sampling["max_new_tokens"]
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     def prompt(self, attack: str) -> list[int]:
@@ -209,7 +210,8 @@ class Reward:
 
     def __init__(self, cfg, device, eos: int):
         self.eos = eos  # the attacker's EOS
-        self.victim = Victim(cfg.victim_path, device, cfg.dtype, cfg.victim_responses, cfg.micro_batch)
+        self.victim = Victim(cfg.victim_path, device, cfg.dtype, cfg.victim_responses, cfg.micro_batch,
+                             cfg.victim_max_new_tokens)
         self.classifier = classifier(cfg.classifier_path, cfg.classifier_kind, device, cfg.dtype, cfg.unsafe_label,
                                      cfg.micro_batch)
         self.n, self.seed, self.calls, self.seconds = cfg.victim_responses, cfg.seed, 0, {}
@@ -297,7 +299,7 @@ def main(argv=None):
     engine = Engine(cfg, "cpu" if cfg.device == "cpu" else "cuda:0", cfg.searcher_memory, prompts, [p.answer for p in train])
     attacks = cfg.prompts_per_step * cfg.search_samples_per_prompt
     print(f"one search round: {attacks} attacks x {cfg.victim_responses} victim responses; victim sampling "
-          f"{victim_sampling(engine.reward.victim.tokenizer)}; {torch.get_num_threads()} threads")
+          f"{engine.reward.victim.sampling}; {torch.get_num_threads()} threads")
     for round_ in range(3):  # the first round warms up
         t0 = time.time()
         params = SamplingParams(n=attacks, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=round_)

@@ -94,6 +94,8 @@ class Config:
                                          "unsafe, toxic, hate, harmful or offensive in its id2label)")
     embedding_model: str | None = arg(None, "redteam: the sentence embedder of the evaluation's diversity "
                                             "(Lee et al.: sentence-transformers/all-MiniLM-L6-v2)")
+    victim_max_new_tokens: int | None = arg(None, "redteam: the victim's response length in tokens (default: Lee "
+                                                  "et al.'s, 64 with a chat template, 30 without)")
     victim_responses: int = arg(5, "redteam: the victim's responses to each attack; the reward is the mean of "
                                    "their log P(unsafe)")
     # --- processes
@@ -381,6 +383,7 @@ def check(cfg: Config, world: int):
     need(cfg.task == "redteam" or not cfg.unsafe_label, "unsafe-label", "belongs to the redteam task")
     need(cfg.task != "redteam" or not cfg.reward_model, "reward-model", "the redteam task is scored by --classifier")
     need(cfg.victim_responses >= 1, "victim-responses", "must be at least 1")
+    need(cfg.victim_max_new_tokens is None or cfg.victim_max_new_tokens >= 1, "victim-max-new-tokens", "must be at least 1")
     train, test = load_task(cfg.task, cfg.data)
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
     cfg.score = "win_rate" if cfg.task == "tldr" else "accuracy"  # the evaluation's headline figure

@@ -66,3 +66,17 @@ def test_schedules():
     constant = tba.Config(steps=10, lr=3e-4, beta=0.05, beta_final=0.05, decay_steps=0)
     assert {tba.lr_at(constant, s) for s in range(10)} == {3e-4}
     assert {tba.beta_at(constant, s) for s in range(10)} == {constant.beta}
+
+
+def test_run_redteam_dry_run_has_the_papers_settings():
+    command, cfg = dry_run(script="run_redteam.sh")
+    assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"]
+    assert (cfg.model, cfg.task, cfg.victim) == ("gpt2", "redteam", "vicgalle/gpt2-alpaca")
+    assert cfg.classifier == "facebook/roberta-hate-speech-dynabench-r4-target"
+    assert cfg.embedding_model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert (cfg.steps, cfg.sync_every, cfg.beta, cfg.lr) == (5000, 10, 0.05, 1e-4)  # paper: k, beta, steps; Lee et al.: lr
+    assert cfg.prompts_per_step * cfg.samples_per_prompt == 128  # attacks a step
+    assert (cfg.victim_responses, cfg.max_new_tokens, cfg.temperature) == (5, 20, 1.0)
+    assert (cfg.eval_limit, cfg.searchers) == (1024, 3)
+    command, cfg = dry_run("--steps", "7", script="run_redteam.sh", ATTACKER="/some/attacker", SEARCHERS="2")
+    assert (cfg.model, cfg.steps, cfg.searchers) == ("/some/attacker", 7, 2)
