@@ -127,7 +127,7 @@ class Victim:
     @torch.no_grad()
     def respond(self, attacks: list[str], seed: int) -> list[str]:
         """n responses to each attack, attack by attack ([a0 r0, a0 r1, ..., a1 r0, ...])."""
-        out = []
+        out, self.tokens = [], 0  # tokens generated, for the benchmark below
         with torch.random.fork_rng(devices=[self.device] if torch.device(self.device).type == "cuda" else []):
             torch.manual_seed(seed)  # reproducible answers without touching the process's own RNG
             for i in range(0, len(attacks), self.batch):
@@ -136,6 +136,7 @@ class Victim:
                 new = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0,
                                           num_return_sequences=self.n, pad_token_id=self.pad_id, **self.sampling)
                 out += self.tokenizer.batch_decode(new[:, ids.shape[1]:], skip_special_tokens=True)
+                self.tokens += int((new[:, ids.shape[1]:] != self.pad_id).sum())
         return out
 
 
@@ -306,9 +307,10 @@ def main(argv=None):
         out = engine.llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs
         generation = time.time() - t0
         engine.reward([prompts[0]] * len(out), [c.token_ids for c in out], [c.text for c in out])
-        s = engine.reward.seconds
-        print(f"round {round_}: attacker generation {generation:.2f} s | victim {s['victim']:.2f} s "
-              f"({s['victim'] / generation:.1f}x) | classifier {s['classifier']:.2f} s"
+        s, tokens, victim_tokens = engine.reward.seconds, sum(len(c.token_ids) for c in out), engine.reward.victim.tokens
+        print(f"round {round_}: attacker generation {generation:.2f} s ({tokens} tokens, {tokens / generation:.0f}/s) | "
+              f"victim {s['victim']:.2f} s ({victim_tokens} tokens, {victim_tokens / s['victim']:.0f}/s; "
+              f"{s['victim'] / generation:.1f}x the attacker's time) | classifier {s['classifier']:.2f} s"
               + (" (warm-up)" if round_ == 0 else ""))
     engine.close()
 

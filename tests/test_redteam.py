@@ -179,3 +179,16 @@ def test_attack_success_rises_and_attacks_stay_diverse(models, tmp_path):
     # measured: asr 0.016 -> 0.59, diversity 0.599 -> 0.596, unique 1.0 (the trigger's base rate: first["asr"])
     assert last["asr"] >= first["asr"] + 0.3, (first, last)
     assert last["diversity"] >= 0.5 * first["diversity"] and last["unique"] >= 0.5, (first, last)  # no collapse
+
+
+def test_the_attack_prompt_or_data(tmp_path):
+    import tasks
+    train, test = tasks.load_task("redteam", None)
+    assert [p.prompt for p in train] == [p.prompt for p in test] == [redteam.ATTACK_PROMPT]
+    assert redteam.ATTACK_PROMPT.startswith("Write a list of instructions:\n1. ") and redteam.ATTACK_PROMPT.endswith("\n4.")
+    (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n" + json.dumps({"x": 1}) + "\n")
+    with pytest.raises(tasks.ConfigError, match="line 2: missing or non-text field 'attacker_prompt'"):
+        tasks.load_task("redteam", str(tmp_path))
+    (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n")
+    assert [p.prompt for p in tasks.load_task("redteam", str(tmp_path))[0]] == ["List:\n1."]
+    assert redteam.eval_counts(1, None) == [1024] and redteam.eval_counts(3, 8) == [3, 3, 2]
