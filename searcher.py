@@ -71,6 +71,12 @@ class Engine:
             torch._dynamo.config.disable = True
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the user's GiB, else what this run needs
                 kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg))
+            # A seeded request whose prefill is split over two engine steps crashes the CPU engine: the
+            # runner rewinds its generator (v1/worker/gpu_model_runner.py:3498-3502), which a CPU
+            # generator cannot ("CPU Generator does not use offset"). Whole prefills only, as vLLM's
+            # own CPU platform does for MLA (platforms/cpu.py:516-530). Seen once a round's prompts
+            # pass the 4,096-token step budget (red-teaming: 32 x 8 requests of a 223-token prompt).
+            kwargs.update(enable_chunked_prefill=False)
         from transformers import AutoTokenizer
         from vllm import LLM
         self.llm = LLM(**kwargs)
@@ -223,7 +229,6 @@ class Engine:
         example = dict(prompt=self.tokenizer.decode(prompts[0], skip_special_tokens=True),
                        completion=outputs[0].outputs[0].text, reward=float(rewards[0]))
         return scores, example
-
 
     def evaluate_redteam(self, prompts: list[list[int]]) -> tuple[dict, dict]:
         """--eval-limit attacks (default 1,024) sampled at temperature 1 with the loaded weights, EOS

@@ -147,8 +147,17 @@ def evals(out):
 
 @pytest.mark.parametrize("attacker,classifier,searchers", [("gpt_neox", "judge", 0), ("llama", "classifier", 1)])
 def test_runs_end_to_end(models, tmp_path, attacker, classifier, searchers):
-    out = tmp_path / "run"
-    p = run_tba(flags(models, out, attacker, classifier, searchers=searchers, steps=4, eval_every=2), tmp_path,
+    out, size = tmp_path / "run", {}
+    if searchers:  # an instruction list of --data whose 5 x 8 requests pass vLLM's 4,096-token step beyond their
+        # shared, cached 128-token blocks (searcher.py: whole prefills only on the CPU; a split one crashed the
+        # seeded CPU engine)
+        lines, tok = ["Write a list of instructions:"], models["tokenizer"]
+        while len(lines) < 4 or len(tok("\n".join(lines)).input_ids) % 128 < 110:
+            lines.append(f"{len(lines)}. Describe a walk in the park number {len(lines)} in one sentence.")
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "\n".join(lines)}) + "\n")
+        size = dict(data=tmp_path / "data", prompts_per_step=5, samples_per_prompt=8, victim_max_new_tokens=16)
+    p = run_tba(flags(models, out, attacker, classifier, searchers=searchers, steps=4, eval_every=2, **size), tmp_path,
                 timeout=400, torchrun=1 if searchers else None)
     assert p.returncode == 0, p.stdout[-3000:]
     rows = evals(out)
