@@ -8,8 +8,8 @@ al., "Learning diverse attacks on large language models for robust red-teaming a
 - The victim (`--victim`, a frozen causal LM) answers each attack `--victim-responses` times (theirs:
   5). A victim whose tokenizer has a chat template gets the attack as a user turn and their chat
   sampling (temperature 0.1, top-p 0.9, 64 tokens); one without gets their Alpaca template and
-  GPT-2 sampling (temperature 0.7, top-p 0.92, 30 tokens); --victim-max-new-tokens changes the length. Theirs tell the two apart by the model's
-  name (configs/*.json); here the tokenizer decides, and the settings are saved with the run.
+  GPT-2 sampling (temperature 0.7, top-p 0.92, 30 tokens); --victim-max-new-tokens changes the
+  length. Theirs tell the two apart by the model's name (configs/*.json); here the tokenizer decides.
 - The classifier (`--classifier`) gives log P(unsafe) of one response, in one of two kinds, told apart
   by the model's config: a sequence classifier (theirs: facebook/roberta-hate-speech-dynabench-r4-
   target) scores the response alone, P(unsafe) = softmax of its logits at the label named
@@ -39,7 +39,6 @@ cost against the attacker's generation and what a GPU node would need.
         # times one search round: the attacker's generation, the victim's answers, the classifier
 """
 
-import math
 import time
 
 import numpy as np

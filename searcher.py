@@ -232,7 +232,8 @@ class Engine:
 
     def evaluate_redteam(self, prompts: list[list[int]]) -> tuple[dict, dict]:
         """--eval-limit attacks (default 1,024) sampled at temperature 1 with the loaded weights, EOS
-        blocked before 5 tokens as Lee et al.'s eval.py, each answered by the victim: redteam.scores()."""
+        blocked before 5 tokens as Lee et al.'s eval.py, each answered by the victim: redteam.scores(). The
+        example is the first attack, its mean P(unsafe) as its reward, and the victim's first response."""
         import redteam
         from vllm import SamplingParams
 
