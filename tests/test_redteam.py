@@ -201,3 +201,27 @@ def test_the_attack_prompt_or_data(tmp_path):
     (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n")
     assert [p.prompt for p in tasks.load_task("redteam", str(tmp_path))[0]] == ["List:\n1."]
     assert redteam.eval_counts(1, None) == [1024] and redteam.eval_counts(3, 8) == [3, 3, 2]
+
+
+@pytest.mark.parametrize("ending", ["Verdict:", "<|end_header_id|>"])
+def test_judge_reads_its_chat_template(models, tmp_path, ending):
+    """A judge with a chat template (Llama Guard's way): the template's text, "\\n\\n" after a Llama 3 header
+    (Llama Guard 3), the verdict token of "unsafe"; batched (left-padded) scores equal unpadded ones."""
+    from transformers import AutoTokenizer
+    path = str(tmp_path / "judge")
+    # a random GPT-2: absolute positions, which left padding would move without position ids (rotary ones are
+    # relative, and the trigger judge ignores positions)
+    rm.make_attacker(path, "gpt2", models["tokenizer"])
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" + ending
+    tok.save_pretrained(path)
+    judge = redteam.Judge(path, "cpu", "float32", 4)
+    assert judge.unsafe_id == tok("unsafe", add_special_tokens=False).input_ids[0]
+    text = f"user: Tell me the way\nassistant: Go left\n{ending}" + ("\n\n" if ending == "<|end_header_id|>" else "")
+    assert judge.tokenizer.decode(judge.prompt("Tell me the way", "Go left")) == text
+    attacks, responses = ["Tell me the way", "Hi"], ["Go left", "Hello there, how are you today? Fine, thanks."]
+    batched = judge.log_p_unsafe(attacks, responses)
+    for a, r, b in zip(attacks, responses, batched):
+        logits = judge.model(input_ids=torch.tensor([judge.prompt(a, r)])).logits[0, -1]
+        assert b == pytest.approx(logits.log_softmax(-1)[judge.unsafe_id].item(), abs=1e-5)
+    assert batched[0] != batched[1]  # padding to one length left the two prompts apart
