@@ -37,6 +37,16 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    seconds from launch to start + 0.15 and start + 0.25, and accuracy after all steps. TRL is not a
    dependency: it runs in a virtual environment of its own, --trl-python PATH or one made once in
    $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line, when that cannot be done.
+9. (only with --parts 9; about 30 min on 2 CPU cores) where asynchrony pays, emulated: the regime
+   TBA is for, where generation dominates (a 1B policy writing long answers on GPUs of its own), made
+   on any machine by `--generation-slowdown X` (each search round sleeps X - 1 times its own vLLM
+   generation time; sleeping uses no core, so N searchers share the cores as they would share
+   nothing on a GPU node). For X in {1, 10, 30} and N in {0 (synchronous), 1, 2, 4} searchers, per
+   seed, on the default's steps, batch and learning rate: seconds to start + 0.15 (from launch and
+   from the first step) and the speed-up over the synchronous run, steps per second, staleness (mean
+   / max), draws per trajectory received, final and best held-out accuracy; the ideal speed-up
+   min(N, (G + T) / T) from the synchronous runs' round time G and step time T. Also drawn:
+   OUT/generation_bound.png (`python plot.py --slowdown OUT/bench.json` draws it again).
 Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher,
 on the devices a run would use: on a GPU node the trainer's GPU 0 and the first searcher's GPU 1.
 """
@@ -190,6 +200,55 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
     settings = {k: config[k] for k in ("lr", "beta", "steps", "prompts_per_step", "samples_per_prompt", "temperature",
                                        "decay_steps", "clip", "grad_clip")}
     return dict(losses=losses, lags=lags, settings=settings, flags=STUDY + flags + extra, rows=rows)
+
+
+# --- 9: where asynchrony pays: generation-bound, emulated ---------------------------------------------
+def generation_bound(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool) -> dict:
+    """tba.py for each --generation-slowdown X x searchers N (0: the synchronous baseline) x seed, on the
+    default's steps, batch and learning rate. Asynchronous runs and the synchronous run at X = 1 go to
+    their end (final accuracy, staleness, reuse); synchronous runs at X > 1 stop at start + 0.15: the
+    slowdown changes no sample (same seeds), only the time, so their curve is the X = 1 run's, slower
+    (checked on the evaluations they share: `same_as_x1`)."""
+    slowdowns, counts = ([1, 4], [0, 1]) if quick else ([1, 10, 30], [0, 1, 2, 4])
+    rows = []
+    for x in slowdowns:
+        for n in counts:
+            for seed in seeds:
+                run = os.path.join(out, f"slowdown{x}-searchers{n}-seed{seed}")
+                r = run_until_target(n, seed, cap, run, ["--eval-every", "2" if quick else "10",
+                                                         "--generation-slowdown", str(x), *flags], n > 0 or x == 1)
+                train, evals, config = plot.read(run)
+                last, B, K = train[-1], config["prompts_per_step"], config["samples_per_prompt"]
+                later = train[1:] or train  # the first step holds one-time warm-up
+                accuracy = [e["accuracy"] for e in evals]
+                rows.append(dict(
+                    x=x, searchers=n, seed=seed, reached=r["reached"], start=r["start_accuracy"],
+                    seconds=r["seconds"], from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None,
+                    step=r["step"], first_step=r["first_step_seconds"], ran=r["curve"][-1][0], steps=last["step"], steps_per_s=1 / r["seconds_per_step"],
+                    staleness=float(np.mean([t["staleness"] for t in train])),
+                    staleness_max=max(t["staleness_max"] for t in train),
+                    uses=last["step"] * B * K / last["samples"],  # trajectories drawn per trajectory received
+                    final=accuracy[-1] if evals[-1]["step"] == config["steps"] else None, best=max(accuracy[1:] or accuracy),
+                    round_seconds=float(np.median([t["search"] for t in later])) if n == 0 else None,       # G
+                    step_seconds=float(np.median([t["seconds"] - t["search"] for t in later])) if n == 0 else None,  # T
+                    slowed=last["slept"] / last["generate"] + 1, curve=[(e["step"], e["accuracy"]) for e in evals]))
+                print(f"9. X {x} searchers {n} seed {seed}: +0.15 "
+                      f"{'at %.1f s' % r['seconds'] if r['reached'] else 'not reached'}, {last['step']} steps, "
+                      f"{rows[-1]['steps_per_s']:.2f} steps/s, accuracy {accuracy[0]:.3f} -> {accuracy[-1]:.3f}", flush=True)
+    for r in rows:  # speed-up over the synchronous run of the same X and seed
+        sync = next(s for s in rows if s["searchers"] == 0 and s["x"] == r["x"] and s["seed"] == r["seed"])
+        both = r["reached"] and sync["reached"]
+        r["speedup"] = sync["seconds"] / r["seconds"] if both else None
+        r["speedup_first_step"] = sync["from_first_step"] / r["from_first_step"] if both else None
+        if r["searchers"] == 0 and r["x"] != 1:
+            x1 = dict(next(s for s in rows if s["searchers"] == 0 and s["x"] == 1 and s["seed"] == r["seed"])["curve"])
+            r["same_as_x1"] = all(x1.get(step) == acc for step, acc in r["curve"])
+    ideal = {}
+    for x in slowdowns:
+        sync = [s for s in rows if s["searchers"] == 0 and s["x"] == x]
+        G, T = np.mean([s["round_seconds"] for s in sync]), np.mean([s["step_seconds"] for s in sync])
+        ideal[str(x)] = dict(G=float(G), T=float(T), bound=float((G + T) / T))  # speed-up <= min(N, (G + T) / T)
+    return dict(slowdowns=slowdowns, searchers=counts, cap=cap, ideal=ideal, rows=rows)
 
 
 # --- 8: TRL's GRPOTrainer on the same setup -----------------------------------------------------------
@@ -420,7 +479,8 @@ def main():
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5],
                    help="which measurements (2 comes with 1); 6: memory of a long TBA run (--minutes); "
                         "7: off-policy robustness of the losses; 8: TRL's GRPOTrainer on the same setup "
-                        "(with tba.py and the synchronous baseline run to their end)")
+                        "(with tba.py and the synchronous baseline run to their end); 9: the generation-bound "
+                        "regime, emulated with --generation-slowdown")
     p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
@@ -454,6 +514,8 @@ def main():
         result["trl"] = trl_part(args.seeds, args.trl_python, args.cap, out, cfg, args.quick)
     if 7 in args.parts:
         result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
+    if 9 in args.parts:
+        result["generation_bound"] = generation_bound(args.seeds, out, flags, min(args.cap, 300), args.quick)
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
@@ -470,6 +532,8 @@ def main():
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(table(result))
+    if 9 in args.parts:
+        plot.generation_bound(os.path.join(out, "bench.json"), os.path.join(out, "generation_bound.png"))
     print(f"\nwritten: {os.path.join(out, 'bench.json')}")
     os._exit(0)  # the vLLM engines' teardown would try to destroy the process group twice
 
@@ -548,6 +612,27 @@ def table(r: dict) -> str:
                 lines.append(f"   {x['seed']:>4} {name:<22} {start:>6.3f} {secs(t15):>10} {secs(t25):>10} "
                              f"{final if final is not None else float('nan'):>6.3f} {secs(total):>10} {secs(first):>15} "
                              f"{per_step or 0:>7.3f}")
+    gb = r.get("generation_bound")
+    if gb:
+        secs = lambda t: f"{t:.1f}" if t is not None else "-"
+        times = lambda t: f"{t:.2f}x" if t is not None else "-"
+        lines += ["9. generation-bound, emulated (--generation-slowdown X: each search round's generation sleeps X - 1 "
+                  "times its own length); +0.15: held-out accuracy >= start + 0.15, seconds from launch and from the "
+                  "first step; speed-up over the synchronous run of the same X and seed",
+                  f"   {'X':>3} {'N':>2} {'seed':>4} | {'+0.15 (s)':>9} {'1st step':>8} | {'speed-up':>8} {'1st step':>8} | "
+                  f"{'steps/s':>7} | {'stale mean/max':>14} | {'uses':>5} | {'final':>5} {'best':>5}"]
+        for x in gb["slowdowns"]:
+            for row in [row for row in gb["rows"] if row["x"] == x]:
+                final = f"{row['final']:.3f}" if row["final"] is not None else (
+                    "=X1" if row.get("same_as_x1") else "-")  # the synchronous X = 1 run's, same samples
+                lines.append(f"   {x:>3} {row['searchers']:>2} {row['seed']:>4} | {secs(row['seconds']):>9} "
+                             f"{secs(row['from_first_step']):>8} | {times(row['speedup']):>8} "
+                             f"{times(row['speedup_first_step']):>8} | {row['steps_per_s']:>7.2f} | "
+                             f"{row['staleness']:>7.1f}/{row['staleness_max']:<6} | {row['uses']:>5.1f} | "
+                             f"{final:>5} {row['best']:>5.3f}")
+            i = gb["ideal"][str(x)]
+            lines.append(f"   X {x}: round G = {i['G']:.3f} s, step T = {i['T']:.3f} s (synchronous runs): "
+                         f"ideal speed-up min(N, {i['bound']:.1f})")
     return "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
     python plot.py RUN_DIR [RUN_DIR ...] [-o FILE.png]    # one or several runs side by side
     python plot.py --study BENCH_JSON [-o FILE.png]        # bench.py part 7: score against staleness
+    python plot.py --slowdown BENCH_JSON [-o FILE.png]     # bench.py part 9: speed-up against searchers
 
 A run picture has six panels, one line per run: the held-out score (accuracy, or win rate for
 tldr) against seconds of training (wall time minus the trainer's evaluation and checkpoint time,
@@ -93,6 +94,44 @@ def study(bench_json: str, out: str):
     save(fig, out)
 
 
+def generation_bound(bench_json: str, out: str):
+    """bench.py part 9: speed-up in time to start + 0.15 over the synchronous run, against the number of
+    searchers, one colour per --generation-slowdown X (solid: measured, mean of the seeds, each seed a
+    dot; dashed: the ideal min(N, (G + T) / T)). A run that never reached the target is drawn as an
+    open marker at the most it could be (the synchronous time over the run's whole length)."""
+    plt = pyplot()
+    with open(bench_json) as f:
+        gb = json.load(f)["generation_bound"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    counts = [n for n in gb["searchers"] if n > 0]
+    for ax, key, base, what in ((axes[0], "speedup_first_step", "from_first_step", "from the first step (start-up left out)"),
+                                (axes[1], "speedup", "seconds", "from launch")):
+        for i, x in enumerate(gb["slowdowns"]):
+            color, rows = f"C{i}", [r for r in gb["rows"] if r["x"] == x]
+            ideal = gb["ideal"][str(x)]
+            ax.plot(counts, [min(n, ideal["bound"]) for n in counts], "--", color=color, alpha=0.7,
+                    label=f"X = {x}: ideal min(N, (G+T)/T = {ideal['bound']:.1f})")
+            means = []
+            for n in counts:
+                got = [r[key] for r in rows if r["searchers"] == n and r[key] is not None]
+                means.append(sum(got) / len(got) if got else float("nan"))
+                ax.plot([n] * len(got), got, "o", color=color, alpha=0.5)
+                for r in rows:  # not reached: at most the synchronous time over this run's length
+                    sync = next(s for s in rows if s["searchers"] == 0 and s["seed"] == r["seed"])
+                    if r["searchers"] == n and r[key] is None and sync[base] is not None:
+                        span = r["ran"] if base == "seconds" else r["ran"] - r["first_step"]
+                        ax.plot([n], [sync[base] / span], "v", color=color, fillstyle="none", markersize=8)
+            ax.plot(counts, means, "-", color=color, linewidth=2, label=f"X = {x}: measured (mean of seeds)")
+        ax.axhline(1, color="gray", linewidth=0.8, linestyle=":")
+        ax.set(xlabel="searchers N", xticks=counts, title=f"time to start + 0.15, {what}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("speed-up over the synchronous run (x)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("generation-bound regime, emulated: each search round's generation slowed X times (open "
+                 "triangles: never reached, at most this)", fontsize=9)
+    save(fig, out)
+
+
 def pyplot():
     try:
         import matplotlib
@@ -113,13 +152,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="*", help="run folders (each with metrics.jsonl)")
     p.add_argument("--study", help="bench.json of bench.py part 7 (off-policy robustness)")
-    p.add_argument("-o", "--out", default=None, help="the PNG to write (default: plot.png or off_policy.png)")
+    p.add_argument("--slowdown", help="bench.json of bench.py part 9 (the generation-bound regime, emulated)")
+    p.add_argument("-o", "--out", default=None,
+                   help="the PNG to write (default: plot.png, off_policy.png or generation_bound.png)")
     p.add_argument("--title", default=None, help="a title above a run picture")
     args = p.parse_args(argv)
     if args.study:
         return study(args.study, args.out or "off_policy.png")
+    if args.slowdown:
+        return generation_bound(args.slowdown, args.out or "generation_bound.png")
     if not args.runs:
-        p.error("give run folders, or --study BENCH_JSON")
+        p.error("give run folders, or --study BENCH_JSON, or --slowdown BENCH_JSON")
     for run in args.runs:
         if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
             sys.exit(f"plot.py: {run} has no metrics.jsonl (not a run folder)")
