@@ -43,8 +43,10 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    generation time; sleeping uses no core, so N searchers share the cores as they would share
    nothing on a GPU node). For X in {1, 10, 30} and N in {0 (synchronous), 1, 2, 4} searchers, per
    seed, on the default's steps, batch and learning rate: seconds to start + 0.15 (from launch and
-   from the first step) and the speed-up over the synchronous run, steps per second, staleness (mean
-   / max), draws per trajectory received, final and best held-out accuracy; the ideal speed-up
+   from the first step) and the speed-up over the synchronous run, steps per second, fresh-data
+   throughput (the steps per second a trainer that used each trajectory once could take: search
+   rounds received per second, at most its step rate) and its speed-up, staleness (mean / max),
+   draws per trajectory received, final and best held-out accuracy; the ideal speed-up
    min(N, (G + T) / T) from the synchronous runs' round time G and step time T. Also drawn:
    OUT/generation_bound.png (`python plot.py --slowdown OUT/bench.json` draws it again).
 Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher,
@@ -217,38 +219,60 @@ def generation_bound(seeds: list[int], out: str, flags: list[str], cap: float, q
                 run = os.path.join(out, f"slowdown{x}-searchers{n}-seed{seed}")
                 r = run_until_target(n, seed, cap, run, ["--eval-every", "2" if quick else "10",
                                                          "--generation-slowdown", str(x), *flags], n > 0 or x == 1)
-                train, evals, config = plot.read(run)
-                last, B, K = train[-1], config["prompts_per_step"], config["samples_per_prompt"]
-                later = train[1:] or train  # the first step holds one-time warm-up
-                accuracy = [e["accuracy"] for e in evals]
-                rows.append(dict(
-                    x=x, searchers=n, seed=seed, reached=r["reached"], start=r["start_accuracy"],
-                    seconds=r["seconds"], from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None,
-                    step=r["step"], first_step=r["first_step_seconds"], ran=r["curve"][-1][0], steps=last["step"], steps_per_s=1 / r["seconds_per_step"],
-                    staleness=float(np.mean([t["staleness"] for t in train])),
-                    staleness_max=max(t["staleness_max"] for t in train),
-                    uses=last["step"] * B * K / last["samples"],  # trajectories drawn per trajectory received
-                    final=accuracy[-1] if evals[-1]["step"] == config["steps"] else None, best=max(accuracy[1:] or accuracy),
-                    round_seconds=float(np.median([t["search"] for t in later])) if n == 0 else None,       # G
-                    step_seconds=float(np.median([t["seconds"] - t["search"] for t in later])) if n == 0 else None,  # T
-                    slowed=last["slept"] / last["generate"] + 1, curve=[(e["step"], e["accuracy"]) for e in evals]))
+                rows.append(slowdown_row(run, x, n, seed, r))
                 print(f"9. X {x} searchers {n} seed {seed}: +0.15 "
-                      f"{'at %.1f s' % r['seconds'] if r['reached'] else 'not reached'}, {last['step']} steps, "
-                      f"{rows[-1]['steps_per_s']:.2f} steps/s, accuracy {accuracy[0]:.3f} -> {accuracy[-1]:.3f}", flush=True)
-    for r in rows:  # speed-up over the synchronous run of the same X and seed
+                      f"{'at %.1f s' % r['seconds'] if r['reached'] else 'not reached'}, {rows[-1]['steps']} steps, "
+                      f"{rows[-1]['steps_per_s'] or 0:.2f} steps/s, accuracy {r['start_accuracy']:.3f} -> "
+                      f"{r['curve'][-1][2]:.3f}", flush=True)
+    return dict(slowdowns=slowdowns, searchers=counts, cap=cap, **speedups(rows, slowdowns))
+
+
+def slowdown_row(run: str, x: float, n: int, seed: int, r: dict) -> dict:
+    """Part 9's figures of one run: its folder and run_until_target's dict `r`."""
+    train, evals, config = plot.read(run)
+    first, last = train[0], train[-1]
+    later = train[1:] or train  # the first step holds one-time warm-up
+    accuracy = [e["accuracy"] for e in evals]
+    span = last["time"] - first["time"] - (last["overhead"] - first["overhead"])  # the trainer's, evaluation left out
+    steps_per_s = 1 / r["seconds_per_step"] if r["seconds_per_step"] else None
+    # fresh data: search rounds (B x search K trajectories) received per second; a trainer that used each
+    # trajectory once could step no faster than that, nor faster than it steps: the ideal's throughput
+    rounds_per_s = (last["samples"] - first["samples"]) / span / (config["prompts_per_step"] *
+                                                                  config["search_samples_per_prompt"]) if span else None
+    return dict(
+        x=x, searchers=n, seed=seed, reached=r["reached"], start=r["start_accuracy"], seconds=r["seconds"],
+        from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None, step=r["step"],
+        first_step=r["first_step_seconds"], ran=r["curve"][-1][0], steps=last["step"], steps_per_s=steps_per_s,
+        rounds_per_s=rounds_per_s, fresh_steps_per_s=min(steps_per_s, rounds_per_s) if span else None,
+        staleness=float(np.mean([t["staleness"] for t in train])), staleness_max=max(t["staleness_max"] for t in train),
+        uses=last["step"] * config["prompts_per_step"] * config["samples_per_prompt"] / last["samples"],  # draws per
+        final=accuracy[-1] if evals[-1]["step"] == config["steps"] else None,          # trajectory received
+        best=max(accuracy[1:] or accuracy),
+        round_seconds=float(np.median([t["search"] for t in later])) if n == 0 else None,               # G
+        step_seconds=float(np.median([t["seconds"] - t["search"] for t in later])) if n == 0 else None,  # T
+        slowed=last["slept"] / last["generate"] + 1, curve=[(e["step"], e["accuracy"]) for e in evals])
+
+
+def speedups(rows: list[dict], slowdowns: list) -> dict:
+    """Each run against the synchronous run of the same X and seed: the speed-up in time to start + 0.15
+    (from launch and from the first step) and in fresh-data throughput; the ideal min(N, (G + T) / T)
+    per X, from the synchronous runs' median round time G and step time T."""
+    for r in rows:
         sync = next(s for s in rows if s["searchers"] == 0 and s["x"] == r["x"] and s["seed"] == r["seed"])
         both = r["reached"] and sync["reached"]
         r["speedup"] = sync["seconds"] / r["seconds"] if both else None
         r["speedup_first_step"] = sync["from_first_step"] / r["from_first_step"] if both else None
+        r["speedup_throughput"] = (r["fresh_steps_per_s"] / sync["steps_per_s"]
+                                   if r["fresh_steps_per_s"] is not None and sync["steps_per_s"] else None)
         if r["searchers"] == 0 and r["x"] != 1:
             x1 = dict(next(s for s in rows if s["searchers"] == 0 and s["x"] == 1 and s["seed"] == r["seed"])["curve"])
-            r["same_as_x1"] = all(x1.get(step) == acc for step, acc in r["curve"])
+            r["same_as_x1"] = all(x1.get(step, acc) == acc for step, acc in r["curve"])
     ideal = {}
     for x in slowdowns:
         sync = [s for s in rows if s["searchers"] == 0 and s["x"] == x]
         G, T = np.mean([s["round_seconds"] for s in sync]), np.mean([s["step_seconds"] for s in sync])
         ideal[str(x)] = dict(G=float(G), T=float(T), bound=float((G + T) / T))  # speed-up <= min(N, (G + T) / T)
-    return dict(slowdowns=slowdowns, searchers=counts, cap=cap, ideal=ideal, rows=rows)
+    return dict(ideal=ideal, rows=rows)
 
 
 # --- 8: TRL's GRPOTrainer on the same setup -----------------------------------------------------------
@@ -616,22 +640,26 @@ def table(r: dict) -> str:
     if gb:
         secs = lambda t: f"{t:.1f}" if t is not None else "-"
         times = lambda t: f"{t:.2f}x" if t is not None else "-"
+        rate = lambda t: f"{t:.2f}" if t is not None else "-"
         lines += ["9. generation-bound, emulated (--generation-slowdown X: each search round's generation sleeps X - 1 "
                   "times its own length); +0.15: held-out accuracy >= start + 0.15, seconds from launch and from the "
-                  "first step; speed-up over the synchronous run of the same X and seed",
+                  "first step; fresh: steps/s a trainer using each trajectory once could take; speed-ups over the "
+                  "synchronous run of the same X and seed; uses: draws per trajectory received",
                   f"   {'X':>3} {'N':>2} {'seed':>4} | {'+0.15 (s)':>9} {'1st step':>8} | {'speed-up':>8} {'1st step':>8} | "
-                  f"{'steps/s':>7} | {'stale mean/max':>14} | {'uses':>5} | {'final':>5} {'best':>5}"]
+                  f"{'steps/s':>7} {'fresh':>6} {'speed-up':>8} | {'stale mean/max':>14} | {'uses':>5} | {'final':>5} "
+                  f"{'best':>5}"]
         for x in gb["slowdowns"]:
             for row in [row for row in gb["rows"] if row["x"] == x]:
                 final = f"{row['final']:.3f}" if row["final"] is not None else (
                     "=X1" if row.get("same_as_x1") else "-")  # the synchronous X = 1 run's, same samples
                 lines.append(f"   {x:>3} {row['searchers']:>2} {row['seed']:>4} | {secs(row['seconds']):>9} "
                              f"{secs(row['from_first_step']):>8} | {times(row['speedup']):>8} "
-                             f"{times(row['speedup_first_step']):>8} | {row['steps_per_s']:>7.2f} | "
+                             f"{times(row['speedup_first_step']):>8} | {rate(row['steps_per_s']):>7} "
+                             f"{rate(row['fresh_steps_per_s']):>6} {times(row['speedup_throughput']):>8} | "
                              f"{row['staleness']:>7.1f}/{row['staleness_max']:<6} | {row['uses']:>5.1f} | "
                              f"{final:>5} {row['best']:>5.3f}")
             i = gb["ideal"][str(x)]
-            lines.append(f"   X {x}: round G = {i['G']:.3f} s, step T = {i['T']:.3f} s (synchronous runs): "
+            lines.append(f"   X {x}: round G = {i['G']:.3f} s, step T = {i['T']:.3f} s (synchronous runs, medians): "
                          f"ideal speed-up min(N, {i['bound']:.1f})")
     return "\n".join(lines)
 
