@@ -37,6 +37,18 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    seconds from launch to start + 0.15 and start + 0.25, and accuracy after all steps. TRL is not a
    dependency: it runs in a virtual environment of its own, --trl-python PATH or one made once in
    $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line, when that cannot be done.
+9. (only with --parts 9; about 30 min on 2 CPU cores) where asynchrony pays, emulated: the regime
+   TBA is for, where generation dominates (a 1B policy writing long answers on GPUs of its own), made
+   on any machine by `--generation-slowdown X` (each search round sleeps X - 1 times its own vLLM
+   generation time; sleeping uses no core, so N searchers share the cores as they would share
+   nothing on a GPU node). For X in {1, 10, 30} and N in {0 (synchronous), 1, 2, 4} searchers, per
+   seed, on the default's steps, batch and learning rate: seconds to start + 0.15 (from launch and
+   from the first step) and the speed-up over the synchronous run, steps per second, fresh-data
+   throughput (the steps per second a trainer that used each trajectory once could take: search
+   rounds received per second, at most its step rate) and its speed-up, staleness (mean / max),
+   draws per trajectory received, final and best held-out accuracy; the ideal speed-up
+   min(N, (G + T) / T) from the synchronous runs' round time G and step time T. Also drawn:
+   OUT/generation_bound.png (`python plot.py --slowdown OUT/bench.json` draws it again).
 Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher,
 on the devices a run would use: on a GPU node the trainer's GPU 0 and the first searcher's GPU 1.
 """
@@ -190,6 +202,77 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
     settings = {k: config[k] for k in ("lr", "beta", "steps", "prompts_per_step", "samples_per_prompt", "temperature",
                                        "decay_steps", "clip", "grad_clip")}
     return dict(losses=losses, lags=lags, settings=settings, flags=STUDY + flags + extra, rows=rows)
+
+
+# --- 9: where asynchrony pays: generation-bound, emulated ---------------------------------------------
+def generation_bound(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool) -> dict:
+    """tba.py for each --generation-slowdown X x searchers N (0: the synchronous baseline) x seed, on the
+    default's steps, batch and learning rate. Asynchronous runs and the synchronous run at X = 1 go to
+    their end (final accuracy, staleness, reuse); synchronous runs at X > 1 stop at start + 0.15: the
+    slowdown changes no sample (same seeds), only the time, so their curve is the X = 1 run's, slower
+    (checked on the evaluations they share: `same_as_x1`)."""
+    slowdowns, counts = ([1, 4], [0, 1]) if quick else ([1, 10, 30], [0, 1, 2, 4])
+    rows = []
+    for x in slowdowns:
+        for n in counts:
+            for seed in seeds:
+                run = os.path.join(out, f"slowdown{x}-searchers{n}-seed{seed}")
+                r = run_until_target(n, seed, cap, run, ["--eval-every", "2" if quick else "10",
+                                                         "--generation-slowdown", str(x), *flags], n > 0 or x == 1)
+                rows.append(slowdown_row(run, x, n, seed, r))
+                print(f"9. X {x} searchers {n} seed {seed}: +0.15 "
+                      f"{'at %.1f s' % r['seconds'] if r['reached'] else 'not reached'}, {rows[-1]['steps']} steps, "
+                      f"{rows[-1]['steps_per_s'] or 0:.2f} steps/s, accuracy {r['start_accuracy']:.3f} -> "
+                      f"{r['curve'][-1][2]:.3f}", flush=True)
+    return dict(slowdowns=slowdowns, searchers=counts, cap=cap, **speedups(rows, slowdowns))
+
+
+def slowdown_row(run: str, x: float, n: int, seed: int, r: dict) -> dict:
+    """Part 9's figures of one run: its folder and run_until_target's dict `r`."""
+    train, evals, config = plot.read(run)
+    first, last = train[0], train[-1]
+    later = train[1:] or train  # the first step holds one-time warm-up
+    accuracy = [e["accuracy"] for e in evals]
+    span = last["time"] - first["time"] - (last["overhead"] - first["overhead"])  # the trainer's, evaluation left out
+    steps_per_s = 1 / r["seconds_per_step"] if r["seconds_per_step"] else None
+    # fresh data: search rounds (B x search K trajectories) received per second; a trainer that used each
+    # trajectory once could step no faster than that, nor faster than it steps: the ideal's throughput
+    rounds_per_s = (last["samples"] - first["samples"]) / span / (config["prompts_per_step"] *
+                                                                  config["search_samples_per_prompt"]) if span else None
+    return dict(
+        x=x, searchers=n, seed=seed, reached=r["reached"], start=r["start_accuracy"], seconds=r["seconds"],
+        from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None, step=r["step"],
+        first_step=r["first_step_seconds"], ran=r["curve"][-1][0], steps=last["step"], steps_per_s=steps_per_s,
+        rounds_per_s=rounds_per_s, fresh_steps_per_s=min(steps_per_s, rounds_per_s) if span else None,
+        staleness=float(np.mean([t["staleness"] for t in train])), staleness_max=max(t["staleness_max"] for t in train),
+        uses=last["step"] * config["prompts_per_step"] * config["samples_per_prompt"] / last["samples"],  # draws per
+        final=accuracy[-1] if evals[-1]["step"] == config["steps"] else None,          # trajectory received
+        best=max(accuracy[1:] or accuracy),
+        round_seconds=float(np.median([t["search"] for t in later])) if n == 0 else None,               # G
+        step_seconds=float(np.median([t["seconds"] - t["search"] for t in later])) if n == 0 else None,  # T
+        slowed=last["slept"] / last["generate"] + 1, curve=[(e["step"], e["accuracy"]) for e in evals])
+
+
+def speedups(rows: list[dict], slowdowns: list) -> dict:
+    """Each run against the synchronous run of the same X and seed: the speed-up in time to start + 0.15
+    (from launch and from the first step) and in fresh-data throughput; the ideal min(N, (G + T) / T)
+    per X, from the synchronous runs' median round time G and step time T."""
+    for r in rows:
+        sync = next(s for s in rows if s["searchers"] == 0 and s["x"] == r["x"] and s["seed"] == r["seed"])
+        both = r["reached"] and sync["reached"]
+        r["speedup"] = sync["seconds"] / r["seconds"] if both else None
+        r["speedup_first_step"] = sync["from_first_step"] / r["from_first_step"] if both else None
+        r["speedup_throughput"] = (r["fresh_steps_per_s"] / sync["steps_per_s"]
+                                   if r["fresh_steps_per_s"] is not None and sync["steps_per_s"] else None)
+        if r["searchers"] == 0 and r["x"] != 1:
+            x1 = dict(next(s for s in rows if s["searchers"] == 0 and s["x"] == 1 and s["seed"] == r["seed"])["curve"])
+            r["same_as_x1"] = all(x1.get(step, acc) == acc for step, acc in r["curve"])
+    ideal = {}
+    for x in slowdowns:
+        sync = [s for s in rows if s["searchers"] == 0 and s["x"] == x]
+        G, T = np.mean([s["round_seconds"] for s in sync]), np.mean([s["step_seconds"] for s in sync])
+        ideal[str(x)] = dict(G=float(G), T=float(T), bound=float((G + T) / T))  # speed-up <= min(N, (G + T) / T)
+    return dict(ideal=ideal, rows=rows)
 
 
 # --- 8: TRL's GRPOTrainer on the same setup -----------------------------------------------------------
@@ -420,7 +503,8 @@ def main():
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5],
                    help="which measurements (2 comes with 1); 6: memory of a long TBA run (--minutes); "
                         "7: off-policy robustness of the losses; 8: TRL's GRPOTrainer on the same setup "
-                        "(with tba.py and the synchronous baseline run to their end)")
+                        "(with tba.py and the synchronous baseline run to their end); 9: the generation-bound "
+                        "regime, emulated with --generation-slowdown")
     p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
@@ -454,6 +538,8 @@ def main():
         result["trl"] = trl_part(args.seeds, args.trl_python, args.cap, out, cfg, args.quick)
     if 7 in args.parts:
         result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
+    if 9 in args.parts:
+        result["generation_bound"] = generation_bound(args.seeds, out, flags, min(args.cap, 300), args.quick)
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
@@ -470,6 +556,8 @@ def main():
     with open(os.path.join(out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(table(result))
+    if 9 in args.parts:
+        plot.generation_bound(os.path.join(out, "bench.json"), os.path.join(out, "generation_bound.png"))
     print(f"\nwritten: {os.path.join(out, 'bench.json')}")
     os._exit(0)  # the vLLM engines' teardown would try to destroy the process group twice
 
@@ -548,6 +636,31 @@ def table(r: dict) -> str:
                 lines.append(f"   {x['seed']:>4} {name:<22} {start:>6.3f} {secs(t15):>10} {secs(t25):>10} "
                              f"{final if final is not None else float('nan'):>6.3f} {secs(total):>10} {secs(first):>15} "
                              f"{per_step or 0:>7.3f}")
+    gb = r.get("generation_bound")
+    if gb:
+        secs = lambda t: f"{t:.1f}" if t is not None else "-"
+        times = lambda t: f"{t:.2f}x" if t is not None else "-"
+        rate = lambda t: f"{t:.2f}" if t is not None else "-"
+        lines += ["9. generation-bound, emulated (--generation-slowdown X: each search round's generation sleeps X - 1 "
+                  "times its own length); +0.15: held-out accuracy >= start + 0.15, seconds from launch and from the "
+                  "first step; fresh: steps/s a trainer using each trajectory once could take; speed-ups over the "
+                  "synchronous run of the same X and seed; uses: draws per trajectory received",
+                  f"   {'X':>3} {'N':>2} {'seed':>4} | {'+0.15 (s)':>9} {'1st step':>8} | {'speed-up':>8} {'1st step':>8} | "
+                  f"{'steps/s':>7} {'fresh':>6} {'speed-up':>8} | {'stale mean/max':>14} | {'uses':>5} | {'final':>5} "
+                  f"{'best':>5}"]
+        for x in gb["slowdowns"]:
+            for row in [row for row in gb["rows"] if row["x"] == x]:
+                final = f"{row['final']:.3f}" if row["final"] is not None else (
+                    "=X1" if row.get("same_as_x1") else "-")  # the synchronous X = 1 run's, same samples
+                lines.append(f"   {x:>3} {row['searchers']:>2} {row['seed']:>4} | {secs(row['seconds']):>9} "
+                             f"{secs(row['from_first_step']):>8} | {times(row['speedup']):>8} "
+                             f"{times(row['speedup_first_step']):>8} | {rate(row['steps_per_s']):>7} "
+                             f"{rate(row['fresh_steps_per_s']):>6} {times(row['speedup_throughput']):>8} | "
+                             f"{row['staleness']:>7.1f}/{row['staleness_max']:<6} | {row['uses']:>5.1f} | "
+                             f"{final:>5} {row['best']:>5.3f}")
+            i = gb["ideal"][str(x)]
+            lines.append(f"   X {x}: round G = {i['G']:.3f} s, step T = {i['T']:.3f} s (synchronous runs, medians): "
+                         f"ideal speed-up min(N, {i['bound']:.1f})")
     return "\n".join(lines)
 
 

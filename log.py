@@ -18,6 +18,8 @@ class Log:
         self.cfg, self.rank, self.t0 = cfg, rank, t0
         self.overhead = 0.0   # s the trainer spent evaluating and checkpointing (not learning)
         self.samples = 0      # trajectories received, over the whole run (carried by checkpoints)
+        self.generate = self.slept = 0.0  # s of vLLM generation in the rounds received, and slept after it
+                                          # (--generation-slowdown); since this process started
         self.evals, self.published = [], {}  # eval rows; weight version -> (time, overhead) when made
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
         self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
@@ -100,8 +102,10 @@ class Log:
         first, last, score = self.first_eval, self.evals[-1], self.cfg.score.replace("_", " ")
         resumed = (f" | resumed at step {self.resumed['step']} ({self.resumed['score']:.3f})"
                    if self.resumed and "score" in self.resumed else "")
+        slowdown = self.cfg.generation_slowdown  # bench.py part 9's emulation: say so beside the figures
+        slowed = f" | generation slowed {slowdown:g}x (emulated)" if slowdown != 1 else ""
         self.print(f"done: {self.cfg.steps} steps in {self.now():.0f} s | held-out {score} {first['score']:.3f} "
-                   f"(step {first['step']}) -> {last[self.cfg.score]:.3f} (step {last['step']}){resumed} | "
+                   f"(step {first['step']}) -> {last[self.cfg.score]:.3f} (step {last['step']}){resumed}{slowed} | "
                    f"{self.cfg.out}")
 
     def close(self):

@@ -2,6 +2,7 @@
 
     python plot.py RUN_DIR [RUN_DIR ...] [-o FILE.png]    # one or several runs side by side
     python plot.py --study BENCH_JSON [-o FILE.png]        # bench.py part 7: score against staleness
+    python plot.py --slowdown BENCH_JSON [-o FILE.png]     # bench.py part 9: speed-up against searchers
 
 A run picture has six panels, one line per run: the held-out score (accuracy, or win rate for
 tldr) against seconds of training (wall time minus the trainer's evaluation and checkpoint time,
@@ -115,6 +116,54 @@ def study(bench_json: str, out: str):
     save(fig, out)
 
 
+def generation_bound(bench_json: str, out: str):
+    """bench.py part 9, against the number of searchers N, one colour per --generation-slowdown X:
+    left, the speed-up in time to start + 0.15 (from the first step) over the synchronous run; right,
+    the speed-up in fresh-data throughput (steps a second a trainer using each trajectory once could
+    take) beside the ideal min(N, (G + T) / T) (dashed); third, the held-out accuracy of the asynchronous
+    runs' last evaluation. Solid: mean of the seeds; dots: each seed.
+    Runs (or synchronous baselines) that never reached the target within the run have no left point."""
+    plt = pyplot()
+    with open(bench_json) as f:
+        gb = json.load(f)["generation_bound"]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    counts = [n for n in gb["searchers"] if n > 0]
+    for ax, key, what in ((axes[0], "speedup_first_step", "time to start + 0.15, from the first step"),
+                          (axes[1], "speedup_throughput", "fresh-data throughput (each trajectory used once)")):
+        for i, x in enumerate(gb["slowdowns"]):
+            color, rows = f"C{i}", [r for r in gb["rows"] if r["x"] == x]
+            if key == "speedup_throughput":
+                bound = gb["ideal"][str(x)]["bound"]
+                ax.plot(counts, [min(n, bound) for n in counts], "--", color=color, alpha=0.7,
+                        label=f"X = {x}: ideal min(N, (G+T)/T = {bound:.1f})")
+            means = []
+            for n in counts:
+                got = [r[key] for r in rows if r["searchers"] == n and r[key] is not None]
+                means.append(sum(got) / len(got) if got else float("nan"))
+                ax.plot([n] * len(got), got, "o", color=color, alpha=0.5)
+            ax.plot(counts, means, "-", color=color, linewidth=2, label=f"X = {x}: measured")
+        if not any(r[key] is not None for r in gb["rows"] if r["searchers"] > 0):
+            ax.text(0.5, 0.5, "no pair of runs (N searchers and the synchronous one) both reached it",
+                    transform=ax.transAxes, ha="center", fontsize=8)
+        ax.axhline(1, color="gray", linewidth=0.8, linestyle=":")
+        ax.set(xlabel="searchers N", xticks=counts, ylabel="speed-up over the synchronous run (x)", title=what)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for i, x in enumerate(gb["slowdowns"]):  # what the trainer learned from what it got: the last evaluation
+        rows = [r for r in gb["rows"] if r["x"] == x and r["searchers"] > 0]
+        last = [sum(r["curve"][-1][1] for r in rows if r["searchers"] == n) / max(1, sum(r["searchers"] == n for r in rows))
+                for n in counts]
+        axes[2].plot(counts, last, "o-", color=f"C{i}", label=f"X = {x}")
+    axes[2].axhline(gb["rows"][0]["start"], color="gray", linewidth=0.8, linestyle=":", label="start")
+    axes[2].set(xlabel="searchers N", xticks=counts, ylabel="held-out accuracy, last evaluation",
+                title="accuracy at the end of the asynchronous runs")
+    axes[2].grid(alpha=0.3)
+    axes[2].legend(fontsize=7)
+    fig.suptitle("generation-bound regime, emulated: each search round's generation slowed X times "
+                 "(--generation-slowdown X)", fontsize=9)
+    save(fig, out)
+
+
 def pyplot():
     try:
         import matplotlib
@@ -135,13 +184,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="*", help="run folders (each with metrics.jsonl)")
     p.add_argument("--study", help="bench.json of bench.py part 7 (off-policy robustness)")
-    p.add_argument("-o", "--out", default=None, help="the PNG to write (default: plot.png or off_policy.png)")
+    p.add_argument("--slowdown", help="bench.json of bench.py part 9 (the generation-bound regime, emulated)")
+    p.add_argument("-o", "--out", default=None,
+                   help="the PNG to write (default: plot.png, off_policy.png or generation_bound.png)")
     p.add_argument("--title", default=None, help="a title above a run picture")
     args = p.parse_args(argv)
     if args.study:
         return study(args.study, args.out or "off_policy.png")
+    if args.slowdown:
+        return generation_bound(args.slowdown, args.out or "generation_bound.png")
     if not args.runs:
-        p.error("give run folders, or --study BENCH_JSON")
+        p.error("give run folders, or --study BENCH_JSON, or --slowdown BENCH_JSON")
     for run in args.runs:
         if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
             sys.exit(f"plot.py: {run} has no metrics.jsonl (not a run folder)")

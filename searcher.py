@@ -158,8 +158,11 @@ class Engine:
                                  logprobs=0,  # the sampled token's log-prob: gives cumulative_logprob
                                  seed=int(np.random.SeedSequence([*seed, int(p)]).generate_state(1)[0]))
                   for p in prompt_ids]  # a seed per request: sampling is reproducible from the run's seed
+        t0 = time.time()
         outputs = self.llm.generate([{"prompt_token_ids": self.prompts[p]} for p in prompt_ids], params,
                                     use_tqdm=False)
+        generate = time.time() - t0
+        slept = slow_down(generate, self.cfg.generation_slowdown)
         done = [(int(p), c) for p, out in zip(prompt_ids, outputs) for c in out.outputs]
         rewards = self.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done],
                               [c.text for _, c in done], [self.answers[p] for p, _ in done])
@@ -172,7 +175,7 @@ class Engine:
         for t, i in zip(trajectories, index):
             t.logp_ref = logp_ref[i]
         tokens = sum(len(t.response) for t in trajectories)
-        return trajectories, {"tokens": tokens}
+        return trajectories, {"tokens": tokens, "generate": generate, "slept": slept}
 
     @torch.no_grad()
     def logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]], temperature: float) -> list[float]:
@@ -252,6 +255,17 @@ class Engine:
         example = dict(prompt=self.tokenizer.decode(prompts[0], skip_special_tokens=True), completion=attacks[0],
                        reward=p_unsafe[0], response=self.reward.responses[0])
         return scores, example
+
+
+def slow_down(generate: float, factor: float) -> float:
+    """--generation-slowdown: sleep (factor - 1) x the seconds vLLM's generation took, so that the round's
+    generation takes `factor` times as long, as a model `factor` times as slow to generate would on a
+    device of its own (bench.py part 9). Sleeping uses no core: several searchers then share a few CPU
+    cores as they would share nothing on a GPU node. Returns the seconds slept."""
+    seconds = (factor - 1) * generate
+    if seconds > 0:
+        time.sleep(seconds)
+    return seconds
 
 
 def cpu_kv_cache_bytes(cfg) -> int:

@@ -146,6 +146,10 @@ class Config:
     searcher_memory: float = arg(0.7, "GPU: fraction of a searcher GPU's memory for its vLLM engine (the rest: "
                                       "pi_ref and its log-probs)")
     trainer_memory: float = arg(0.2, "GPU, --searchers 0: fraction of the trainer GPU's memory for its vLLM engine")
+    # --- emulation (bench.py part 9): the regime TBA is for, on a machine that is not in it
+    generation_slowdown: float = arg(1.0, "experiment knob: every search round's generation takes X times as long as "
+                                          "vLLM's (it sleeps X - 1 times that: no core used), as if a bigger model "
+                                          "generated on devices of its own; evaluation is not slowed; 1 = off")
     # --- derived by check(), saved with the run; not flags
     device: str = field(default="", init=False)      # cuda | cpu
     threads: int = field(default=0, init=False)      # CPU threads per process
@@ -348,6 +352,7 @@ def check(cfg: Config, world: int):
     need(cfg.save_every >= 0, "save-every", "must be 0 or more")
     need(cfg.log_every >= 1, "log-every", "must be at least 1")
     need(cfg.timeout > 0, "timeout", "must be positive")
+    need(cfg.generation_slowdown >= 1, "generation-slowdown", f"must be 1 (off) or more, got {cfg.generation_slowdown}")
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
@@ -779,7 +784,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
         evaluate()
         first_step = step
         while step < cfg.steps:
-            t_step, wait = time.time(), 0.0
+            t_step, wait, search = time.time(), 0.0, 0.0  # search: s this process spent in search rounds
             # ===== collect: searched trajectories into the buffer ==============================
             initial = cfg.initial_buffer if step == first_step and not ckpt else 0  # before the first step
             if rank == 0 and cfg.searchers == 0 and not stop_signal:  # synchronous: generate here
@@ -787,9 +792,12 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
                 for round_ in range(10**9):  # one round a step; more before the first (--initial-buffer)
                     ids = np.random.default_rng([cfg.seed, step, 3, round_]).choice(
                         len(prompts), cfg.prompts_per_step, replace=False)
-                    trajectories, _ = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, step))
+                    t_search = time.time()
+                    trajectories, made = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, step))
+                    search += time.time() - t_search
                     buffer.add(trajectories)
                     log.samples += len(trajectories)
+                    log.generate, log.slept = log.generate + made["generate"], log.slept + made["slept"]
                     if log.samples >= initial or stop_signal:
                         break
             elif rank == 0 and cfg.searchers:  # TBA: whatever arrived; wait only at the start
@@ -838,7 +846,8 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
                 log.row(kind="train", step=step, time=log.now(), **stats,
                         reward=float(np.mean([t.reward for g in batch for t in g])), beta=beta, lr=lr,
                         staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait,
-                        sync=sync_seconds, seconds=time.time() - t_step, samples=log.samples,
+                        sync=sync_seconds, search=search, seconds=time.time() - t_step, samples=log.samples,
+                        generate=log.generate, slept=log.slept,
                         buffer=len(buffer), reference=buffer.reference, overhead=log.overhead)
             # ===== evaluate ======================================================================
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
@@ -895,6 +904,7 @@ def drain(queue, buffer, log, alive, done, timeout: float) -> float:
         else:
             buffer.add(msg["trajectories"])
             log.samples += len(msg["trajectories"])
+            log.generate, log.slept = log.generate + msg["generate"], log.slept + msg["slept"]
 
 
 def shutdown(procs, queue, stop, handoff):

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, env
 
 
@@ -32,3 +34,30 @@ def test_bench_quick(tiny_model, tmp_path):
     assert r["searcher_overhead"]["ratio"] > 0 and r["trainer_overhead"]["ratio"] > 0
     for line in ("1. time to target", "2. trainer utilisation", "3. weight sync", "4. searcher", "5. trainer"):
         assert line in p.stdout
+
+
+def test_bench_generation_bound_quick(tiny_model, tmp_path):
+    """Part 9 on a tiny budget (X in {1, 4}, synchronous and one searcher): rows, slowdowns, ideal, picture."""
+    out = tmp_path / "bench"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--quick", "--parts", "9", "--out", str(out),
+                        "--", "--model", tiny_model, "--steps", "4", "--prompts-per-step", "4",
+                        "--samples-per-prompt", "4", "--max-new-tokens", "6"],
+                       cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:]
+    gb = json.load(open(out / "bench.json"))["generation_bound"]
+    assert sorted((r["x"], r["searchers"]) for r in gb["rows"]) == [(1, 0), (1, 1), (4, 0), (4, 1)]
+    for r in gb["rows"]:
+        assert r["slowed"] == pytest.approx(r["x"])  # each run slept (X - 1) x its generation
+        assert 1 <= r["steps"] <= 4 and r["uses"] > 0 and 0 <= r["staleness"] <= r["staleness_max"] <= 3
+        assert (r["speedup"] is None) == (not (r["reached"] and next(
+            s for s in gb["rows"] if s["x"] == r["x"] and s["searchers"] == 0)["reached"]))
+        if r["searchers"] == 0:  # one round a step: its fresh-data throughput is its step rate
+            assert r["speedup_throughput"] == pytest.approx(1.0)
+    sync4 = next(r for r in gb["rows"] if r["x"] == 4 and r["searchers"] == 0)
+    assert sync4["same_as_x1"]  # the slowdown changes no sample, only the time
+    for x in ("1", "4"):
+        i = gb["ideal"][x]
+        assert i["G"] > 0 and i["T"] > 0 and i["bound"] == pytest.approx((i["G"] + i["T"]) / i["T"])
+    assert (out / "generation_bound.png").stat().st_size > 0
+    assert "9. generation-bound, emulated" in p.stdout

@@ -1,0 +1,49 @@
+"""--generation-slowdown (bench.py part 9's emulation of the generation-bound regime): a slowed round
+takes X times its generation, in the searchers and in the synchronous baseline; evaluation is not
+slowed; the run records the factor in config.json and its summary line."""
+
+import json
+import time
+
+import pytest
+
+from conftest import metrics
+from searcher import slow_down
+from test_e2e import run_small
+
+
+def test_slow_down_sleeps_x_minus_one_times_the_generation():
+    assert slow_down(0.5, 1.0) == 0.0  # off: no sleep at all
+    t0 = time.perf_counter()
+    slept = slow_down(0.02, 6.0)
+    took = time.perf_counter() - t0
+    assert slept == pytest.approx(0.1)
+    assert 0.1 <= took < 1.0  # a sleep lasts at least its time; the bound above only catches a wrong factor
+
+
+@pytest.mark.parametrize("searchers, x", [(0, 100.0), (1, 5.0)], ids=["synchronous", "async"])
+def test_both_paths_honour_the_slowdown(searchers, x, tiny_model, tmp_path):
+    out, p = run_small(tiny_model, tmp_path, "--steps", "3", "--eval-every", "2", "--searchers", str(searchers),
+                       "--generation-slowdown", str(x))
+    assert json.load(open(out / "config.json"))["generation_slowdown"] == x
+    assert f"generation slowed {x:g}x (emulated)" in p.stdout
+    rows = metrics(out)
+    train, evals = [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"]
+    last = train[-1]
+    # every round received slept (X - 1) x its own generation time: the round's generation took X times as long
+    assert last["generate"] > 0 and last["slept"] == pytest.approx((x - 1) * last["generate"], rel=1e-9)
+    if searchers == 0:  # the trainer's own rounds, timed around them, held the generation and the sleep
+        assert sum(r["search"] for r in train) >= last["generate"] + last["slept"]
+        # evaluation is not slowed: 400 greedy answers take less than one slowed round of 4 x 4 samples;
+        # slowed, they would take 100 times their generation, far more than the round's
+        assert len(evals) == 3 and max(e["seconds"] for e in evals) < min(r["search"] for r in train)
+    else:  # the rounds are the searcher's: the trainer spent none of its own time in them
+        assert all(r["search"] == 0 for r in train)
+        assert last["slept"] <= last["time"]  # one searcher: the sleeps of the rounds received fit in the run
+
+
+def test_slowdown_below_one_is_refused(tiny_model, tmp_path):
+    from conftest import run_tba
+    p = run_tba(["--model", tiny_model, "--generation-slowdown", "0.5", "--out", str(tmp_path / "r")], tmp_path)
+    assert p.returncode == 2 and p.stdout.strip().splitlines()[-1] == \
+        "tba.py: error: --generation-slowdown: must be 1 (off) or more, got 0.5"
