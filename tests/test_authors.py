@@ -142,7 +142,8 @@ def test_judge_reads_where_transformers_pooling_does(tiny_rm):
     body = [tok("POST: my boss wants weekends\n\nTL;DR: boss wants weekends").input_ids, tok("12+34= 46").input_ids]
     with_eos = [b + [eos] for b in body]
     pooled = rm.score(with_eos + body, pooling=True)
-    assert pooled[:2] == pytest.approx(rm.score(body), abs=1e-5) == pytest.approx(pooled[2:], abs=1e-5)
+    assert pooled[:2] == pytest.approx(rm.score(body), abs=1e-5)  # read before the EOS
+    assert pooled[2:] == pytest.approx(rm.score(body), abs=1e-5)  # no EOS: the last token
     assert rm.score(with_eos) != pytest.approx(pooled[:2], abs=1e-4)  # reading at the EOS differs: a real check
     model = AutoModelForSequenceClassification.from_pretrained(tiny_rm, dtype=torch.float32).eval()
     model.config.pad_token_id = eos
@@ -162,7 +163,8 @@ def test_tldr_evaluation_rows(tiny_neox, tiny_rm):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from vllm import SamplingParams
     tok = AutoTokenizer.from_pretrained(tiny_neox)
-    cfg = config(tiny_neox, task="tldr", eval_temperature=0.01, max_new_tokens=10, seed=7)
+    cfg = config(tiny_neox, task="tldr", eval_temperature=0.01, seed=7)
+    cfg.max_new_tokens = 10
     cfg.score, cfg.reward_model_path, cfg.eval_reward_model_path = "win_rate", tiny_rm, tiny_rm
     texts = ["POST: my boss wants weekends\n\nTL;DR:", "POST: the cat ate my homework again\n\nTL;DR:",
              "POST: 12+34 is what\n\nTL;DR:", "POST: moving to a new city soon\n\nTL;DR:"]
@@ -179,9 +181,11 @@ def test_tldr_evaluation_rows(tiny_neox, tiny_rm):
         params = SamplingParams(temperature=0.01, max_tokens=10, seed=7)
         outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outputs]
+        with engine.transformers_models():  # GPT-NeoX beside vLLM's Transformers backend: see searcher.py
+            ref = AutoModelForCausalLM.from_pretrained(tiny_neox, dtype=torch.float32).eval()
+            judge = AutoModelForSequenceClassification.from_pretrained(tiny_rm, dtype=torch.float32).eval()
     finally:
         engine.close()
-    ref = AutoModelForCausalLM.from_pretrained(tiny_neox, dtype=torch.float32).eval()
     kl, nll = zip(*[direct_kl_nll(policy, ref, p, r) for p, r in zip(prompts, responses)])
     n = np.array([len(r) for r in responses])
     assert scores["kl_ref_theta_per_token"] == pytest.approx(np.mean(np.array(kl) / n), rel=1e-4)
@@ -191,7 +195,6 @@ def test_tldr_evaluation_rows(tiny_neox, tiny_rm):
     assert scores["ppl_sft_authors"] == pytest.approx(np.mean(np.exp(np.array(nll) / lengths)), rel=1e-4)
     assert 1 < scores["ppl_sft_authors"] < scores["ppl_sft"]
     # win rate: transformers' own pooling (pad_token_id as the judge's tokenizer has it) of the judge
-    judge = AutoModelForSequenceClassification.from_pretrained(tiny_rm, dtype=torch.float32).eval()
     eos = tok.eos_token_id
     judge.config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else eos
     with torch.no_grad():
