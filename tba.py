@@ -125,7 +125,7 @@ class Config:
     # --- sampling and evaluation
     temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
     max_new_tokens: int = arg(8, "response length limit in tokens (toy answers: 3 digits and EOS; GSM8K: 512)")
-    eval_every: int = arg(10, "steps between evaluations (greedy, on held-out problems); 0 = start and end only")
+    eval_every: int = arg(10, "steps between evaluations (on held-out problems); 0 = start and end only")
     eval_limit: int | None = arg(None, "evaluate on the first N held-out problems only")
     eval_temperature: float = arg(0.0, "sampling temperature of the evaluation's responses; 0 = greedy "
                                        "(the authors' TL;DR evaluation: 0.01)")
@@ -300,7 +300,7 @@ def check(cfg: Config, world: int):
     cfg.beta_final = cfg.beta if cfg.beta_final is None else cfg.beta_final
     need(cfg.beta_final > 0, "beta-final", "must be positive")
     need(cfg.lr > 0, "lr", "must be positive")
-    need(cfg.temperature > 0, "temperature", "must be positive (evaluation is greedy on its own)")
+    need(cfg.temperature > 0, "temperature", "must be positive (the evaluation has its own: --eval-temperature)")
     need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
     need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
     need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")

@@ -56,6 +56,17 @@ def test_linear_decay_after_warmup_and_stable_phases():
         assert tba.lr_at(cfg, s) == pytest.approx(expected, rel=1e-12, abs=1e-24), s
 
 
+@pytest.mark.parametrize("args,match", [
+    (["--trainer-dtype", "float16"], "--trainer-dtype: unknown dtype 'float16'"),
+    (["--lr-decay", "step"], "--lr-decay: unknown shape 'step' (choose from cosine, linear)"),
+    (["--beta-stop-step", "-1"], "--beta-stop-step: must be 0 or more"),
+    (["--eval-temperature", "-0.5"], "--eval-temperature: must be 0 (greedy) or more"),
+])
+def test_new_flags_refuse_bad_values(args, match, tmp_path, monkeypatch, capsys):
+    from test_config import refuse
+    refuse(args, tmp_path, monkeypatch, capsys, match)
+
+
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
 
 
