@@ -49,7 +49,7 @@ def test_run_tldr_dry_run_has_the_authors_settings():
     assert (cfg.steps, cfg.searchers, cfg.beta_stop_step, cfg.beta_anneal_steps, cfg.decay_steps) == (625, 2, 78, 312, 625)
     assert cfg.steps * cfg.prompts_per_step * cfg.samples_per_prompt == 100000 and cfg.eval_reward_model == "/gold"
     command, cfg = dry_run("--steps", "3", script="run_tldr.sh", SIZE="2.8b")
-    assert (cfg.model, cfg.steps) == ("mnoukhov/pythia2.8b-sft-tldr", 3)
+    assert (cfg.model, cfg.steps, cfg.searcher_memory) == ("mnoukhov/pythia2.8b-sft-tldr", 3, 0.55)  # room for the judge
     p = subprocess.run(["bash", os.path.join(ROOT, "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env=dict(os.environ, SIZE="3b"))
     assert p.returncode == 2 and p.stderr.strip() == "run_tldr.sh: SIZE must be 410m, 1b or 2.8b, got 3b"
