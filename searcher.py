@@ -50,7 +50,8 @@ class Engine:
     """vLLM (the searcher's copy of the policy), pi_ref and the reward, for searching, scoring and
     evaluation."""
 
-    def __init__(self, cfg, device: str, memory: float, prompts: list[list[int]], answers: list[str]):
+    def __init__(self, cfg, device: str, memory: float, prompts: list[list[int]], answers: list[str],
+                 evaluates: bool = True):
         self.cfg, self.prompts, self.answers = cfg, prompts, answers
         self.device = torch.device(device)
         kwargs = dict(model=cfg.model_path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
@@ -79,15 +80,16 @@ class Engine:
         self.ref_version = 0  # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.ref = self.judge = None  # pi_ref, loaded on the first search; the evaluation's judge
         self.reward = self.reward_model(cfg.reward_model_path) if cfg.reward_model_path else batched(REWARDS[cfg.task])
-        # tldr: a transformers copy of the policy for the evaluation's full-vocabulary KL, kept at
-        # vLLM's weights by load(). vLLM 0.32 can return whole distributions (SamplingParams(logprobs=-1)
-        # with LLM(max_logprobs=-1): vllm/sampling_params.py:921-926, vllm/config/model.py:282-286,
-        # v1/sample/sampler.py:123-127), but only for the engine's whole life (its search rounds too, and
-        # -1 turns off a GPU sharding of the sampler, config/vllm.py:3051-3054), as logprobs_mode's
-        # values (here after the evaluation's temperature 0.01, not pi_theta's), and as one Python
-        # {token: Logprob} dict per position: 50k entries x 128 tokens x 6.5k responses. A copy costs
-        # the policy's weights once more on this device and one forward per response.
-        self.policy = self.transformers_copy(cfg.model_path) if cfg.score != "accuracy" else None
+        # tldr, on the engine that evaluates: a transformers copy of the policy for the evaluation's
+        # full-vocabulary KL, kept at vLLM's weights by load(). vLLM 0.32 can return whole
+        # distributions (SamplingParams(logprobs=-1) with LLM(max_logprobs=-1): vllm/sampling_params.py:
+        # 921-926, vllm/config/model.py:282-286, v1/sample/sampler.py:123-127), but only for the
+        # engine's whole life (its search rounds too, and -1 turns off a GPU sharding of the sampler,
+        # config/vllm.py:3051-3054), as logprobs_mode's values (here after the evaluation's temperature
+        # 0.01, not pi_theta's), and as one Python {token: Logprob} dict per position: 50k entries x
+        # 128 tokens x 6.5k responses. A copy costs the policy's weights once more on this device
+        # and one forward per response.
+        self.policy = self.transformers_copy(cfg.model_path) if cfg.score != "accuracy" and evaluates else None
         self.sft = None  # the initial pi_ref, for the evaluation once TBA′ has reset pi_ref
 
     @contextlib.contextmanager
@@ -239,6 +241,8 @@ class Engine:
             ours = self.judge.score([p + r for p, r in zip(prompts, responses)], pooling=True)
             theirs = self.judge.score([p + r for p, r in zip(prompts, references)], pooling=True)
             pairs = list(zip(prompts, responses))
+            if self.policy is None:
+                raise RuntimeError("this engine was built with evaluates=False: no policy copy for the KL")
             kl, nll = response_kl_nll(self.policy, self.initial_reference(), pairs, self.cfg.micro_batch, self.device)
             length = np.array([max(1, len(r)) for r in responses])
             scores = {"score": float(np.mean(rewards)), "win_rate": float(np.mean(np.greater(ours, theirs))),
@@ -342,7 +346,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
         quiet_loading()
-        engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers)
+        engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers, evaluates=evals is not None)
         rng = np.random.default_rng([cfg.seed, index, 1])
         round_ = 0
         receive(weights, stop, parent_alive)
