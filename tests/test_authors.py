@@ -163,10 +163,21 @@ def test_judge_reads_where_transformers_pooling_does(tiny_rm):
     assert pooled[:2] == pytest.approx(own, abs=1e-5)
 
 
-def test_tldr_evaluation_rows(tiny_neox, tiny_rm):
+def evaluation_rows(tiny_neox, tiny_rm, report):
     """Engine.evaluate on the tiny GPT-NeoX policy (vLLM's Transformers backend) with a GPT-NeoX judge,
     at temperature 0.01: at the initial weights the KL is 0; after other weights are loaded, every row
-    equals a direct computation on the same responses (regenerated with the same seed)."""
+    equals a direct computation on the same responses (regenerated with the same seed). Runs in a
+    spawned process: vLLM's Transformers backend rewrites the GPT-NeoX class of the process it runs in
+    (searcher.py), which would break later tests that load GPT-NeoX models in the pytest process."""
+    try:
+        evaluation_rows_checks(tiny_neox, tiny_rm)
+        report.put({"ok": True})
+    except BaseException:
+        import traceback
+        report.put({"error": traceback.format_exc()})
+
+
+def evaluation_rows_checks(tiny_neox, tiny_rm):
     import numpy as np
     import weights
     from searcher import Engine
@@ -213,3 +224,19 @@ def test_tldr_evaluation_rows(tiny_neox, tiny_rm):
         ours = [gold(p + r) for p, r in zip(prompts, responses)]
         theirs = [gold(p + tok(a).input_ids + [eos]) for p, a in zip(prompts, answers)]
     assert scores["win_rate"] == np.mean(np.greater(ours, theirs))
+
+
+def test_tldr_evaluation_rows(tiny_neox, tiny_rm):
+    """See evaluation_rows."""
+    import multiprocessing
+    from conftest import get_report
+    ctx = multiprocessing.get_context("spawn")
+    report = ctx.Queue()
+    p = ctx.Process(target=evaluation_rows, args=(tiny_neox, tiny_rm, report))
+    p.start()
+    try:
+        assert get_report(report, [p], timeout=600) == {"ok": True}
+    finally:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
