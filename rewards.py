@@ -75,6 +75,8 @@ class RewardModel:
         self.tokenizer, self.policy_tokenizer = AutoTokenizer.from_pretrained(path), policy_tokenizer
         self.same_vocab = self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
         self.eos, self.non_eos_penalty, self.penalty = policy_tokenizer.eos_token_id, non_eos_penalty, penalty
+        pad = self.tokenizer.pad_token_id  # in its own tokens, for `score(pooling=True)`
+        self.pad = pad if pad is not None else self.tokenizer.eos_token_id
 
     def __call__(self, prompts, responses, completions=None, answers=None) -> list[float]:
         """Rewards of (prompt ids, response ids) pairs in the policy's tokens."""
@@ -82,8 +84,12 @@ class RewardModel:
         scores = self.score([list(p) + r for p, r in zip(prompts, cut)])
         return [s if self.eos in r or not self.non_eos_penalty else self.penalty for s, r in zip(scores, cut)]
 
-    def score(self, sequences: list[list[int]]) -> list[float]:
-        """The model's output at the last token of each sequence (policy token ids)."""
+    def score(self, sequences: list[list[int]], pooling: bool = False) -> list[float]:
+        """The model's output at the last token of each sequence (policy token ids). `pooling`: where
+        transformers' sequence-classification pooling reads it instead, the last token that is not
+        padding, with pad = EOS where the tokenizer has no pad token (as the authors' eval_tldr/
+        load_and_eval.py sets it): a response ending in EOS is read at the token before
+        (transformers/models/gpt_neox/modeling_gpt_neox.py:513-526, modeling_layers.py:160-173)."""
         if not self.same_vocab:  # another tokenizer: score the text, with its own EOS where there was one
             ends = [s[-1:] == [self.eos] for s in sequences]
             texts = self.policy_tokenizer.batch_decode(sequences, skip_special_tokens=True)
@@ -97,6 +103,14 @@ class RewardModel:
                 ids = torch.tensor([s + [0] * (T - len(s)) for s in part], device=self.device)          # (n, T)
                 mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in part], device=self.device)
                 hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (n, T, H)
-                last = torch.tensor([len(s) - 1 for s in part], device=self.device)                 # (n,)
+                last = torch.tensor([last_token(s, self.pad if pooling else None) for s in part], device=self.device)
                 out += self.model.score(hidden[torch.arange(len(part)), last]).squeeze(-1).float().tolist()
         return out
+
+
+def last_token(sequence: list[int], pad: int | None) -> int:
+    """The index read as a sequence's score: its last token, or with `pad` the last token that is not
+    `pad` (transformers' argmax of index x (token != pad): 0 when every token is padding)."""
+    if pad is None:
+        return len(sequence) - 1
+    return max((i for i, t in enumerate(sequence) if t != pad), default=0)

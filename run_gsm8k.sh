@@ -26,9 +26,12 @@ settings=(
   --recency 0.95                            # m; the other 5% uniform over the buffer
   --reward-inv-temp 0
   --initial-buffer 500                      # trajectories before the first update (initial_buffer_samples)
-  --beta 0.014 --beta-final 0.004 --beta-anneal-steps 500
+  --beta 0.014 --beta-final 0.004 --beta-anneal-steps 500 --beta-stop-step 500   # kl_coef_decay_{target,stop}_iter
   --lr 1e-5 --warmup-steps 50 --stable-steps 350 --decay-steps 600   # warmup-stable-decay
-  --grad-clip 1.0
+  --grad-clip 0                             # the authors never clip (no clip call in src/tba_trainer_gsm8k.py);
+                                            # TB's gradient is ~136x RLOO's at beta 0.014: a clip at 1 acts every step
+  --trainer-dtype bfloat16                  # the authors' bf16 weights and AdamW state (tba_gsm8k.py:49-56): their
+                                            # lr 1e-5 was tuned where small updates round away; float32 steps further
   --temperature 0.7 --max-new-tokens 512
   --micro-batch 20                          # one prompt's K=20 responses per forward/backward
   --dtype bfloat16

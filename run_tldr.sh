@@ -1,44 +1,63 @@
 #!/usr/bin/env bash
-# The paper's TL;DR run (Bartoldson et al., 2025, Sec. 5 and Table 1; the authors' tba_tldr.py,
-# src/tba_trainer_tldr.py, configs/tba_pythia2.8b_tldr.yml, launch_training_tldr.sh): TBA fine-tunes
-# a Pythia SFT model to summarise Reddit posts against a learned reward model, on one 4-GPU node.
+# The paper's TL;DR run (Bartoldson et al., 2025, Sec. 5, Tables 1 and 3; the authors' tba_tldr.py,
+# src/tba_trainer_tldr.py, configs/tba_pythia2.8b_tldr.yml, launch_training_tldr.sh, eval_tldr/):
+# TBA fine-tunes a Pythia SFT model to summarise Reddit posts against a learned reward model, on
+# one 4-GPU node.
 #
-#   bash run_tldr.sh                          # run it (Pythia 410M)
+#   bash run_tldr.sh                          # run it (Pythia 410M, Table 3's 256 steps)
 #   bash run_tldr.sh --dry-run                # print the command and settings, start nothing
 #   SIZE=1b bash run_tldr.sh                  # 410m (default), 1b or 2.8b, as the authors publish
+#   SETTING=table1 bash run_tldr.sh           # Table 1's run: 625 steps, 2 searchers (default: table3)
 #   bash run_tldr.sh --data ../tldr           # extra arguments pass through to tba.py (last wins)
+#   GOLD=../gold bash run_tldr.sh             # the evaluation's judge from a local folder
 #
 # GPU split as in run_gsm8k.sh: TRAINERS GPUs train, the next SEARCHERS GPUs each run one searcher.
 # Without --data the prompts come from the hub (the `datasets` package); --data DIR takes
 # train.jsonl and validation.jsonl with the fields `query` and `reference_response`.
 #
-# Where this differs from the authors' run (their code: trl 0.9.4, DeepSpeed, MPI):
-# - beta: theirs anneals linearly from 1.0 toward 0.05 over 128 updates but stops the anneal at
-#   update 32 (beta about 0.78) and then uses 0.05, a jump; here the anneal is linear to 0.05
-#   over those 128 updates, with no jump.
-# - lr: theirs decays linearly to 0 over the 256 updates; here the decay is cosine over them (the
-#   schedule's only shape).
-# - precision: theirs trains in fp16; here bf16 compute on float32 weights (FSDP2).
+# The evaluation is the authors' (eval_tldr/): responses at temperature 0.01 to every validation
+# prompt, each scored by the 6.9B gold reward model against the reference summary (win rate), the
+# per-token full-vocabulary KL(pi_ref || pi_theta) and the perplexity under the SFT model. The
+# gold model's hub repository is named by the authors with the tokenizer of
+# EleutherAI/pythia-6.9b-deduped beside it (configs/evaluate_tldr.yml); tba.py needs the tokenizer
+# in the judge's folder, so if the repository has none, save that tokenizer into a copy and pass
+# it as GOLD. Add --eval-limit N for a shorter evaluation.
+#
+# Where this still differs from the authors' run (their code: trl 0.9.4, DeepSpeed, MPI):
+# - precision: theirs trains in fp16 (mixed precision); here bf16 compute on float32 weights.
+# - learning rate: their loop steps the scheduler before each update (src/tba_trainer_tldr.py:583),
+#   so update u gets 3e-6 (256 - u) / 256 (the last update 0); here update u gets 3e-6 (257 - u) / 256.
 # - initial buffer: their loop stops at about 10,020 trajectories (whole searcher iterations
 #   past 1e4); here the first step waits for 10,000.
-# - evaluation: the paper's win rate is judged by a 6.9B "gold" reward model
-#   (cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr, with the tokenizer of
-#   EleutherAI/pythia-6.9b-deduped); here the judge is the training reward model unless
-#   --eval-reward-model names a folder holding a classifier and its tokenizer. Evaluation runs on
-#   the first 1,000 validation prompts every 64 updates (theirs is offline, after training).
+# - evaluation runs every 64 updates inside the run (theirs: offline, on the checkpoints saved at
+#   each quarter of the run, the same updates); README, "Departures", lists the rest.
 set -euo pipefail
 cd "$(dirname "$0")"
 TRAINERS=${TRAINERS:-1}
-SEARCHERS=${SEARCHERS:-3}
 SIZE=${SIZE:-410m}
+SETTING=${SETTING:-table3}
+GOLD=${GOLD:-cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr}
 case "$SIZE" in 410m|1b|2.8b) ;; *) echo "run_tldr.sh: SIZE must be 410m, 1b or 2.8b, got $SIZE" >&2; exit 2;; esac
+# Searcher 0 holds, beside vLLM, pi_ref, the reward model, the evaluation's policy copy and the 6.9B
+# gold judge (13.8 GB in bf16): at 2.8b those are 3 x 5.6 + 13.8 = 30.6 GB plus logits, more than
+# the 0.3 of an 80 GB GPU that --searcher-memory 0.7 leaves (computed, not run on a GPU).
+case "$SIZE" in 2.8b) SEARCHER_MEMORY=0.55;; *) SEARCHER_MEMORY=0.7;; esac
+case "$SETTING" in
+  # Table 3 (the released config): 40,960 episodes; beta anneals over 128 updates, cut at 32
+  table3) STEPS=256; DEFAULT_SEARCHERS=3; BETA_STOP=32; BETA_TARGET=128; EVAL_EVERY=64;;
+  # Table 1 (off-policy robustness, Pythia 410M): 100,000 episodes, 2 searchers; the beta stop and
+  # target steps at one eighth and one half of the run
+  table1) STEPS=625; DEFAULT_SEARCHERS=2; BETA_STOP=78; BETA_TARGET=312; EVAL_EVERY=156;;
+  *) echo "run_tldr.sh: SETTING must be table3 or table1, got $SETTING" >&2; exit 2;;
+esac
+SEARCHERS=${SEARCHERS:-$DEFAULT_SEARCHERS}
 
 settings=(
   --model "mnoukhov/pythia${SIZE}-sft-tldr" --task tldr        # policy and pi_ref
   --reward-model "mnoukhov/pythia${SIZE}-rm-tldr6.9b"          # one output, read at the EOS
   --non-eos-penalty                         # a response without EOS scores -1
   --searchers "$SEARCHERS"
-  --steps 256                               # 40,960 episodes at 160 a step
+  --steps "$STEPS"                          # 160 episodes a step
   --prompts-per-step 8                      # B
   --samples-per-prompt 20                   # K
   --search-samples-per-prompt 20            # searchers draw 20 per prompt
@@ -46,12 +65,17 @@ settings=(
   --recency 0.5                             # m; the other half by reward
   --reward-inv-temp 1                       # softmax(reward x 1) over each prompt's buffer
   --initial-buffer 10000                    # trajectories before the first update
-  --beta 1.0 --beta-final 0.05 --beta-anneal-steps 128
-  --lr 3e-6 --warmup-steps 0 --decay-steps 256 --grad-clip 0   # no gradient clipping in their loop
+  # beta at update u: 1.0 (1 - (u-1)/TARGET) + 0.05 (u-1)/TARGET for u < STOP, then 0.05 (a jump)
+  --beta 1.0 --beta-final 0.05 --beta-anneal-steps "$BETA_TARGET" --beta-stop-step "$BETA_STOP"
+  --lr 3e-6 --warmup-steps 0 --decay-steps "$STEPS" --lr-decay linear   # transformers' default schedule
+  --grad-clip 0                             # no gradient clipping in their loop
   --temperature 0.7 --max-new-tokens 128
   --micro-batch 20                          # one prompt's K=20 responses per forward/backward
   --dtype bfloat16
-  --eval-every 64 --eval-limit 1000         # greedy, on validation prompts: score, win_rate, kl
+  --searcher-memory "$SEARCHER_MEMORY"     # vLLM's share of a searcher GPU (see above)
+  --eval-every "$EVAL_EVERY"                # at each quarter of the run, as their saved checkpoints
+  --eval-temperature 0.01                   # configs/generate_tldr.yml: 0.010001, on the whole validation split
+  --eval-reward-model "$GOLD"               # the gold judge: win = gold(response) > gold(reference)
 )
 passthrough=()
 dry_run=0
@@ -60,7 +84,7 @@ for arg in "$@"; do
 done
 cmd=(torchrun --standalone --nproc_per_node="$TRAINERS" tba.py "${settings[@]}" "${passthrough[@]}")
 
-echo "GPU split: $TRAINERS trainer GPU(s) + $SEARCHERS searcher GPU(s); Pythia $SIZE"
+echo "GPU split: $TRAINERS trainer GPU(s) + $SEARCHERS searcher GPU(s); Pythia $SIZE; $SETTING"
 echo "${cmd[*]}"
 if [ "$dry_run" = 1 ]; then
   exit 0

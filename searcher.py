@@ -50,7 +50,8 @@ class Engine:
     """vLLM (the searcher's copy of the policy), pi_ref and the reward, for searching, scoring and
     evaluation."""
 
-    def __init__(self, cfg, device: str, memory: float, prompts: list[list[int]], answers: list[str]):
+    def __init__(self, cfg, device: str, memory: float, prompts: list[list[int]], answers: list[str],
+                 evaluates: bool = True):
         self.cfg, self.prompts, self.answers = cfg, prompts, answers
         self.device = torch.device(device)
         kwargs = dict(model=cfg.model_path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
@@ -88,6 +89,17 @@ class Engine:
             self.reward, self.embedder = self.red_team_reward(), None
         else:
             self.reward = self.reward_model(cfg.reward_model_path) if cfg.reward_model_path else batched(REWARDS[cfg.task])
+        # tldr, on the engine that evaluates: a transformers copy of the policy for the evaluation's
+        # full-vocabulary KL, kept at vLLM's weights by load(). vLLM 0.32 can return whole
+        # distributions (SamplingParams(logprobs=-1) with LLM(max_logprobs=-1): vllm/sampling_params.py:
+        # 921-926, vllm/config/model.py:282-286, v1/sample/sampler.py:123-127), but only for the
+        # engine's whole life (its search rounds too, and -1 turns off a GPU sharding of the sampler,
+        # config/vllm.py:3051-3054), as logprobs_mode's values (here after the evaluation's temperature
+        # 0.01, not pi_theta's), and as one Python {token: Logprob} dict per position: 50k entries x
+        # 128 tokens x 6.5k responses. A copy costs the policy's weights once more on this device
+        # and one forward per response.
+        self.policy = self.transformers_copy(cfg.model_path) if cfg.task == "tldr" and evaluates else None
+        self.sft = None  # the initial pi_ref, for the evaluation once TBA′ has reset pi_ref
 
     @contextlib.contextmanager
     def transformers_models(self):
@@ -119,6 +131,11 @@ class Engine:
     # --- weights ---------------------------------------------------------------------------
     def load(self, named_tensors, version: int):
         """Reload weights into vLLM (Hugging Face names) and drop the prefix cache."""
+        if self.policy is not None:  # the evaluation's copy follows: read the tensors twice
+            named_tensors = list(named_tensors)
+            unexpected = self.policy.load_state_dict(dict(named_tensors), strict=False).unexpected_keys
+            if unexpected:
+                raise RuntimeError(f"weights the evaluation's policy copy does not have: {unexpected[:3]}")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV
         # values. reset_prefix_cache() returns False when blocks are still in use (v1/core/
@@ -143,11 +160,23 @@ class Engine:
     def reference(self):
         """pi_ref, a transformers model on this device (frozen: the initial model until a reset)."""
         if self.ref is None:
-            from transformers import AutoModelForCausalLM
-            with self.transformers_models():
-                self.ref = AutoModelForCausalLM.from_pretrained(self.cfg.model_path, dtype=getattr(torch, self.cfg.dtype))
-            self.ref.to(self.device).eval().requires_grad_(False)
+            self.ref = self.transformers_copy(self.cfg.model_path)
         return self.ref
+
+    def transformers_copy(self, path: str):
+        """A frozen transformers model on this device, in the run's dtype."""
+        from transformers import AutoModelForCausalLM
+        with self.transformers_models():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, self.cfg.dtype))
+        return model.to(self.device).eval().requires_grad_(False)
+
+    def initial_reference(self):
+        """The SFT model (the initial pi_ref): pi_ref itself unless TBA′ has reset it."""
+        if self.ref_version == 0:
+            return self.reference()
+        if self.sft is None:
+            self.sft = self.transformers_copy(self.cfg.model_path)
+        return self.sft
 
     # --- searching -------------------------------------------------------------------------
     def search(self, prompt_ids, n: int, seed: tuple) -> tuple[list[Trajectory], dict]:
@@ -200,18 +229,22 @@ class Engine:
 
     # --- evaluation ------------------------------------------------------------------------
     def evaluate(self, prompts: list[list[int]], answers: list[str]) -> tuple[dict, dict]:
-        """Greedy responses with the loaded weights: their scores, and the first problem's as an example.
-        Tasks with an exact answer: {"accuracy"} (pass@1). With a reward model (tldr): {"score"} (the
-        training reward), {"win_rate"} (the judge, --eval-reward-model, scores the response above the
-        reference answer) and {"kl"} (mean log pi_theta(y|x) - log pi_ref(y|x) of the greedy response y,
-        at temperature 1: the log-ratio that the KL term acts on)."""
+        """One response to each prompt with the loaded weights (greedy, or at --eval-temperature): their
+        scores, and the first problem's as an example. Tasks with an exact answer: {"accuracy"} (pass@1).
+        With a reward model (tldr), as the authors' eval_tldr/: "score" (the mean training reward),
+        "win_rate" (the judge, --eval-reward-model, scores the response above the reference summary),
+        "kl_ref_theta_per_token" (the mean over responses of the per-token mean of the full-vocabulary
+        KL(pi_ref || pi_theta) along the response, pi_ref the SFT model), "ppl_sft" (the mean over
+        responses of exp(mean NLL of the response tokens under the SFT model)) and "ppl_sft_authors"
+        (the same NLL summed, divided by the whole sequence's predicted tokens, prompt included: what
+        their src/perplexity.py:50-57 computes, the perplexity of the paper's Table 1)."""
         from vllm import SamplingParams
 
         if self.cfg.task == "redteam":  # sampled attacks, not greedy: asr, toxicity, diversity, unique
             return self.evaluate_redteam(prompts)
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                    SamplingParams(temperature=0.0, max_tokens=self.cfg.max_new_tokens, logprobs=0),
-                                    use_tqdm=False)  # all greedy: log-probs at temperature 1 (v1/sample/sampler.py:264-274)
+        params = SamplingParams(temperature=self.cfg.eval_temperature, max_tokens=self.cfg.max_new_tokens,
+                                seed=self.cfg.seed if self.cfg.eval_temperature else None)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outputs]
         rewards = self.reward(prompts, responses, [o.outputs[0].text for o in outputs], answers)
         if self.cfg.score == "accuracy":
@@ -223,12 +256,18 @@ class Engine:
             eos = self.tokenizer.eos_token_id
             references = [self.tokenizer(a).input_ids for a in answers]
             references = [r if r[-1:] == [eos] else r + [eos] for r in references]
-            ours = self.judge.score([p + r for p, r in zip(prompts, responses)])
-            theirs = self.judge.score([p + r for p, r in zip(prompts, references)])
-            logp_ref = self.logprobs(self.reference(), list(zip(prompts, responses)), 1.0)
-            logp = [o.outputs[0].cumulative_logprob for o in outputs]
+            # the judge reads its score where transformers' pooling does (load_and_eval.py's pipeline)
+            ours = self.judge.score([p + r for p, r in zip(prompts, responses)], pooling=True)
+            theirs = self.judge.score([p + r for p, r in zip(prompts, references)], pooling=True)
+            pairs = list(zip(prompts, responses))
+            if self.policy is None:
+                raise RuntimeError("this engine was built with evaluates=False: no policy copy for the KL")
+            kl, nll = response_kl_nll(self.policy, self.initial_reference(), pairs, self.cfg.micro_batch, self.device)
+            length = np.array([max(1, len(r)) for r in responses])
             scores = {"score": float(np.mean(rewards)), "win_rate": float(np.mean(np.greater(ours, theirs))),
-                      "kl": float(np.mean(np.subtract(logp, logp_ref)))}
+                      "kl_ref_theta_per_token": float(np.mean(kl / length)),
+                      "ppl_sft": float(np.mean(np.exp(nll / length))),
+                      "ppl_sft_authors": float(np.mean(np.exp(nll / (length + [len(p) - 1 for p in prompts]))))}
         example = dict(prompt=self.tokenizer.decode(prompts[0], skip_special_tokens=True),
                        completion=outputs[0].outputs[0].text, reward=float(rewards[0]))
         return scores, example
@@ -266,6 +305,32 @@ def slow_down(generate: float, factor: float) -> float:
     if seconds > 0:
         time.sleep(seconds)
     return seconds
+
+
+@torch.no_grad()
+def response_kl_nll(policy, ref, pairs, micro_batch: int, device, chunk_bytes: int = 2**28):
+    """For each (prompt, response) pair: the full-vocabulary KL(ref || policy) summed over the
+    distributions that predict the response's tokens, and the response's summed NLL under `ref`,
+    both at temperature 1. Returns two (N,) arrays. (The authors' src/kl.py:59-71 takes the KL at the
+    positions of the response's tokens, one later: from the distribution after its first token to the
+    one after its last; here it is the distributions the response was drawn from.)"""
+    kl_out, nll_out = [], []
+    for i in range(0, len(pairs), micro_batch):
+        ids, attention, response = collate(pairs[i:i + micro_batch], 0, device)  # (n, T) each
+        logits = policy(input_ids=ids, attention_mask=attention).logits[:, :-1]    # (n, T-1, V): predicts t+1
+        ref_logits = ref(input_ids=ids, attention_mask=attention).logits[:, :-1]   # (n, T-1, V)
+        targets, mask = ids[:, 1:], response[:, 1:].float()                        # (n, T-1)
+        n, T1, V = logits.shape
+        C = max(1, chunk_bytes // (4 * n * V))  # positions per chunk of float32 log-softmax
+        kl, nll = torch.zeros(n, device=device), torch.zeros(n, device=device)    # (n,)
+        for s in range(0, T1, C):
+            logp = torch.log_softmax(logits[:, s:s + C].float(), dim=-1)           # (n, C, V)
+            logp_ref = torch.log_softmax(ref_logits[:, s:s + C].float(), dim=-1)   # (n, C, V)
+            kl += ((logp_ref.exp() * (logp_ref - logp)).sum(-1) * mask[:, s:s + C]).sum(1)
+            nll -= (logp_ref.gather(-1, targets[:, s:s + C, None]).squeeze(-1) * mask[:, s:s + C]).sum(1)
+        kl_out += kl.tolist()
+        nll_out += nll.tolist()
+    return np.array(kl_out), np.array(nll_out)
 
 
 def cpu_kv_cache_bytes(cfg) -> int:
@@ -334,7 +399,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
         quiet_loading()
-        engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers)
+        engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers, evaluates=evals is not None)
         rng = np.random.default_rng([cfg.seed, index, 1])
         round_ = 0
         receive(weights, stop, parent_alive)

@@ -115,6 +115,8 @@ class Config:
     beta: float = arg(0.05, "KL coefficient: target pi_ref * exp(reward / beta)")
     beta_final: float | None = arg(None, "beta at the end of the anneal (default: --beta, no anneal)")
     beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
+    beta_stop_step: int = arg(0, "from this step (update) on, beta is --beta-final at once, cutting the anneal "
+                                 "short (the authors' TL;DR: 32 of a 128-step anneal); 0 = never")
     ref_reset_every: int = arg(0, "TBA′: every N steps pi_ref becomes the current policy (the paper: 50); 0 = never")
     # --- objective (loss.py)
     loss: str = arg("tb", "tb (trajectory balance: the method) | rloo | grpo (on-policy baselines for the "
@@ -125,14 +127,21 @@ class Config:
     lr: float = arg(5e-5, "peak learning rate (AdamW)")
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
     stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until decay or the end)")
-    decay_steps: int = arg(100, "learning rate: cosine decay steps to 0 after the stable phase (the toy run settles)")
+    decay_steps: int = arg(100, "learning rate: decay steps to 0 after the stable phase, shaped by --lr-decay (the "
+                                "toy run settles)")
     grad_clip: float = arg(1.0, "gradient norm clip; 0 = none")
+    lr_decay: str = arg("cosine", "shape of the decay to 0 over --decay-steps: cosine | linear (transformers' "
+                                  "default, the authors' TL;DR)")
+    trainer_dtype: str = arg("float32", "the trainer's weights and AdamW state: float32 (master weights, computing "
+                                        "in --dtype) | bfloat16 (as the authors' GSM8K run: small updates round away)")
     micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
     # --- sampling and evaluation
     temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
     max_new_tokens: int = arg(8, "response length limit in tokens (toy answers: 3 digits and EOS; GSM8K: 512)")
-    eval_every: int = arg(10, "steps between evaluations (greedy, on held-out problems); 0 = start and end only")
+    eval_every: int = arg(10, "steps between evaluations (on held-out problems); 0 = start and end only")
     eval_limit: int | None = arg(None, "evaluate on the first N held-out problems only")
+    eval_temperature: float = arg(0.0, "sampling temperature of the evaluation's responses; 0 = greedy "
+                                       "(the authors' TL;DR evaluation: 0.01)")
     # --- run
     seed: int = arg(0, "seed of every random choice: prompts, sampling, batches")
     out: str | None = arg(None, "output folder (default: a new folder under runs/)")
@@ -342,7 +351,7 @@ def check(cfg: Config, world: int):
     cfg.beta_final = cfg.beta if cfg.beta_final is None else cfg.beta_final
     need(cfg.beta_final > 0, "beta-final", "must be positive")
     need(cfg.lr > 0, "lr", "must be positive")
-    need(cfg.temperature > 0, "temperature", "must be positive (evaluation is greedy on its own)")
+    need(cfg.temperature > 0, "temperature", "must be positive (the evaluation has its own: --eval-temperature)")
     need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
     need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
     need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")
@@ -360,6 +369,11 @@ def check(cfg: Config, world: int):
     need(not (cfg.lag and cfg.ref_reset_every), "lag", "cannot be combined with --ref-reset-every (a reset "
          "publishes the current weights as pi_ref)")
     need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"unknown dtype {cfg.dtype!r}")
+    need(cfg.trainer_dtype in ("float32", "bfloat16"), "trainer-dtype", f"unknown dtype {cfg.trainer_dtype!r} "
+         "(choose from float32, bfloat16)")
+    need(cfg.lr_decay in LR_DECAYS, "lr-decay", f"unknown shape {cfg.lr_decay!r} (choose from {', '.join(LR_DECAYS)})")
+    need(cfg.beta_stop_step >= 0, "beta-stop-step", "must be 0 or more")
+    need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
     if cfg.wandb:
         try:
             import wandb  # noqa: F401  (optional: imported only when asked for)
@@ -458,6 +472,8 @@ def check_writable(out: str):
 
 # --- schedules (the authors': beta annealed linearly, lr warmup-stable-decay) -------------------
 def beta_at(cfg, step: int) -> float:
+    if cfg.beta_stop_step and step + 1 >= cfg.beta_stop_step:  # `step` updates done: this is update step + 1
+        return cfg.beta_final  # the authors' TL;DR jump (src/tba_trainer_tldr.py:576-580)
     frac = min(1.0, step / cfg.beta_anneal_steps) if cfg.beta_anneal_steps else 1.0
     return cfg.beta + (cfg.beta_final - cfg.beta) * frac
 
@@ -468,19 +484,24 @@ def lr_at(cfg, step: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if step < cfg.warmup_steps + stable:
         return cfg.lr
-    progress = (step - cfg.warmup_steps - stable) / max(1, cfg.decay_steps)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    progress = min(1.0, (step - cfg.warmup_steps - stable) / max(1, cfg.decay_steps))
+    return cfg.lr * LR_DECAYS[cfg.lr_decay](progress)
+
+
+LR_DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
+             "linear": lambda progress: 1.0 - progress}  # transformers' get_linear_schedule_with_warmup
 
 
 # --- the trainer's model and its gradient ------------------------------------------------------------
-def load_policy(path: str, device, dtype: str):
-    """float32 weights, sharded with FSDP2 over the trainer ranks (per decoder block, then the
+def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32"):
+    """`weights_dtype` weights (float32, or bfloat16 as the authors' GSM8K run: AdamW keeps its state
+    in the weights' dtype), sharded with FSDP2 over the trainer ranks (per decoder block, then the
     whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32. The blocks are
     the modules whose class the model lists in `_no_split_modules` (transformers' convention for
     sharding wrappers): LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, Qwen2DecoderLayer, ..."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, weights_dtype)).to(device)
     model.config.use_cache = False
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
     blocks = set(getattr(model, "_no_split_modules", None) or [])
@@ -703,7 +724,8 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
             engine = Engine(cfg, str(device), cfg.trainer_memory, prompts, answers)
         # --- the trainer's model: FSDP2 over the trainer ranks (beside an engine: see Engine.transformers_models)
         with engine.transformers_models() if engine else contextlib.nullcontext():
-            model = load_policy(os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path, device, cfg.dtype)
+            model = load_policy(os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path, device, cfg.dtype,
+                                cfg.trainer_dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 

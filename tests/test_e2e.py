@@ -106,8 +106,10 @@ def check_tldr(out, steps, initial=0):
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert train[0]["samples"] >= max(initial, 16)  # the first step came after the initial buffer
     for e in evals:
-        assert 0 <= e["win_rate"] <= 1 and np.isfinite(e["score"]) and np.isfinite(e["kl"]) and "accuracy" not in e
-    assert abs(evals[0]["kl"]) < 1e-4  # the policy is pi_ref at step 0
+        assert 0 <= e["win_rate"] <= 1 and np.isfinite(e["score"]) and e["kl_ref_theta_per_token"] >= 0
+        assert 1 <= e["ppl_sft_authors"] <= e["ppl_sft"] and "accuracy" not in e
+    assert abs(evals[0]["kl_ref_theta_per_token"]) < 1e-6  # the policy is pi_ref at step 0
+    assert evals[-1]["kl_ref_theta_per_token"] > 1e-4      # and has moved at the end
     assert evals[-1]["version"] == steps
     return train, evals
 

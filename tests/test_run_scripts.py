@@ -25,9 +25,10 @@ def test_run_gsm8k_dry_run_has_the_papers_settings(tmp_path):
     assert (cfg.model, cfg.task, cfg.searchers, cfg.steps) == ("rho-math-1b", "gsm8k", 3, 700)
     assert (cfg.prompts_per_step, cfg.samples_per_prompt, cfg.search_samples_per_prompt) == (7, 20, 24)
     assert (cfg.sync_every, cfg.recency, cfg.reward_inv_temp) == (2, 0.95, 0.0)
-    assert (cfg.beta, cfg.beta_final, cfg.beta_anneal_steps) == (0.014, 0.004, 500)
-    assert (cfg.lr, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps) == (1e-5, 50, 350, 600)
+    assert (cfg.beta, cfg.beta_final, cfg.beta_anneal_steps, cfg.beta_stop_step) == (0.014, 0.004, 500, 500)
+    assert (cfg.lr, cfg.warmup_steps, cfg.stable_steps, cfg.decay_steps, cfg.lr_decay) == (1e-5, 50, 350, 600, "cosine")
     assert (cfg.temperature, cfg.max_new_tokens, cfg.dtype) == (0.7, 512, "bfloat16")
+    assert (cfg.grad_clip, cfg.trainer_dtype) == (0.0, "bfloat16")  # the authors: no clip, bf16 weights and AdamW
     assert cfg.initial_buffer == 500  # the authors' initial_buffer_samples (src/tba_trainer_gsm8k.py:74)
 
 
@@ -40,11 +41,21 @@ def test_run_tldr_dry_run_has_the_authors_settings():
     assert (cfg.search_samples_per_prompt, cfg.sync_every, cfg.recency, cfg.reward_inv_temp) == (20, 10, 0.5, 1.0)
     assert (cfg.beta, cfg.beta_final, cfg.lr, cfg.temperature, cfg.max_new_tokens) == (1.0, 0.05, 3e-6, 0.7, 128)
     assert (cfg.initial_buffer, cfg.non_eos_penalty, cfg.grad_clip) == (10000, True, 0.0)
+    assert (cfg.beta_anneal_steps, cfg.beta_stop_step, cfg.lr_decay, cfg.decay_steps, cfg.warmup_steps) == (128, 32, "linear", 256, 0)
+    assert (cfg.eval_temperature, cfg.eval_limit, cfg.eval_every) == (0.01, None, 64)  # the whole validation split
+    assert cfg.eval_reward_model == "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr"  # the gold judge
+    assert cfg.trainer_dtype == "float32"  # theirs: fp16 mixed precision, fp32 master weights
+    command, cfg = dry_run(script="run_tldr.sh", SETTING="table1", GOLD="/gold")
+    assert (cfg.steps, cfg.searchers, cfg.beta_stop_step, cfg.beta_anneal_steps, cfg.decay_steps) == (625, 2, 78, 312, 625)
+    assert cfg.steps * cfg.prompts_per_step * cfg.samples_per_prompt == 100000 and cfg.eval_reward_model == "/gold"
     command, cfg = dry_run("--steps", "3", script="run_tldr.sh", SIZE="2.8b")
-    assert (cfg.model, cfg.steps) == ("mnoukhov/pythia2.8b-sft-tldr", 3)
+    assert (cfg.model, cfg.steps, cfg.searcher_memory) == ("mnoukhov/pythia2.8b-sft-tldr", 3, 0.55)  # room for the judge
     p = subprocess.run(["bash", os.path.join(ROOT, "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env=dict(os.environ, SIZE="3b"))
     assert p.returncode == 2 and p.stderr.strip() == "run_tldr.sh: SIZE must be 410m, 1b or 2.8b, got 3b"
+    p = subprocess.run(["bash", os.path.join(ROOT, "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
+                       timeout=30, env=dict(os.environ, SETTING="table2"))
+    assert p.returncode == 2 and p.stderr.strip() == "run_tldr.sh: SETTING must be table3 or table1, got table2"
 
 
 def test_run_gsm8k_passes_arguments_through_and_splits_gpus():
