@@ -15,7 +15,8 @@ On one node nothing here runs (tba.py's hooks check `multi`). On several:
   before the all-gather: half the bytes in bf16, and the same bits as rounding after it, since
   rounding is per element (tests/test_nodes.py).
 - Trajectories go to rank 0 over torch.distributed: once a step (and every POLL seconds while rank 0
-  waits for its initial data) the leaders meet in `collect`: each takes what its node's searchers
+  waits for its initial data, and for a first message from every node: the first step waits until
+  every node's searchers are known to run) the leaders meet in `collect`: each takes what its node's searchers
   queued, without waiting for more, and a gather over a gloo group of the leaders brings it to rank
   0, which keeps the one replay buffer, samples and logs as on one node. Node 0's own messages go
   through tba.py's receive() as on one node; evaluations are searcher 0's of node 0, so they never
@@ -80,6 +81,7 @@ class Nodes:
                                     timeout=datetime.timedelta(seconds=timeout))
         self.samples = [0] * self.count      # rank 0: trajectories received from each node other than 0
         self.versions = [None] * self.count  # rank 0: newest weight version among them
+        self.heard = [False] * self.count    # rank 0: a node's searchers have sent trajectories
 
     def collect(self, queue, receive, alive, until, buffer, log, timeout: float) -> float:
         """Every leader, at the collect step: meet, forward, and repeat every POLL seconds until rank 0
@@ -90,16 +92,17 @@ class Nodes:
             error, got = None, False
             try:
                 if self.rank == 0:
-                    before = log.samples + len(log.evals)
+                    before = (log.samples, len(log.evals))
                     receive(lambda: True)  # node 0: whatever its searchers queued, without waiting
-                    got = log.samples + len(log.evals) > before
+                    got = (log.samples, len(log.evals)) != before
+                    self.heard[0] = self.heard[0] or log.samples > before[0]
                     payload = encode([])
                 else:
                     alive()
                     payload = encode(take(queue))
-            except Dead as e:  # a searcher of this node died: rank 0 stops the run with this line
-                error = e
-                payload = encode([], error=str(e))
+            except BaseException as e:  # a searcher of this node died, a signal...: the run stops, with this
+                error = e               # line from rank 0, after this meeting
+                payload = encode([], error=str(e) if isinstance(e, Dead) else f"stopped by {type(e).__name__}")
             parts = self.gather(payload)
             decision = torch.tensor([CONTINUE])
             try:
@@ -119,8 +122,9 @@ class Nodes:
                         versions = [t.version for t in trajectories] + [self.versions[node] or 0]
                         self.versions[node] = max(versions)
                         got = got or bool(trajectories)
+                        self.heard[node] = self.heard[node] or bool(trajectories)
                     deadline = time.time() + timeout if got else deadline
-                    if until():
+                    if until() and all(self.heard):  # the first step waits for every node's searchers
                         decision[0] = DONE
                     elif time.time() > deadline:
                         raise TimeoutError(f"no message from the searchers of any node in {timeout:.0f} s "
