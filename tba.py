@@ -57,13 +57,13 @@ import typing
 from dataclasses import dataclass, field
 from queue import Empty
 
-import nodes
 import searcher  # first: sets vLLM's environment before anything imports vllm
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+import nodes
 from buffer import ReplayBuffer
 from log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
