@@ -18,7 +18,9 @@ searcher processes with torch.multiprocessing. On a GPU node trainer rank r uses
 searcher i GPU (ranks + i); on a CPU machine everything shares the cores, split evenly. Searcher 0
 also evaluates, between two rounds, when the trainer asks. With `--searchers 0` (one trainer
 process) the trainer runs the vLLM engine itself: it generates before each step and evaluates.
-One node only: `--nnodes` above 1 is refused (README, "Where one node ends").
+Several nodes (`torchrun --nnodes N`): each node's first trainer process does for its node what
+rank 0 does for the weights and searchers, and forwards its searchers' trajectories to rank 0
+(nodes.py; `multi` below is None on one node).
 
 Departures from the authors' code (MPI + DeepSpeed + TRL): trajectories stream to the trainer
 through a bounded queue instead of arriving at each sync, so "recent" data means data added since
@@ -61,6 +63,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+import nodes
 from buffer import ReplayBuffer
 from log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
@@ -382,13 +385,14 @@ def check(cfg: Config, world: int):
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
     # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
     cfg.device = "cuda" if torch.cuda.device_count() else "cpu"
+    local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
     if cfg.device == "cuda":
-        check_gpus(cfg, world)
+        check_gpus(cfg, local)
     need(cfg.device == "cuda" or cfg.dtype in ("auto", "float32"), "dtype",
          f"{cfg.dtype} on the CPU is not supported here (vLLM's CPU engine and the log-prob checks run in float32)")
     cfg.dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     cores = len(os.sched_getaffinity(0))
-    cfg.threads = max(1, cores // (world + cfg.searchers))  # CPU: split the cores evenly between processes
+    cfg.threads = max(1, cores // (local + cfg.searchers))  # CPU: split the cores evenly between processes
     # task, model, tokenizer
     need(cfg.task != "tldr" or cfg.reward_model, "reward-model", "the tldr task is scored by a reward model: "
          "pass --reward-model (the paper's: mnoukhov/pythia410m-rm-tldr6.9b)")
@@ -658,10 +662,7 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_env = int(os.environ.get("RANK", "0"))
     try:
-        nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-        if nodes > 1 or world != int(os.environ.get("LOCAL_WORLD_SIZE", world)):
-            raise ConfigError(f"--nnodes: tba.py runs on one node (its searchers share trainer rank 0's memory and "
-                              f"GPUs); got {nodes} nodes. README: 'Where one node ends'")
+        nodes.check(cfg, world)
         cfg, *data = check(cfg, world)
     except ConfigError as e:
         fail(f"tba.py: error: {e}", 2, rank_env)
@@ -675,6 +676,10 @@ def main(argv=None):
         fail(f"tba.py: stopped by {name}; {where}", 130 if name == "SIGINT" else 143, rank_env)
     except KeyboardInterrupt:
         fail("tba.py: stopped at once by a second signal, without a checkpoint", 130, rank_env)
+    except Exception as e:  # several nodes: a collective failed because another node went away
+        if not nodes.lost(e):
+            raise
+        fail(f"tba.py: error: {nodes.lost(e)}", 1, int(os.environ.get("LOCAL_RANK", "0")))  # each node says it
 
 
 def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ckpt):
@@ -694,6 +699,9 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
     signal.signal(signal.SIGTERM, on_signal)
 
     rank, world, local_rank = init_distributed(cfg)
+    local_world = nodes.layout(world)[1]
+    leader = local_rank == 0  # its node's shared weights, searchers and queue (rank 0 on one node)
+    multi = nodes.Nodes(world, local_world, cfg.timeout) if world > local_world else None  # several nodes
     device = torch.device(f"cuda:{local_rank}" if cfg.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -707,15 +715,16 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
               resumed={"step": step} if ckpt else None)
 
     try:
-        # --- the searchers first (rank 0): their vLLM engines start while the trainer loads its model
-        shared = create(ctx) if rank == 0 else None
-        if rank == 0 and cfg.searchers:
+        # --- the searchers first (each node's leader): their vLLM engines start while the trainer loads its model
+        shared = create(ctx) if leader else None
+        if leader and cfg.searchers:
             channels = (ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue())
             queue, stop, evals = channels
+            first = rank // local_world * cfg.searchers  # searchers of earlier nodes: seeds differ
             for i in range(cfg.searchers):
-                dev = f"cuda:{world + i}" if cfg.device == "cuda" else "cpu"
-                p = ctx.Process(target=searcher.run, name=f"searcher-{i}", daemon=True,
-                                args=(i, dict(vars(cfg)), shared, queue, stop, evals if i == 0 else None,
+                dev = f"cuda:{local_world + i}" if cfg.device == "cuda" else "cpu"
+                p = ctx.Process(target=searcher.run, name=f"searcher-{first + i}", daemon=True,
+                                args=(first + i, dict(vars(cfg)), shared, queue, stop, evals if i == 0 else None,
                                       prompts, answers, test_prompts, test_answers, dev))
                 p.start()
                 procs.append(p)
@@ -737,9 +746,9 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
             torch.set_rng_state(ckpt["torch_rng"])
             buffer, log.samples, log.first_eval = ckpt["buffer"], ckpt["samples"], ckpt["first_eval"]
 
-        # --- the shared weights (rank 0 allocates them once), handed to the searchers
-        named = gather(model)
-        if rank == 0:
+        # --- the shared weights (each leader allocates them once), handed to the searchers
+        named = gather(model, getattr(torch, cfg.dtype))
+        if leader:
             allocate(shared, named, aliases(model), device, getattr(torch, cfg.dtype), with_ref=cfg.ref_reset_every > 0)
             shared.version.value = step
             if ckpt and ckpt["synced"] is not None:  # the searchers held older weights
@@ -749,9 +758,9 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
             for _ in procs:  # now the searchers may read them (shared memory / CUDA IPC handles, not copies)
                 shared.handoff.put((shared.tensors, shared.ref))
             log.published[shared.version.value] = log.clock()
-        for _ in named:  # ranks > 0 take part in every all-gather of rank 0's allocation
+        for _ in named:  # the other ranks take part in every all-gather of the leaders' allocation
             pass
-        history = {}  # --lag: step -> the weights of that step (rank 0, CPU), until published
+        history = {}  # --lag: step -> the weights of that step (the leaders, CPU), until published
 
         def alive():
             for i, p in enumerate(procs):
@@ -779,21 +788,21 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
         def sync_weights(ref=False, lag=cfg.lag):
             """Publish the trainer's weights, or with `lag` those of step - lag; searchers reload them
             before their next round. `ref`: they also become pi_ref (TBA′)."""
-            named, version = gather(model), step
+            named, version = gather(model, getattr(torch, cfg.dtype)), step
             if lag:  # the staleness study: keep each step's weights (CPU) until it is published
-                if rank == 0:
+                if leader:
                     history[step] = {n: t.detach().to("cpu", copy=True) for n, t in named}
-                for _ in named:  # ranks > 0 take part in every all-gather
+                for _ in named:  # the other ranks take part in every all-gather
                     pass
                 due = [v for v in history if v <= step - lag]
-                if not due:  # nothing old enough yet (and always on ranks > 0): the searchers keep step 0's
+                if not due:  # nothing old enough yet (and always on the other ranks): the searchers keep step 0's
                     return
                 version, named = max(due), history[max(due)].items()
-            if rank == 0:
+            if leader:
                 publish(shared, named, version, alive, cfg.timeout, to=("policy", "ref") if ref else ("policy",))
                 buffer.mark_sync()
                 log.published[version] = log.clock()
-            for _ in named:  # ranks > 0 take part in every all-gather
+            for _ in named:  # the other ranks take part in every all-gather
                 pass
             for v in [v for v in history if v <= version]:
                 del history[v]
@@ -822,8 +831,10 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
                     log.generate, log.slept = log.generate + made["generate"], log.slept + made["slept"]
                     if log.samples >= initial or stop_signal:
                         break
-            elif rank == 0 and cfg.searchers:  # TBA: whatever arrived; wait only at the start
-                wait = receive(lambda: len(buffer.prompts) >= cfg.prompts_per_step and log.samples >= initial)
+            elif leader and cfg.searchers:  # TBA: whatever arrived; wait only at the start
+                until = lambda: len(buffer.prompts) >= cfg.prompts_per_step and log.samples >= initial
+                wait = (multi.collect(channels[0], receive, alive, until, buffer, log, cfg.timeout) if multi
+                        else receive(until))
             # ===== sample a batch: B prompts x K responses (TBA: recency m, reward softmax) =====
             batch = None  # stays None on rank 0 when a signal asked to stop
             if rank == 0 and not stop_signal:
@@ -870,7 +881,8 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
                         staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait,
                         sync=sync_seconds, search=search, seconds=time.time() - t_step, samples=log.samples,
                         generate=log.generate, slept=log.slept,
-                        buffer=len(buffer), reference=buffer.reference, overhead=log.overhead)
+                        buffer=len(buffer), reference=buffer.reference, overhead=log.overhead,
+                        **(multi.row(log.samples) if multi else {}))
             # ===== evaluate ======================================================================
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 evaluate()

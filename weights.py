@@ -8,6 +8,7 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
 2. Publishing (`publish`, trainer): every rank gathers each parameter in turn on its device
    (`gather`: FSDP2's all-gather, so memory holds one full parameter at a time); rank 0, holding
    the lock, copies it into its shared tensor, waits for the copies to finish, then moves `version`.
+   Over several nodes each node's first trainer process does what rank 0 does here (nodes.py).
 3. Reading (`locked`, searcher): when `version` has moved, the searcher takes the lock, loads the
    shared tensors into its engine, and waits for its devices to finish those copies before it
    lets the lock go, so that a publish can never overwrite weights still being read.
@@ -45,15 +46,19 @@ def create(ctx) -> SharedWeights:
 
 
 # --- trainer side ------------------------------------------------------------------------------------
-def gather(model):
+def gather(model, dtype=None):
     """(Hugging Face name, full tensor on the model's device) for each distinct tensor of the state
     dict, one at a time: every trainer rank must iterate it to the end (each `full_tensor` of an
-    FSDP2 DTensor is an all-gather). A tied name (LM head = embeddings) is not repeated: see `aliases`."""
+    FSDP2 DTensor is an all-gather). A tied name (LM head = embeddings) is not repeated: see `aliases`.
+    `dtype`: floating-point shards are cast to it before the all-gather (bf16: half the bytes; the
+    same values as casting after it, rounding being per element)."""
     seen = set()
     for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: tied names are one object
         if id(t) not in seen:
             seen.add(id(t))
             t = t.detach()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)  # a DTensor casts its local shard only
             yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 

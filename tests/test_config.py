@@ -81,12 +81,28 @@ def test_unwritable_out_folder(tiny_model, tmp_path, monkeypatch, capsys):
     assert (tmp_path / "file").read_text() == "not a folder"
 
 
-def test_multi_node_launch_is_refused(tiny_model, tmp_path, monkeypatch, capsys):
-    """torchrun --nnodes 2 sets GROUP_WORLD_SIZE (nodes) and a WORLD_SIZE above LOCAL_WORLD_SIZE."""
-    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    refuse(["--model", tiny_model], tmp_path, monkeypatch, capsys, "--nnodes: tba.py runs on one node")
+@pytest.mark.parametrize("nodes,world,local,args,match", [
+    ("2", "3", "1", [], "--nproc-per-node: every node must run the same number of trainer ranks; this node runs 1"),
+    ("2", "3", "2", [], "this node runs 2, but the 2 nodes run 3 in all"),
+    ("2", "2", "1", ["--searchers", "0"], "--searchers: 0 (the synchronous baseline) runs in one process on one node"),
+])
+def test_bad_multi_node_launches_are_refused(nodes, world, local, args, match, tiny_model, tmp_path, monkeypatch,
+                                             capsys):
+    """torchrun --nnodes sets GROUP_WORLD_SIZE (nodes), WORLD_SIZE (all trainer ranks) and
+    LOCAL_WORLD_SIZE (this node's): uneven nodes and the synchronous baseline are refused at once."""
+    monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
+
+
+def test_a_node_needs_gpus_for_its_own_ranks_and_searchers(tiny_model, monkeypatch):
+    """Over several nodes the GPU split is per node: this node's trainer ranks plus its searchers."""
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = tba.Config(model=tiny_model, searchers=3, prompts_per_step=4)
+    with pytest.raises(ConfigError, match="--searchers: 3 searcher.* 2 trainer rank.* need 5 GPUs, 4 visible"):
+        tba.check(cfg, world=4)  # 4 ranks in all over two nodes; 2 + 3 on this one
 
 
 def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):

@@ -1,0 +1,222 @@
+"""Several nodes: searchers on every node, one replay buffer on trainer rank 0.
+
+    # on each of N nodes (node rank n), with the same flags everywhere:
+    torchrun --nnodes N --node-rank n --nproc-per-node R --master-addr HOST0 --master-port 29500 tba.py ...
+
+On one node nothing here runs (tba.py's hooks check `multi`). On several:
+- Each node has a leader, its trainer process with LOCAL_RANK 0. It does for its node what rank 0
+  does on one node: it makes the node's `SharedWeights`, spawns the node's `--searchers` searchers
+  (on the GPUs its node's trainer ranks leave free; on a CPU machine its share of the cores) and
+  publishes under its node's lock. Searchers never join a process group and read the weights
+  through shared memory / CUDA IPC as on one node.
+- No weight transport of its own: every trainer rank already runs FSDP2's all-gather of each full
+  parameter when weights are published (weights.gather; rank 0 alone used to keep them). Every
+  leader now copies them into its node's shared tensors. The shards are cast to the sync dtype
+  before the all-gather: half the bytes in bf16, and the same bits as rounding after it, since
+  rounding is per element (tests/test_nodes.py).
+- Trajectories go to rank 0 over torch.distributed: once a step (and every POLL seconds while rank 0
+  waits for its initial data, and for a first message from every node: the first step waits until
+  every node's searchers are known to run) the leaders meet in `collect`: each takes what its node's searchers
+  queued, without waiting for more, and a gather over a gloo group of the leaders brings it to rank
+  0, which keeps the one replay buffer, samples and logs as on one node. Node 0's own messages go
+  through tba.py's receive() as on one node; evaluations are searcher 0's of node 0, so they never
+  cross nodes. Rank 0 decides in each meeting whether to wait on, and tells the others with the
+  decision (a broadcast), so that every leader leaves the wait at the same meeting.
+- What crosses nodes is plain data: a uint8 tensor holding a length-prefixed JSON header (the
+  trajectories' numbers) and the response token ids as int32 (`encode`, `decode`). Nothing received
+  from another node is unpickled.
+- Faults: a leader whose searcher died sends that line instead of data; rank 0 stops the run with
+  it, naming the node, and the others stop at the decision. A node that disappears breaks the gloo
+  connections: the next collective on every other node fails at once (a closed connection), or at
+  the process group's timeout (`--timeout`) when the machine is unreachable, and each node's leader
+  stops with one line (`lost`); the searchers of every node are stopped as on one node.
+Train rows gain `samples_per_node` (trajectories received from each node so far) and
+`version_per_node` (the newest weight version in the trajectories from each node other than node 0,
+whose searchers read rank 0's own copy; null for node 0).
+"""
+
+import datetime
+import json
+import os
+import time
+from queue import Empty
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from buffer import Trajectory
+from tasks import ConfigError
+from weights import Dead
+
+POLL = 0.25  # s between two meetings of the leaders while rank 0 waits for data
+FIELDS = ("prompt_id", "reward", "logp_ref", "logp_behaviour", "version", "ref_version")  # with the length
+CONTINUE, DONE, FAILED = 0, 1, 2  # rank 0's decision after a meeting
+
+
+def layout(world: int) -> tuple[int, int]:
+    """(nodes, trainer ranks on this node) from torchrun's environment."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def check(cfg, world: int):
+    """Launches over several nodes that cannot work, refused in one line before anything starts."""
+    nodes, local = layout(world)
+    if world != nodes * local:
+        raise ConfigError(f"--nproc-per-node: every node must run the same number of trainer ranks; this node "
+                          f"runs {local}, but the {nodes} nodes run {world} in all")
+    if nodes > 1 and cfg.searchers == 0:
+        raise ConfigError("--searchers: 0 (the synchronous baseline) runs in one process on one node; "
+                          f"got {nodes} nodes")
+
+
+class Nodes:
+    """The leaders' meetings of a run over several nodes (every trainer rank makes one; `collect` and
+    the counters are the leaders')."""
+
+    def __init__(self, world: int, local: int, timeout: float):
+        self.count, self.rank = world // local, dist.get_rank()
+        # every rank takes part in making a group, members or not (torch.distributed.new_group)
+        self.group = dist.new_group(list(range(0, world, local)), backend="gloo",
+                                    timeout=datetime.timedelta(seconds=timeout))
+        self.samples = [0] * self.count      # rank 0: trajectories received from each node other than 0
+        self.versions = [None] * self.count  # rank 0: newest weight version among them
+        self.heard = [False] * self.count    # rank 0: a node's searchers have sent trajectories
+
+    def collect(self, queue, receive, alive, until, buffer, log, timeout: float) -> float:
+        """Every leader, at the collect step: meet, forward, and repeat every POLL seconds until rank 0
+        says that `until()` holds (rank 0: trajectories into `buffer`, counted in `log`). Returns
+        seconds waited."""
+        waited, deadline = 0.0, time.time() + timeout
+        while True:
+            error, got = None, False
+            try:
+                if self.rank == 0:
+                    before = (log.samples, len(log.evals))
+                    receive(lambda: True)  # node 0: whatever its searchers queued, without waiting
+                    got = (log.samples, len(log.evals)) != before
+                    self.heard[0] = self.heard[0] or log.samples > before[0]
+                    payload = encode([])
+                else:
+                    alive()
+                    payload = encode(take(queue))
+            except BaseException as e:  # a searcher of this node died, a signal...: the run stops, with this
+                error = e               # line from rank 0, after this meeting
+                payload = encode([], error=str(e) if isinstance(e, Dead) else f"stopped by {type(e).__name__}")
+            parts = self.gather(payload)
+            decision = torch.tensor([CONTINUE])
+            try:
+                if self.rank == 0:
+                    if error:
+                        raise error
+                    for node, part in enumerate(parts[1:], start=1):
+                        try:
+                            trajectories, line = decode(part)
+                        except ValueError as e:
+                            raise Dead(f"node {node}: {e}") from None
+                        if line is not None:
+                            raise Dead(f"node {node}: {line}")
+                        buffer.add(trajectories)
+                        log.samples += len(trajectories)
+                        self.samples[node] += len(trajectories)
+                        versions = [t.version for t in trajectories] + [self.versions[node] or 0]
+                        self.versions[node] = max(versions)
+                        got = got or bool(trajectories)
+                        self.heard[node] = self.heard[node] or bool(trajectories)
+                    deadline = time.time() + timeout if got else deadline
+                    if until() and all(self.heard):  # the first step waits for every node's searchers
+                        decision[0] = DONE
+                    elif time.time() > deadline:
+                        raise TimeoutError(f"no message from the searchers of any node in {timeout:.0f} s "
+                                           f"(see --timeout)")
+            except BaseException:
+                decision[0] = FAILED
+                raise
+            finally:
+                if self.rank == 0:
+                    dist.broadcast(decision, src=0, group=self.group)
+            if self.rank != 0:
+                dist.broadcast(decision, src=0, group=self.group)
+                if error:
+                    raise error
+                if decision[0] == FAILED:
+                    raise Dead("trainer rank 0 stopped the run (its node's output says why)")
+            if decision[0] == DONE:
+                return waited
+            time.sleep(POLL)
+            waited += POLL
+
+    def gather(self, payload: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0: each leader's payload (uint8 tensors of any length); the others: None."""
+        n = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.count)] if self.rank == 0 else None
+        dist.gather(n, sizes, dst=0, group=self.group)
+        longest = max(int(s) for s in sizes) if self.rank == 0 else 0
+        box = torch.tensor([longest], dtype=torch.int64)  # gloo's gather wants one size on every member
+        dist.broadcast(box, src=0, group=self.group)
+        padded = torch.zeros(int(box), dtype=torch.uint8)
+        padded[:payload.numel()] = payload
+        parts = [torch.empty_like(padded) for _ in range(self.count)] if self.rank == 0 else None
+        dist.gather(padded, parts, dst=0, group=self.group)
+        return [p[:int(s)] for p, s in zip(parts, sizes)] if self.rank == 0 else None
+
+    def row(self, samples: int) -> dict:
+        """The train row's fields: trajectories from each node so far (node 0: the rest of `samples`)
+        and the newest weight version received from each other node."""
+        return dict(samples_per_node=[samples - sum(self.samples)] + self.samples[1:],
+                    version_per_node=[None] + self.versions[1:])
+
+
+def take(queue) -> list:
+    """Every trajectory waiting on a node's queue, without waiting for more."""
+    trajectories = []
+    while True:
+        try:
+            msg = queue.get_nowait()
+        except Empty:
+            return trajectories
+        if msg["kind"] == "search":  # evaluations come from node 0's searcher 0 only
+            trajectories += msg["trajectories"]
+
+
+# --- the wire format: plain numbers and token ids, never pickle ---------------------------------
+def encode(trajectories: list[Trajectory], error: str | None = None) -> torch.Tensor:
+    """uint8: 8-byte little-endian header length, the JSON header (each trajectory's FIELDS and
+    response length; or an error line), then every response's token ids as little-endian int32."""
+    head = json.dumps({"error": error, "rows": [[*(getattr(t, f) for f in FIELDS), len(t.response)]
+                                                for t in trajectories]}).encode()
+    tokens = np.concatenate([t.response for t in trajectories]).astype("<i4") if trajectories else np.zeros(0, "<i4")
+    data = len(head).to_bytes(8, "little") + head + tokens.tobytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def decode(payload: torch.Tensor) -> tuple[list[Trajectory], str | None]:
+    """The trajectories (or the error line) of `encode`; ValueError if it does not parse as one."""
+    data = payload.numpy().tobytes()
+    n = int.from_bytes(data[:8], "little")
+    try:
+        head = json.loads(data[8:8 + n])
+        rows, error = head["rows"], head["error"]
+        tokens = np.frombuffer(data[8 + n:], dtype="<i4").astype(np.int32)
+        lengths = [int(r[-1]) for r in rows]
+        if len(data) < 8 + n or sum(lengths) != len(tokens) or any(len(r) != len(FIELDS) + 1 for r in rows):
+            raise ValueError("lengths do not add up")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"a message from another node does not parse ({e})") from None
+    ends = np.cumsum(lengths)
+    kinds = (int, float, float, float, int, int)
+    return [Trajectory(**{f: k(v) for f, k, v in zip(FIELDS, kinds, r)}, response=tokens[end - length:end].copy())
+            for r, length, end in zip(rows, lengths, ends)], error
+
+
+def lost(e: BaseException) -> str | None:
+    """The line for a collective that failed because another node went away; None for other errors.
+    gloo raises RuntimeError ("Connection closed by peer" when the other process died, a timeout when
+    its machine is unreachable: third_party/gloo/gloo/transport/tcp/pair.cc); c10d's own errors are
+    DistError subclasses."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    gone = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
+    if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(g in text for g in gone)):
+        text = text.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source location and advice
+        return f"lost contact with another node of the run ({text}); stopping"
+    return None
