@@ -53,6 +53,9 @@ settings=(
   --dtype bfloat16
   --eval-every 64 --eval-limit 1000         # greedy, on validation prompts: score, win_rate, kl
 )
+if [ "$SIZE" = 2.8b ]; then  # about 90 GB on the trainer GPU without it (README, "Trainer memory")
+  settings+=(--activation-checkpointing)
+fi
 passthrough=()
 dry_run=0
 for arg in "$@"; do
