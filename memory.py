@@ -39,8 +39,11 @@ def make(path, layers, vocab):
 
 
 def measure(path, K, prompt, response, recompute) -> dict:
-    """One trainer step of one prompt x K responses of lengths up to `response` (bf16 compute):
-    the peak of live tensors (bytes) during the step, by kind, and the parameter count."""
+    """One trainer step of one prompt x K responses of lengths up to `response` (bf16 compute), after
+    a first step (AdamW's state exists, as in every later step): the peak of live tensors during the
+    backward pass (MemTracker, bytes by kind), the bytes autograd keeps for the backward pass (each
+    storage once; FSDP2's gathered bf16 weights aside: they are freed after the forward and gathered
+    again), and the parameter count."""
     from torch.distributed._tools.mem_tracker import MemTracker
     cfg = tba.Config(model=path, prompts_per_step=1, samples_per_prompt=K, micro_batch=K, timeout=60)
     model = tba.load_policy(path, torch.device("cpu"), "bfloat16", recompute)
@@ -52,15 +55,22 @@ def measure(path, K, prompt, response, recompute) -> dict:
     prompts = [rng.integers(4, 1000, size=prompt).tolist()]
     step = lambda: tba.backward(model, batch, 1, prompts, 0, torch.device("cpu"), cfg, cfg.beta)
     step()
-    opt.step()  # a first step makes AdamW's state: every later backward pass runs beside it
+    opt.step()
     opt.zero_grad(set_to_none=True)
+    weights = {tuple(p.shape) for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if not (t.dim() <= 2 and tuple(t.shape) in weights):  # FSDP2's gathered weights: not activations
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
     tracker = MemTracker()
     tracker.track_external(model, opt)
-    with tracker:  # the backward pass's peak (AdamW's own step adds temporaries of its own, not activations)
+    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    params = sum(p.numel() for p in model.parameters())
-    return dict(peak={str(k): v for k, v in peak.items()}, params=params, tokens=K * (prompt + response))
+    return dict(peak={str(k): v for k, v in peak.items()}, saved=sum(saved.values()),
+                params=sum(p.numel() for p in model.parameters()), tokens=K * (prompt + response))
 
 
 def init():
@@ -99,26 +109,28 @@ def main(argv=None):
           f"({tokens} token slots), vocabulary {args.vocab}, bf16 compute, CPU")
     fits = {}
     for recompute in (False, True):
-        rest = {L: out[L, recompute]["peak"]["Total"] - model_bytes(out[L, recompute]["params"]) for L in args.layers}
-        per_layer = (rest[b] - rest[a]) / (b - a)  # bytes a layer, all tokens
-        fixed = rest[a] - a * per_layer
-        predicted = model_bytes(out[c, recompute]["params"]) + fixed + c * per_layer
-        measured = out[c, recompute]["peak"]["Total"]
+        how = "with" if recompute else "without"
+        saved = {L: out[L, recompute]["saved"] for L in args.layers}
+        per_layer = (saved[b] - saved[a]) / (b - a)  # bytes kept a layer, all tokens
+        fixed = saved[a] - a * per_layer                 # embeddings' output, logits, the log-softmax chunks
         fits[recompute] = (per_layer / tokens, fixed / tokens)
-        print(f"{'with' if recompute else 'without'} activation checkpointing: {per_layer / tokens / 1024:.1f} KB a token "
-              f"a layer, {fixed / tokens / 1024:.0f} KB a token besides (logits, their gradient, the chunked "
-              f"log-softmax); {c} layers: formula {predicted / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB "
-              f"({100 * (predicted - measured) / measured:+.1f}%)")
+        m = out[c, recompute]
+        predicted = 12 * m["params"] + fixed + c * per_layer  # at the backward pass's start: no gradient yet
+        predicted = max(predicted, 16 * m["params"])           # at its end: every gradient, no activation
+        print(f"{how} activation checkpointing: kept for the backward pass {per_layer / tokens / 1024:.1f} KB a token "
+              f"a layer and {fixed / tokens / 1024:.0f} KB a token besides; {c} layers: peak by the formula "
+              f"{predicted / 2**20:.0f} MiB, measured {m['peak']['Total'] / 2**20:.0f} MiB "
+              f"({100 * (predicted - m['peak']['Total']) / m['peak']['Total']:+.1f}%)")
     # rho-math-1b at the paper's settings: 20 sequences of about 750 token slots (prompt + 512) a pass
     P, T = 1.10e9, 20 * 750
     shared, contexts = 2 * P, 0.5e9 * 4  # the bf16 copy for the searchers; CUDA contexts (trainer + 3 searchers)
     for recompute in (False, True):
         per_token_layer, per_token = fits[recompute]
-        total = model_bytes(P) + per_token_layer * T * RHO["layers"] + per_token * T + shared + contexts
-        print(f"rho-math-1b, 20 x 750 tokens a pass, {'with' if recompute else 'without'} activation "
-              f"checkpointing: about {total / 1e9:.0f} GB on the trainer GPU (model state {model_bytes(P) / 1e9:.1f}, "
-              f"activations {per_token_layer * T * RHO['layers'] / 1e9:.1f}, logits and chunks {per_token * T / 1e9:.1f}, "
-              f"shared copy {shared / 1e9:.1f}, contexts {contexts / 1e9:.1f})")
+        kept = per_token_layer * T * RHO["layers"] + per_token * T
+        total = max(12 * P + kept, 16 * P) + shared + contexts
+        print(f"rho-math-1b, 20 x 750 tokens a pass, {'with' if recompute else 'without'} activation checkpointing: "
+              f"about {total / 1e9:.0f} GB on the trainer GPU (weights and AdamW {12 * P / 1e9:.1f}, kept for the "
+              f"backward pass {kept / 1e9:.1f}, shared copy {shared / 1e9:.1f}, CUDA contexts {contexts / 1e9:.1f})")
     return out
 
 

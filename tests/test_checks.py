@@ -156,7 +156,8 @@ def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, c
     assert p.stdout.strip().splitlines() == [
         "tba.py: error: --resume: --temperature 0.5 (was 1.0) cannot change mid-run (the checkpoint's buffer was "
         "searched and scored with the old value)"]
-    p = run_tba([*flags, "--steps", "3", "--prompts-per-step", "2", "--out", str(tmp_path / "c")], tmp_path)
+    p = run_tba([*flags, "--steps", "3", "--prompts-per-step", "2", "--save-every", "2", "--out", str(tmp_path / "c")],
+                tmp_path)
     assert p.returncode == 0, p.stdout[-3000:]
     assert ("tba.py: resuming with flags that differ from the checkpoint's: --steps 3 (was 2), "
             "--prompts-per-step 2 (was 4)") in p.stdout.splitlines(), p.stdout[-3000:]
