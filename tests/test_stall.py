@@ -131,3 +131,40 @@ def test_two_ranks_outlast_the_process_group_timeout_while_rank_0_waits(tiny_mod
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert "tba.py: stopped by SIGTERM; before the first step: nothing to save" in output.splitlines(), output[-3000:]
+
+
+def test_watch_warns_then_stops_on_its_clock(monkeypatch):
+    """The watch on a fake clock: no warning before the first gap is known (start-up), a warning at
+    5 x the longest gap (10 s at least), once; Silent at --timeout; a message resets it all."""
+    import types
+    import pytest
+    import tba
+    now, lines = [1000.0], []
+    monkeypatch.setattr(tba.time, "time", lambda: now[0])
+    log = types.SimpleNamespace(print=lambda line, file=None: lines.append(line))
+    watch = tba.Watch([types.SimpleNamespace(pid=42)], 100.0, log, newest=-1)
+    now[0] += 90
+    watch.check()  # start-up: silent 90 s, no warning (no usual gap yet), under --timeout
+    watch.heard({"kind": "search", "searcher": 0, "version": 3})
+    now[0] += 4
+    watch.heard({"kind": "search", "searcher": 0, "version": 5})  # gap 4 s: warn after 20 s
+    assert watch.newest == 5 and lines == []
+    now[0] += 19
+    watch.check()
+    assert lines == []
+    now[0] += 2
+    watch.check()
+    watch.check()
+    assert len(lines) == 1 and lines[0].startswith("tba.py: warning: searcher 0 (pid 42) has sent nothing for 21 s")
+    watch.heard({"kind": "eval", "searcher": 0, "version": 4})
+    assert lines[-1] == "tba.py: searcher 0 sends again, after 21 s" and watch.newest == 5
+    now[0] += 100.5
+    with pytest.raises(tba.Silent, match=r"searcher 0 \(pid 42\) has sent nothing for 100 s \(--timeout 100\)"):
+        watch.check()
+
+
+def test_max_staleness_is_checked(tmp_path):
+    from conftest import run_tba
+    p = run_tba(["--max-staleness", "-1"], tmp_path)
+    assert p.returncode == 2 and p.stdout.strip().splitlines() == [
+        "tba.py: error: --max-staleness: must be 0 (no bound) or more"], p.stdout
