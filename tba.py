@@ -132,8 +132,8 @@ class Config:
     wandb: str | None = arg(None, "also log the metrics to this Weights & Biases project (optional: pip install wandb)")
     timeout: float = arg(600.0, "seconds any wait on another process may last before the run stops; also how "
                                 "long a searcher may send nothing before the run stops (after a checkpoint)")
-    max_staleness: int = arg(100, "S: the trainer waits (polling) while the newest data in the buffer was sampled "
-                                  "by weights more than S (+ --lag) steps old; 0 = no bound")
+    max_staleness: int = arg(100, "S: the trainer waits (polling) while the newest data received was sampled by "
+                                  "weights more than S (+ --lag) steps old; 0 = no bound")
     dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bfloat16 on GPUs that have it, float16 on "
                              "older GPUs, float32 on the CPU)")
     searcher_memory: float = arg(0.7, "GPU: fraction of a searcher GPU's memory for its vLLM engine (the rest: "
