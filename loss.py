@@ -101,7 +101,8 @@ def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperatu
     recomputed in the backward pass, so the only (N, T, V) tensor is the model's own logits (in its
     compute dtype): a full float32 copy is 2 GB at GSM8K's 20 x 750 tokens x 32k vocabulary.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # (N, T-1, V)
+    # use_cache=False: no KV cache built on a scoring pass (models whose config says use_cache build one)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (N, T-1, V)
     targets, mask = input_ids[:, 1:], response_mask[:, 1:]                            # (N, T-1): token t+1
     N, T1, V = logits.shape
     C = max(1, chunk_bytes // (4 * N * V))                                            # positions per chunk

@@ -19,7 +19,7 @@ On one node nothing here runs (tba.py's hooks check `multi`). On several:
   every node's searchers are known to run) the leaders meet in `collect`: each takes what its node's searchers
   queued, without waiting for more, and a gather over a gloo group of the leaders brings it to rank
   0, which keeps the one replay buffer, samples and logs as on one node. Node 0's own messages go
-  through tba.py's receive() as on one node; evaluations are searcher 0's of node 0, so they never
+  through tba.py's drain() as on one node; evaluations are searcher 0's of node 0, so they never
   cross nodes. Rank 0 decides in each meeting whether to wait on, and tells the others with the
   decision (a broadcast), so that every leader leaves the wait at the same meeting.
 - What crosses nodes is plain data: a uint8 tensor holding a length-prefixed JSON header (the
@@ -83,7 +83,7 @@ class Nodes:
         self.versions = [None] * self.count  # rank 0: newest weight version among them
         self.heard = [False] * self.count    # rank 0: a node's searchers have sent trajectories
 
-    def collect(self, queue, receive, alive, until, buffer, log, timeout: float) -> float:
+    def collect(self, queue, drain_now, alive, until, buffer, log, timeout: float) -> float:
         """Every leader, at the collect step: meet, forward, and repeat every POLL seconds until rank 0
         says that `until()` holds (rank 0: trajectories into `buffer`, counted in `log`). Returns
         seconds waited."""
@@ -93,7 +93,7 @@ class Nodes:
             try:
                 if self.rank == 0:
                     before = (log.samples, len(log.evals))
-                    receive(lambda: True)  # node 0: whatever its searchers queued, without waiting
+                    drain_now()  # node 0: whatever its searchers queued, without waiting
                     got = (log.samples, len(log.evals)) != before
                     self.heard[0] = self.heard[0] or log.samples > before[0]
                     payload = encode([])

@@ -102,7 +102,8 @@ class RewardModel:
                 T = max(len(s) for s in part)
                 ids = torch.tensor([s + [0] * (T - len(s)) for s in part], device=self.device)          # (n, T)
                 mask = torch.tensor([[1] * len(s) + [0] * (T - len(s)) for s in part], device=self.device)
-                hidden = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state  # (n, T, H)
+                hidden = self.model.base_model(input_ids=ids, attention_mask=mask,  # no KV cache for one pass
+                                               use_cache=False).last_hidden_state                   # (n, T, H)
                 last = torch.tensor([last_token(s, self.pad if pooling else None) for s in part], device=self.device)
                 out += self.model.score(hidden[torch.arange(len(part)), last]).squeeze(-1).float().tolist()
         return out

@@ -9,7 +9,8 @@
 #
 # GPU split: TRAINERS GPUs train (torchrun ranks, FSDP2), the next SEARCHERS GPUs each run one vLLM
 # searcher; the authors used 1 + 3. Change it with the environment, e.g. on an 8-GPU node:
-#   TRAINERS=2 SEARCHERS=6 bash run_gsm8k.sh   # --prompts-per-step must stay a multiple of TRAINERS
+#   TRAINERS=1 SEARCHERS=7 bash run_gsm8k.sh                        # the authors' B = 7
+#   TRAINERS=2 SEARCHERS=6 bash run_gsm8k.sh --prompts-per-step 8   # B must be a multiple of TRAINERS
 set -euo pipefail
 cd "$(dirname "$0")"
 TRAINERS=${TRAINERS:-1}

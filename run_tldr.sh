@@ -77,6 +77,9 @@ settings=(
   --eval-temperature 0.01                   # configs/generate_tldr.yml: 0.010001, on the whole validation split
   --eval-reward-model "$GOLD"               # the gold judge: win = gold(response) > gold(reference)
 )
+if [ "$SIZE" = 2.8b ]; then  # 44.5 GB of float32 weights, gradients and AdamW state before any activation
+  settings+=(--activation-checkpointing)
+fi
 passthrough=()
 dry_run=0
 for arg in "$@"; do

@@ -27,7 +27,7 @@ import warnings
 from queue import Empty, Full
 from types import SimpleNamespace
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process (tba.py refuses 1)
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # On CUDA vLLM 0.32 defaults to its V2 model runner where Triton works (vllm/config/vllm.py:703-739);
@@ -415,7 +415,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
                 engine.sync(weights, parent_alive, cfg.timeout)  # the newest published weights
                 t0 = time.time()
                 scores, example = engine.evaluate(test_prompts, test_answers)
-                put(queue, dict(kind="eval", version=engine.version, scores=scores, example=example,
+                put(queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores, example=example,
                                 seconds=time.time() - t0), stop)
     except Dead:
         sys.exit(3)

@@ -138,6 +138,9 @@ class Config:
     trainer_dtype: str = arg("float32", "the trainer's weights and AdamW state: float32 (master weights, computing "
                                         "in --dtype) | bfloat16 (as the authors' GSM8K run: small updates round away)")
     micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
+    activation_checkpointing: bool = arg(False, "recompute each decoder block's activations in the backward pass "
+                                                "instead of keeping them (less memory, about 1/3 more compute; "
+                                                "the same numbers)")
     # --- sampling and evaluation
     temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
     max_new_tokens: int = arg(8, "response length limit in tokens (toy answers: 3 digits and EOS; GSM8K: 512)")
@@ -152,7 +155,10 @@ class Config:
     resume: str | None = arg(None, "checkpoint folder to continue from")
     log_every: int = arg(10, "steps between console lines when the output is not a terminal (a terminal gets a bar)")
     wandb: str | None = arg(None, "also log the metrics to this Weights & Biases project (optional: pip install wandb)")
-    timeout: float = arg(600.0, "seconds any wait on another process may last before the run stops")
+    timeout: float = arg(600.0, "seconds any wait on another process may last before the run stops; also how "
+                                "long a searcher may send nothing before the run stops (after a checkpoint)")
+    max_staleness: int = arg(100, "S: the trainer waits (polling) while the newest data received was sampled by "
+                                  "weights more than S (+ --lag) steps old; 0 = no bound")
     dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bfloat16 on GPUs that have it, float16 on "
                              "older GPUs, float32 on the CPU)")
     searcher_memory: float = arg(0.7, "GPU: fraction of a searcher GPU's memory for its vLLM engine (the rest: "
@@ -326,6 +332,8 @@ def compute_mode(index: int) -> int | None:
         uuid = str(torch.cuda.get_device_properties(index).uuid)
         uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid
         return pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+    except pynvml.NVMLError:  # a MIG device or a UUID NVML does not know: the mode is unknown, as without NVML
+        return None
     finally:
         pynvml.nvmlShutdown()
 
@@ -365,6 +373,8 @@ def check(cfg: Config, world: int):
     need(cfg.log_every >= 1, "log-every", "must be at least 1")
     need(cfg.timeout > 0, "timeout", "must be positive")
     need(cfg.generation_slowdown >= 1, "generation-slowdown", f"must be 1 (off) or more, got {cfg.generation_slowdown}")
+    need(cfg.max_staleness >= 0, "max-staleness", "must be 0 (no bound) or more")
+    check_environment()
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
@@ -448,7 +458,45 @@ def check(cfg: Config, world: int):
         raise ConfigError(f"--out: {cfg.out} exists and is not empty (pass --resume to continue a run)")
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files
         check_writable(cfg.out)
+    if cfg.resume:
+        check_resumed_flags(cfg, cfg.resume)
     return cfg, tokenizer, train, test, prompts, test_prompts, ckpt
+
+
+def check_environment():
+    """Environment variables that would break the weight path, refused in one line."""
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if value != "0":  # searcher.py sets 0 unless the user did: =1 moves vLLM's engine core into a child
+        # process (vllm/v1/engine/llm_engine.py:170 -> core_client.py:125, SyncMPClient), which cannot
+        # open the CUDA IPC handles this process received, and where locked() no longer covers the copies
+        raise ConfigError(f"VLLM_ENABLE_V1_MULTIPROCESSING={value}: tba.py keeps vLLM's engine core in the searcher "
+                          f"process (the shared weights and their lock are there); unset it or set it to 0")
+
+
+# flags that the checkpoint's data depend on: the buffer's prompt ids index the task's prompts, its
+# rewards and logp_ref were computed with these models, this reward and this temperature
+FIXED_ON_RESUME = ("model", "task", "data", "reward_model", "non_eos_penalty", "temperature")
+
+
+def check_resumed_flags(cfg, folder: str):
+    """One line naming the flags that differ from the checkpoint's run; a refusal for those that
+    cannot change mid-run (FIXED_ON_RESUME). The others may: the schedules and seeds derive from the
+    step, and B, K, k, m, the buffer's sampling, the loss, --steps and the plumbing act from the next step on."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return  # older checkpoints wrote none
+    flags = [f.name for f in dataclasses.fields(Config) if f.init and f.name not in ("resume", "out")]
+    differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n)]
+    show = lambda n: f"--{n.replace('_', '-')} {getattr(cfg, n)} (was {saved[n]})"
+    fixed = [n for n in differ if n in FIXED_ON_RESUME]
+    if fixed:
+        raise ConfigError(f"--resume: {', '.join(map(show, fixed))} cannot change mid-run (the checkpoint's buffer "
+                          f"was searched and scored with the old value)")
+    if differ and int(os.environ.get("RANK", "0")) == 0:
+        print(f"tba.py: resuming with flags that differ from the checkpoint's: {', '.join(map(show, differ))}",
+              flush=True)
 
 
 def check_writable(out: str):
@@ -497,7 +545,7 @@ LR_DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress))
 
 
 # --- the trainer's model and its gradient ------------------------------------------------------------
-def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32"):
+def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32", recompute: bool = False):
     """`weights_dtype` weights (float32, or bfloat16 as the authors' GSM8K run: AdamW keeps its state
     in the weights' dtype), sharded with FSDP2 over the trainer ranks (per decoder block, then the
     whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32. The blocks are
@@ -509,10 +557,22 @@ def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32"):
     model.config.use_cache = False
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
     blocks = set(getattr(model, "_no_split_modules", None) or [])
+    if recompute:  # --activation-checkpointing, before fully_shard (as FSDP2's own tests compose them)
+        recompute_blocks(model, blocks)
     for module in [m for m in model.modules() if type(m).__name__ in blocks]:
         fully_shard(module, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def recompute_blocks(model, blocks: set):
+    """Activation checkpointing per decoder block: each keeps only its input and recomputes the rest
+    in the backward pass. The composable form hooks the module in place, keeping its parameter names
+    (torch/distributed/_composable/checkpoint_activation.py:38-46), so weights.gather, checkpoints and
+    save_pretrained see the same names; non-reentrant, with the RNG state kept: the same numbers."""
+    from torch.distributed._composable import checkpoint
+    for module in [m for m in model.modules() if type(m).__name__ in blocks]:
+        checkpoint(module)
 
 
 def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, beta: float) -> dict:
@@ -548,7 +608,11 @@ def init_distributed(cfg):
                               MASTER_PORT=str(s.getsockname()[1]))
     import datetime
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout))
+    # rank 0's long waits (engines starting, the initial buffer, fresher data, the final evaluation)
+    # answer the other ranks every slice (wait_together); what remains is its time alone between two
+    # collectives: a weight-sync lock (up to --timeout) or writing a checkpoint (minutes at 2.8B)
+    timeout = datetime.timedelta(seconds=2 * cfg.timeout + 600)
+    dist.init_process_group(backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
 
 
@@ -599,6 +663,7 @@ def load_checkpoint(folder: str) -> dict:
         raise ConfigError(f"--resume: {folder} is not a checkpoint folder{old}")
     if not os.path.isfile(buffer):
         raise ConfigError(f"--resume: {folder} has no buffer.npz (written by an older version?)")
+    check_checkpoint_model(folder)
     try:
         state = torch.load(trainer, weights_only=True, map_location="cpu")  # tensors and plain data only
         with np.load(buffer, allow_pickle=False) as f:
@@ -607,6 +672,16 @@ def load_checkpoint(folder: str) -> dict:
         raise ConfigError(f"--resume: {folder} does not parse as a checkpoint ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
     return state
+
+
+def check_checkpoint_model(folder: str):
+    """The checkpoint's model/ holds a config and weights (transformers would fail with a traceback)."""
+    model = os.path.join(folder, "model")
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ConfigError(f"--resume: {folder} has no model/config.json (an incomplete checkpoint?)")
+    if not any(os.path.isfile(os.path.join(model, w)) for w in weights):
+        raise ConfigError(f"--resume: {model} holds no weights (none of {', '.join(weights)}; an incomplete checkpoint?)")
 
 
 def atomic_checkpoint(out: str, step: int, write):
@@ -668,7 +743,7 @@ def main(argv=None):
         fail(f"tba.py: error: {e}", 2, rank_env)
     try:
         run(cfg, *data)
-    except (Dead, FloatingPointError, TimeoutError) as e:  # a searcher died, a non-finite loss, a wait timed out
+    except (Dead, Silent, FloatingPointError, TimeoutError) as e:  # a searcher died or went silent, a non-finite loss, a wait timed out
         fail(f"tba.py: error: {e}", 1, rank_env)
     except Stop as e:
         name, saved = e.args
@@ -734,7 +809,7 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
         # --- the trainer's model: FSDP2 over the trainer ranks (beside an engine: see Engine.transformers_models)
         with engine.transformers_models() if engine else contextlib.nullcontext():
             model = load_policy(os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path, device, cfg.dtype,
-                                cfg.trainer_dtype)
+                                cfg.trainer_dtype, cfg.activation_checkpointing)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -761,16 +836,52 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
         for _ in named:  # the other ranks take part in every all-gather of the leaders' allocation
             pass
         history = {}  # --lag: step -> the weights of that step (the leaders, CPU), until published
+        watch = Watch(procs, cfg.timeout, log, newest(buffer)) if rank == 0 and procs else None  # silent searchers
+        silent = []  # [message] once a searcher has sent nothing for --timeout (rank 0)
 
         def alive():
             for i, p in enumerate(procs):
                 if p.exitcode is not None:
                     raise Dead(f"searcher {i} (pid {p.pid}) died with exit code {p.exitcode}")
 
-        def receive(until) -> float:
+        def receive(until, what) -> float:
             """Move the searchers' messages into the buffer and the log; wait (polling, checking the
-            searchers, signals and the timeout) until `until()` holds. Returns seconds waited."""
-            return drain(channels[0], buffer, log, alive, lambda: until() or bool(stop_signal), cfg.timeout)
+            searchers, signals and the timeout) until `until()` holds, a signal or a silent searcher
+            stops the run. Every rank waits with rank 0 (wait_together); `what()` says what for.
+            Returns seconds waited."""
+            def some(seconds):
+                try:
+                    return drain(channels[0], buffer, log, alive, done, cfg.timeout, watch, seconds)
+                except Silent as e:
+                    silent[:] = [str(e)]
+                    return 0.0
+            done = lambda: rank == 0 and (until() or bool(stop_signal) or bool(silent))
+            return wait_together(rank, world, some, done, what, log, min(30.0, cfg.timeout / 4))
+
+        def missing(initial) -> str | None:
+            """What the next step waits for (rank 0), or None: the initial buffer, B prompts, or data
+            no more than --max-staleness steps old (the newest; replayed draws are old by design)."""
+            if log.samples < initial:
+                return f"the initial buffer ({log.samples} of {initial} trajectories)"
+            if len(buffer.prompts) < cfg.prompts_per_step:
+                return f"data for {cfg.prompts_per_step} prompts ({len(buffer.prompts)} so far)"
+            if cfg.max_staleness and step - watch.newest > cfg.max_staleness + cfg.lag:
+                return (f"fresher data: the newest was sampled by the weights of step {watch.newest}, "
+                        f"{step - watch.newest} steps ago (--max-staleness {cfg.max_staleness})")
+            return None
+
+        def now() -> float:
+            """Several nodes, rank 0: node 0's messages into the buffer and the log, without waiting."""
+            return drain(channels[0], buffer, log, alive, lambda: True, cfg.timeout, watch)
+
+        def fresh(initial) -> bool:
+            """Several nodes, rank 0: nothing missing, counting the newest data from every node."""
+            watch.newest = max([watch.newest] + [v for v in multi.versions if v is not None])
+            return missing(initial) is None
+
+        def reason():
+            """Why rank 0 stops the run, or None: ("silent", message) or ("signal", name)."""
+            return ("silent", silent[0]) if silent else ("signal", stop_signal[0][0]) if stop_signal else None
 
         def evaluate():
             """Greedy evaluation on the held-out problems with the current weights."""
@@ -831,20 +942,23 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
                     log.generate, log.slept = log.generate + made["generate"], log.slept + made["slept"]
                     if log.samples >= initial or stop_signal:
                         break
-            elif leader and cfg.searchers:  # TBA: whatever arrived; wait only at the start
-                until = lambda: len(buffer.prompts) >= cfg.prompts_per_step and log.samples >= initial
-                wait = (multi.collect(channels[0], receive, alive, until, buffer, log, cfg.timeout) if multi
-                        else receive(until))
+            elif cfg.searchers and multi:  # several nodes: the leaders meet (nodes.py); the others go on
+                if leader:
+                    wait = multi.collect(channels[0], now, alive, lambda: fresh(initial) or bool(stop_signal), buffer, log,
+                                         cfg.timeout)
+            elif cfg.searchers:  # TBA: whatever arrived; wait only at the start or for fresher data
+                wait = receive(lambda: missing(initial) is None, lambda: missing(initial))
             # ===== sample a batch: B prompts x K responses (TBA: recency m, reward softmax) =====
             batch = None  # stays None on rank 0 when a signal asked to stop
-            if rank == 0 and not stop_signal:
+            if rank == 0 and not reason():
                 batch = buffer.sample(cfg.prompts_per_step, cfg.samples_per_prompt,
                                       np.random.default_rng([cfg.seed, step, 2]))
             batch = broadcast(batch, rank)
             if batch is None:
+                why = broadcast(reason(), rank)  # every rank: why rank 0 stops
                 if step > first_step:
                     checkpoint()
-                raise Stop(stop_signal[0][0] if stop_signal else "a signal", step > first_step)
+                halt(why, step > first_step, cfg.out)
             mine = batch[rank * len(batch) // world:(rank + 1) * len(batch) // world]
             # ===== loss (TB unless --loss) and update ============================================
             beta, lr = beta_at(cfg, step), lr_at(cfg, step)
@@ -894,11 +1008,13 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
         if cfg.lag or step % cfg.sync_every:
             sync_weights(lag=0)  # the final evaluation is of the final weights
         evaluate()
-        if rank == 0 and cfg.searchers:
-            receive(lambda: log.evals and log.evals[-1]["version"] == cfg.steps)
-            if stop_signal:
+        if cfg.searchers:
+            receive(lambda: log.evals and log.evals[-1]["version"] == cfg.steps,
+                    lambda: f"the final evaluation (of step {cfg.steps}) from searcher 0")
+            why = broadcast(reason(), rank)  # all ranks together: a checkpoint is collective
+            if why:
                 checkpoint()
-                raise Stop(stop_signal[0][0], True)
+                halt(why, True, cfg.out)
         sd = full_state_dict(model)
         if rank == 0:
             save_hf(model, sd, tokenizer, os.path.join(cfg.out, "final"))
@@ -913,17 +1029,21 @@ def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ck
             dist.destroy_process_group()
 
 
-def drain(queue, buffer, log, alive, done, timeout: float) -> float:
+def drain(queue, buffer, log, alive, done, timeout: float, watch=None, budget: float = math.inf) -> float:
     """Move every waiting message into the buffer (trajectories) or the log (evaluations); then, while
-    not done(), wait for more, polling, checking the searchers and a timeout. Returns seconds waited."""
+    not done(), wait for more, polling, checking the searchers (`watch`: silent ones too) and a
+    timeout, for at most `budget` seconds. Returns seconds waited."""
     waited, deadline = 0.0, time.time() + timeout  # the deadline moves on with every message
+    end = time.time() + budget
     while True:
-        block = not done()
+        block = not done() and time.time() < end
         t0 = time.time()
         try:
             msg = queue.get(timeout=searcher.WAIT) if block else queue.get_nowait()
         except Empty:
             alive()
+            if watch is not None:
+                watch.check()
             if not block:
                 return waited
             waited += time.time() - t0
@@ -933,12 +1053,90 @@ def drain(queue, buffer, log, alive, done, timeout: float) -> float:
         if block:
             waited += time.time() - t0
         deadline = time.time() + timeout
+        if watch is not None:
+            watch.heard(msg)
         if msg["kind"] == "eval":
             log.eval(msg["version"], msg["scores"], msg["example"], msg["seconds"], log.published[msg["version"]])
         else:
             buffer.add(msg["trajectories"])
             log.samples += len(msg["trajectories"])
             log.generate, log.slept = log.generate + msg["generate"], log.slept + msg["slept"]
+
+
+class Silent(Exception):
+    """A searcher sent nothing for --timeout seconds; the message names it."""
+
+
+class Watch:
+    """Rank 0 watches its searchers' messages. A searcher stuck in vLLM, on a wedged GPU or a stalled
+    file system still lives, and the trainer, which never waits once the buffer has data, would train
+    on frozen data without a word. So: a warning once a searcher has sent nothing for well over its
+    usual time between two messages (a round, or an evaluation), and Silent once --timeout passes
+    with nothing from it (start-up counts: vLLM's load and compile). `newest`: the newest weight
+    version that sampled data the trainer received (for --max-staleness)."""
+    WARN_FACTOR, WARN_MIN = 5.0, 10.0  # warn after 5 x its longest gap so far, 10 s at least
+
+    def __init__(self, procs, timeout: float, log, newest: int):
+        self.procs, self.timeout, self.log, self.newest = procs, timeout, log, newest
+        self.last = [time.time()] * len(procs)  # when each was last heard from (or spawned)
+        self.gap = [None] * len(procs)          # its longest time between two messages (None: one or none yet)
+        self.heard_once = [False] * len(procs)
+        self.warned = [False] * len(procs)
+
+    def heard(self, msg):
+        i, now = msg.get("searcher", 0), time.time()
+        if self.heard_once[i]:
+            self.gap[i] = max(self.gap[i] or 0.0, now - self.last[i])
+        if self.warned[i]:
+            self.log.print(f"tba.py: searcher {i} sends again, after {now - self.last[i]:.0f} s", file=sys.stderr)
+        self.last[i], self.heard_once[i], self.warned[i] = now, True, False
+        if msg["kind"] == "search":
+            self.newest = max(self.newest, msg["version"])
+
+    def check(self):
+        now = time.time()
+        for i, p in enumerate(self.procs):
+            quiet = now - self.last[i]
+            if quiet > self.timeout:
+                raise Silent(f"searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s (--timeout {self.timeout:g})")
+            usual = self.gap[i]
+            if usual is not None and not self.warned[i] and quiet > min(max(self.WARN_FACTOR * usual, self.WARN_MIN),
+                                                                         self.timeout / 2):
+                self.warned[i] = True
+                self.log.print(f"tba.py: warning: searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s "
+                               f"(usually every {usual:.1f} s at most); the run stops if it stays silent "
+                               f"{self.timeout:g} s (--timeout)", file=sys.stderr)
+
+
+def newest(buffer) -> int:
+    """The newest weight version among the buffer's data (a resumed buffer), or -1 if empty."""
+    return max((t.version for group in buffer.groups.values() for t, _ in group.values()), default=-1)
+
+
+def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float) -> float:
+    """Rank 0 waits (`wait(seconds)`, returning seconds waited) until `done()`, in slices of `slice_s`
+    seconds, saying after each what it still waits for (`what()`); after each slice it tells the
+    other ranks, which wait in a broadcast, whether to go on. So no collective waits longer than a
+    slice however long rank 0 waits, and every rank leaves the wait together. Returns seconds waited."""
+    waited = 0.0
+    while True:
+        finished = None
+        if rank == 0:
+            waited += wait(slice_s)
+            finished = done()
+            if not finished:
+                log.print(f"tba.py: waiting for {what()} ({waited:.0f} s so far)", file=sys.stderr)
+        if (finished if world == 1 else broadcast(finished, rank)):
+            return waited
+
+
+def halt(why, saved: bool, out: str):
+    """Stop every rank for rank 0's reason (broadcast): a silent searcher or a signal."""
+    kind, what = why or ("signal", "a signal")
+    where = f"checkpoint in {os.path.join(out, 'checkpoint')}" if saved else "before the first step: nothing to save"
+    if kind == "silent":
+        raise Silent(f"{what}; {where}")
+    raise Stop(what, saved)
 
 
 def shutdown(procs, queue, stop, handoff):

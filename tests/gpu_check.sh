@@ -3,7 +3,8 @@
 # two tests of the warm-started tiny model are left out: CPU-only, and 15 s of warm start):
 #     bash tests/gpu_check.sh [python]      # default: python; GPU_CHECK_TIMEOUT=seconds (default 900)
 # Writes pytest.log and summary.txt to $GPU_CHECK_OUT (default: $OUT if set, else runs/gpu_check)
-# and exits with pytest's status (124: timed out).
+# and exits with pytest's status (124: timed out), or 3 when a part was skipped for a missing
+# package, or 4 when no GPU was visible; the summary says what was checked on the GPUs found.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-python}
@@ -33,9 +34,24 @@ timeout "${GPU_CHECK_TIMEOUT:-900}" "$PY" -m pytest -q -rs -p no:cacheprovider -
   tests/test_gpu.py tests/test_weight_protocol.py tests/test_loss.py \
   -k "not on_policy_gradient_is_reinforce and not chunked_logprobs_equal_the_plain" 2>&1 | tee "$DEST/pytest.log"
 rc=${PIPESTATUS[0]}
+# what this machine let it check, said plainly; a skip for a missing package fails the check (a
+# summary that passed with half of it skipped would claim what was not run)
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$gpus" -ge 2 ]; then
+  checked="checked on $gpus GPUs: FSDP2 over NCCL with 2 ranks (all-gathers), weight reads on GPU 1 from GPU 0 (peer copies) and the two-device sync of the lock"
+elif [ "$gpus" -eq 1 ]; then
+  checked="checked on 1 GPU: FSDP2 at world size 1 (no NCCL all-gather), weight reads on the same GPU; NOT checked (they need 2 GPUs): GPU-to-GPU copies, the two-device sync, NCCL all-gathers"
+else
+  checked="no GPU visible: only the CPU parts ran; NOTHING of the GPU path was checked"
+fi
+missing=$(grep -E "^SKIPPED.*(could not import|No module named)" "$DEST/pytest.log" || true)
 {
   echo "== pytest exit status $rc$([ "$rc" -eq 124 ] && echo ' (timed out)')"
   grep -E "^(FAILED|ERROR|SKIPPED)" "$DEST/pytest.log"
   tail -n 1 "$DEST/pytest.log"
+  echo "== $checked"
+  [ -z "$missing" ] || echo "== parts skipped for a missing package (see above): the check is incomplete, exit status 3"
 } | tee -a "$SUMMARY"
+if [ "$rc" -eq 0 ] && [ -n "$missing" ]; then rc=3; fi
+if [ "$rc" -eq 0 ] && [ "$gpus" -eq 0 ]; then rc=4; fi  # run for the GPU path, and none was there
 exit "$rc"

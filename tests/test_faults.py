@@ -41,7 +41,7 @@ def searcher_pids(pid):
             if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
 
 
-def assert_all_gone(pids, within=5):
+def assert_all_gone(pids, within=30):
     deadline = time.time() + within
     alive = pids
     while alive and time.time() < deadline:
@@ -76,8 +76,8 @@ def test_signal_stops_everything_with_a_checkpoint(how, tiny_model, tmp_path):
             os.kill(proc.pid, signal.SIGTERM)
         else:
             os.killpg(proc.pid, signal.SIGINT)
-        output = proc.communicate(timeout=15)[0]
-        assert time.time() - t0 < 15
+        output = proc.communicate(timeout=60)[0]  # a hang: until a timeout of minutes; a loaded machine: seconds
+        assert time.time() - t0 < 60
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -88,11 +88,26 @@ def test_signal_stops_everything_with_a_checkpoint(how, tiny_model, tmp_path):
     assert state["step"] == max(r["step"] for r in metrics(out) if r["kind"] == "train")
 
 
+def catches(pid, sig) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (sig - 1) & 1)
+
+
 def test_signal_during_start_up_stops_quietly(tiny_model, tmp_path):
-    """While tba.py imports and checks (about a second in): one line, status 130, nothing left."""
+    """While tba.py imports and checks (seconds): one line, status 130, nothing left. The signal
+    goes as soon as tba.py's start-up handlers are in (Python catches SIGINT from its own start,
+    SIGTERM only once tba.py asks), not after a fixed sleep that a loaded machine may outlast."""
     out = tmp_path / "run"
     proc = start(["--model", tiny_model, *SMALL, "--out", str(out)], tmp_path)
-    time.sleep(1.0)
+    deadline = time.time() + 60
+    while not catches(proc.pid, signal.SIGTERM):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGINT)
     output = proc.communicate(timeout=30)[0]
     assert proc.returncode == 130, output[-3000:]

@@ -1,0 +1,138 @@
+"""Trainer memory: a formula for the trainer GPU's peak, checked against a measured peak on the CPU.
+
+    python memory.py                 # rho-math-1b's layer shape, scaled down to a few layers, on the CPU
+    python memory.py --layers 2 4    # the layer counts measured
+
+The trainer step (tba.load_policy with bf16 compute, tba.backward, AdamW) runs on the CPU under
+PyTorch's MemTracker (torch/distributed/_tools/mem_tracker.py), which attributes every live tensor
+to parameters, gradients, optimizer state or activations and records the peak. The models have
+rho-math-1b's layer shape (hidden 2048, MLP 5632, 32 heads with 4 key/value heads, vocabulary
+32,000) and 1-4 layers instead of 22, and the batch is one prompt of K responses, padded as GSM8K's
+are. From the measurements: the bytes kept for the backward pass per token and layer (with and
+without --activation-checkpointing) and a fixed part (logits and their gradients, which grow with
+tokens, not layers); the formula then predicts the peak of a model of another depth, which is
+measured too, and prints both. Finally it extrapolates to rho-math-1b at the paper's settings.
+"""
+
+import argparse
+import os
+import socket
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+import tba
+from buffer import Trajectory
+
+RHO = dict(hidden=2048, ffn=5632, heads=32, kv_heads=4, vocab=32000, layers=22, tie=False)  # realtreetune/rho-1b-sft-GSM8K
+
+
+def make(path, layers, vocab):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=RHO["hidden"], intermediate_size=RHO["ffn"], num_attention_heads=RHO["heads"],
+                         num_key_value_heads=RHO["kv_heads"], num_hidden_layers=layers, vocab_size=vocab,
+                         max_position_embeddings=2048, tie_word_embeddings=RHO["tie"])
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def measure(path, K, prompt, response, recompute) -> dict:
+    """One trainer step of one prompt x K responses of lengths up to `response` (bf16 compute), after
+    a first step (AdamW's state exists, as in every later step): the peak of live tensors during the
+    backward pass (MemTracker, bytes by kind), the bytes autograd keeps for the backward pass (each
+    storage once; FSDP2's gathered bf16 weights aside: they are freed after the forward and gathered
+    again), and the parameter count."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    cfg = tba.Config(model=path, prompts_per_step=1, samples_per_prompt=K, micro_batch=K, timeout=60)
+    model = tba.load_policy(path, torch.device("cpu"), "bfloat16", recompute)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    rng = np.random.default_rng(0)
+    lengths = np.linspace(response // 4, response, K).astype(int)  # responses of different lengths: padding
+    batch = [[Trajectory(0, rng.integers(4, 1000, size=int(n)).astype(np.int32), 1.0, -5.0, -5.0, 0)
+              for n in lengths]]
+    prompts = [rng.integers(4, 1000, size=prompt).tolist()]
+    step = lambda: tba.backward(model, batch, 1, prompts, 0, torch.device("cpu"), cfg, cfg.beta)
+    step()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    weights = {tuple(p.shape) for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if not (t.dim() <= 2 and tuple(t.shape) in weights):  # FSDP2's gathered weights: not activations
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return dict(peak={str(k): v for k, v in peak.items()}, saved=sum(saved.values()),
+                params=sum(p.numel() for p in model.parameters()), tokens=K * (prompt + response))
+
+
+def init():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(s.getsockname()[1]))
+    tba.init_distributed(tba.Config(timeout=600))
+
+
+def model_bytes(params) -> int:
+    """float32 weights, gradients and AdamW's two moments: 16 bytes a parameter (at the end of the
+    backward pass every gradient exists)."""
+    return 16 * params
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, nargs=3, default=[1, 2, 4], help="two depths to fit, one to check")
+    p.add_argument("--K", type=int, default=4, help="responses (sequences) in the pass")
+    p.add_argument("--prompt", type=int, default=200, help="prompt tokens")
+    p.add_argument("--response", type=int, default=128, help="longest response tokens")
+    p.add_argument("--vocab", type=int, default=RHO["vocab"])
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    init()
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for L in args.layers:
+            make(os.path.join(tmp, str(L)), L, args.vocab)
+            for recompute in (False, True):
+                out[L, recompute] = measure(os.path.join(tmp, str(L)), args.K, args.prompt, args.response, recompute)
+    a, b, c = args.layers
+    tokens = out[a, False]["tokens"]
+    print(f"rho-math-1b's layer shape, {args.K} sequences x up to {args.prompt + args.response} tokens "
+          f"({tokens} token slots), vocabulary {args.vocab}, bf16 compute, CPU")
+    fits = {}
+    for recompute in (False, True):
+        how = "with" if recompute else "without"
+        saved = {L: out[L, recompute]["saved"] for L in args.layers}
+        per_layer = (saved[b] - saved[a]) / (b - a)  # bytes kept a layer, all tokens
+        fixed = saved[a] - a * per_layer                 # embeddings' output, logits, the log-softmax chunks
+        fits[recompute] = (per_layer / tokens, fixed / tokens)
+        m = out[c, recompute]
+        predicted = 12 * m["params"] + fixed + c * per_layer  # at the backward pass's start: no gradient yet
+        predicted = max(predicted, 16 * m["params"])           # at its end: every gradient, no activation
+        print(f"{how} activation checkpointing: kept for the backward pass {per_layer / tokens / 1024:.1f} KB a token "
+              f"a layer and {fixed / tokens / 1024:.0f} KB a token besides; {c} layers: peak by the formula "
+              f"{predicted / 2**20:.0f} MiB, measured {m['peak']['Total'] / 2**20:.0f} MiB "
+              f"({100 * (predicted - m['peak']['Total']) / m['peak']['Total']:+.1f}%)")
+    # rho-math-1b at the paper's settings: 20 sequences of about 750 token slots (prompt + 512) a pass
+    P, T = 1.10e9, 20 * 750
+    shared, contexts = 2 * P, 0.5e9 * 4  # the bf16 copy for the searchers; CUDA contexts (trainer + 3 searchers)
+    for recompute in (False, True):
+        per_token_layer, per_token = fits[recompute]
+        kept = per_token_layer * T * RHO["layers"] + per_token * T
+        total = max(12 * P + kept, 16 * P) + shared + contexts
+        print(f"rho-math-1b, 20 x 750 tokens a pass, {'with' if recompute else 'without'} activation checkpointing: "
+              f"about {total / 1e9:.0f} GB on the trainer GPU (weights and AdamW {12 * P / 1e9:.1f}, kept for the "
+              f"backward pass {kept / 1e9:.1f}, shared copy {shared / 1e9:.1f}, CUDA contexts {contexts / 1e9:.1f})")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)

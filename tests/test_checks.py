@@ -1,0 +1,206 @@
+"""Memory and start-up checks of issue 19: activation checkpointing that changes no number, scoring
+passes without a KV cache, vLLM's engine core kept in the searcher process, and resuming from a
+checkpoint that is incomplete or run with other flags."""
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import tba
+from conftest import get_report, metrics, run_tba
+from test_faults import SMALL
+
+
+# ===== --activation-checkpointing =================================================================
+def recompute_rank(path, port, results):
+    """One gloo rank: the gradient of tba.backward on one batch, with and without recomputation, and
+    the bytes autograd saved for the backward pass in each case."""
+    import numpy as np
+    from buffer import Trajectory
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cfg = tba.Config(model=path, prompts_per_step=2, samples_per_prompt=4, micro_batch=8, timeout=60)
+        tba.init_distributed(cfg)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(4, 90, size=int(n)).tolist() for n in rng.integers(5, 12, size=4)]
+        batch = [[Trajectory(p, rng.integers(4, 90, size=int(rng.integers(2, 7))).astype(np.int32),
+                             float(rng.integers(2)), -5.0, -5.0, 0) for _ in range(4)] for p in (0, 2)]
+        out = {}
+        for recompute in (False, True):
+            model = tba.load_policy(path, torch.device("cpu"), "float32", recompute)
+            saved = []
+
+            def pack(t):
+                saved.append(t.numel() * t.element_size())
+                return t
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                sums = tba.backward(model, batch, 2, prompts, 0, torch.device("cpu"), cfg, cfg.beta)
+            out[recompute] = dict(loss=sums["loss"], saved=sum(saved),
+                                  grads={n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+        results.put({"loss": [out[r]["loss"] for r in (False, True)], "saved": [out[r]["saved"] for r in (False, True)],
+                     "differ": [n for n in out[False]["grads"]
+                                if not torch.equal(out[False]["grads"][n], out[True]["grads"][n])],
+                     "names": sorted(out[False]["grads"]) == sorted(out[True]["grads"])})
+    except BaseException:
+        results.put({"error": traceback.format_exc()})
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_activation_checkpointing_saves_less_and_changes_no_gradient(arch, tmp_path):
+    import tiny
+    path = str(tmp_path / "model")
+    kwargs = dict(arch="gpt_neox", tokenizer=tiny.make_bpe_tokenizer()) if arch == "gpt_neox" else {}
+    tiny.make_model(path, hidden=64, layers=3, heads=2, **kwargs)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    p = ctx.Process(target=recompute_rank, args=(path, port, results), daemon=True)
+    p.start()
+    try:
+        got = get_report(results, [p], 300)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    assert got["names"] and got["differ"] == [], got["differ"]  # bit for bit, same parameter names
+    assert got["loss"][0] == got["loss"][1]
+    assert got["saved"][1] < 0.6 * got["saved"][0], got["saved"]  # the blocks' activations are not kept
+
+
+def test_activation_checkpointing_gives_the_same_run(tiny_model, tmp_path):
+    """The synchronous run, same seed, with and without: the same loss rows and final weights."""
+    from transformers import AutoModelForCausalLM
+    common = ["--model", tiny_model, "--searchers", "0", "--steps", "4", "--seed", "5", *SMALL]
+    for name, extra in (("plain", []), ("recompute", ["--activation-checkpointing"])):
+        p = run_tba([*common, *extra, "--out", str(tmp_path / name)], tmp_path)
+        assert p.returncode == 0, p.stdout[-3000:]
+    rows = {n: [(r["step"], r["loss"], r["reward"]) for r in metrics(tmp_path / n) if r["kind"] == "train"]
+            for n in ("plain", "recompute")}
+    assert rows["plain"] == rows["recompute"] and len(rows["plain"]) == 4
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / n / "final").state_dict() for n in ("plain", "recompute"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ===== scoring passes build no KV cache ==========================================================
+def test_scoring_builds_no_kv_cache(tiny_neox, tiny_rm):
+    """pi_ref's log-probs (loss.sequence_logprobs, also the trainer's) and the reward model's scores
+    run one forward pass: a KV cache there is memory outside vLLM's budget for nothing."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from loss import collate, sequence_logprobs
+    from rewards import RewardModel
+    caches = []
+    record = lambda module, args, kwargs, output: caches.append(getattr(output, "past_key_values", None))
+    ref = AutoModelForCausalLM.from_pretrained(tiny_neox).eval()
+    ref.config.use_cache = True  # as the configs of Pythia and Llama checkpoints say
+    ref.register_forward_hook(record, with_kwargs=True)
+    pairs = [([5, 6, 7], np.array([8, 9], np.int32)), ([5, 6], np.array([10, 11, 12], np.int32))]
+    with torch.no_grad():
+        sequence_logprobs(ref, *collate(pairs, 0, "cpu"), 1.0)
+    rm = RewardModel(tiny_rm, "cpu", "float32", AutoTokenizer.from_pretrained(tiny_neox), False)
+    rm.model.config.use_cache = True
+    rm.model.base_model.register_forward_hook(record, with_kwargs=True)
+    rm.score([[5, 6, 7, 8], [5, 6]])
+    assert len(caches) == 2 and caches == [None, None], caches
+
+
+# ===== VLLM_ENABLE_V1_MULTIPROCESSING ===========================================================
+def test_vllm_multiprocessing_is_refused(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    p = run_tba(["--model", tiny_model, "--steps", "1", *SMALL, "--out", str(tmp_path / "run")], tmp_path)
+    assert p.returncode == 2, p.stdout[-3000:]
+    assert p.stdout.strip().splitlines() == [
+        "tba.py: error: VLLM_ENABLE_V1_MULTIPROCESSING=1: tba.py keeps vLLM's engine core in the searcher process "
+        "(the shared weights and their lock are there); unset it or set it to 0"], p.stdout[-3000:]
+
+
+# ===== resume edge cases ==========================================================================
+@pytest.fixture(scope="module")
+def checkpoint(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt")
+    p = run_tba(["--model", tiny_model, "--searchers", "0", "--steps", "2", "--save-every", "2", *SMALL,
+                 "--out", str(tmp / "a")], tmp)
+    assert p.returncode == 0, p.stdout[-3000:]
+    return tmp / "a" / "checkpoint"
+
+
+def test_resume_without_model_weights_is_refused(tiny_model, checkpoint, tmp_path):
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    os.remove(broken / "model" / "model.safetensors")
+    p = run_tba(["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(broken),
+                 "--out", str(tmp_path / "b")], tmp_path)
+    assert p.returncode == 2, p.stdout[-3000:]
+    assert p.stdout.strip().splitlines() == [
+        f"tba.py: error: --resume: {broken / 'model'} holds no weights (none of model.safetensors, "
+        f"model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json; an incomplete checkpoint?)"]
+
+
+def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, checkpoint, tmp_path):
+    flags = ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint)]
+    p = run_tba([*flags, "--temperature", "0.5", "--out", str(tmp_path / "b")], tmp_path)
+    assert p.returncode == 2, p.stdout[-3000:]
+    assert p.stdout.strip().splitlines() == [
+        "tba.py: error: --resume: --temperature 0.5 (was 1.0) cannot change mid-run (the checkpoint's buffer was "
+        "searched and scored with the old value)"]
+    p = run_tba([*flags, "--steps", "3", "--prompts-per-step", "2", "--save-every", "2", "--out", str(tmp_path / "c")],
+                tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert ("tba.py: resuming with flags that differ from the checkpoint's: --steps 3 (was 2), "
+            "--prompts-per-step 2 (was 4)") in p.stdout.splitlines(), p.stdout[-3000:]
+
+
+# ===== the run scripts ============================================================================
+def test_run_tldr_recomputes_activations_for_2_8b_only():
+    from test_run_scripts import dry_run
+    for size, on in (("410m", False), ("1b", False), ("2.8b", True)):
+        assert dry_run(script="run_tldr.sh", SIZE=size)[1].activation_checkpointing is on
+
+
+def test_run_gsm8k_header_examples_are_accepted():
+    """The GPU splits its header suggests pass tba.py's check of B against the trainer ranks."""
+    from test_run_scripts import dry_run
+    header = open(os.path.join(os.path.dirname(tba.__file__), "run_gsm8k.sh")).read().split("set -euo")[0]
+    examples = [line.split("#", 2)[1].strip() for line in header.splitlines() if "SEARCHERS=" in line and "bash" in line]
+    assert len(examples) >= 2
+    for example in examples:
+        words = example.split()
+        env = dict(w.split("=") for w in words if "=" in w and not w.startswith("-"))
+        args = words[words.index("run_gsm8k.sh") + 1:]
+        command, cfg = dry_run(*args, **env)
+        trainers = int(command[2].split("=")[1])
+        assert cfg.prompts_per_step % trainers == 0, example
+
+
+# ===== compute_mode: NVML errors =================================================================
+def test_compute_mode_is_unknown_when_nvml_does_not_know_the_device(monkeypatch):
+    """nvmlDeviceGetHandleByUUID fails for MIG devices and unknown UUIDs: no traceback, mode unknown."""
+    import sys
+    import types
+
+    class NVMLError(Exception):
+        pass
+
+    def unknown(uuid):
+        raise NVMLError("Not Found")
+    calls = []
+    fake = types.SimpleNamespace(NVMLError=NVMLError, nvmlInit=lambda: calls.append("init"),
+                                 nvmlShutdown=lambda: calls.append("shutdown"), nvmlDeviceGetHandleByUUID=unknown,
+                                 nvmlDeviceGetComputeMode=lambda handle: 0)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="MIG-1234"))
+    assert tba.compute_mode(0) is None
+    assert calls == ["init", "shutdown"]

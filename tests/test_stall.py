@@ -1,0 +1,170 @@
+"""A searcher that hangs (SIGSTOP: alive, but silent, like one stuck in vLLM or on a wedged GPU)
+and several trainer ranks waiting on rank 0: the run bounds staleness, warns, says what it waits
+for, and stops with status 1 after a checkpoint; every rank takes stop decisions together."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from conftest import ROOT, env, metrics
+from test_faults import SMALL, assert_all_gone, assert_checkpoint, searcher_pids, wait_for_steps
+
+
+def start(args, tmp, ranks=1):
+    """tba.py under torchrun with `ranks` trainer ranks; its output goes to tmp/output.txt (read it
+    while it runs) and, at the end, to proc.communicate()."""
+    log = open(tmp / "output.txt", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                             os.path.join(ROOT, "tba.py"), *args], cwd=tmp, env=env(tmp), stdout=log,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc.stdout = log
+    proc.communicate = lambda timeout: (proc.wait(timeout), (tmp / "output.txt").read_text())[1:]
+    return proc
+
+
+def train_steps(out):
+    return sum(r["kind"] == "train" for r in metrics(out))
+
+
+def freeze_searcher(proc, out, then=3, timeout=60):
+    """SIGSTOP the searcher while it holds no weight-sync lock: a searcher stopped inside its
+    reload (a few ms of each round) would also stop the trainer's next publish, a different fault.
+    The trainer taking `then` more steps (a publish every 2) shows the lock free; else retry."""
+    (pid,) = searcher_pids(proc.pid)
+    for _ in range(5):
+        n = train_steps(out)
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.time() + timeout  # generous: the machine may be loaded
+        while time.time() < deadline and train_steps(out) < n + then:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.1)
+        if train_steps(out) >= n + then:
+            return pid, n
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.5)
+    raise AssertionError("the trainer made no progress with the searcher stopped")
+
+
+def test_silent_searcher_bounds_staleness_warns_and_stops(tiny_model, tmp_path):
+    """The issue's probe: SIGSTOP the searcher. The trainer goes at most --max-staleness steps past
+    the newest data, says what it waits for, warns naming the searcher, and after --timeout of
+    silence stops with status 1 naming it, after a checkpoint of the last step."""
+    out, S, timeout = tmp_path / "run", 6, 40
+    proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, "--max-staleness", str(S),
+                  "--timeout", str(timeout), "--out", str(out)], tmp_path)
+    try:
+        wait_for_steps(proc, out, 3)
+        everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        pid, stopped_at = freeze_searcher(proc, out)
+        t0 = time.time()
+        output = proc.communicate(timeout=timeout + 120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, output[-3000:]
+    last = next(line for line in output.splitlines() if line.startswith("tba.py: error:"))  # torchrun's report follows
+    assert last.startswith(f"tba.py: error: searcher 0 (pid {pid}) has sent nothing for "), output[-3000:]
+    assert last.endswith(f"(--timeout {timeout}); checkpoint in {out / 'checkpoint'}"), last
+    assert time.time() - t0 < timeout + 60
+    assert f"tba.py: warning: searcher 0 (pid {pid}) has sent nothing for " in output, output[-3000:]
+    assert "tba.py: waiting for fresher data: the newest was sampled by the weights of step " in output, output[-3000:]
+    # the newest data is at most from the step the searcher stopped at (plus the few in flight)
+    steps = [r["step"] for r in metrics(out) if r["kind"] == "train"]
+    assert max(steps) <= stopped_at + 3 + S + 1, (stopped_at, max(steps))
+    state = assert_checkpoint(out)
+    assert state["step"] == max(steps)
+    assert_all_gone(everything)
+
+
+def test_ctrl_c_in_the_final_evaluation_wait_with_two_ranks(tiny_model, tmp_path):
+    """Two trainer ranks; the searcher stops before the end, so rank 0 waits for the final
+    evaluation; Ctrl-C there: both ranks write the checkpoint together (its gathers are collective)
+    and stop at once, with status 130 and nothing left behind."""
+    out, steps = tmp_path / "run", 30
+    proc = start(["--model", tiny_model, "--steps", str(steps), *SMALL, "--max-staleness", "0", "--timeout", "120",
+                  "--out", str(out)], tmp_path, ranks=2)
+    try:
+        wait_for_steps(proc, out, 3)
+        everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        freeze_searcher(proc, out)
+        deadline = time.time() + 120
+        while train_steps(out) < steps:
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(3)  # rank 0 in the wait for the final evaluation, rank 1 in its broadcast
+        t0 = time.time()
+        os.killpg(proc.pid, signal.SIGINT)
+        output = proc.communicate(timeout=30)[0]
+        assert time.time() - t0 < 30
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert f"tba.py: stopped by SIGINT; checkpoint in {out / 'checkpoint'}" in output, output[-3000:]
+    state = assert_checkpoint(out)
+    assert state["step"] == steps
+    assert_all_gone(everything)
+
+
+def test_two_ranks_outlast_the_process_group_timeout_while_rank_0_waits(tiny_model, tmp_path):
+    """Rank 0 waits for an initial buffer that takes longer than --timeout to fill (messages keep
+    coming, so nothing is wrong); rank 1 waits for it in collectives. It must not time out: rank 0
+    answers it every slice of the wait."""
+    out, timeout = tmp_path / "run", 30
+    proc = start(["--model", tiny_model, "--steps", "2", *SMALL, "--timeout", str(timeout), "--buffer-capacity",
+                  "1000", "--initial-buffer", "200000", "--out", str(out)], tmp_path, ranks=2)
+    waited = lambda: max(map(int, re.findall(r"waiting for the initial buffer \(.*\((\d+) s so far\)",
+                                             (tmp_path / "output.txt").read_text())), default=0)
+    try:  # rank 1 has waited longer than that in a broadcast (rank 0 loads its model after it)
+        deadline = time.time() + 600
+        while waited() < timeout + 15:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "output.txt").read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "tba.py: stopped by SIGTERM; before the first step: nothing to save" in output.splitlines(), output[-3000:]
+
+
+def test_watch_warns_then_stops_on_its_clock(monkeypatch):
+    """The watch on a fake clock: no warning before the first gap is known (start-up), a warning at
+    5 x the longest gap (10 s at least), once; Silent at --timeout; a message resets it all."""
+    import types
+    import pytest
+    import tba
+    now, lines = [1000.0], []
+    monkeypatch.setattr(tba.time, "time", lambda: now[0])
+    log = types.SimpleNamespace(print=lambda line, file=None: lines.append(line))
+    watch = tba.Watch([types.SimpleNamespace(pid=42)], 100.0, log, newest=-1)
+    now[0] += 90
+    watch.check()  # start-up: silent 90 s, no warning (no usual gap yet), under --timeout
+    watch.heard({"kind": "search", "searcher": 0, "version": 3})
+    now[0] += 4
+    watch.heard({"kind": "search", "searcher": 0, "version": 5})  # gap 4 s: warn after 20 s
+    assert watch.newest == 5 and lines == []
+    now[0] += 19
+    watch.check()
+    assert lines == []
+    now[0] += 2
+    watch.check()
+    watch.check()
+    assert len(lines) == 1 and lines[0].startswith("tba.py: warning: searcher 0 (pid 42) has sent nothing for 21 s")
+    watch.heard({"kind": "eval", "searcher": 0, "version": 4})
+    assert lines[-1] == "tba.py: searcher 0 sends again, after 21 s" and watch.newest == 5
+    now[0] += 100.5
+    with pytest.raises(tba.Silent, match=r"searcher 0 \(pid 42\) has sent nothing for 100 s \(--timeout 100\)"):
+        watch.check()
+
+
+def test_max_staleness_is_checked(tmp_path):
+    from conftest import run_tba
+    p = run_tba(["--max-staleness", "-1"], tmp_path)
+    assert p.returncode == 2 and p.stdout.strip().splitlines() == [
+        "tba.py: error: --max-staleness: must be 0 (no bound) or more"], p.stdout
