@@ -46,7 +46,7 @@ def measure(path, K, prompt, response, recompute) -> dict:
     again), and the parameter count."""
     from torch.distributed._tools.mem_tracker import MemTracker
     cfg = tba.Config(model=path, prompts_per_step=1, samples_per_prompt=K, micro_batch=K, timeout=60)
-    model = tba.load_policy(path, torch.device("cpu"), "bfloat16", recompute)
+    model = tba.load_policy(path, torch.device("cpu"), "bfloat16", recompute=recompute)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
     rng = np.random.default_rng(0)
     lengths = np.linspace(response // 4, response, K).astype(int)  # responses of different lengths: padding

@@ -1,4 +1,4 @@
-"""TBA: Trajectory Balance with Asynchrony (Bartoldson et al., NeurIPS 2025), on one machine.
+"""TBA: Trajectory Balance with Asynchrony (Bartoldson et al., NeurIPS 2025), from a laptop to several nodes.
 
 Searcher processes generate responses with vLLM and a local copy of the policy, score them and
 push them to the trainer without ever waiting for it (searcher.py). The trainer keeps learning

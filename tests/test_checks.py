@@ -33,7 +33,7 @@ def recompute_rank(path, port, results):
                              float(rng.integers(2)), -5.0, -5.0, 0) for _ in range(4)] for p in (0, 2)]
         out = {}
         for recompute in (False, True):
-            model = tba.load_policy(path, torch.device("cpu"), "float32", recompute)
+            model = tba.load_policy(path, torch.device("cpu"), "float32", recompute=recompute)
             saved = []
 
             def pack(t):
