@@ -454,9 +454,9 @@ def check(cfg: Config, world: int):
     need(cfg.micro_batch >= cfg.samples_per_prompt, "micro-batch", "must hold at least one prompt's K sequences")
     cfg.out = cfg.out or (os.path.dirname(os.path.abspath(cfg.resume)) if cfg.resume
                           else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}"))
-    if not cfg.resume and os.path.isdir(cfg.out) and os.listdir(cfg.out):
-        raise ConfigError(f"--out: {cfg.out} exists and is not empty (pass --resume to continue a run)")
-    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
+        if not cfg.resume and os.path.isdir(cfg.out) and os.listdir(cfg.out):  # see its probe file
+            raise ConfigError(f"--out: {cfg.out} exists and is not empty (pass --resume to continue a run)")
         check_writable(cfg.out)
     if cfg.resume:
         check_resumed_flags(cfg, cfg.resume)
@@ -600,7 +600,10 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
 
 # --- distributed helpers -------------------------------------------------------------------------
 def init_distributed(cfg):
-    """One process group even for a single process, so one code path serves 1 and N ranks."""
+    """One process group even for a single process, so one code path serves 1 and N ranks. Called
+    again (run() after main() under torchrun), it returns the group's ranks."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
     if "RANK" not in os.environ:  # plain `python tba.py`: a group of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -612,7 +615,9 @@ def init_distributed(cfg):
     # answer the other ranks every slice (wait_together); what remains is its time alone between two
     # collectives: a weight-sync lock (up to --timeout) or writing a checkpoint (minutes at 2.8B)
     timeout = datetime.timedelta(seconds=2 * cfg.timeout + 600)
-    dist.init_process_group(backend, timeout=timeout)
+    # but joining waits at most --timeout: a rank that failed before it joined never comes
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(cfg.timeout, 1)))
+    dist.distributed_c10d._set_pg_timeout(timeout)  # every later collective (torch/distributed/distributed_c10d.py:1616)
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
 
 
@@ -620,6 +625,22 @@ def full_state_dict(model) -> dict:
     """All ranks call; rank 0 gets the full weights on the CPU (Hugging Face names): for checkpoints."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def first_refusal(message: str | None) -> str | None:
+    """All ranks: the configuration error of the first rank that refused one (None if none did), so
+    that all stop together (ranks on other nodes may see other files). Sent as bytes, never pickled."""
+    data = torch.zeros(1024, dtype=torch.uint8)
+    if message:
+        raw = message.encode()[:1024]
+        data[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    gathered = [torch.zeros_like(data) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, data)
+    for r, g in enumerate(gathered):
+        if g.any():
+            text = bytes(g.numpy()).rstrip(b"\0").decode(errors="ignore")
+            return text if r == dist.get_rank() or r == 0 else f"(rank {r}) {text}"
+    return None
 
 
 def broadcast(obj, rank):
@@ -737,10 +758,22 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_env = int(os.environ.get("RANK", "0"))
     try:
-        nodes.check(cfg, world)
-        cfg, *data = check(cfg, world)
+        nodes.check(cfg, world)  # the launch's layout, before the ranks join
     except ConfigError as e:
         fail(f"tba.py: error: {e}", 2, rank_env)
+    if world > 1:  # the ranks join, then decide together whether the configuration holds
+        init_distributed(cfg)
+    try:
+        cfg, *data = check(cfg, world)
+        refusal = None
+    except ConfigError as e:
+        refusal = str(e)
+    if world > 1:
+        refusal = first_refusal(refusal)
+    if refusal:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        fail(f"tba.py: error: {refusal}", 2, rank_env)
     try:
         run(cfg, *data)
     except (Dead, Silent, FloatingPointError, TimeoutError) as e:  # a searcher died or went silent, a non-finite loss, a wait timed out

@@ -204,3 +204,41 @@ def test_compute_mode_is_unknown_when_nvml_does_not_know_the_device(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="MIG-1234"))
     assert tba.compute_mode(0) is None
     assert calls == ["init", "shutdown"]
+
+
+# ===== several ranks decide together whether the configuration holds =============================
+def refusal_rank(rank, port, results):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        none = tba.first_refusal(None)
+        one = tba.first_refusal("--model: é not found" if rank == 1 else None)  # non-ASCII survives
+        both = tba.first_refusal(f"rank {rank} refuses")
+        results.put((rank, none, one, both))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_refusal_on_one_rank_reaches_all():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").Queue()
+    mp.start_processes(refusal_rank, args=(port, results), nprocs=2, start_method="spawn")
+    got = sorted(results.get(timeout=10) for _ in range(2))
+    assert got == [(0, None, "(rank 1) --model: é not found", "rank 0 refuses"),
+                   (1, None, "--model: é not found", "rank 0 refuses")]
+
+
+def test_only_rank_0_looks_into_out(tiny_model, tmp_path, monkeypatch):
+    """Rank 0's write probe in --out must not make another rank refuse the run (a race seen in CI)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".write-test-1").write_text("ok")
+    cfg = tba.parse(["--model", tiny_model, *SMALL, "--out", str(out)])
+    monkeypatch.setenv("RANK", "1")
+    assert tba.check(cfg, 1)[0].out == str(out)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(tba.ConfigError, match="exists and is not empty"):
+        tba.check(tba.parse(["--model", tiny_model, *SMALL, "--out", str(out)]), 1)
