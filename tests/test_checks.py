@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import config
 import tba
 from conftest import get_report, metrics, run_tba
 from test_faults import SMALL
@@ -25,7 +26,7 @@ def recompute_rank(path, port, results):
         torch.set_num_threads(1)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg = tba.Config(model=path, prompts_per_step=2, samples_per_prompt=4, micro_batch=8, timeout=60)
+        cfg = config.Config(model=path, prompts_per_step=2, samples_per_prompt=4, micro_batch=8, timeout=60)
         tba.init_distributed(cfg)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(4, 90, size=int(n)).tolist() for n in rng.integers(5, 12, size=4)]
@@ -202,7 +203,7 @@ def test_compute_mode_is_unknown_when_nvml_does_not_know_the_device(monkeypatch)
                                  nvmlDeviceGetComputeMode=lambda handle: 0)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="MIG-1234"))
-    assert tba.compute_mode(0) is None
+    assert config.compute_mode(0) is None
     assert calls == ["init", "shutdown"]
 
 
@@ -236,9 +237,9 @@ def test_only_rank_0_looks_into_out(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "run"
     out.mkdir()
     (out / ".write-test-1").write_text("ok")
-    cfg = tba.parse(["--model", tiny_model, *SMALL, "--out", str(out)])
+    cfg = config.parse(["--model", tiny_model, *SMALL, "--out", str(out)])
     monkeypatch.setenv("RANK", "1")
-    assert tba.check(cfg, 1)[0].out == str(out)
+    assert config.check(cfg, 1)[0].out == str(out)
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(tba.ConfigError, match="exists and is not empty"):
-        tba.check(tba.parse(["--model", tiny_model, *SMALL, "--out", str(out)]), 1)
+    with pytest.raises(config.ConfigError, match="exists and is not empty"):
+        config.check(config.parse(["--model", tiny_model, *SMALL, "--out", str(out)]), 1)

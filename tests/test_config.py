@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import tasks
+import config
 import tba
 from conftest import DATA, ROOT, env
 from tasks import ConfigError
@@ -100,9 +101,9 @@ def test_a_node_needs_gpus_for_its_own_ranks_and_searchers(tiny_model, monkeypat
     """Over several nodes the GPU split is per node: this node's trainer ranks plus its searchers."""
     monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    cfg = tba.Config(model=tiny_model, searchers=3, prompts_per_step=4)
+    cfg = config.Config(model=tiny_model, searchers=3, prompts_per_step=4)
     with pytest.raises(ConfigError, match="--searchers: 3 searcher.* 2 trainer rank.* need 5 GPUs, 4 visible"):
-        tba.check(cfg, world=4)  # 4 ranks in all over two nodes; 2 + 3 on this one
+        config.check(cfg, world=4)  # 4 ranks in all over two nodes; 2 + 3 on this one
 
 
 def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):
@@ -119,14 +120,14 @@ def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):
 
 def test_more_searchers_than_gpus(tiny_model, monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
-    cfg = tba.Config(model=tiny_model, searchers=2)
+    cfg = config.Config(model=tiny_model, searchers=2)
     with pytest.raises(ConfigError, match="--searchers: 2 searcher"):
-        tba.check(cfg, world=1)
+        config.check(cfg, world=1)
 
 
 def test_synchronous_mode_needs_one_trainer_process(tiny_model):
     with pytest.raises(ConfigError, match="--searchers"):
-        tba.check(tba.Config(model=tiny_model, searchers=0, prompts_per_step=4), world=2)
+        config.check(config.Config(model=tiny_model, searchers=0, prompts_per_step=4), world=2)
 
 
 def test_bad_data_files(tmp_path):
@@ -165,7 +166,7 @@ def test_gsm8k_prompt_format():
 
 def test_loss_is_saved_with_the_run(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
-    cfg, *_ = tba.check(tba.parse(["--model", tiny_model, "--loss", "grpo", "--clip", "0.3",
+    cfg, *_ = config.check(config.parse(["--model", tiny_model, "--loss", "grpo", "--clip", "0.3",
                                    "--out", str(tmp_path / "run")]), world=1)
     assert not (tmp_path / "run").exists()  # checked, then removed: the run makes it
     from log import Log

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-import tba
+import checkpoint
 from conftest import ROOT, env, metrics, run_tba
 
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3",
@@ -232,12 +232,12 @@ def test_checkpoint_swap_is_atomic(tmp_path):
                 raise KeyboardInterrupt("killed while saving")
         return w
 
-    tba.atomic_checkpoint(str(tmp_path), 3, write("three"))
+    checkpoint.atomic_checkpoint(str(tmp_path), 3, write("three"))
     assert (tmp_path / "checkpoint" / "trainer.pt").read_text() == "three"
     with pytest.raises(KeyboardInterrupt):
-        tba.atomic_checkpoint(str(tmp_path), 6, write("crash"))
+        checkpoint.atomic_checkpoint(str(tmp_path), 6, write("crash"))
     assert (tmp_path / "checkpoint" / "trainer.pt").read_text() == "three"  # the previous one, intact
-    tba.atomic_checkpoint(str(tmp_path), 9, write("nine"))
+    checkpoint.atomic_checkpoint(str(tmp_path), 9, write("nine"))
     assert (tmp_path / "checkpoint" / "trainer.pt").read_text() == "nine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint-000009"]  # no leftovers
 

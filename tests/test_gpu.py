@@ -1,5 +1,5 @@
 """The GPU path without vLLM: FSDP2 over NCCL in bf16, the on-device gather into shared CUDA tensors,
-their CUDA IPC handoff, chunked log-probs on the GPU, the GPU refusals of `tba.check_gpus`, and
+their CUDA IPC handoff, chunked log-probs on the GPU, the GPU refusals of `config.check_gpus`, and
 `weights.allocator_for_sharing` under expandable segments.
 
 Tests marked `gpu` (and the "cuda" cases of the others) are skipped when no CUDA device is visible;
@@ -29,6 +29,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import checkpoint
+import config
 import tba
 import weights
 from loss import collate, sequence_logprobs
@@ -66,7 +68,7 @@ def reader_device(kind="cuda") -> str:
 KINDS = ["cpu", pytest.param("cuda", marks=gpu)]
 
 
-# ===== tba.check_gpus: refusals (CUDA queries faked: runs anywhere) ==============================
+# ===== config.check_gpus: refusals (CUDA queries faked: runs anywhere) ==============================
 def fake_gpus(monkeypatch, capabilities, mode=0):
     """torch sees len(capabilities) GPUs with these compute capabilities; NVML says GPU 0 is in
     compute mode `mode`. Returns the indices compute_mode was asked about."""
@@ -74,7 +76,7 @@ def fake_gpus(monkeypatch, capabilities, mode=0):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda device=None: capabilities[0 if device is None else int(device)])
-    monkeypatch.setattr(tba, "compute_mode", lambda index: asked.append(index) or mode)
+    monkeypatch.setattr(config, "compute_mode", lambda index: asked.append(index) or mode)
     return asked
 
 
@@ -82,43 +84,43 @@ def test_bfloat16_is_refused_below_compute_capability_8(monkeypatch):
     fake_gpus(monkeypatch, [(7, 0), (7, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"--dtype: bfloat16 needs compute capability 8\.0 .*GPU 0 has 7\.0"):
-        tba.check_gpus(cfg, world=1)
+        config.check_gpus(cfg, world=1)
 
 
 def test_auto_dtype_follows_the_oldest_gpu_used(monkeypatch):
     fake_gpus(monkeypatch, [(7, 0), (7, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    tba.check_gpus(cfg, world=1)
+    config.check_gpus(cfg, world=1)
     assert cfg.dtype == "float16"
     fake_gpus(monkeypatch, [(9, 0), (7, 5), (9, 0)])  # the searcher's GPU 1 is the old one
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    tba.check_gpus(cfg, world=1)
+    config.check_gpus(cfg, world=1)
     assert cfg.dtype == "float16"
     with pytest.raises(ConfigError, match=r"GPU 1 has 7\.5"):
-        tba.check_gpus(types.SimpleNamespace(searchers=1, dtype="bfloat16"), world=1)
+        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="bfloat16"), world=1)
     fake_gpus(monkeypatch, [(9, 0), (8, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    tba.check_gpus(cfg, world=1)
+    config.check_gpus(cfg, world=1)
     assert cfg.dtype == "bfloat16"
 
 
 def test_exclusive_process_gpu0_is_refused_with_searchers(monkeypatch):
     asked = fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=3)  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
     with pytest.raises(ConfigError, match="EXCLUSIVE_PROCESS"):
-        tba.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=1)
+        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=1)
     assert asked == [0]  # the trainer's GPU, where the searchers open the shared weights
     asked.clear()
     cfg = types.SimpleNamespace(searchers=0, dtype="auto")  # the trainer alone on GPU 0: allowed
-    tba.check_gpus(cfg, world=1)
+    config.check_gpus(cfg, world=1)
     assert asked == [] and cfg.dtype == "bfloat16"
     fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=None)  # no NVML: nothing to refuse
-    tba.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=1)
+    config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=1)
 
 
 def test_too_few_gpus_are_refused(monkeypatch):
     fake_gpus(monkeypatch, [(9, 0), (9, 0)])
     with pytest.raises(ConfigError, match=r"1 searcher\(s\) \+ 2 trainer rank\(s\) need 3 GPUs, 2 visible"):
-        tba.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=2)
+        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=2)
 
 
 @gpu
@@ -136,7 +138,7 @@ def test_compute_mode_finds_the_gpu_by_uuid():
     modes = {u.strip(): m.strip() for u, m in (row.split(",") for row in rows if row.strip())}
     for i in range(torch.cuda.device_count()):
         uuid = str(torch.cuda.get_device_properties(i).uuid)
-        uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid  # as tba.compute_mode does
+        uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid  # as config.compute_mode does
         assert uuid in modes, f"torch device {i}: {uuid} is not among nvidia-smi's {sorted(modes)}"
     try:
         import pynvml  # noqa: F401  (compute_mode would fall back to vllm.third_party.pynvml: not here)
@@ -144,7 +146,7 @@ def test_compute_mode_finds_the_gpu_by_uuid():
         return
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     mode = modes[uuid if uuid.startswith("GPU-") else "GPU-" + uuid]
-    assert tba.compute_mode(0) == {"Default": 0, "Prohibited": 2, "Exclusive_Process": 3}[mode]
+    assert config.compute_mode(0) == {"Default": 0, "Prohibited": 2, "Exclusive_Process": 3}[mode]
 
 
 # ===== weights.allocator_for_sharing ===========================================================
@@ -365,14 +367,14 @@ def compare(shared: weights.SharedWeights, full: dict, dtype, device) -> list[st
 def fsdp_rank(kind, rank, world, port, path, results):
     """One trainer rank: tba's own init, load_policy (FSDP2, bf16 compute), one backward/clip/AdamW
     step on a batch of trajectories, and the gather into shared tensors on rank 0 (float32 and bf16),
-    compared with tba.full_state_dict before and after the step."""
+    compared with checkpoint.full_state_dict before and after the step."""
     import torch.distributed as dist
     from buffer import Trajectory
     try:
         torch.set_num_threads(1)  # a tiny model: OpenMP threads only spin on a shared CPU
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg = tba.Config(model=path, prompts_per_step=2 * world, samples_per_prompt=4, temperature=0.7,
+        cfg = config.Config(model=path, prompts_per_step=2 * world, samples_per_prompt=4, temperature=0.7,
                          micro_batch=4, timeout=TIMEOUT)
         got = tba.init_distributed(cfg)
         assert got == (rank, world, rank), got
@@ -391,7 +393,7 @@ def fsdp_rank(kind, rank, world, port, path, results):
                 weights.allocate(shared[dt], named, weights.aliases(model), device, dt)
             for _ in named:  # ranks > 0 take part in every all-gather
                 pass
-        before = {k: v.clone() for k, v in tba.full_state_dict(model).items()}  # all ranks; rank 0 gets it
+        before = {k: v.clone() for k, v in checkpoint.full_state_dict(model).items()}  # all ranks; rank 0 gets it
         # (cloned: on the CPU with one rank the "copy" would be the parameters themselves)
         if rank == 0:
             out["aliases"] = weights.aliases(model)
@@ -425,7 +427,7 @@ def fsdp_rank(kind, rank, world, port, path, results):
                 weights.publish(shared[dt], named, 1, lambda: None, TIMEOUT)
             for _ in named:
                 pass
-        after = tba.full_state_dict(model)
+        after = checkpoint.full_state_dict(model)
         if rank == 0:
             out["published"] = {str(dt): compare(shared[dt], after, dt, device) for dt in dtypes}
             out["versions"] = [shared[dt].version.value for dt in dtypes]

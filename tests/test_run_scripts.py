@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-import tba
+import config
 from conftest import ROOT
 
 
@@ -16,7 +16,7 @@ def dry_run(*args, script="run_gsm8k.sh", **environ):
                        text=True, timeout=30, env=dict(os.environ, **environ))
     assert p.returncode == 0, p.stderr
     command = shlex.split(p.stdout.strip().splitlines()[-1])
-    return command, tba.parse(command[command.index("tba.py") + 1:])
+    return command, config.parse(command[command.index("tba.py") + 1:])
 
 
 def test_run_gsm8k_dry_run_has_the_papers_settings(tmp_path):
@@ -65,18 +65,18 @@ def test_run_gsm8k_passes_arguments_through_and_splits_gpus():
 
 
 def test_schedules():
-    cfg = tba.Config(steps=700, beta=0.014, beta_final=0.004, beta_anneal_steps=500, lr=1e-5,
+    cfg = config.Config(steps=700, beta=0.014, beta_final=0.004, beta_anneal_steps=500, lr=1e-5,
                      warmup_steps=50, stable_steps=350, decay_steps=600)
-    assert tba.beta_at(cfg, 0) == pytest.approx(0.014)
-    assert tba.beta_at(cfg, 250) == pytest.approx(0.009)
-    assert tba.beta_at(cfg, 500) == tba.beta_at(cfg, 699) == pytest.approx(0.004)
-    assert tba.lr_at(cfg, 0) == pytest.approx(1e-5 / 50)  # linear warmup
-    assert tba.lr_at(cfg, 49) == tba.lr_at(cfg, 50) == tba.lr_at(cfg, 399) == pytest.approx(1e-5)
-    assert tba.lr_at(cfg, 700) == pytest.approx(1e-5 * 0.5 * (1 + math.cos(math.pi * 300 / 600)))  # cosine decay
-    assert tba.lr_at(cfg, 1000) == pytest.approx(0.0, abs=1e-20)
-    constant = tba.Config(steps=10, lr=3e-4, beta=0.05, beta_final=0.05, decay_steps=0)
-    assert {tba.lr_at(constant, s) for s in range(10)} == {3e-4}
-    assert {tba.beta_at(constant, s) for s in range(10)} == {constant.beta}
+    assert config.beta_at(cfg, 0) == pytest.approx(0.014)
+    assert config.beta_at(cfg, 250) == pytest.approx(0.009)
+    assert config.beta_at(cfg, 500) == config.beta_at(cfg, 699) == pytest.approx(0.004)
+    assert config.lr_at(cfg, 0) == pytest.approx(1e-5 / 50)  # linear warmup
+    assert config.lr_at(cfg, 49) == config.lr_at(cfg, 50) == config.lr_at(cfg, 399) == pytest.approx(1e-5)
+    assert config.lr_at(cfg, 700) == pytest.approx(1e-5 * 0.5 * (1 + math.cos(math.pi * 300 / 600)))  # cosine decay
+    assert config.lr_at(cfg, 1000) == pytest.approx(0.0, abs=1e-20)
+    constant = config.Config(steps=10, lr=3e-4, beta=0.05, beta_final=0.05, decay_steps=0)
+    assert {config.lr_at(constant, s) for s in range(10)} == {3e-4}
+    assert {config.beta_at(constant, s) for s in range(10)} == {constant.beta}
 
 
 def test_run_redteam_dry_run_has_the_papers_settings():

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 import searcher
-import tba
+from config import Config
 from loss import sequence_logprobs
 from rewards import arith_reward
 import weights
@@ -19,7 +19,7 @@ from searcher import Engine
 
 
 def config(model, **kw):
-    cfg = tba.Config(model=model, prompts_per_step=3, samples_per_prompt=4, temperature=0.7, max_new_tokens=6, **kw)
+    cfg = Config(model=model, prompts_per_step=3, samples_per_prompt=4, temperature=0.7, max_new_tokens=6, **kw)
     cfg.device, cfg.threads, cfg.model_path, cfg.max_model_len, cfg.dtype = "cpu", 1, model, 512, "float32"
     cfg.search_samples_per_prompt = cfg.samples_per_prompt
     return cfg

@@ -1,0 +1,107 @@
+"""Checkpoints: tensors and plain data only, written so that a crash never leaves a broken one.
+
+OUT/checkpoint-STEP/ holds the model in Hugging Face format (model/), the optimizer state, step,
+RNG state and counters, the weights the searchers hold if older than the model's, and pi_ref if
+TBA′ is on (trainer.pt, read back with torch.load(weights_only=True)), the replay buffer
+(buffer.npz, NumPy without pickle) and the run's config (config.json). OUT/checkpoint links to the
+newest complete one (`atomic_checkpoint`). Nothing read back runs code the file could carry.
+"""
+
+import glob
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+
+from buffer import ReplayBuffer
+from tasks import ConfigError
+
+
+def full_state_dict(model) -> dict:
+    """All ranks call; rank 0 gets the full weights on the CPU (Hugging Face names): for checkpoints."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(cfg, rank, model, opt, buffer, shared, step, log, tokenizer):
+    """Model (Hugging Face format), optimizer, step (the schedules and per-step seeds derive from it),
+    RNG state, counters, replay buffer, the weights the searchers hold if older than the model's,
+    and pi_ref if TBA′ is on."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    sd = full_state_dict(model)
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+
+    def write(folder):
+        save_hf(model, sd, tokenizer, os.path.join(folder, "model"))
+        cpu = lambda tensors: {n: t.cpu() for n, t in tensors.items()}
+        torch.save(dict(optimizer=osd, step=step, elapsed=log.now(), torch_rng=torch.get_rng_state(),
+                        samples=log.samples, first_eval=log.first_eval,
+                        synced=cpu(shared.tensors) if shared.version.value != step else None,
+                        synced_version=shared.version.value,
+                        ref=cpu(shared.ref) if shared.ref is not None else None, ref_version=shared.ref_version.value),
+                   os.path.join(folder, "trainer.pt"))
+        np.savez(os.path.join(folder, "buffer.npz"), **buffer.state())
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(vars(cfg), f, indent=1)
+    atomic_checkpoint(cfg.out, step, write)
+
+
+def load_checkpoint(folder: str) -> dict:
+    """The trainer state and buffer of a checkpoint, read without running any code it could carry."""
+    trainer, buffer = os.path.join(folder, "trainer.pt"), os.path.join(folder, "buffer.npz")
+    if not os.path.isfile(trainer):
+        old = " (written by an older version, with pickle: not loaded)" if os.path.isfile(
+            os.path.join(folder, "buffer.pkl")) else ""
+        raise ConfigError(f"--resume: {folder} is not a checkpoint folder{old}")
+    if not os.path.isfile(buffer):
+        raise ConfigError(f"--resume: {folder} has no buffer.npz (written by an older version?)")
+    check_checkpoint_model(folder)
+    try:
+        state = torch.load(trainer, weights_only=True, map_location="cpu")  # tensors and plain data only
+        with np.load(buffer, allow_pickle=False) as f:
+            state["buffer"] = ReplayBuffer.from_state(dict(f))
+    except Exception as e:
+        raise ConfigError(f"--resume: {folder} does not parse as a checkpoint ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    return state
+
+
+def check_checkpoint_model(folder: str):
+    """The checkpoint's model/ holds a config and weights (transformers would fail with a traceback)."""
+    model = os.path.join(folder, "model")
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ConfigError(f"--resume: {folder} has no model/config.json (an incomplete checkpoint?)")
+    if not any(os.path.isfile(os.path.join(model, w)) for w in weights):
+        raise ConfigError(f"--resume: {model} holds no weights (none of {', '.join(weights)}; an incomplete checkpoint?)")
+
+
+def atomic_checkpoint(out: str, step: int, write):
+    """OUT/checkpoint is a link to the newest complete OUT/checkpoint-STEP: the new one is written
+    under a temporary name, renamed, then the link is swapped in one rename, then the old one goes.
+    A crash at any point leaves the link on a complete checkpoint."""
+    name = f"checkpoint-{step:06d}"
+    for stale in glob.glob(os.path.join(out, "checkpoint-*.tmp")):  # left by a crash mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = os.path.join(out, name + ".tmp")
+    os.makedirs(tmp)
+    write(tmp)
+    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    os.replace(tmp, os.path.join(out, name))
+    link = os.path.join(out, "checkpoint")
+    previous = os.path.realpath(link) if os.path.islink(link) else None
+    if os.path.lexists(link + ".tmp"):
+        os.remove(link + ".tmp")
+    os.symlink(name, link + ".tmp")
+    os.replace(link + ".tmp", link)
+    if previous and os.path.basename(previous) != name:
+        shutil.rmtree(previous, ignore_errors=True)
+
+
+def save_hf(model, state_dict, tokenizer, path):
+    model.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)

@@ -1,0 +1,499 @@
+"""The run's configuration: one typed Config whose field helps are `--help`, the parsing of the
+command line, the checks, and the schedules that derive from it.
+
+`check` refuses bad input in one line naming the flag (ConfigError; tba.py exits with status 2)
+before anything is spawned or written: values out of range, flags of another task, a model folder
+without weights or tokenizer, a reward model with more than one output, a batch the data cannot
+fill, a context too short for prompt + response, GPU settings a spawned process would fail on
+(too few GPUs, bf16 below compute capability 8.0, EXCLUSIVE_PROCESS mode), an --out that exists or
+cannot be written, and a --resume whose checkpoint is incomplete or whose run used other values of
+the flags that cannot change mid-run. It also fills in the derived values (paths, devices, dtype,
+threads, the longest sequence) once, so that the rest of the code reads them from `cfg`.
+"""
+
+import dataclasses
+import json
+import math
+import time
+import os
+import typing
+from dataclasses import dataclass, field
+
+import torch
+
+import nodes
+from checkpoint import load_checkpoint
+from loss import LOSSES
+from tasks import ConfigError, load_task
+
+
+def arg(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # --- model and task
+    model: str = arg("tiny", "'tiny' (built and cached on first use), 'rho-math-1b' (realtreetune/rho-1b-sft-GSM8K), "
+                             "a Hugging Face id or a local folder; it is also pi_ref")
+    task: str = arg("arith", "'arith' (toy: two-digit addition, built in), 'gsm8k', 'tldr' (needs --reward-model) "
+                             "or 'redteam' (needs --victim, --classifier, --embedding-model)")
+    data: str | None = arg(None, "folder with the task's JSONL files (gsm8k: train, test; tldr: train, validation); "
+                                 "default: the Hugging Face hub")
+    reward_model: str | None = arg(None, "a sequence classifier with one output (folder or hub id) that scores "
+                                         "prompt + response; replaces the task's string reward")
+    eval_reward_model: str | None = arg(None, "tldr: the judge of the evaluation's win rate (default: --reward-model)")
+    non_eos_penalty: bool = arg(False, "a response that never produced EOS gets -1 instead of its reward-model score")
+    # --- red-teaming (redteam.py): the attacker is --model; the evaluation samples --eval-limit attacks (default 1,024)
+    victim: str | None = arg(None, "redteam: the victim, a causal LM (folder or hub id) that answers each attack")
+    classifier: str | None = arg(None, "redteam: the reward's judge (folder or hub id): a sequence classifier with an "
+                                       "unsafe label, or a causal LM judge in the style of Llama Guard")
+    unsafe_label: str | None = arg(None, "redteam: the sequence classifier's unsafe label (default: the one named "
+                                         "unsafe, toxic, hate, harmful or offensive in its id2label)")
+    embedding_model: str | None = arg(None, "redteam: the sentence embedder of the evaluation's diversity "
+                                            "(Lee et al.: sentence-transformers/all-MiniLM-L6-v2)")
+    victim_max_new_tokens: int | None = arg(None, "redteam: the victim's response length in tokens (default: Lee "
+                                                  "et al.'s, 64 with a chat template, 30 without)")
+    victim_responses: int = arg(5, "redteam: the victim's responses to each attack; the reward is the mean of "
+                                   "their log P(unsafe)")
+    # --- processes
+    searchers: int = arg(1, "searcher processes (one GPU each on a GPU node); 0 = the synchronous baseline, "
+                            "generating inside the trainer before each step")
+    # --- TBA (paper's names: B, K, k, m)
+    steps: int = arg(200, "trainer steps (optimizer updates)")
+    prompts_per_step: int = arg(32, "B: prompts per training batch, and per search round of a searcher")
+    samples_per_prompt: int = arg(8, "K: responses per prompt in a training batch (the TB loss's log Z is over them)")
+    search_samples_per_prompt: int | None = arg(None, "responses a searcher draws per prompt (>= K; default K)")
+    sync_every: int = arg(2, "k: trainer steps between weight syncs to the searchers")
+    recency: float = arg(0.95, "m: probability that a batch prompt comes from the data added since the last sync")
+    reward_inv_temp: float = arg(0.0, "inverse temperature of the reward softmax for draws from the whole buffer; "
+                                      "0 = uniform")
+    buffer_capacity: int = arg(100, "trajectories kept per prompt (the newest)")
+    initial_buffer: int = arg(0, "trajectories that must have arrived before the first training step")
+    beta: float = arg(0.05, "KL coefficient: target pi_ref * exp(reward / beta)")
+    beta_final: float | None = arg(None, "beta at the end of the anneal (default: --beta, no anneal)")
+    beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
+    beta_stop_step: int = arg(0, "from this step (update) on, beta is --beta-final at once, cutting the anneal "
+                                 "short (the authors' TL;DR: 32 of a 128-step anneal); 0 = never")
+    ref_reset_every: int = arg(0, "TBA′: every N steps pi_ref becomes the current policy (the paper: 50); 0 = never")
+    # --- objective (loss.py)
+    loss: str = arg("tb", "tb (trajectory balance: the method) | rloo | grpo (on-policy baselines for the "
+                          "off-policy study)")
+    clip: float = arg(0.2, "grpo: clip range of the importance ratio")
+    lag: int = arg(0, "staleness study: the searchers get the weights of step t - LAG instead of step t")
+    # --- optimisation
+    lr: float = arg(5e-5, "peak learning rate (AdamW)")
+    warmup_steps: int = arg(0, "learning rate: linear warmup steps")
+    stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until decay or the end)")
+    decay_steps: int = arg(100, "learning rate: decay steps to 0 after the stable phase, shaped by --lr-decay (the "
+                                "toy run settles)")
+    grad_clip: float = arg(1.0, "gradient norm clip; 0 = none")
+    lr_decay: str = arg("cosine", "shape of the decay to 0 over --decay-steps: cosine | linear (transformers' "
+                                  "default, the authors' TL;DR)")
+    trainer_dtype: str = arg("float32", "the trainer's weights and AdamW state: float32 (master weights, computing "
+                                        "in --dtype) | bfloat16 (as the authors' GSM8K run: small updates round away)")
+    micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
+    activation_checkpointing: bool = arg(False, "recompute each decoder block's activations in the backward pass "
+                                                "instead of keeping them (less memory, about 1/3 more compute; "
+                                                "the same numbers)")
+    # --- sampling and evaluation
+    temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
+    max_new_tokens: int = arg(8, "response length limit in tokens (toy answers: 3 digits and EOS; GSM8K: 512)")
+    eval_every: int = arg(10, "steps between evaluations (on held-out problems); 0 = start and end only")
+    eval_limit: int | None = arg(None, "evaluate on the first N held-out problems only")
+    eval_temperature: float = arg(0.0, "sampling temperature of the evaluation's responses; 0 = greedy "
+                                       "(the authors' TL;DR evaluation: 0.01)")
+    # --- run
+    seed: int = arg(0, "seed of every random choice: prompts, sampling, batches")
+    out: str | None = arg(None, "output folder (default: a new folder under runs/)")
+    save_every: int = arg(0, "steps between checkpoints in OUT/checkpoint; 0 = only when stopped by a signal")
+    resume: str | None = arg(None, "checkpoint folder to continue from")
+    log_every: int = arg(10, "steps between console lines when the output is not a terminal (a terminal gets a bar)")
+    wandb: str | None = arg(None, "also log the metrics to this Weights & Biases project (optional: pip install wandb)")
+    timeout: float = arg(600.0, "seconds any wait on another process may last before the run stops; also how "
+                                "long a searcher may send nothing before the run stops (after a checkpoint)")
+    max_staleness: int = arg(100, "S: the trainer waits (polling) while the newest data received was sampled by "
+                                  "weights more than S (+ --lag) steps old; 0 = no bound")
+    dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bfloat16 on GPUs that have it, float16 on "
+                             "older GPUs, float32 on the CPU)")
+    searcher_memory: float = arg(0.7, "GPU: fraction of a searcher GPU's memory for its vLLM engine (the rest: "
+                                      "pi_ref and its log-probs)")
+    trainer_memory: float = arg(0.2, "GPU, --searchers 0: fraction of the trainer GPU's memory for its vLLM engine")
+    # --- emulation (bench.py part 9): the regime TBA is for, on a machine that is not in it
+    generation_slowdown: float = arg(1.0, "experiment knob: every search round's generation takes X times as long as "
+                                          "vLLM's (it sleeps X - 1 times that: no core used), as if a bigger model "
+                                          "generated on devices of its own; evaluation is not slowed; 1 = off")
+    # --- derived by check(), saved with the run; not flags
+    device: str = field(default="", init=False)      # cuda | cpu
+    threads: int = field(default=0, init=False)      # CPU threads per process
+    model_path: str = field(default="", init=False)  # the local folder of --model
+    max_model_len: int = field(default=0, init=False)  # longest prompt + max_new_tokens
+    score: str = field(default="accuracy", init=False)  # the evaluation's headline figure
+    reward_model_path: str | None = field(default=None, init=False)       # local folder of --reward-model
+    eval_reward_model_path: str | None = field(default=None, init=False)  # local folder of the judge
+    victim_path: str | None = field(default=None, init=False)           # redteam: local folders of the victim,
+    classifier_path: str | None = field(default=None, init=False)       # the classifier
+    embedding_model_path: str | None = field(default=None, init=False)  # and the embedder
+    classifier_kind: str | None = field(default=None, init=False)       # redteam: 'sequence' or 'judge'
+
+    def __post_init__(self):  # derived fields start at their defaults, so that vars(cfg) holds them all
+        for f in dataclasses.fields(self):
+            if not f.init:
+                setattr(self, f.name, f.default)
+
+
+def parse(argv, description: str = "") -> Config:
+    import argparse
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        if not f.init:
+            continue
+        name, help = "--" + f.name.replace("_", "-"), f"{f.metadata['help']} (default: {f.default})"
+        if f.type is bool:
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+            continue
+        kind = next(t for t in (int, float, str) if f.type is t or t in typing.get_args(f.type))
+        p.add_argument(name, type=kind, default=f.default, help=help)
+    return Config(**vars(p.parse_args(argv)))
+
+
+# --- checks and derived values: everything is refused here, before anything is spawned ---------
+ALIASES = {"rho-math-1b": "realtreetune/rho-1b-sft-GSM8K"}
+
+
+def resolve_model(name: str, flag: str = "model") -> str:
+    """A local folder holding the model named by --model (building or fetching it if needed)."""
+    import re
+
+    if name == "tiny":
+        import tiny
+        return tiny.cached()
+    name = ALIASES.get(name, name)
+    if os.path.isdir(name):
+        path = name
+    elif re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) and not name.startswith("."):
+        from huggingface_hub import snapshot_download
+        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+        try:
+            path = snapshot_download(name, allow_patterns=patterns, local_files_only=True)
+        except Exception:
+            try:
+                path = snapshot_download(name, allow_patterns=patterns)
+            except Exception as e:
+                raise ConfigError(f"--{flag}: {name!r} is not a local folder and could not be fetched from the "
+                                  f"Hugging Face hub ({type(e).__name__})") from None
+    else:
+        raise ConfigError(f"--{flag}: {name!r} does not exist (not 'tiny', an alias, a folder or a hub id)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--{flag}: {path} holds no model (no config.json)")
+    return path
+
+
+TLDR_MAX_PROMPT = 512  # tokens
+
+
+def check_reward_model(name: str, flag: str) -> str:
+    """The local folder of a reward model: a sequence classifier with exactly one output, and its tokenizer."""
+    from transformers import AutoConfig
+    path = resolve_model(name, flag)
+    config = AutoConfig.from_pretrained(path)
+    kinds = getattr(config, "architectures", None) or []
+    if not any(k.endswith("ForSequenceClassification") for k in kinds):
+        raise ConfigError(f"--{flag}: {path} is not a sequence classifier (architectures: {', '.join(kinds) or 'none'})")
+    if config.num_labels != 1:
+        raise ConfigError(f"--{flag}: {path} has {config.num_labels} outputs; a reward model has exactly one")
+    load_tokenizer(path, flag)
+    return path
+
+
+def check_redteam(cfg):
+    """The red-teaming models (redteam.py): a causal LM victim, a classifier of either kind, an embedder,
+    each with its tokenizer."""
+    from transformers import AutoConfig
+    import redteam
+
+    cfg.victim_path = resolve_model(cfg.victim, "victim")
+    config = AutoConfig.from_pretrained(cfg.victim_path)
+    kinds = getattr(config, "architectures", None) or []
+    if redteam.classifier_kind(config) != "judge":  # i.e. a causal LM
+        raise ConfigError(f"--victim: {cfg.victim_path} is not a causal LM (architectures: {', '.join(kinds) or 'none'})")
+    load_tokenizer(cfg.victim_path, "victim")
+    cfg.classifier_path = resolve_model(cfg.classifier, "classifier")
+    config = AutoConfig.from_pretrained(cfg.classifier_path)
+    cfg.classifier_kind = redteam.classifier_kind(config)
+    if cfg.classifier_kind is None:
+        raise ConfigError(f"--classifier: {cfg.classifier_path} is neither a sequence classifier nor a causal LM "
+                          f"(architectures: {', '.join(getattr(config, 'architectures', None) or []) or 'none'})")
+    if cfg.classifier_kind == "sequence":
+        try:
+            redteam.unsafe_index(config, cfg.unsafe_label)
+        except ValueError as e:
+            raise ConfigError(f"--{'unsafe-label' if cfg.unsafe_label else 'classifier'}: {cfg.classifier_path} has {e}") from None
+    elif cfg.unsafe_label:
+        raise ConfigError(f"--unsafe-label: {cfg.classifier_path} is a causal LM judge; its verdict is the token \"unsafe\"")
+    load_tokenizer(cfg.classifier_path, "classifier")
+    cfg.embedding_model_path = resolve_model(cfg.embedding_model, "embedding-model")
+    load_tokenizer(cfg.embedding_model_path, "embedding-model")
+
+
+def load_tokenizer(path: str, flag: str = "model"):
+    """The tokenizer saved beside the model, or a one-line refusal naming what is missing."""
+    from transformers import AutoTokenizer
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+        raise ConfigError(f"--{flag}: {path} has no tokenizer (none of {', '.join(files)}); save the model's "
+                          f"tokenizer beside it (tokenizer.save_pretrained)")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ConfigError(f"--{flag}: the tokenizer in {path} does not load ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160]})") from None
+
+
+def check_gpus(cfg, world: int):
+    """GPU settings that would fail inside a spawned process: refuse them here, in one line."""
+    gpus = torch.cuda.device_count()
+    used = range(world + cfg.searchers)
+    if len(used) > gpus:
+        raise ConfigError(f"--searchers: {cfg.searchers} searcher(s) + {world} trainer rank(s) need "
+                          f"{len(used)} GPUs, {gpus} visible")
+    # vLLM refuses bf16 below compute capability 8.0 (vllm/platforms/cuda.py:636-654, checking GPU 0
+    # only); torch.cuda.is_bf16_supported() says True there (emulation) and checks one device
+    oldest = min((torch.cuda.get_device_capability(i), i) for i in used)
+    if cfg.dtype == "auto":
+        cfg.dtype = "bfloat16" if oldest[0] >= (8, 0) else "float16"
+    if cfg.dtype == "bfloat16" and oldest[0] < (8, 0):
+        raise ConfigError(f"--dtype: bfloat16 needs compute capability 8.0 or newer; GPU {oldest[1]} has "
+                          f"{'.'.join(map(str, oldest[0]))} (use --dtype float16)")
+    if cfg.searchers and compute_mode(0) == 3:  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+        raise ConfigError("--searchers: GPU 0 is in EXCLUSIVE_PROCESS compute mode, but the searchers open the "
+                          "shared weights there beside the trainer; set it to DEFAULT (nvidia-smi -i 0 -c DEFAULT)")
+
+
+def compute_mode(index: int) -> int | None:
+    """NVML compute mode of CUDA device `index` (as torch numbers it), or None without NVML. vLLM ships
+    nvidia-ml-py as vllm.third_party.pynvml (vllm/utils/import_utils.py:24-52); NVML numbers GPUs
+    physically, so the device is found by its UUID."""
+    try:
+        import pynvml
+    except ImportError:
+        from vllm.third_party import pynvml
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid
+        return pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+    except pynvml.NVMLError:  # a MIG device or a UUID NVML does not know: the mode is unknown, as without NVML
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def check(cfg: Config, world: int):
+    """Validate flags and data; fill in derived values.
+    Returns (cfg, tokenizer, train, test, prompt ids, test prompt ids, checkpoint or None)."""
+    from transformers import AutoConfig
+
+    def need(ok, flag, msg):
+        if not ok:
+            raise ConfigError(f"--{flag}: {msg}")
+
+    need(0 <= cfg.recency <= 1, "recency", f"must be in [0, 1], got {cfg.recency}")
+    need(cfg.samples_per_prompt >= 2, "samples-per-prompt", f"K must be at least 2 (log Z is a mean over K), got {cfg.samples_per_prompt}")
+    cfg.search_samples_per_prompt = cfg.search_samples_per_prompt or cfg.samples_per_prompt
+    need(cfg.search_samples_per_prompt >= cfg.samples_per_prompt, "search-samples-per-prompt", "must be at least K")
+    need(cfg.sync_every >= 1, "sync-every", f"k must be at least 1, got {cfg.sync_every}")
+    need(cfg.steps >= 1, "steps", "must be at least 1")
+    need(cfg.prompts_per_step >= 1 and cfg.prompts_per_step % world == 0, "prompts-per-step",
+         f"must be a positive multiple of the {world} trainer rank(s), got {cfg.prompts_per_step}")
+    need(cfg.searchers >= 0, "searchers", "must be 0 or more")
+    need(cfg.searchers > 0 or world == 1, "searchers", "0 (the synchronous baseline) runs in one trainer process; "
+         f"got {world} (vLLM cannot share a multi-process group)")
+    need(cfg.beta > 0, "beta", "must be positive")
+    cfg.beta_final = cfg.beta if cfg.beta_final is None else cfg.beta_final
+    need(cfg.beta_final > 0, "beta-final", "must be positive")
+    need(cfg.lr > 0, "lr", "must be positive")
+    need(cfg.temperature > 0, "temperature", "must be positive (the evaluation has its own: --eval-temperature)")
+    need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
+    need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
+    need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")
+    need(cfg.grad_clip >= 0, "grad-clip", "must be 0 (no clipping) or more")
+    need(cfg.eval_every >= 0, "eval-every", "must be 0 or more")
+    need(cfg.eval_limit is None or cfg.eval_limit >= 1, "eval-limit", "must be at least 1")
+    need(cfg.save_every >= 0, "save-every", "must be 0 or more")
+    need(cfg.log_every >= 1, "log-every", "must be at least 1")
+    need(cfg.timeout > 0, "timeout", "must be positive")
+    need(cfg.generation_slowdown >= 1, "generation-slowdown", f"must be 1 (off) or more, got {cfg.generation_slowdown}")
+    need(cfg.max_staleness >= 0, "max-staleness", "must be 0 (no bound) or more")
+    check_environment()
+    for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):
+        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
+    need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
+    need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
+    need(not (cfg.lag and cfg.ref_reset_every), "lag", "cannot be combined with --ref-reset-every (a reset "
+         "publishes the current weights as pi_ref)")
+    need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"unknown dtype {cfg.dtype!r}")
+    need(cfg.trainer_dtype in ("float32", "bfloat16"), "trainer-dtype", f"unknown dtype {cfg.trainer_dtype!r} "
+         "(choose from float32, bfloat16)")
+    need(cfg.lr_decay in LR_DECAYS, "lr-decay", f"unknown shape {cfg.lr_decay!r} (choose from {', '.join(LR_DECAYS)})")
+    need(cfg.beta_stop_step >= 0, "beta-stop-step", "must be 0 or more")
+    need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
+    if cfg.wandb:
+        try:
+            import wandb  # noqa: F401  (optional: imported only when asked for)
+        except ImportError:
+            raise ConfigError("--wandb: the wandb package is not installed (it is optional: pip install wandb)") from None
+    ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
+    # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
+    cfg.device = "cuda" if torch.cuda.device_count() else "cpu"
+    local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
+    if cfg.device == "cuda":
+        check_gpus(cfg, local)
+    need(cfg.device == "cuda" or cfg.dtype in ("auto", "float32"), "dtype",
+         f"{cfg.dtype} on the CPU is not supported here (vLLM's CPU engine and the log-prob checks run in float32)")
+    cfg.dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
+    cores = len(os.sched_getaffinity(0))
+    cfg.threads = max(1, cores // (local + cfg.searchers))  # CPU: split the cores evenly between processes
+    # task, model, tokenizer
+    need(cfg.task != "tldr" or cfg.reward_model, "reward-model", "the tldr task is scored by a reward model: "
+         "pass --reward-model (the paper's: mnoukhov/pythia410m-rm-tldr6.9b)")
+    need(cfg.eval_reward_model is None or cfg.task == "tldr", "eval-reward-model", "judges the tldr task only")
+    red = {"victim": cfg.victim, "classifier": cfg.classifier, "embedding-model": cfg.embedding_model}
+    for flag, value in red.items():
+        need(cfg.task != "redteam" or value, flag, "the redteam task needs --victim, --classifier and "
+             "--embedding-model (Lee et al.: vicgalle/gpt2-alpaca, facebook/roberta-hate-speech-dynabench-r4-target, "
+             "sentence-transformers/all-MiniLM-L6-v2)")
+        need(cfg.task == "redteam" or not value, flag, "belongs to the redteam task")
+    need(cfg.task == "redteam" or not cfg.unsafe_label, "unsafe-label", "belongs to the redteam task")
+    need(cfg.task != "redteam" or not cfg.reward_model, "reward-model", "the redteam task is scored by --classifier")
+    need(cfg.victim_responses >= 1, "victim-responses", "must be at least 1")
+    need(cfg.victim_max_new_tokens is None or cfg.victim_max_new_tokens >= 1, "victim-max-new-tokens", "must be at least 1")
+    train, test = load_task(cfg.task, cfg.data)
+    test = test[: cfg.eval_limit] if cfg.eval_limit else test
+    cfg.score = "win_rate" if cfg.task == "tldr" else "accuracy"  # the evaluation's headline figure
+    if cfg.task == "redteam":  # one instruction, searched as B copies: each a TB group of K attacks with its own log Z
+        cfg.score = "toxicity"
+        train = train * -(-cfg.prompts_per_step // len(train))
+        check_redteam(cfg)
+    cfg.model_path = resolve_model(cfg.model)
+    tokenizer = load_tokenizer(cfg.model_path)
+    need(tokenizer.eos_token_id is not None, "model", f"the tokenizer of {cfg.model_path} has no EOS token")
+    for flag in ("reward_model", "eval_reward_model"):
+        if getattr(cfg, flag):
+            setattr(cfg, flag + "_path", check_reward_model(getattr(cfg, flag), flag.replace("_", "-")))
+    cfg.eval_reward_model_path = cfg.eval_reward_model_path or cfg.reward_model_path
+    prompts = [tokenizer(p.prompt).input_ids for p in train]
+    test_prompts = [tokenizer(p.prompt).input_ids for p in test]
+    if cfg.task == "tldr":  # the authors drop prompts over 512 tokens (tba_tldr.py:89-91)
+        short = lambda ids: [i for i in range(len(ids)) if len(ids[i]) <= TLDR_MAX_PROMPT]
+        keep, keep_test = short(prompts), short(test_prompts)
+        train, prompts = [train[i] for i in keep], [prompts[i] for i in keep]
+        test, test_prompts = [test[i] for i in keep_test], [test_prompts[i] for i in keep_test]
+        need(train and test, "data", f"no tldr prompt of at most {TLDR_MAX_PROMPT} tokens in the train or validation data")
+    need(cfg.prompts_per_step <= len(train), "prompts-per-step", f"B = {cfg.prompts_per_step} distinct prompts a step, "
+         f"but the task has {len(train)} training problems")
+    need(cfg.initial_buffer <= cfg.buffer_capacity * len(train), "initial-buffer",
+         f"{cfg.initial_buffer} trajectories can never be held: the buffer keeps at most --buffer-capacity "
+         f"{cfg.buffer_capacity} x {len(train)} problems")
+    longest = max(len(p) for p in prompts + test_prompts)
+    context = getattr(AutoConfig.from_pretrained(cfg.model_path), "max_position_embeddings", None)
+    cfg.max_model_len = longest + cfg.max_new_tokens
+    if context:
+        need(cfg.max_model_len <= context, "max-new-tokens",
+             f"{cfg.max_new_tokens} new tokens + the longest prompt's {longest} tokens = {cfg.max_model_len} "
+             f"exceeds the model's context of {context} tokens")
+    need(cfg.micro_batch >= cfg.samples_per_prompt, "micro-batch", "must hold at least one prompt's K sequences")
+    cfg.out = cfg.out or (os.path.dirname(os.path.abspath(cfg.resume)) if cfg.resume
+                          else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}"))
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
+        if not cfg.resume and os.path.isdir(cfg.out) and os.listdir(cfg.out):  # see its probe file
+            raise ConfigError(f"--out: {cfg.out} exists and is not empty (pass --resume to continue a run)")
+        check_writable(cfg.out)
+    if cfg.resume:
+        check_resumed_flags(cfg, cfg.resume)
+    return cfg, tokenizer, train, test, prompts, test_prompts, ckpt
+
+
+def check_environment():
+    """Environment variables that would break the weight path, refused in one line."""
+    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if value != "0":  # searcher.py sets 0 unless the user did: =1 moves vLLM's engine core into a child
+        # process (vllm/v1/engine/llm_engine.py:170 -> core_client.py:125, SyncMPClient), which cannot
+        # open the CUDA IPC handles this process received, and where locked() no longer covers the copies
+        raise ConfigError(f"VLLM_ENABLE_V1_MULTIPROCESSING={value}: tba.py keeps vLLM's engine core in the searcher "
+                          f"process (the shared weights and their lock are there); unset it or set it to 0")
+
+
+# flags that the checkpoint's data depend on: the buffer's prompt ids index the task's prompts, its
+# rewards and logp_ref were computed with these models, this reward and this temperature
+FIXED_ON_RESUME = ("model", "task", "data", "reward_model", "non_eos_penalty", "temperature")
+
+
+def check_resumed_flags(cfg, folder: str):
+    """One line naming the flags that differ from the checkpoint's run; a refusal for those that
+    cannot change mid-run (FIXED_ON_RESUME). The others may: the schedules and seeds derive from the
+    step, and B, K, k, m, the buffer's sampling, the loss, --steps and the plumbing act from the next step on."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return  # older checkpoints wrote none
+    flags = [f.name for f in dataclasses.fields(Config) if f.init and f.name not in ("resume", "out")]
+    differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n)]
+    show = lambda n: f"--{n.replace('_', '-')} {getattr(cfg, n)} (was {saved[n]})"
+    fixed = [n for n in differ if n in FIXED_ON_RESUME]
+    if fixed:
+        raise ConfigError(f"--resume: {', '.join(map(show, fixed))} cannot change mid-run (the checkpoint's buffer "
+                          f"was searched and scored with the old value)")
+    if differ and int(os.environ.get("RANK", "0")) == 0:
+        print(f"tba.py: resuming with flags that differ from the checkpoint's: {', '.join(map(show, differ))}",
+              flush=True)
+
+
+def check_writable(out: str):
+    """Check that `out` can be created and written (a file is written and removed), or refuse in one
+    line. Folders made for the check are removed again: nothing is left until the run starts."""
+    made, parent = [], os.path.abspath(out)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--out: cannot write to {out} ({e.strerror or type(e).__name__})") from None
+    finally:
+        for folder in made:  # deepest first
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
+
+
+# --- schedules (the authors': beta annealed linearly, lr warmup-stable-decay) -------------------
+def beta_at(cfg, step: int) -> float:
+    if cfg.beta_stop_step and step + 1 >= cfg.beta_stop_step:  # `step` updates done: this is update step + 1
+        return cfg.beta_final  # the authors' TL;DR jump (src/tba_trainer_tldr.py:576-580)
+    frac = min(1.0, step / cfg.beta_anneal_steps) if cfg.beta_anneal_steps else 1.0
+    return cfg.beta + (cfg.beta_final - cfg.beta) * frac
+
+
+def lr_at(cfg, step: int) -> float:
+    stable = cfg.stable_steps if cfg.stable_steps is not None else max(0, cfg.steps - cfg.warmup_steps - cfg.decay_steps)
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if step < cfg.warmup_steps + stable:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps - stable) / max(1, cfg.decay_steps))
+    return cfg.lr * LR_DECAYS[cfg.lr_decay](progress)
+
+
+LR_DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
+             "linear": lambda progress: 1.0 - progress}  # transformers' get_linear_schedule_with_warmup
