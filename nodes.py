@@ -51,6 +51,7 @@ from weights import Dead
 
 POLL = 0.25  # s between two meetings of the leaders while rank 0 waits for data
 FIELDS = ("prompt_id", "reward", "logp_ref", "logp_behaviour", "version", "ref_version")  # with the length
+KINDS = (int, float, float, float, int, int)  # JSON takes Python's numbers, not NumPy's
 CONTINUE, DONE, FAILED = 0, 1, 2  # rank 0's decision after a meeting
 
 
@@ -183,7 +184,7 @@ def take(queue) -> list:
 def encode(trajectories: list[Trajectory], error: str | None = None) -> torch.Tensor:
     """uint8: 8-byte little-endian header length, the JSON header (each trajectory's FIELDS and
     response length; or an error line), then every response's token ids as little-endian int32."""
-    head = json.dumps({"error": error, "rows": [[*(getattr(t, f) for f in FIELDS), len(t.response)]
+    head = json.dumps({"error": error, "rows": [[*(k(getattr(t, f)) for f, k in zip(FIELDS, KINDS)), len(t.response)]
                                                 for t in trajectories]}).encode()
     tokens = np.concatenate([t.response for t in trajectories]).astype("<i4") if trajectories else np.zeros(0, "<i4")
     data = len(head).to_bytes(8, "little") + head + tokens.tobytes()
@@ -204,8 +205,7 @@ def decode(payload: torch.Tensor) -> tuple[list[Trajectory], str | None]:
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"a message from another node does not parse ({e})") from None
     ends = np.cumsum(lengths)
-    kinds = (int, float, float, float, int, int)
-    return [Trajectory(**{f: k(v) for f, k, v in zip(FIELDS, kinds, r)}, response=tokens[end - length:end].copy())
+    return [Trajectory(**{f: k(v) for f, k, v in zip(FIELDS, KINDS, r)}, response=tokens[end - length:end].copy())
             for r, length, end in zip(rows, lengths, ends)], error
 
 

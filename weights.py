@@ -8,7 +8,9 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
 2. Publishing (`publish`, trainer): every rank gathers each parameter in turn on its device
    (`gather`: FSDP2's all-gather, so memory holds one full parameter at a time); rank 0, holding
    the lock, copies it into its shared tensor, waits for the copies to finish, then moves `version`.
-   Over several nodes each node's first trainer process does what rank 0 does here (nodes.py).
+   The other ranks call `publish` too, with no shared copy: they only take part in the all-gathers
+   (`take_part`). Over several nodes each node's first trainer process does what rank 0 does here
+   (nodes.py).
 3. Reading (`locked`, searcher): when `version` has moved, the searcher takes the lock, loads the
    shared tensors into its engine, and waits for its devices to finish those copies before it
    lets the lock go, so that a publish can never overwrite weights still being read.
@@ -70,9 +72,20 @@ def aliases(model) -> dict:
     return {n: f for n, f in out.items() if n != f}
 
 
-def allocate(weights: SharedWeights, named, tied: dict, device, dtype, with_ref: bool = False):
-    """Allocate the shared copies (trainer rank 0, once), filled from `named` (name, tensor) pairs;
-    `tied` names ({name: name in `named`}) share their tensor."""
+def take_part(named):
+    """What a trainer rank that holds no shared copy (not its node's leader) does with `gather(model)`:
+    join each of its all-gathers, and drop the result. `allocate`, `publish` and `cpu_copy` do this
+    when they are given no shared copy, so every rank calls them alike."""
+    for _ in named:
+        pass
+
+
+def allocate(weights: SharedWeights | None, named, tied: dict, device, dtype, with_ref: bool = False):
+    """Allocate the shared copies (each node's leader, once), filled from `named` (name, tensor) pairs;
+    `tied` names ({name: name in `named`}) share their tensor. Every trainer rank calls it with
+    `gather(model)`; `weights` is None on the ranks that only take part in the all-gathers."""
+    if weights is None:
+        return take_part(named)
     with allocator_for_sharing(device):
         tensors = {name: share(torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                            device=device).copy_(t)) for name, t in named}
@@ -113,9 +126,12 @@ def allocator_for_sharing(device):
             torch._C._accelerator_setAllocatorSettings(conf)
 
 
-def publish(weights: SharedWeights, named, version: int, alive, timeout: float, to=("policy",)):
+def publish(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",)):
     """Copy (name, tensor) pairs into the shared tensors of `to` ("policy", "ref" or both), then move
-    their version(s). `named` may be `gather(model)`: it is consumed under the lock."""
+    their version(s). `named` may be `gather(model)`: it is consumed under the lock. Every trainer
+    rank calls it; `weights` is None on the ranks that only take part in the all-gathers."""
+    if weights is None:
+        return take_part(named)
     targets = [t for key, t in (("policy", weights.tensors), ("ref", weights.ref)) if key in to]
     with locked(weights, alive, timeout):
         for name, t in named:  # tied names share a tensor: `named` gives it once
@@ -126,6 +142,14 @@ def publish(weights: SharedWeights, named, version: int, alive, timeout: float, 
             weights.version.value = version
         if "ref" in to:
             weights.ref_version.value = version
+
+
+def cpu_copy(weights: SharedWeights | None, named) -> dict | None:
+    """The weights of `gather(model)` copied to the CPU (the staleness study, --lag, keeps each step's
+    until it is published), on the ranks that hold a shared copy; the others only take part."""
+    if weights is None:
+        return take_part(named)
+    return {n: t.detach().to("cpu", copy=True) for n, t in named}
 
 
 # --- searcher side -----------------------------------------------------------------------------------

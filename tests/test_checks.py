@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 import config
+import processes
 import tba
 from conftest import get_report, metrics, run_tba
 from test_faults import SMALL
@@ -27,7 +28,7 @@ def recompute_rank(path, port, results):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cfg = config.Config(model=path, prompts_per_step=2, samples_per_prompt=4, micro_batch=8, timeout=60)
-        tba.init_distributed(cfg)
+        processes.init_distributed(cfg)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(4, 90, size=int(n)).tolist() for n in rng.integers(5, 12, size=4)]
         batch = [[Trajectory(p, rng.integers(4, 90, size=int(rng.integers(2, 7))).astype(np.int32),
@@ -213,9 +214,9 @@ def refusal_rank(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        none = tba.first_refusal(None)
-        one = tba.first_refusal("--model: é not found" if rank == 1 else None)  # non-ASCII survives
-        both = tba.first_refusal(f"rank {rank} refuses")
+        none = processes.first_refusal(None)
+        one = processes.first_refusal("--model: é not found" if rank == 1 else None)  # non-ASCII survives
+        both = processes.first_refusal(f"rank {rank} refuses")
         results.put((rank, none, one, both))
     finally:
         dist.destroy_process_group()

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 
 import checkpoint
 import config
+import processes
 import tba
 import weights
 from loss import collate, sequence_logprobs
@@ -376,7 +377,7 @@ def fsdp_rank(kind, rank, world, port, path, results):
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cfg = config.Config(model=path, prompts_per_step=2 * world, samples_per_prompt=4, temperature=0.7,
                          micro_batch=4, timeout=TIMEOUT)
-        got = tba.init_distributed(cfg)
+        got = processes.init_distributed(cfg)
         assert got == (rank, world, rank), got
         device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
         if device.type == "cuda":

@@ -138,11 +138,11 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
     5 x the longest gap (10 s at least), once; Silent at --timeout; a message resets it all."""
     import types
     import pytest
-    import tba
+    import processes
     now, lines = [1000.0], []
-    monkeypatch.setattr(tba.time, "time", lambda: now[0])
+    monkeypatch.setattr(processes.time, "time", lambda: now[0])
     log = types.SimpleNamespace(print=lambda line, file=None: lines.append(line))
-    watch = tba.Watch([types.SimpleNamespace(pid=42)], 100.0, log, newest=-1)
+    watch = processes.Watch([types.SimpleNamespace(pid=42)], 100.0, log, newest=-1)
     now[0] += 90
     watch.check()  # start-up: silent 90 s, no warning (no usual gap yet), under --timeout
     watch.heard({"kind": "search", "searcher": 0, "version": 3})
@@ -159,7 +159,7 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
     watch.heard({"kind": "eval", "searcher": 0, "version": 4})
     assert lines[-1] == "tba.py: searcher 0 sends again, after 21 s" and watch.newest == 5
     now[0] += 100.5
-    with pytest.raises(tba.Silent, match=r"searcher 0 \(pid 42\) has sent nothing for 100 s \(--timeout 100\)"):
+    with pytest.raises(processes.Silent, match=r"searcher 0 \(pid 42\) has sent nothing for 100 s \(--timeout 100\)"):
         watch.check()
 
 

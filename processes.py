@@ -1,0 +1,281 @@
+"""The trainer's side of the process layout, apart from the algorithm: the process group, the
+searchers' start and stop, the waits and the faults.
+
+- Every wait polls, has a timeout and checks that the other side lives: `drain` takes the searchers'
+  messages (a dead searcher raises Dead, none for --timeout raises TimeoutError); `Watch` notices a
+  searcher that lives but has gone silent (a warning, then Silent, which stops the run after a
+  checkpoint).
+- Any decision that leads to a collective is taken by all ranks together: rank 0 decides and
+  broadcasts it (`share`, `share_batch`: plain data and tensors, never pickled), and its long waits
+  answer the other ranks every slice (`wait_together`), so that no rank sits in a collective while
+  rank 0 checkpoints alone. A refusal of the configuration on any rank stops all (`first_refusal`).
+- Signals (`Signals`): a checkpoint, then a stop with one line (`fail`), on every rank at once.
+"""
+
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from queue import Empty
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import nodes
+import searcher
+
+
+class Stop(Exception):
+    """A signal asked the run to stop (after a checkpoint, once training has begun)."""
+
+
+def fail(message: str, code: int, rank: int):
+    """Exit with one line. Under torchrun, also leave it in the worker's error file, so that
+    torchrun's failure report names it (torch/distributed/elastic/multiprocessing/errors/__init__.py,
+    _format_failure: it shows the file's message.extraInfo.py_callstack)."""
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(code)
+
+
+def init_distributed(cfg):
+    """One process group even for a single process, so one code path serves 1 and N ranks. Called
+    again (run() after main() under torchrun), it returns the group's ranks."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+    if "RANK" not in os.environ:  # plain `python tba.py`: a group of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(s.getsockname()[1]))
+    import datetime
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    # rank 0's long waits (engines starting, the initial buffer, fresher data, the final evaluation)
+    # answer the other ranks every slice (wait_together); what remains is its time alone between two
+    # collectives: a weight-sync lock (up to --timeout) or writing a checkpoint (minutes at 2.8B)
+    timeout = datetime.timedelta(seconds=2 * cfg.timeout + 600)
+    # but joining waits at most --timeout: a rank that failed before it joined never comes
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(cfg.timeout, 1)))
+    dist.distributed_c10d._set_pg_timeout(timeout)  # every later collective (torch/distributed/distributed_c10d.py:1616)
+    return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+
+
+def first_refusal(message: str | None) -> str | None:
+    """All ranks: the configuration error of the first rank that refused one (None if none did), so
+    that all stop together (ranks on other nodes may see other files). Sent as bytes, never pickled."""
+    data = torch.zeros(1024, dtype=torch.uint8)
+    if message:
+        raw = message.encode()[:1024]
+        data[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    gathered = [torch.zeros_like(data) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, data)
+    for r, g in enumerate(gathered):
+        if g.any():
+            text = bytes(g.numpy()).rstrip(b"\0").decode(errors="ignore")
+            return text if r == dist.get_rank() or r == 0 else f"(rank {r}) {text}"
+    return None
+
+
+def share(obj, rank: int):
+    """Rank 0's `obj` on every rank: plain data (None, bools, numbers, strings, lists), sent as JSON
+    bytes in a tensor, never pickled (other ranks may be other machines)."""
+    if dist.get_world_size() == 1:
+        return obj
+    return json.loads(broadcast_bytes(json.dumps(obj).encode() if rank == 0 else b"", rank))
+
+
+def share_batch(batch, rank: int):
+    """Rank 0's batch (groups of trajectories, or None) on every rank, in nodes.encode's bytes."""
+    if dist.get_world_size() == 1:
+        return batch
+    sizes = share(None if batch is None else [len(g) for g in batch], rank)
+    if sizes is None:
+        return None
+    data = nodes.encode([t for g in batch for t in g]).numpy().tobytes() if rank == 0 else b""
+    flat, _ = nodes.decode(torch.frombuffer(bytearray(broadcast_bytes(data, rank)), dtype=torch.uint8))
+    if rank == 0:
+        return batch
+    ends = np.cumsum(sizes).tolist()
+    return [flat[end - n:end] for n, end in zip(sizes, ends)]
+
+
+def broadcast_bytes(data: bytes, rank: int) -> bytes:
+    """Rank 0's bytes (not empty) on every rank: their length, then them."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0
+               else torch.empty(int(size.item()), dtype=torch.uint8))
+    dist.broadcast(payload, src=0)
+    return payload.numpy().tobytes()
+
+
+class Signals:
+    """SIGINT and SIGTERM: before the first step one stops the run at once (nothing to save, Stop);
+    after it, the first asks the trainer to stop after a checkpoint (`first`), and a second one
+    stops it at once (KeyboardInterrupt). Under torchrun, Ctrl-C's SIGINT reaches the trainer twice
+    at once (the terminal's and torchrun's): a second signal counts only after 1 s."""
+
+    def __init__(self):
+        self.first = None      # (name, time) of the first signal once training began
+        self.training = False  # set by the loop after its first step
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.training:
+            raise Stop(name, False)
+        if self.first and time.time() - self.first[1] > 1:
+            raise KeyboardInterrupt
+        self.first = self.first or (name, time.time())
+
+
+def start_searchers(ctx, cfg, rank: int, local_world: int, shared, prompts, answers, test_prompts, test_answers):
+    """Spawn this node's `--searchers` processes (searcher.run) before the trainer loads its model, so
+    that their vLLM engines start meanwhile. Searcher i of this node runs on GPU (trainer ranks + i);
+    node n's are numbered from n x searchers (their seeds differ); the node's first also evaluates.
+    Returns (processes, (trajectory queue, stop event, evaluation requests))."""
+    channels = (ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue())
+    queue, stop, evals = channels
+    first, procs = rank // local_world * cfg.searchers, []
+    for i in range(cfg.searchers):
+        dev = f"cuda:{local_world + i}" if cfg.device == "cuda" else "cpu"
+        p = ctx.Process(target=searcher.run, name=f"searcher-{first + i}", daemon=True,
+                        args=(first + i, dict(vars(cfg)), shared, queue, stop, evals if i == 0 else None,
+                              prompts, answers, test_prompts, test_answers, dev))
+        p.start()
+        procs.append(p)
+    return procs, channels
+
+
+def drain(queue, buffer, log, alive, done, timeout: float, watch=None, budget: float = math.inf) -> float:
+    """Move every waiting message into the buffer (trajectories) or the log (evaluations); then, while
+    not done(), wait for more, polling, checking the searchers (`watch`: silent ones too) and a
+    timeout, for at most `budget` seconds. Returns seconds waited."""
+    waited, deadline = 0.0, time.time() + timeout  # the deadline moves on with every message
+    end = time.time() + budget
+    while True:
+        block = not done() and time.time() < end
+        t0 = time.time()
+        try:
+            msg = queue.get(timeout=searcher.WAIT) if block else queue.get_nowait()
+        except Empty:
+            alive()
+            if watch is not None:
+                watch.check()
+            if not block:
+                return waited
+            waited += time.time() - t0
+            if time.time() > deadline:
+                raise TimeoutError(f"no message from the searchers in {timeout:.0f} s (see --timeout)")
+            continue
+        if block:
+            waited += time.time() - t0
+        deadline = time.time() + timeout
+        if watch is not None:
+            watch.heard(msg)
+        if msg["kind"] == "eval":
+            log.eval(msg["version"], msg["scores"], msg["example"], msg["seconds"], log.published[msg["version"]])
+        else:
+            buffer.add(msg["trajectories"])
+            log.samples += len(msg["trajectories"])
+            log.generate, log.slept = log.generate + msg["generate"], log.slept + msg["slept"]
+
+
+class Silent(Exception):
+    """A searcher sent nothing for --timeout seconds; the message names it."""
+
+
+class Watch:
+    """Rank 0 watches its searchers' messages. A searcher stuck in vLLM, on a wedged GPU or a stalled
+    file system still lives, and the trainer, which never waits once the buffer has data, would train
+    on frozen data without a word. So: a warning once a searcher has sent nothing for well over its
+    usual time between two messages (a round, or an evaluation), and Silent once --timeout passes
+    with nothing from it (start-up counts: vLLM's load and compile). `newest`: the newest weight
+    version that sampled data the trainer received (for --max-staleness)."""
+    WARN_FACTOR, WARN_MIN = 5.0, 10.0  # warn after 5 x its longest gap so far, 10 s at least
+
+    def __init__(self, procs, timeout: float, log, newest: int):
+        self.procs, self.timeout, self.log, self.newest = procs, timeout, log, newest
+        self.last = [time.time()] * len(procs)  # when each was last heard from (or spawned)
+        self.gap = [None] * len(procs)          # its longest time between two messages (None: one or none yet)
+        self.heard_once = [False] * len(procs)
+        self.warned = [False] * len(procs)
+
+    def heard(self, msg):
+        i, now = msg.get("searcher", 0), time.time()
+        if self.heard_once[i]:
+            self.gap[i] = max(self.gap[i] or 0.0, now - self.last[i])
+        if self.warned[i]:
+            self.log.print(f"tba.py: searcher {i} sends again, after {now - self.last[i]:.0f} s", file=sys.stderr)
+        self.last[i], self.heard_once[i], self.warned[i] = now, True, False
+        if msg["kind"] == "search":
+            self.newest = max(self.newest, msg["version"])
+
+    def check(self):
+        now = time.time()
+        for i, p in enumerate(self.procs):
+            quiet = now - self.last[i]
+            if quiet > self.timeout:
+                raise Silent(f"searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s (--timeout {self.timeout:g})")
+            usual = self.gap[i]
+            if usual is not None and not self.warned[i] and quiet > min(max(self.WARN_FACTOR * usual, self.WARN_MIN),
+                                                                         self.timeout / 2):
+                self.warned[i] = True
+                self.log.print(f"tba.py: warning: searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s "
+                               f"(usually every {usual:.1f} s at most); the run stops if it stays silent "
+                               f"{self.timeout:g} s (--timeout)", file=sys.stderr)
+
+
+def newest(buffer) -> int:
+    """The newest weight version among the buffer's data (a resumed buffer), or -1 if empty."""
+    return max((t.version for group in buffer.groups.values() for t, _ in group.values()), default=-1)
+
+
+def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float) -> float:
+    """Rank 0 waits (`wait(seconds)`, returning seconds waited) until `done()`, in slices of `slice_s`
+    seconds, saying after each what it still waits for (`what()`); after each slice it tells the
+    other ranks, which wait in a broadcast, whether to go on. So no collective waits longer than a
+    slice however long rank 0 waits, and every rank leaves the wait together. Returns seconds waited."""
+    waited = 0.0
+    while True:
+        finished = None
+        if rank == 0:
+            waited += wait(slice_s)
+            finished = done()
+            if not finished:
+                log.print(f"tba.py: waiting for {what()} ({waited:.0f} s so far)", file=sys.stderr)
+        if (finished if world == 1 else share(finished, rank)):
+            return waited
+
+
+def halt(why, saved: bool, out: str):
+    """Stop every rank for rank 0's reason (broadcast): a silent searcher or a signal."""
+    kind, what = why or ("signal", "a signal")
+    where = f"checkpoint in {os.path.join(out, 'checkpoint')}" if saved else "before the first step: nothing to save"
+    if kind == "silent":
+        raise Silent(f"{what}; {where}")
+    raise Stop(what, saved)
+
+
+def shutdown(procs, queue, stop, handoff):
+    """Stop the searchers: ask (they finish their round), then kill; nothing is left behind."""
+    stop.set()
+    deadline = time.time() + 5
+    for p in procs:
+        p.join(timeout=max(0.1, deadline - time.time()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    queue.cancel_join_thread()
+    handoff.cancel_join_thread()
