@@ -11,6 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tools"))  # bench, plot and trl_grpo, imported by their tests
 DATA = os.path.join(ROOT, "tests", "data", "gsm8k")
 TLDR = os.path.join(ROOT, "tests", "data", "tldr")
 
