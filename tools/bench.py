@@ -3,7 +3,7 @@
     python tools/bench.py                        # parts 1-5 (about 10 min on 2 CPU cores)
     python tools/bench.py --seeds 0 --cap 120    # a smaller budget
     python tools/bench.py --quick                # a tiny budget: checks that it runs, numbers mean little
-    python tools/bench.py --full --out runs/bench                # whole runs (the README's figures) ...
+    python tools/bench.py --full --out runs/bench                # whole runs (docs/performance.md's figures) ...
     python tools/plot.py runs/bench/seed0-searchers1 runs/bench/seed0-searchers0 runs/bench/seed0-trl   # ... as curves
     python tools/plot.py --study runs/bench/bench.json           # part 7's study as a picture
 

@@ -11,7 +11,7 @@ loss; the staleness of the batches (mean, and max dotted); the seconds the train
 Red-teaming runs (`--task redteam`) also get the paper's Pareto picture beside it (FILE_pareto.png):
 toxicity against diversity, one point per evaluation, each run's points joined in step order and
 its last one ringed.
-The README's pictures are drawn by this file from `bench.py`'s run folders and bench.json.
+The pictures in docs/ are drawn by this file from `bench.py`'s run folders and bench.json.
 matplotlib is imported here only (pip install matplotlib).
 """
 
