@@ -32,7 +32,7 @@ al., "Learning diverse attacks on large language models for robust red-teaming a
   all-MiniLM-L6-v2, theirs, does); `unique`, the share of distinct attacks.
 
 The victim, the classifier and the embedder are transformers models in the searcher process, built
-beside pi_ref under `Engine.transformers_models()` (searcher.py). README, "Red-teaming", gives their
+beside pi_ref under `Engine.transformers_models()` (searcher.py). docs/tasks.md, "Red-teaming", gives their
 cost against the attacker's generation and what a GPU node would need.
 
     python redteam.py --task redteam --victim V --classifier C --embedding-model E [tba.py flags]

@@ -11,7 +11,7 @@
 #   bash run_redteam.sh --victim-responses 3  # extra arguments pass through to tba.py (last wins)
 #
 # GPU split as in run_gsm8k.sh: TRAINERS GPUs train, the next SEARCHERS GPUs each run one searcher,
-# whose GPU also holds pi_ref, the victim and the classifier (README, "Red-teaming"). The one attack
+# whose GPU also holds pi_ref, the victim and the classifier (docs/tasks.md, "Red-teaming"). The one attack
 # prompt is searched as B = 16 copies of K = 8 attacks, so TRAINERS must divide 16.
 #
 # Where this differs from Lee et al.'s run:

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models made here (no downloads) and a runner for `tba.py` as a subprocess."""
+"""Shared fixtures: tiny models made here (no downloads; tests/models.py) and a runner for `tba.py` as a subprocess."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "tools"))  # bench, plot and trl_grpo, imported by their tests
 DATA = os.path.join(ROOT, "tests", "data", "gsm8k")
 TLDR = os.path.join(ROOT, "tests", "data", "tldr")
 
@@ -36,18 +37,18 @@ def tiny_model(tmp_path_factory):
 def tiny_neox(tmp_path_factory):
     """A tiny GPT-NeoX (Pythia's architecture; vLLM 0.32 serves it through its Transformers backend)
     with a byte-level BPE tokenizer (512 subword tokens), randomly initialised."""
-    import tiny
+    import models
     path = str(tmp_path_factory.mktemp("neox") / "model")
-    tiny.make_model(path, hidden=64, layers=2, heads=2, max_len=1024, arch="gpt_neox", tokenizer=tiny.make_bpe_tokenizer())
+    models.make_model(path, hidden=64, layers=2, heads=2, max_len=1024, arch="gpt_neox", tokenizer=models.make_bpe_tokenizer())
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_rm(tmp_path_factory):
     """A tiny GPT-NeoX reward model (one output) with the same BPE tokenizer as `tiny_neox`."""
-    import tiny
+    import models
     path = str(tmp_path_factory.mktemp("rm") / "model")
-    tiny.make_reward_model(path, arch="gpt_neox", tokenizer=tiny.make_bpe_tokenizer(), max_len=1024, seed=1)
+    models.make_reward_model(path, arch="gpt_neox", tokenizer=models.make_bpe_tokenizer(), max_len=1024, seed=1)
     return path
 
 

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-import tiny
+import models
 
 H = 16       # hidden size; one head of 16
 GAIN = 20.0  # how strongly the share of triggers moves the last position's first dimension
@@ -26,7 +26,7 @@ TRIGGER = " the"  # one token of the BPE tokenizer, common in GSM8K text
 
 
 def bpe():
-    return tiny.make_bpe_tokenizer()
+    return models.make_bpe_tokenizer()
 
 
 def trigger_id(tokenizer) -> int:
@@ -58,7 +58,7 @@ def _trigger_block(model, tokenizer, seed: int):
 
 
 def _config(tokenizer, **extra):
-    config = tiny.arch_config("llama", tokenizer, hidden=H, layers=1, heads=1, ffn=H, max_len=1024, **extra)
+    config = models.arch_config("llama", tokenizer, hidden=H, layers=1, heads=1, ffn=H, max_len=1024, **extra)
     config.tie_word_embeddings = False
     return config
 
@@ -108,14 +108,14 @@ def make_trigger_judge(out: str, tokenizer=None, seed: int = 0) -> str:
 
 def make_attacker(out: str, arch: str, tokenizer=None, seed: int = 0) -> str:
     """A randomly initialised tiny attacker of `arch` with the BPE tokenizer."""
-    tiny.make_model(out, hidden=64, layers=2, heads=2, max_len=1024, arch=arch, tokenizer=tokenizer or bpe(), seed=seed)
+    models.make_model(out, hidden=64, layers=2, heads=2, max_len=1024, arch=arch, tokenizer=tokenizer or bpe(), seed=seed)
     return out
 
 
 def make_embedder(out: str, tokenizer=None, seed: int = 3) -> str:
     """A randomly initialised tiny GPT-NeoX body whose hidden states embed sentences."""
     tokenizer = tokenizer or bpe()
-    model, _ = tiny.make_model(out, hidden=32, layers=1, heads=2, max_len=1024, arch="gpt_neox", tokenizer=tokenizer, seed=seed)
+    model, _ = models.make_model(out, hidden=32, layers=1, heads=2, max_len=1024, arch="gpt_neox", tokenizer=tokenizer, seed=seed)
     return _save(model.base_model, tokenizer, out)  # the body alone (architectures: GPTNeoXModel), as MiniLM's BertModel
 
 

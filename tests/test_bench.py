@@ -12,7 +12,7 @@ from conftest import ROOT, env
 
 def test_bench_quick(tiny_model, tmp_path):
     out = tmp_path / "bench"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--quick", "--out", str(out), "--",
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--quick", "--out", str(out), "--",
                         "--model", tiny_model, "--steps", "6", "--prompts-per-step", "4", "--samples-per-prompt", "4",
                         "--max-new-tokens", "6"],
                        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -39,7 +39,7 @@ def test_bench_quick(tiny_model, tmp_path):
 def test_bench_generation_bound_quick(tiny_model, tmp_path):
     """Part 9 on a tiny budget (X in {1, 4}, synchronous and one searcher): rows, slowdowns, ideal, picture."""
     out = tmp_path / "bench"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--quick", "--parts", "9", "--out", str(out),
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--quick", "--parts", "9", "--out", str(out),
                         "--", "--model", tiny_model, "--steps", "4", "--prompts-per-step", "4",
                         "--samples-per-prompt", "4", "--max-new-tokens", "6"],
                        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -59,10 +59,10 @@ def recompute_rank(path, port, results):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_activation_checkpointing_saves_less_and_changes_no_gradient(arch, tmp_path):
-    import tiny
+    import models
     path = str(tmp_path / "model")
-    kwargs = dict(arch="gpt_neox", tokenizer=tiny.make_bpe_tokenizer()) if arch == "gpt_neox" else {}
-    tiny.make_model(path, hidden=64, layers=3, heads=2, **kwargs)
+    kwargs = dict(arch="gpt_neox", tokenizer=models.make_bpe_tokenizer()) if arch == "gpt_neox" else {}
+    models.make_model(path, hidden=64, layers=3, heads=2, **kwargs)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -169,7 +169,7 @@ def test_runs_end_to_end(models, tmp_path, attacker, classifier, searchers):
     assert "held-out toxicity" in p.stdout
     if searchers and importlib.util.find_spec("matplotlib"):  # plot.py: the run picture and the Pareto one
         png = tmp_path / "run.png"
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(out), "-o", str(png)],
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot.py"), str(out), "-o", str(png)],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr
         pareto = tmp_path / "run_pareto.png"

@@ -17,11 +17,11 @@ def direct(path, sequences):
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
 def test_reward_model_scores_the_cut_response(arch, tmp_path):
-    import tiny
+    import models
     from transformers import AutoTokenizer
-    tok = tiny.make_bpe_tokenizer()
+    tok = models.make_bpe_tokenizer()
     path = str(tmp_path / "rm")
-    tiny.make_reward_model(path, arch=arch, tokenizer=tok)
+    models.make_reward_model(path, arch=arch, tokenizer=tok)
     policy_tok = AutoTokenizer.from_pretrained(path)
     eos = policy_tok.eos_token_id
     prompts = [tok("SUBREDDIT: r/jobs\n\nPOST: my boss wants weekends\n\nTL;DR:").input_ids, tok("47+85=").input_ids]
@@ -39,10 +39,10 @@ def test_reward_model_scores_the_cut_response(arch, tmp_path):
 
 def test_reward_model_with_another_vocabulary_scores_the_text(tiny_model, tmp_path):
     """A policy with a character tokenizer, a reward model with a BPE one: the text is tokenized again."""
-    import tiny
+    import models
     from transformers import AutoTokenizer
     path = str(tmp_path / "rm")
-    _, rm_tok = tiny.make_reward_model(path, arch="gpt_neox")
+    _, rm_tok = models.make_reward_model(path, arch="gpt_neox")
     policy_tok = AutoTokenizer.from_pretrained(tiny_model)
     rm = RewardModel(path, "cpu", "float32", policy_tok, non_eos_penalty=False)
     assert not rm.same_vocab

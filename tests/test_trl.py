@@ -57,7 +57,7 @@ def test_reached_tolerates_float_sums():
 
 def test_part8_skips_in_one_line(tiny_model, tmp_path):
     out = tmp_path / "bench"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--parts", "8", "--quick",
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--parts", "8", "--quick",
                         "--trl-python", str(tmp_path / "no-such-python"), "--out", str(out), "--", "--model", tiny_model],
                        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=300)
@@ -76,7 +76,7 @@ def trl_python():
 
 def test_trl_grpo_short_run(tiny_model, tmp_path):
     python, out = trl_python(), tmp_path / "trl"
-    p = subprocess.run([python, os.path.join(ROOT, "trl_grpo.py"), "--model", tiny_model, "--out", str(out),
+    p = subprocess.run([python, os.path.join(ROOT, "tools", "trl_grpo.py"), "--model", tiny_model, "--out", str(out),
                         "--steps", "4", "--eval-every", "2", "--eval-limit", "40", "--prompts-per-step", "4"],
                        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=300)

@@ -80,11 +80,11 @@ def test_plot_draws_a_run(logged_run, tmp_path):
     pytest.importorskip("matplotlib")
     out, _ = logged_run
     png = tmp_path / "run.png"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(out), str(out), "-o", str(png)],
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot.py"), str(out), str(out), "-o", str(png)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000  # six panels drawn
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), str(tmp_path)], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot.py"), str(tmp_path)], capture_output=True, text=True)
     assert p.returncode != 0 and p.stderr.strip() == f"plot.py: {tmp_path} has no metrics.jsonl (not a run folder)"
 
 
@@ -101,7 +101,7 @@ def test_plot_draws_trl_runs_and_the_study(tmp_path):
     (trl / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = tmp_path / "trl.png"
     p = subprocess.run([sys.executable, "-c", f"import sys; sys.argv = ['plot.py', {str(trl)!r}, '-o', {str(png)!r}]; "
-                        f"sys.path.insert(0, {ROOT!r}); import plot, matplotlib.axes as a; "
+                        f"sys.path.insert(0, {os.path.join(ROOT, 'tools')!r}); import plot, matplotlib.axes as a; "
                         "labels = []; legend = a.Axes.legend; "
                         "a.Axes.legend = lambda self, *x, **k: labels.extend(h.get_label() for h in self.get_lines()) or legend(self, *x, **k); "
                         "plot.main(); print(labels)"], capture_output=True, text=True, timeout=120)
@@ -112,7 +112,7 @@ def test_plot_draws_trl_runs_and_the_study(tmp_path):
         for loss in ("tb", "grpo") for lag in (0, 4) for seed in (0, 1)]}}
     (tmp_path / "bench.json").write_text(json.dumps(study))
     png = tmp_path / "study.png"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "plot.py"), "--study", str(tmp_path / "bench.json"), "-o", str(png)],
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot.py"), "--study", str(tmp_path / "bench.json"), "-o", str(png)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000

@@ -1,11 +1,11 @@
 """What asynchrony buys, measured on the machine at hand: one script for a CPU laptop or a GPU node.
 
-    python bench.py                        # parts 1-5 (about 10 min on 2 CPU cores)
-    python bench.py --seeds 0 --cap 120    # a smaller budget
-    python bench.py --quick                # a tiny budget: checks that it runs, numbers mean little
-    python bench.py --full --out runs/bench                # whole runs (the README's figures) ...
-    python plot.py runs/bench/seed0-searchers1 runs/bench/seed0-searchers0 runs/bench/seed0-trl   # ... as curves
-    python plot.py --study runs/bench/bench.json           # part 7's study as a picture
+    python tools/bench.py                        # parts 1-5 (about 10 min on 2 CPU cores)
+    python tools/bench.py --seeds 0 --cap 120    # a smaller budget
+    python tools/bench.py --quick                # a tiny budget: checks that it runs, numbers mean little
+    python tools/bench.py --full --out runs/bench                # whole runs (docs/performance.md's figures) ...
+    python tools/plot.py runs/bench/seed0-searchers1 runs/bench/seed0-searchers0 runs/bench/seed0-trl   # ... as curves
+    python tools/plot.py --study runs/bench/bench.json           # part 7's study as a picture
 
 It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
 1. time to target: the embedded default (`tba.py`, the toy task) with --searchers 1 (TBA) and
@@ -48,7 +48,7 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    rounds received per second, at most its step rate) and its speed-up, staleness (mean / max),
    draws per trajectory received, final and best held-out accuracy; the ideal speed-up
    min(N, (G + T) / T) from the synchronous runs' round time G and step time T. Also drawn:
-   OUT/generation_bound.png (`python plot.py --slowdown OUT/bench.json` draws it again).
+   OUT/generation_bound.png (`python tools/plot.py --slowdown OUT/bench.json` draws it again).
 Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher,
 on the devices a run would use: on a GPU node the trainer's GPU 0 and the first searcher's GPU 1.
 """
@@ -62,6 +62,9 @@ import sys
 import tempfile
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above tools/
+sys.path.insert(0, ROOT)  # for tba, searcher, ... when run as `python tools/bench.py`
+
 import searcher  # noqa: F401  (first: it sets vLLM's environment)
 import numpy as np
 import torch
@@ -72,8 +75,6 @@ import weights
 from buffer import Trajectory
 from loss import collate
 from searcher import Engine
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def timed(fn, repeat: int) -> float:
@@ -332,7 +333,7 @@ def reached(curve, level: float):
 
 def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: list[str]) -> dict:
     """Run trl_grpo.py to its end (or the time cap); times count from its launch, without evaluations."""
-    cmd = [python, os.path.join(ROOT, "trl_grpo.py"), "--seed", str(seed), "--out", out, "--model", model, *extra]
+    cmd = [python, os.path.join(ROOT, "tools", "trl_grpo.py"), "--seed", str(seed), "--out", out, "--model", model, *extra]
     launched = time.time()
     with open(out + ".log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -8,7 +8,7 @@ environment of its own (`bench.py --parts 8` makes one in ~/.cache/tba/trl-venv)
 
     python3.11 -m venv ~/.cache/tba/trl-venv
     ~/.cache/tba/trl-venv/bin/pip install torch==2.13.0 trl==1.13.0 transformers==5.19.0 requests
-    ~/.cache/tba/trl-venv/bin/python trl_grpo.py --seed 0 --out runs/trl-s0
+    ~/.cache/tba/trl-venv/bin/python tools/trl_grpo.py --seed 0 --out runs/trl-s0
 
 (TRL 1.13's GRPOTrainer imports `requests` without declaring it; hence the extra package.)
 It needs torch, transformers, tokenizers and datasets, not vLLM: this file imports only
@@ -61,8 +61,8 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above tools/
+sys.path.insert(0, ROOT)  # for tiny, rewards and tasks
 
 import torch
 

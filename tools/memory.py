@@ -1,7 +1,7 @@
 """Trainer memory: a formula for the trainer GPU's peak, checked against a measured peak on the CPU.
 
-    python memory.py                 # rho-math-1b's layer shape, scaled down to a few layers, on the CPU
-    python memory.py --layers 2 4    # the layer counts measured
+    python tools/memory.py                 # rho-math-1b's layer shape, scaled down to a few layers, on the CPU
+    python tools/memory.py --layers 2 4    # the layer counts measured
 
 The trainer step (tba.load_policy with bf16 compute, tba.backward, AdamW) runs on the CPU under
 PyTorch's MemTracker (torch/distributed/_tools/mem_tracker.py), which attributes every live tensor
@@ -19,6 +19,8 @@ import os
 import socket
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root, above tools/
 
 import numpy as np
 import torch

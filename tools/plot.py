@@ -1,8 +1,8 @@
 """Pictures of runs, drawn from their metrics.jsonl.
 
-    python plot.py RUN_DIR [RUN_DIR ...] [-o FILE.png]    # one or several runs side by side
-    python plot.py --study BENCH_JSON [-o FILE.png]        # bench.py part 7: score against staleness
-    python plot.py --slowdown BENCH_JSON [-o FILE.png]     # bench.py part 9: speed-up against searchers
+    python tools/plot.py RUN_DIR [RUN_DIR ...] [-o FILE.png]    # one or several runs side by side
+    python tools/plot.py --study BENCH_JSON [-o FILE.png]        # bench.py part 7: score against staleness
+    python tools/plot.py --slowdown BENCH_JSON [-o FILE.png]     # bench.py part 9: speed-up against searchers
 
 A run picture has six panels, one line per run: the held-out score (accuracy, or win rate for
 tldr) against seconds of training (wall time minus the trainer's evaluation and checkpoint time,
@@ -11,7 +11,7 @@ loss; the staleness of the batches (mean, and max dotted); the seconds the train
 Red-teaming runs (`--task redteam`) also get the paper's Pareto picture beside it (FILE_pareto.png):
 toxicity against diversity, one point per evaluation, each run's points joined in step order and
 its last one ringed.
-The README's pictures are drawn by this file from `bench.py`'s run folders and bench.json.
+The pictures in docs/ are drawn by this file from `bench.py`'s run folders and bench.json.
 matplotlib is imported here only (pip install matplotlib).
 """
 
