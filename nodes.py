@@ -3,7 +3,7 @@
     # on each of N nodes (node rank n), with the same flags everywhere:
     torchrun --nnodes N --node-rank n --nproc-per-node R --master-addr HOST0 --master-port 29500 tba.py ...
 
-On one node nothing here runs (tba.py's hooks check `multi`). On several:
+On one node nothing here runs (tba.py's Trainer checks `multi`). On several:
 - Each node has a leader, its trainer process with LOCAL_RANK 0. It does for its node what rank 0
   does on one node: it makes the node's `SharedWeights`, spawns the node's `--searchers` searchers
   (on the GPUs its node's trainer ranks leave free; on a CPU machine its share of the cores) and
@@ -19,7 +19,7 @@ On one node nothing here runs (tba.py's hooks check `multi`). On several:
   every node's searchers are known to run) the leaders meet in `collect`: each takes what its node's searchers
   queued, without waiting for more, and a gather over a gloo group of the leaders brings it to rank
   0, which keeps the one replay buffer, samples and logs as on one node. Node 0's own messages go
-  through tba.py's drain() as on one node; evaluations are searcher 0's of node 0, so they never
+  through processes.drain() as on one node; evaluations are searcher 0's of node 0, so they never
   cross nodes. Rank 0 decides in each meeting whether to wait on, and tells the others with the
   decision (a broadcast), so that every leader leaves the wait at the same meeting.
 - What crosses nodes is plain data: a uint8 tensor holding a length-prefixed JSON header (the

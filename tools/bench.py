@@ -70,6 +70,8 @@ import numpy as np
 import torch
 
 import plot  # reads run folders (matplotlib only when drawing)
+import config
+import processes
 import tba
 import weights
 from buffer import Trajectory
@@ -521,7 +523,7 @@ def main():
     repeat = 3 if args.quick else 10
 
     # the embedded default's config, as tba.py resolves it (this builds the tiny model if needed)
-    cfg, tokenizer, train, test, prompts, test_prompts, _ = tba.check(tba.parse(flags), world=1)
+    cfg, tokenizer, train, test, prompts, test_prompts, _ = config.check(config.parse(flags), world=1)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 2)  # what the trainer and the searcher each get in a run with one searcher
     torch.set_num_threads(threads)  # before any vLLM engine starts in this process
@@ -546,7 +548,7 @@ def main():
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
-    tba.init_distributed(cfg)
+    processes.init_distributed(cfg)
     if 5 in args.parts:
         result["trainer_overhead"] = trainer_overhead(cfg, prompts, repeat)
     if 4 in args.parts:

@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import numpy as np
 import torch
 
+import config
+import processes
 import tba
 from buffer import Trajectory
 
@@ -47,7 +49,7 @@ def measure(path, K, prompt, response, recompute) -> dict:
     storage once; FSDP2's gathered bf16 weights aside: they are freed after the forward and gathered
     again), and the parameter count."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    cfg = tba.Config(model=path, prompts_per_step=1, samples_per_prompt=K, micro_batch=K, timeout=60)
+    cfg = config.Config(model=path, prompts_per_step=1, samples_per_prompt=K, micro_batch=K, timeout=60)
     model = tba.load_policy(path, torch.device("cpu"), "bfloat16", recompute=recompute)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
     rng = np.random.default_rng(0)
@@ -80,7 +82,7 @@ def init():
         s.bind(("127.0.0.1", 0))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(s.getsockname()[1]))
-    tba.init_distributed(tba.Config(timeout=600))
+    processes.init_distributed(config.Config(timeout=600))
 
 
 def model_bytes(params) -> int:
