@@ -293,15 +293,15 @@ def compute_mode(index: int) -> int | None:
         pynvml.nvmlShutdown()
 
 
+def need(ok, flag: str, msg: str):
+    """Refuse in one line naming the flag unless `ok`."""
+    if not ok:
+        raise ConfigError(f"--{flag}: {msg}")
+
+
 def check(cfg: Config, world: int):
     """Validate flags and data; fill in derived values.
     Returns (cfg, tokenizer, train, test, prompt ids, test prompt ids, checkpoint or None)."""
-    from transformers import AutoConfig
-
-    def need(ok, flag, msg):
-        if not ok:
-            raise ConfigError(f"--{flag}: {msg}")
-
     need(0 <= cfg.recency <= 1, "recency", f"must be in [0, 1], got {cfg.recency}")
     need(cfg.samples_per_prompt >= 2, "samples-per-prompt", f"K must be at least 2 (log Z is a mean over K), got {cfg.samples_per_prompt}")
     cfg.search_samples_per_prompt = cfg.search_samples_per_prompt or cfg.samples_per_prompt
@@ -358,7 +358,25 @@ def check(cfg: Config, world: int):
     cfg.dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     cores = len(os.sched_getaffinity(0))
     cfg.threads = max(1, cores // (local + cfg.searchers))  # CPU: split the cores evenly between processes
-    # task, model, tokenizer
+    tokenizer, train, test, prompts, test_prompts = check_task(cfg)
+    need(cfg.micro_batch >= cfg.samples_per_prompt, "micro-batch", "must hold at least one prompt's K sequences")
+    cfg.out = cfg.out or (os.path.dirname(os.path.abspath(cfg.resume)) if cfg.resume
+                          else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}"))
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
+        if not cfg.resume and os.path.isdir(cfg.out) and os.listdir(cfg.out):  # see its probe file
+            raise ConfigError(f"--out: {cfg.out} exists and is not empty (pass --resume to continue a run)")
+        check_writable(cfg.out)
+    if cfg.resume:
+        check_resumed_flags(cfg, cfg.resume)
+    return cfg, tokenizer, train, test, prompts, test_prompts, ckpt
+
+
+def check_task(cfg: Config):
+    """The task's flags, data, model and tokenizer (and reward models, or red-teaming's models);
+    fills in their paths, the evaluation's headline score and the longest sequence.
+    Returns (tokenizer, train, test, prompt ids, test prompt ids)."""
+    from transformers import AutoConfig
+
     need(cfg.task != "tldr" or cfg.reward_model, "reward-model", "the tldr task is scored by a reward model: "
          "pass --reward-model (the paper's: mnoukhov/pythia410m-rm-tldr6.9b)")
     need(cfg.eval_reward_model is None or cfg.task == "tldr", "eval-reward-model", "judges the tldr task only")
@@ -406,16 +424,7 @@ def check(cfg: Config, world: int):
         need(cfg.max_model_len <= context, "max-new-tokens",
              f"{cfg.max_new_tokens} new tokens + the longest prompt's {longest} tokens = {cfg.max_model_len} "
              f"exceeds the model's context of {context} tokens")
-    need(cfg.micro_batch >= cfg.samples_per_prompt, "micro-batch", "must hold at least one prompt's K sequences")
-    cfg.out = cfg.out or (os.path.dirname(os.path.abspath(cfg.resume)) if cfg.resume
-                          else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}"))
-    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
-        if not cfg.resume and os.path.isdir(cfg.out) and os.listdir(cfg.out):  # see its probe file
-            raise ConfigError(f"--out: {cfg.out} exists and is not empty (pass --resume to continue a run)")
-        check_writable(cfg.out)
-    if cfg.resume:
-        check_resumed_flags(cfg, cfg.resume)
-    return cfg, tokenizer, train, test, prompts, test_prompts, ckpt
+    return tokenizer, train, test, prompts, test_prompts
 
 
 def check_environment():
