@@ -69,7 +69,7 @@ from loss import LOSSES, collate, sequence_logprobs, unique_pairs
 from processes import (Signals, Silent, Stop, Watch, drain, fail, first_refusal, halt, init_distributed,
                        newest, share, share_batch, shutdown, start_searchers, wait_together)
 from searcher import Engine
-from weights import Dead, aliases, allocate, cpu_copy, create, gather, publish
+from weights import Dead, aliases, allocate, cpu_copy, create, gather, publish, take_part
 
 
 # ===== the trainer loop: the trainer's side of the paper's Algorithm 1 ===========================
@@ -309,7 +309,15 @@ class Trainer:
             if not due:  # nothing old enough yet (and always on the other ranks): the searchers keep step 0's
                 return
             version, named = max(due), self.history[max(due)].items()
-        publish(self.shared, named, version, self.alive, self.cfg.timeout, to=("policy", "ref") if ref else ("policy",))
+        try:
+            publish(self.shared, named, version, self.alive, self.cfg.timeout, to=("policy", "ref") if ref else ("policy",))
+        except TimeoutError:  # the lock stayed taken: a searcher stopped while it read the weights
+            if self.rank != 0:
+                raise
+            take_part(named)  # the other ranks wait in these all-gathers; then all stop at the next batch
+            self.silent[:] = [f"the weight-sync lock was not free for {self.cfg.timeout:g} s: a searcher stopped "
+                              f"while it read the weights (--timeout {self.cfg.timeout:g})"]
+            return
         if self.leader:
             self.buffer.mark_sync()
             self.log.published[version] = self.log.clock()

@@ -168,3 +168,66 @@ def test_max_staleness_is_checked(tmp_path):
     p = run_tba(["--max-staleness", "-1"], tmp_path)
     assert p.returncode == 2 and p.stdout.strip().splitlines() == [
         "tba.py: error: --max-staleness: must be 0 (no bound) or more"], p.stdout
+
+
+def lock_rank(path, out, port, results):
+    """One trainer rank whose searcher stopped while it held the weight-sync lock (the lock taken
+    here and never given back): the publish gives up after --timeout and rank 0 records why, which
+    stops the run with a checkpoint at the next batch, as a silent searcher does."""
+    import time
+    import traceback
+    import types
+    import torch
+    import torch.distributed as dist
+    import config
+    import tba
+    import weights
+    from buffer import ReplayBuffer
+    try:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cfg, tok, train, test, prompts, test_prompts, _ = config.check(
+            config.parse(["--model", path, *SMALL, "--timeout", "2", "--out", out]), 1)
+        signals = types.SimpleNamespace(first=None, training=True)
+        t = tba.Trainer(cfg, tok, prompts, [p.answer for p in train], test_prompts, [p.answer for p in test], None,
+                        signals, time.time())
+        try:
+            t.model = tba.load_policy(cfg.model_path, t.device, "float32")
+            t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+            t.shared = weights.create(torch.multiprocessing.get_context("spawn"))
+            weights.allocate(t.shared, weights.gather(t.model), weights.aliases(t.model), t.device, torch.float32)
+            t.shared.lock.acquire()  # the stopped searcher's
+            t.step = 1
+            t0 = time.time()
+            t.sync_weights()
+            results.put({"silent": t.silent, "reason": t.reason(), "version": t.shared.version.value,
+                         "seconds": time.time() - t0})
+        finally:
+            t.log.close()
+    except BaseException:
+        results.put({"error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_searcher_stopped_holding_the_lock_stops_the_run_like_a_silent_one(tiny_model, tmp_path):
+    import socket
+    import torch.multiprocessing as mp
+    from conftest import get_report
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    p = ctx.Process(target=lock_rank, args=(tiny_model, str(tmp_path / "run"), port, results))
+    p.start()
+    try:
+        got = get_report(results, [p], 300)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    message = "the weight-sync lock was not free for 2 s: a searcher stopped while it read the weights (--timeout 2)"
+    assert got["silent"] == [message] and got["reason"] == ("silent", message)
+    assert got["version"] == 0 and got["seconds"] >= 2  # nothing published; it waited out --timeout
