@@ -31,20 +31,25 @@ def train_steps(out):
     return sum(r["kind"] == "train" for r in metrics(out))
 
 
-def freeze_searcher(proc, out, then=3, timeout=60):
-    """SIGSTOP the searcher while it holds no weight-sync lock: a searcher stopped inside its
-    reload (a few ms of each round) would also stop the trainer's next publish, a different fault.
-    The trainer taking `then` more steps (a publish every 2) shows the lock free; else retry."""
+def freeze_searcher(proc, out, then=3, window=60):
+    """SIGSTOP the searcher while it holds no weight-sync lock: a searcher stopped inside its reload
+    (a few ms of each round) stops the trainer's next publish instead, a different fault (see
+    test_a_searcher_stopped_holding_the_lock_stops_the_run_like_a_silent_one). The lock is known to be
+    free once the trainer has taken `then` more steps (a publish every 2), or once it says that it
+    waits for fresher data (it waits there, outside any publish, and never publishes again); else,
+    after `window` seconds (shorter than the run's --timeout), let the searcher go on and retry."""
+    output = out.parent / "output.txt"
+    waits = lambda: output.read_text().count("tba.py: waiting for fresher data")
     (pid,) = searcher_pids(proc.pid)
     for _ in range(5):
-        n = train_steps(out)
+        n, said = train_steps(out), waits()
         os.kill(pid, signal.SIGSTOP)
-        deadline = time.time() + timeout  # generous: the machine may be loaded
-        while time.time() < deadline and train_steps(out) < n + then:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
+        deadline = time.time() + window  # generous: the machine may be loaded
+        while time.time() < deadline:
+            assert proc.poll() is None, output.read_text()[-3000:]
+            if train_steps(out) >= n + then or waits() > said:
+                return pid, n
             time.sleep(0.1)
-        if train_steps(out) >= n + then:
-            return pid, n
         os.kill(pid, signal.SIGCONT)
         time.sleep(0.5)
     raise AssertionError("the trainer made no progress with the searcher stopped")
@@ -60,7 +65,7 @@ def test_silent_searcher_bounds_staleness_warns_and_stops(tiny_model, tmp_path):
     try:
         wait_for_steps(proc, out, 3)
         everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        pid, stopped_at = freeze_searcher(proc, out)
+        pid, stopped_at = freeze_searcher(proc, out, window=25)  # < --timeout
         t0 = time.time()
         output = proc.communicate(timeout=timeout + 120)[0]
     finally:
