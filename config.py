@@ -119,7 +119,7 @@ class Config:
     searcher_memory: float = arg(0.7, "GPU: fraction of a searcher GPU's memory for its vLLM engine (the rest: "
                                       "pi_ref and its log-probs)")
     trainer_memory: float = arg(0.2, "GPU, --searchers 0: fraction of the trainer GPU's memory for its vLLM engine")
-    # --- emulation (bench.py part 9): the regime TBA is for, on a machine that is not in it
+    # --- emulation (tools/bench.py part 9): the regime TBA is for, on a machine that is not in it
     generation_slowdown: float = arg(1.0, "experiment knob: every search round's generation takes X times as long as "
                                           "vLLM's (it sleeps X - 1 times that: no core used), as if a bigger model "
                                           "generated on devices of its own; evaluation is not slowed; 1 = off")

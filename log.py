@@ -102,7 +102,7 @@ class Log:
         first, last, score = self.first_eval, self.evals[-1], self.cfg.score.replace("_", " ")
         resumed = (f" | resumed at step {self.resumed['step']} ({self.resumed['score']:.3f})"
                    if self.resumed and "score" in self.resumed else "")
-        slowdown = self.cfg.generation_slowdown  # bench.py part 9's emulation: say so beside the figures
+        slowdown = self.cfg.generation_slowdown  # tools/bench.py part 9's emulation: say so beside the figures
         slowed = f" | generation slowed {slowdown:g}x (emulated)" if slowdown != 1 else ""
         self.print(f"done: {self.cfg.steps} steps in {self.now():.0f} s | held-out {score} {first['score']:.3f} "
                    f"(step {first['step']}) -> {last[self.cfg.score]:.3f} (step {last['step']}){resumed}{slowed} | "

@@ -33,7 +33,7 @@ def tb_loss(logp, logp_ref, reward, beta: float, **_):
     return loss, {"log_z": log_z.squeeze(1)}           # (), {(B,)}
 
 
-# ===== baselines (for the off-policy study, bench.py part 7) =====================================
+# ===== baselines (for the off-policy study, tools/bench.py part 7) ===============================
 def rloo_loss(logp, logp_ref, reward, beta: float, **_):
     """REINFORCE with a leave-one-out baseline (RLOO, Ahmadian et al. 2024; the "(proximal) RLOO"
     of the paper's Table 1) on the KL-regularised reward, with NO off-policy correction: what an

@@ -299,7 +299,7 @@ class Engine:
 def slow_down(generate: float, factor: float) -> float:
     """--generation-slowdown: sleep (factor - 1) x the seconds vLLM's generation took, so that the round's
     generation takes `factor` times as long, as a model `factor` times as slow to generate would on a
-    device of its own (bench.py part 9). Sleeping uses no core: several searchers then share a few CPU
+    device of its own (tools/bench.py part 9). Sleeping uses no core: several searchers then share a few CPU
     cores as they would share nothing on a GPU node. Returns the seconds slept."""
     seconds = (factor - 1) * generate
     if seconds > 0:

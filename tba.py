@@ -33,7 +33,7 @@ through a bounded queue instead of arriving at each sync, so "recent" data means
 the last sync, or the newest data until some arrives (buffer.py); weights travel through shared
 memory / CUDA IPC instead of MPI; the learning-rate schedule is computed in config.py (same shape
 as transformers' warmup-stable-decay). `--loss` swaps TB for an on-policy baseline (loss.py), for
-the off-policy study of `bench.py` part 7; `--ref-reset-every` is TBA′ (the paper, Sec. 6).
+the off-policy study of `tools/bench.py` part 7; `--ref-reset-every` is TBA′ (the paper, Sec. 6).
 """
 
 import os
