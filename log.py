@@ -115,3 +115,6 @@ class Log:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        if getattr(self, "file", None) is not None:
+            self.file.close()
+            self.file = None
