@@ -494,10 +494,12 @@ if __name__ == "__main__":
         status = 0
     except SystemExit as e:  # fail(): its line is said; its status
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    # Leave without the interpreter's teardown: everything is written, closed and stopped by now,
-    # and a rank of a 2-rank run sometimes aborted in that teardown (SIGABRT, "terminate called
-    # without an active exception", with no Python frame left: a C++ thread destroyed while joinable
-    # at exit, after its process group was destroyed), failing a finished run.
+    # Leave without the interpreter's teardown, after the exit handlers: everything is written, closed
+    # and stopped by now, and a rank of a 2-rank run sometimes aborted in that teardown (SIGABRT,
+    # "terminate called without an active exception", no Python frame left: a C++ thread destroyed
+    # while joinable at exit, after its process group was destroyed), failing a finished run.
+    import atexit
+    atexit._run_exitfuncs()  # what a normal exit runs first (multiprocessing unlinks its semaphores)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
