@@ -88,3 +88,28 @@ def get_report(queue, procs, timeout: float):
             assert time.monotonic() < deadline, f"no report in {timeout:.0f} s"
     assert "error" not in msg, msg["error"]
     return msg
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a test's own process group)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def report_of(target, *args, timeout: float = 300):
+    """Run target(*args, port, results) in one spawned process with a free port for its process group;
+    its report (get_report: a deadline, and a failure if the process dies without one). The process
+    is joined, or killed, before this returns."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, free_port(), results), daemon=True)
+    p.start()
+    try:
+        return get_report(results, [p], timeout)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()

@@ -3,7 +3,6 @@ passes without a KV cache, vLLM's engine core kept in the searcher process, and 
 checkpoint that is incomplete or run with other flags."""
 
 import os
-import socket
 import traceback
 
 import pytest
@@ -13,7 +12,7 @@ import torch.multiprocessing as mp
 import config
 import processes
 import tba
-from conftest import get_report, metrics, run_tba
+from conftest import free_port, metrics, report_of, run_tba
 from test_faults import SMALL
 
 
@@ -63,19 +62,7 @@ def test_activation_checkpointing_saves_less_and_changes_no_gradient(arch, tmp_p
     path = str(tmp_path / "model")
     kwargs = dict(arch="gpt_neox", tokenizer=models.make_bpe_tokenizer()) if arch == "gpt_neox" else {}
     models.make_model(path, hidden=64, layers=3, heads=2, **kwargs)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    p = ctx.Process(target=recompute_rank, args=(path, port, results), daemon=True)
-    p.start()
-    try:
-        got = get_report(results, [p], 300)
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+    got = report_of(recompute_rank, path)
     assert got["names"] and got["differ"] == [], got["differ"]  # bit for bit, same parameter names
     assert got["loss"][0] == got["loss"][1]
     assert got["saved"][1] < 0.6 * got["saved"][0], got["saved"]  # the blocks' activations are not kept
@@ -223,11 +210,8 @@ def refusal_rank(rank, port, results):
 
 
 def test_a_refusal_on_one_rank_reaches_all():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     results = mp.get_context("spawn").Queue()
-    mp.start_processes(refusal_rank, args=(port, results), nprocs=2, start_method="spawn")
+    mp.start_processes(refusal_rank, args=(free_port(), results), nprocs=2, start_method="spawn")
     got = sorted(results.get(timeout=10) for _ in range(2))
     assert got == [(0, None, "(rank 1) --model: é not found", "rank 0 refuses"),
                    (1, None, "--model: é not found", "rank 0 refuses")]

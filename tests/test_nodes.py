@@ -4,7 +4,6 @@ the trajectories between nodes, and the cast before FSDP2's all-gather."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,10 @@ import torch
 
 import nodes
 from buffer import Trajectory
-from conftest import ROOT, env, metrics
+from conftest import ROOT, env, free_port, metrics
 from test_faults import assert_all_gone, searcher_pids, wait_for_steps
 
 SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--max-new-tokens", "6"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(node: int, port: int, args, tmp):

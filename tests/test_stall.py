@@ -217,22 +217,8 @@ def lock_rank(path, out, port, results):
 
 
 def test_a_searcher_stopped_holding_the_lock_stops_the_run_like_a_silent_one(tiny_model, tmp_path):
-    import socket
-    import torch.multiprocessing as mp
-    from conftest import get_report
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    p = ctx.Process(target=lock_rank, args=(tiny_model, str(tmp_path / "run"), port, results))
-    p.start()
-    try:
-        got = get_report(results, [p], 300)
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+    from conftest import report_of
+    got = report_of(lock_rank, tiny_model, str(tmp_path / "run"))
     message = "the weight-sync lock was not free for 2 s: a searcher stopped while it read the weights (--timeout 2)"
     assert got["silent"] == [message] and got["reason"] == ("silent", message)
     assert got["version"] == 0 and got["seconds"] >= 2  # nothing published; it waited out --timeout
