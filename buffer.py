@@ -17,6 +17,10 @@ Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
   reset the buffer is emptied and only data scored under the new pi_ref is kept, so that no TB
   group mixes log-probs under two references (recomputing them would need pi_ref in the trainer).
 - Checkpoints store the buffer as plain arrays (`state`, `from_state`): no pickle, no code.
+- `ReuseCap` (--max-reuse R): the trainer learns only as fast as data arrives. It draws at most R
+  times the trajectories it has received, counted over the run, so scarce data is not replayed
+  without bound (the authors' trainer gets the same bound by waiting at each sync for every
+  searcher's round: docs/performance.md).
 """
 
 from collections import OrderedDict
@@ -137,6 +141,33 @@ class ReplayBuffer:
         buf.window, buf.recent_window, buf.reference = s["counters"].tolist()
         buf.size = len(ends)
         return buf
+
+
+@dataclass
+class ReuseCap:
+    """--max-reuse R: a step of `draws` trajectories is allowed only while the trajectories drawn for
+    training stay within R times those received, over the run (R = 0: no cap). The credit this leaves
+    is kept up to `bank` draws, so that a stretch where data arrives faster than the trainer can use it
+    cannot pay for a later burst of replay (a silent searcher would otherwise be replayed for as many
+    steps as were banked)."""
+    ratio: float         # R: draws allowed per trajectory received; 0 = no cap
+    bank: float          # the most credit kept, in draws
+    credit: float = 0.0  # draws allowed before more data must arrive
+    counted: int = 0     # trajectories received so far that have earned credit
+    drawn: int = 0       # trajectories drawn for training so far, over the run
+
+    def receive(self, samples: int):
+        """`samples`: the trajectories received so far over the run (every node's)."""
+        self.credit = min(self.bank, self.credit + self.ratio * (samples - self.counted))
+        self.counted = samples
+
+    def allows(self, draws: int) -> bool:
+        return not self.ratio or self.credit >= draws - 1e-6  # R x received is a float: 1.3 x 216 = 280.8
+
+    def draw(self, draws: int):
+        self.drawn += draws
+        if self.ratio:
+            self.credit -= draws
 
 
 def pick(pool: list[int], chosen: set[int], rng: np.random.Generator) -> int:

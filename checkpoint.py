@@ -25,9 +25,9 @@ def full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_checkpoint(cfg, rank, model, opt, buffer, shared, step, log, tokenizer):
+def save_checkpoint(cfg, rank, model, opt, buffer, cap, shared, step, log, tokenizer):
     """Model (Hugging Face format), optimizer, step (the schedules and per-step seeds derive from it),
-    RNG state, counters, replay buffer, the weights the searchers hold if older than the model's,
+    RNG state, counters (--max-reuse's among them), replay buffer, the weights the searchers hold if older than the model's,
     and pi_ref if TBA′ is on."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     sd = full_state_dict(model)
@@ -40,6 +40,7 @@ def save_checkpoint(cfg, rank, model, opt, buffer, shared, step, log, tokenizer)
         cpu = lambda tensors: {n: t.cpu() for n, t in tensors.items()}
         torch.save(dict(optimizer=osd, step=step, elapsed=log.now(), torch_rng=torch.get_rng_state(),
                         samples=log.samples, first_eval=log.first_eval,
+                        reuse=[cap.credit, cap.counted, cap.drawn],
                         synced=cpu(shared.tensors) if shared.version.value != step else None,
                         synced_version=shared.version.value,
                         ref=cpu(shared.ref) if shared.ref is not None else None, ref_version=shared.ref_version.value),

@@ -27,6 +27,9 @@ from loss import LOSSES
 from tasks import ConfigError, load_task
 
 
+MAX_REUSE = 1.0  # --max-reuse's default with searchers (docs/performance.md, part 9)
+
+
 def arg(default, help: str):
     return field(default=default, metadata={"help": help})
 
@@ -61,7 +64,9 @@ class Config:
                             "generating inside the trainer before each step")
     # --- TBA (paper's names: B, K, k, m)
     steps: int = arg(200, "trainer steps (optimizer updates)")
-    prompts_per_step: int = arg(32, "B: prompts per training batch, and per search round of a searcher")
+    prompts_per_step: int = arg(32, "B: prompts per training batch")
+    round_prompts: int | None = arg(None, "prompts per search round of a searcher (default: B; the authors' "
+                                          "GSM8K searchers: 3, about half a batch)")
     samples_per_prompt: int = arg(8, "K: responses per prompt in a training batch (the TB loss's log Z is over them)")
     search_samples_per_prompt: int | None = arg(None, "responses a searcher draws per prompt (>= K; default K)")
     sync_every: int = arg(2, "k: trainer steps between weight syncs to the searchers")
@@ -112,6 +117,10 @@ class Config:
     wandb: str | None = arg(None, "also log the metrics to this Weights & Biases project (optional: pip install wandb)")
     timeout: float = arg(600.0, "seconds any wait on another process may last before the run stops; also how "
                                 "long a searcher may send nothing before the run stops (after a checkpoint)")
+    max_reuse: float | None = arg(None, "R: the trainer takes a step only while the trajectories it has drawn for "
+                                        "training stay within R times those it has received, over the run (it "
+                                        "waits for data otherwise); 0 = no cap; default: 1 with searchers, "
+                                        "none with --searchers 0 (every step searches its own)")
     max_staleness: int = arg(100, "S: the trainer waits (polling) while the newest data received was sampled by "
                                   "weights more than S (+ --lag) steps old; 0 = no bound")
     dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bfloat16 on GPUs that have it, float16 on "
@@ -329,6 +338,14 @@ def check(cfg: Config, world: int):
     need(cfg.timeout > 0, "timeout", "must be positive")
     need(cfg.generation_slowdown >= 1, "generation-slowdown", f"must be 1 (off) or more, got {cfg.generation_slowdown}")
     need(cfg.max_staleness >= 0, "max-staleness", "must be 0 (no bound) or more")
+    need(cfg.max_reuse is None or cfg.max_reuse >= 0, "max-reuse", f"must be 0 (no cap) or more, got {cfg.max_reuse}")
+    need(not (cfg.max_reuse and cfg.searchers == 0), "max-reuse", "caps the asynchronous trainer's replay; with "
+         "--searchers 0 every step searches its own data")
+    cfg.max_reuse = (MAX_REUSE if cfg.searchers else 0.0) if cfg.max_reuse is None else cfg.max_reuse
+    need(cfg.round_prompts is None or cfg.round_prompts >= 1, "round-prompts", f"must be at least 1, got {cfg.round_prompts}")
+    need(cfg.round_prompts is None or cfg.searchers, "round-prompts", "sizes a searcher's round; with --searchers 0 "
+         "the trainer searches B prompts before each step")
+    cfg.round_prompts = cfg.prompts_per_step if cfg.round_prompts is None else cfg.round_prompts
     check_environment()
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")

@@ -18,8 +18,10 @@ class Log:
         self.cfg, self.rank, self.t0 = cfg, rank, t0
         self.overhead = 0.0   # s the trainer spent evaluating and checkpointing (not learning)
         self.samples = 0      # trajectories received, over the whole run (carried by checkpoints)
-        self.generate = self.slept = 0.0  # s of vLLM generation in the rounds received, and slept after it
-                                          # (--generation-slowdown); since this process started
+        # s of vLLM generation in the rounds received, slept after it and charged in all by
+        # --generation-slowdown (X x the generation's cost alone); since this process started
+        self.generate = self.slept = self.charged = 0.0
+        self.per_token = {}   # --generation-slowdown: each engine's calibration, s a generated token alone
         self.evals, self.published = [], {}  # eval rows; weight version -> (time, overhead) when made
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
         self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
@@ -27,8 +29,7 @@ class Log:
         if rank != 0:
             return
         os.makedirs(cfg.out, exist_ok=True)
-        with open(os.path.join(cfg.out, "config.json"), "w") as f:
-            json.dump(dict(vars(cfg), started=t0), f, indent=1)  # started: the Unix time of t = 0
+        self.write_config()
         self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "a")
         if sys.stdout.isatty():
             from tqdm import tqdm
@@ -44,6 +45,20 @@ class Log:
                                     dir=cfg.out, config=dict(vars(cfg)))
             for kind in ("train", "eval"):
                 self.wandb.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
+
+    def searched(self, made: dict):
+        """A search round's timings (Engine.search's dict, or a searcher's message); the first calibration
+        of each engine goes into config.json."""
+        self.generate, self.slept = self.generate + made["generate"], self.slept + made["slept"]
+        self.charged += made["charged"]
+        engine = str(made.get("searcher", "trainer"))
+        if made["per_token"] and engine not in self.per_token and self.rank == 0:
+            self.per_token[engine] = made["per_token"]
+            self.write_config(per_token=self.per_token)
+
+    def write_config(self, **derived):
+        with open(os.path.join(self.cfg.out, "config.json"), "w") as f:
+            json.dump(dict(vars(self.cfg), started=self.t0, **derived), f, indent=1)  # started: Unix time of t = 0
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -104,8 +119,9 @@ class Log:
                    if self.resumed and "score" in self.resumed else "")
         slowdown = self.cfg.generation_slowdown  # tools/bench.py part 9's emulation: say so beside the figures
         slowed = f" | generation slowed {slowdown:g}x (emulated)" if slowdown != 1 else ""
+        reuse = f" | {self.last_train['reuse']:.2f} draws a trajectory" if self.last_train else ""
         self.print(f"done: {self.cfg.steps} steps in {self.now():.0f} s | held-out {score} {first['score']:.3f} "
-                   f"(step {first['step']}) -> {last[self.cfg.score]:.3f} (step {last['step']}){resumed}{slowed} | "
+                   f"(step {first['step']}) -> {last[self.cfg.score]:.3f} (step {last['step']}){resumed}{reuse}{slowed} | "
                    f"{self.cfg.out}")
 
     def close(self):

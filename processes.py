@@ -143,18 +143,44 @@ def start_searchers(ctx, cfg, rank: int, local_world: int, shared, prompts, answ
     """Spawn this node's `--searchers` processes (searcher.run) before the trainer loads its model, so
     that their vLLM engines start meanwhile. Searcher i of this node runs on GPU (trainer ranks + i);
     node n's are numbered from n x searchers (their seeds differ); the node's first also evaluates.
-    Returns (processes, (trajectory queue, stop event, evaluation requests))."""
-    channels = (ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue())
-    queue, stop, evals = channels
+    Returns (processes, (trajectory queue, stop event, evaluation requests, calibration))."""
+    # --generation-slowdown's calibration: engines started, and one calibrates at a time (kept alive with
+    # the channels: a semaphore collected before a child unpickles it is gone)
+    calibration = (ctx.Value("i", 0), ctx.Lock())
+    channels = (ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue(), calibration)
+    queue, stop, evals, _ = channels
     first, procs = rank // local_world * cfg.searchers, []
+    start = fork_server() if cfg.device == "cpu" else ctx
     for i in range(cfg.searchers):
         dev = f"cuda:{local_world + i}" if cfg.device == "cuda" else "cpu"
-        p = ctx.Process(target=searcher.run, name=f"searcher-{first + i}", daemon=True,
+        p = start.Process(target=searcher.run, name=f"searcher-{first + i}", daemon=True,
                         args=(first + i, dict(vars(cfg)), shared, queue, stop, evals if i == 0 else None,
-                              prompts, answers, test_prompts, test_answers, dev))
+                              prompts, answers, test_prompts, test_answers, dev, calibration))
         p.start()
         procs.append(p)
     return procs, channels
+
+
+def fork_server():
+    """On the CPU, searchers start from a fork server that has imported vLLM once (about 5 s of one core
+    each, which N searchers spawned afresh would spend side by side on the cores they share: 4 on 2
+    cores started 10 s later). On a GPU node each searcher imports on cores of its own, and spawn keeps
+    every process free of anything a parent could have set up for CUDA. The server imports searcher.py
+    first (vLLM's environment), so it must find this folder: Python 3.11's fork server does not take
+    the trainer's sys.path (multiprocessing/forkserver.py, main), so PYTHONPATH is given it for its start."""
+    from multiprocessing import forkserver
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["searcher", "transformers", "vllm", "vllm.entrypoints.llm"])
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__))] + ([before] if before else []))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return ctx
 
 
 def drain(queue, buffer, log, alive, done, timeout: float, watch=None, budget: float = math.inf) -> float:
@@ -188,7 +214,7 @@ def drain(queue, buffer, log, alive, done, timeout: float, watch=None, budget: f
         else:
             buffer.add(msg["trajectories"])
             log.samples += len(msg["trajectories"])
-            log.generate, log.slept = log.generate + msg["generate"], log.slept + msg["slept"]
+            log.searched(msg)
 
 
 class Silent(Exception):

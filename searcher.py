@@ -1,7 +1,7 @@
 """A searcher: a vLLM engine with a local copy of the policy, sampling, rewards, reference log-probs.
 
 TBA's searchers (Sec. 3.1) keep generating and never wait for training. Each round a searcher
-takes `prompts_per_step` training prompts at random, samples `search_samples_per_prompt`
+takes `round_prompts` training prompts at random, samples `search_samples_per_prompt`
 responses to each with vLLM, scores them with the task's reward, computes their summed
 log-probs under pi_ref (a frozen copy of the initial model, logits / temperature), and puts the
 trajectories on the bounded queue to the trainer. Before each round it checks the weight
@@ -43,7 +43,7 @@ import torch
 from buffer import Trajectory
 from loss import collate, sequence_logprobs, unique_pairs
 from rewards import REWARDS, RewardModel, batched
-from weights import WAIT, Dead, SharedWeights, locked, receive
+from weights import WAIT, Dead, SharedWeights, acquire, locked, receive
 
 
 class Engine:
@@ -83,6 +83,7 @@ class Engine:
         self.llm = LLM(**kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.version = 0      # trainer step of the weights loaded (0 = the initial model)
+        self.per_token = None  # --generation-slowdown: s a generated token costs this engine alone (calibrate)
         self.ref_version = 0  # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.ref = self.judge = None  # pi_ref, loaded on the first search; the evaluation's judge
         if cfg.task == "redteam":  # the victim answers, the classifier judges (redteam.py)
@@ -179,8 +180,8 @@ class Engine:
         return self.sft
 
     # --- searching -------------------------------------------------------------------------
-    def search(self, prompt_ids, n: int, seed: tuple) -> tuple[list[Trajectory], dict]:
-        """n sampled responses to each prompt, scored, with reference and behaviour log-probs."""
+    def generate(self, prompt_ids, n: int, seed: tuple):
+        """vLLM's n samples of each prompt, and the seconds they took."""
         from vllm import SamplingParams
 
         params = [SamplingParams(n=n, temperature=self.cfg.temperature, max_tokens=self.cfg.max_new_tokens,
@@ -190,8 +191,26 @@ class Engine:
         t0 = time.time()
         outputs = self.llm.generate([{"prompt_token_ids": self.prompts[p]} for p in prompt_ids], params,
                                     use_tqdm=False)
-        generate = time.time() - t0
-        slept = slow_down(generate, self.cfg.generation_slowdown)
+        return outputs, time.time() - t0
+
+    def calibrate(self, count: int, n: int):
+        """--generation-slowdown: the seconds a generated token costs this engine, warm and (the caller sees
+        to it) alone: a round of `count` prompts x n to warm up, then one timed. Prompts and seeds of their
+        own: the run's samples do not change; the prefix cache is emptied around them."""
+        ids = np.random.default_rng([self.cfg.seed, 11]).choice(len(self.prompts), min(count, len(self.prompts)),
+                                                                 replace=False)
+        for round_ in range(2):
+            self.llm.reset_prefix_cache()
+            outputs, seconds = self.generate(ids, n, (self.cfg.seed, 11, 11, round_))
+        self.llm.reset_prefix_cache()
+        self.per_token = seconds / max(1, sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+    def search(self, prompt_ids, n: int, seed: tuple) -> tuple[list[Trajectory], dict]:
+        """n sampled responses to each prompt, scored, with reference and behaviour log-probs."""
+        outputs, generate = self.generate(prompt_ids, n, seed)
+        tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        alone = tokens * self.per_token if self.per_token else generate  # the generation's cost alone
+        slept = slow_down(generate, alone, self.cfg.generation_slowdown)
         done = [(int(p), c) for p, out in zip(prompt_ids, outputs) for c in out.outputs]
         rewards = self.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done],
                               [c.text for _, c in done], [self.answers[p] for p, _ in done])
@@ -203,8 +222,8 @@ class Engine:
         logp_ref = self.logprobs(self.reference(), pairs, self.cfg.temperature)
         for t, i in zip(trajectories, index):
             t.logp_ref = logp_ref[i]
-        tokens = sum(len(t.response) for t in trajectories)
-        return trajectories, {"tokens": tokens, "generate": generate, "slept": slept}
+        return trajectories, {"tokens": tokens, "generate": generate, "slept": slept,
+                              "charged": alone * self.cfg.generation_slowdown, "per_token": self.per_token}
 
     @torch.no_grad()
     def logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]], temperature: float) -> list[float]:
@@ -296,15 +315,16 @@ class Engine:
         return scores, example
 
 
-def slow_down(generate: float, factor: float) -> float:
-    """--generation-slowdown: sleep (factor - 1) x the seconds vLLM's generation took, so that the round's
-    generation takes `factor` times as long, as a model `factor` times as slow to generate would on a
-    device of its own (tools/bench.py part 9). Sleeping uses no core: several searchers then share a few CPU
-    cores as they would share nothing on a GPU node. Returns the seconds slept."""
-    seconds = (factor - 1) * generate
+def slow_down(generate: float, alone: float, factor: float) -> float:
+    """--generation-slowdown: after a generation that took `generate` s and would have taken `alone` s on
+    an engine of its own (Engine.calibrate), sleep until `factor` x `alone` has passed, as a model `factor`
+    times as slow to generate would take on a device of its own (tools/bench.py part 9). Sleeping uses no
+    core, and charging the cost alone, not the time taken, keeps searchers that share a few CPU cores from
+    multiplying that contention by `factor`: on a GPU node they share nothing. Returns the seconds slept."""
+    seconds = factor * alone - generate if factor != 1 else 0.0
     if seconds > 0:
         time.sleep(seconds)
-    return seconds
+    return max(0.0, seconds)
 
 
 @torch.no_grad()
@@ -386,9 +406,10 @@ def put(queue, message, stop):
 
 
 def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, prompts, answers,
-        test_prompts, test_answers, device: str):
+        test_prompts, test_answers, device: str, calibration):
     """Searcher process main: search, push, reload weights when they move, until told to stop.
-    Searcher 0 also answers evaluation requests (`evals`) between rounds."""
+    Searcher 0 also answers evaluation requests (`evals`) between rounds. `calibration`: (a counter of
+    this node's started engines, a lock) for --generation-slowdown's calibration alone."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # signals to the whole group: the trainer decides, then stops us
         signal.signal(sig, signal.SIG_IGN)
     for k in list(os.environ):  # drop torchrun's variables: vLLM makes its own one-process group
@@ -400,19 +421,23 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
         quiet_loading()
         engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers, evaluates=evals is not None)
+        if cfg.generation_slowdown != 1:
+            calibrate_alone(engine, *calibration, cfg)
         rng = np.random.default_rng([cfg.seed, index, 1])
         round_ = 0
         receive(weights, stop, parent_alive)
         while not stop.is_set():
             engine.sync(weights, parent_alive, cfg.timeout)
             t0 = time.time()
-            ids = rng.choice(len(prompts), size=min(cfg.prompts_per_step, len(prompts)), replace=False)
+            ids = rng.choice(len(prompts), size=min(cfg.round_prompts, len(prompts)), replace=False)
             trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_))
             put(queue, dict(kind="search", searcher=index, version=engine.version, trajectories=trajectories,
                             seconds=time.time() - t0, **stats), stop)
             round_ += 1
-            if drain_requests(evals):  # after a round, so that the trainer gets its first data first
-                engine.sync(weights, parent_alive, cfg.timeout)  # the newest published weights
+            requested = drain_requests(evals)
+            if requested is not None:  # after a round, so that the trainer gets its first data first
+                if engine.version != requested:  # the weights asked for if it holds them (the initial
+                    engine.sync(weights, parent_alive, cfg.timeout)  # model's), else the newest
                 t0 = time.time()
                 scores, example = engine.evaluate(test_prompts, test_answers)
                 put(queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores, example=example,
@@ -426,13 +451,30 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
         queue.cancel_join_thread()  # never block exit on undelivered data
 
 
-def drain_requests(evals) -> bool:
-    """True if any evaluation was requested since the last call (requests coalesce)."""
-    requested = False
+def calibrate_alone(engine, started, lock, cfg):
+    """Engine.calibrate once every engine of this node has started (or --timeout has passed), one engine
+    at a time: each is timed alone, as on a device of its own, not sharing the cores with the others'
+    start-up or calibration."""
+    with started.get_lock():
+        started.value += 1
+    deadline = time.time() + cfg.timeout
+    while started.value < cfg.searchers and time.time() < deadline:
+        time.sleep(0.05)
+        parent_alive()
+    acquire(lock, parent_alive, cfg.timeout)
+    try:
+        engine.calibrate(cfg.round_prompts, cfg.search_samples_per_prompt)
+    finally:
+        lock.release()
+
+
+def drain_requests(evals) -> int | None:
+    """The newest step whose evaluation was requested since the last call (requests coalesce), or None."""
+    requested = None
     while evals is not None:
         try:
-            evals.get_nowait()
-            requested = True
+            step = evals.get_nowait()
+            requested = step if requested is None else max(requested, step)
         except Empty:
             return requested
     return requested

@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import nodes
-from buffer import ReplayBuffer
+from buffer import ReplayBuffer, ReuseCap
 from checkpoint import full_state_dict, save_checkpoint, save_hf
 from config import ConfigError, beta_at, check, lr_at, parse
 from log import Log
@@ -122,7 +122,8 @@ def train(t: "Trainer"):
                       reward=float(np.mean([traj.reward for g in batch for traj in g])), beta=beta, lr=lr,
                       staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait, sync=sync,
                       search=search, seconds=time.time() - t_step, samples=t.log.samples,
-                      generate=t.log.generate, slept=t.log.slept, buffer=len(t.buffer),
+                      reuse=t.cap.drawn / max(1, t.log.samples),
+                      generate=t.log.generate, slept=t.log.slept, charged=t.log.charged, buffer=len(t.buffer),
                       reference=t.buffer.reference, overhead=t.log.overhead,
                       **(t.multi.row(t.log.samples) if t.multi else {}))
         # ===== evaluate ==========================================================================
@@ -168,6 +169,8 @@ class Trainer:
                                                         self.answers, self.test_prompts, self.test_answers)
         if cfg.searchers == 0:  # synchronous baseline: a vLLM engine inside the trainer (one process: see check())
             self.engine = Engine(cfg, str(self.device), cfg.trainer_memory, self.prompts, self.answers)
+            if cfg.generation_slowdown != 1:
+                self.engine.calibrate(cfg.prompts_per_step, cfg.search_samples_per_prompt)
         # the trainer's model: FSDP2 over the trainer ranks (beside an engine: see Engine.transformers_models)
         with self.engine.transformers_models() if self.engine else contextlib.nullcontext():
             self.model = load_policy(os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path, self.device,
@@ -177,11 +180,18 @@ class Trainer:
         self.pad = pad if pad is not None else self.tokenizer.eos_token_id
         # resume: optimizer, buffer, RNG, counters, and the weights the searchers held
         self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+        # --max-reuse: credit banked up to k steps' draws, or one round of every searcher (of every node),
+        # which can land at once
+        rounds = cfg.max_reuse * cfg.searchers * nodes.layout(self.world)[0] * cfg.round_prompts * cfg.search_samples_per_prompt
+        self.cap = ReuseCap(cfg.max_reuse, max(cfg.sync_every * cfg.prompts_per_step * cfg.samples_per_prompt, rounds))
         if ckpt:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
             set_optimizer_state_dict(self.model, self.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
             torch.set_rng_state(ckpt["torch_rng"])
             self.buffer, self.log.samples, self.log.first_eval = ckpt["buffer"], ckpt["samples"], ckpt["first_eval"]
+            # checkpoints of earlier versions have no counts: as if every step drew fresh data
+            drawn = self.step * cfg.prompts_per_step * cfg.samples_per_prompt
+            self.cap.credit, self.cap.counted, self.cap.drawn = ckpt.get("reuse", [0.0, ckpt["samples"], drawn])
         # the shared weights: every rank gathers, each leader allocates them once and hands them on
         dtype = getattr(torch, cfg.dtype)
         allocate(self.shared, gather(self.model, dtype), aliases(self.model), self.device, dtype,
@@ -227,7 +237,7 @@ class Trainer:
             search += time.time() - t_search
             self.buffer.add(trajectories)
             self.log.samples += len(trajectories)
-            self.log.generate, self.log.slept = self.log.generate + made["generate"], self.log.slept + made["slept"]
+            self.log.searched(made)
             if self.log.samples >= initial or self.signals.first:
                 return search
 
@@ -262,6 +272,10 @@ class Trainer:
         if cfg.max_staleness and self.step - self.watch.newest > cfg.max_staleness + cfg.lag:
             return (f"fresher data: the newest was sampled by the weights of step {self.watch.newest}, "
                     f"{self.step - self.watch.newest} steps ago (--max-staleness {cfg.max_staleness})")
+        self.cap.receive(log.samples)
+        if not self.cap.allows(cfg.prompts_per_step * cfg.samples_per_prompt):
+            return (f"fresh data: {self.cap.drawn} trajectories drawn for training, {log.samples} received "
+                    f"(--max-reuse {cfg.max_reuse:g})")
         return None
 
     def now(self) -> float:
@@ -281,6 +295,7 @@ class Trainer:
         if self.rank == 0 and not self.reason():
             batch = self.buffer.sample(self.cfg.prompts_per_step, self.cfg.samples_per_prompt,
                                        np.random.default_rng([self.cfg.seed, self.step, 2]))
+            self.cap.draw(self.cfg.prompts_per_step * self.cfg.samples_per_prompt)
         return share_batch(batch, self.rank)
 
     def reason(self):
@@ -346,8 +361,8 @@ class Trainer:
 
     def checkpoint(self):
         t0 = time.time()
-        save_checkpoint(self.cfg, self.rank, self.model, self.opt, self.buffer, self.shared, self.step, self.log,
-                        self.tokenizer)
+        save_checkpoint(self.cfg, self.rank, self.model, self.opt, self.buffer, self.cap, self.shared, self.step,
+                        self.log, self.tokenizer)
         self.log.overhead += time.time() - t0
 
     def finish(self):

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from buffer import ReplayBuffer, Trajectory
+from buffer import ReplayBuffer, ReuseCap, Trajectory
 
 
 def traj(prompt, tokens, reward=0.0, version=0):
@@ -127,3 +127,44 @@ def test_sampling_frequencies_recency_and_reward_softmax():
 def test_sample_from_empty_buffer_is_an_error():
     with pytest.raises(AssertionError):
         ReplayBuffer(10, 0.5, 0.0).sample(1, 2, np.random.default_rng(0))
+
+
+def test_reuse_cap_keeps_draws_within_r_times_the_data_received():
+    """--max-reuse R: a step of B x K draws is taken only while the draws stay within R times the
+    trajectories received, over the run; whatever arrives, the trainer never gets ahead of that."""
+    B_K, R = 256, 1.3
+    cap = ReuseCap(R, bank=2 * B_K)
+    rng = np.random.default_rng(0)
+    received = steps = 0
+    for _ in range(2000):
+        received += int(rng.choice([0, 0, 0, 72, 216]))  # rounds arrive in bursts, or not at all
+        cap.receive(received)
+        while cap.allows(B_K):
+            cap.draw(B_K)
+            steps += 1
+            assert cap.drawn <= R * received + 1e-6
+    assert cap.drawn == steps * B_K and cap.counted == received
+    assert cap.drawn > 0.95 * R * received - 2 * B_K  # and it uses what it is allowed: nothing is lost but the bank's excess
+
+
+def test_reuse_cap_arithmetic_and_bank():
+    cap = ReuseCap(1.0, bank=512)
+    assert not cap.allows(256)           # nothing received yet
+    cap.receive(256)
+    assert cap.allows(256) and not cap.allows(257)
+    cap.draw(256)
+    assert not cap.allows(256) and cap.drawn == 256
+    cap.receive(256)                     # the same count again earns nothing
+    assert not cap.allows(256)
+    cap.receive(100_000)                 # a compute-bound stretch: data piles up while the trainer is busy ...
+    for _ in range(2):                   # ... but only the bank (k steps' draws here) is kept:
+        assert cap.allows(256)           # two steps, then the trainer waits for new data
+        cap.draw(256)
+    assert not cap.allows(256) and cap.credit == 0
+    authors = ReuseCap(2 * 7 * 20 / (3 * 72), bank=280)  # the authors' GSM8K ratio: 280 draws per 216 made
+    authors.receive(216)
+    assert authors.allows(280)           # R x received is not a whole number: 1.296... x 216 = 280
+    off = ReuseCap(0.0, bank=0)
+    assert off.allows(10**9)             # R = 0: no cap
+    off.draw(256)
+    assert off.drawn == 256 and off.credit == 0

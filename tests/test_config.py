@@ -50,6 +50,10 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--log-every", "0"], "--log-every"),
     (["--eval-limit", "0"], "--eval-limit"),
     (["--out", "/proc/x"], "--out: cannot write to /proc/x"),
+    (["--max-reuse", "-1"], "--max-reuse: must be 0 (no cap) or more"),
+    (["--searchers", "0", "--max-reuse", "1"], "--max-reuse: caps the asynchronous trainer's replay"),
+    (["--round-prompts", "0"], "--round-prompts: must be at least 1"),
+    (["--searchers", "0", "--round-prompts", "4"], "--round-prompts: sizes a searcher's round"),
 ])
 def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capsys):
     refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
@@ -173,6 +177,18 @@ def test_loss_is_saved_with_the_run(tiny_model, tmp_path, monkeypatch):
     Log(cfg, 0, 0.0).close()
     saved = json.load(open(tmp_path / "run" / "config.json"))
     assert (saved["loss"], saved["clip"], saved["score"]) == ("grpo", 0.3, "accuracy")
+
+
+def test_reuse_cap_and_round_defaults(tiny_model, tmp_path, monkeypatch):
+    """--max-reuse defaults to config.MAX_REUSE with searchers and to no cap without; a round is B prompts."""
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    check = lambda *args: config.check(config.parse(["--model", tiny_model, "--out", str(tmp_path / "run"), *args]),
+                                       world=1)[0]
+    cfg = check()
+    assert (cfg.max_reuse, cfg.round_prompts) == (config.MAX_REUSE, cfg.prompts_per_step) and config.MAX_REUSE > 0
+    assert check("--searchers", "0").max_reuse == 0
+    cfg = check("--max-reuse", "0", "--round-prompts", "8")
+    assert (cfg.max_reuse, cfg.round_prompts) == (0, 8)
 
 
 def test_torchrun_report_names_the_error(tiny_model, tmp_path):

@@ -12,7 +12,7 @@ from rewards import gsm8k_reward
 
 TRAIN_FIELDS = {"kind": str, "step": int, "time": float, "loss": float, "reward": float,
                 "beta": float, "lr": float, "staleness": float, "staleness_max": int, "wait": float,
-                "samples": int, "reference": int}
+                "samples": int, "reference": int, "reuse": float}
 LOSS_FIELDS = {"tb": ["log_z"], "rloo": ["kl"], "grpo": ["clip_frac", "kl"]}  # each loss's own statistics
 EVAL_FIELDS = {"kind": str, "step": int, "time": float, "accuracy": float, "version": int}
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
@@ -63,6 +63,20 @@ def test_async_run(tiny_model, tmp_path):
     assert config["searchers"] == 1 and config["samples_per_prompt"] == 4 and config["model_path"] == tiny_model
     assert "held-out accuracy" in p.stdout and "done: 6 steps" in p.stdout
     check_final(out, tiny_model)
+
+
+def test_the_trainer_waits_for_data_under_the_reuse_cap(tiny_model, tmp_path):
+    """--max-reuse 1 with generation slowed (the trainer outpaces the searcher): it waits for data
+    after the first step instead of replaying, and never draws more than it has received; the
+    summary line gives the draws per trajectory."""
+    out, p = run_small(tiny_model, tmp_path, "--steps", "6", "--eval-every", "0", "--max-reuse", "1",
+                       "--generation-slowdown", "20")
+    train, _ = check_rows(metrics(out), 6)
+    B_K = 4 * 4
+    for r in train:  # each step drew B x K, and the draws stayed within the trajectories received
+        assert r["reuse"] == pytest.approx(r["step"] * B_K / r["samples"]) and r["reuse"] <= 1 + 1e-9
+    assert sum(r["wait"] > 0.05 for r in train[1:]) >= 3, train  # it waited for data, step after step
+    assert f"| {train[-1]['reuse']:.2f} draws a trajectory |" in p.stdout
 
 
 def test_synchronous_run(tiny_model, tmp_path):

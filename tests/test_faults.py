@@ -37,8 +37,11 @@ def wait_for_steps(proc, out, n, timeout=180):
 
 
 def searcher_pids(pid):
-    return [c.pid for c in psutil.Process(pid).children(recursive=True)
-            if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+    """The searchers below process `pid`: spawned, or (on the CPU) forked by the fork server."""
+    procs = psutil.Process(pid).children(recursive=True)
+    cmd = lambda p: " ".join(p.cmdline())
+    servers = {p.pid for p in procs if "forkserver import main" in cmd(p)}
+    return [p.pid for p in procs if p.ppid() in servers or ("spawn_main" in cmd(p) and "resource_tracker" not in cmd(p))]
 
 
 def assert_all_gone(pids, within=30):
@@ -191,6 +194,23 @@ def test_resume_gives_the_same_weights(extra, tiny_model, tmp_path):
     start = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-4
     assert max((wa[k] - start[k]).abs().max().item() for k in wa) > 1e-3  # and they did train
+
+
+def test_async_resume_carries_the_reuse_counts(tiny_model, tmp_path):
+    """--max-reuse's counts are in the checkpoint: after --resume the draws and the trajectories received go
+    on from the checkpoint's, so that the cap holds over the whole run."""
+    common = ["--model", tiny_model, *SMALL, "--max-reuse", "1"]
+    a = run_tba([*common, "--steps", "3", "--save-every", "3", "--out", str(tmp_path / "a")], tmp_path)
+    assert a.returncode == 0, a.stdout[-3000:]
+    credit, counted, drawn = assert_checkpoint(tmp_path / "a")["reuse"]
+    assert drawn == 3 * 16 and drawn <= counted and 0 <= credit <= counted - drawn
+    b = run_tba([*common, "--steps", "5", "--resume", str(tmp_path / "a" / "checkpoint"), "--out", str(tmp_path / "b")],
+                tmp_path)
+    assert b.returncode == 0, b.stdout[-3000:]
+    rows = [r for r in metrics(tmp_path / "b") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [4, 5] and rows[0]["samples"] >= counted
+    for r in rows:  # every step of the whole run drew B x K = 16
+        assert r["reuse"] == pytest.approx(r["step"] * 16 / r["samples"]) and r["reuse"] <= 1 + 1e-9
 
 
 class RunsCode:

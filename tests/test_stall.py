@@ -10,6 +10,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from conftest import ROOT, env, metrics
 from test_faults import SMALL, assert_all_gone, assert_checkpoint, searcher_pids, wait_for_steps
@@ -36,10 +37,10 @@ def freeze_searcher(proc, out, then=3, window=60):
     (a few ms of each round) stops the trainer's next publish instead, a different fault (see
     test_a_searcher_stopped_holding_the_lock_stops_the_run_like_a_silent_one). The lock is known to be
     free once the trainer has taken `then` more steps (a publish every 2), or once it says that it
-    waits for fresher data (it waits there, outside any publish, and never publishes again); else,
+    waits for fresh(er) data (it waits there, outside any publish, and never publishes again); else,
     after `window` seconds (shorter than the run's --timeout), let the searcher go on and retry."""
     output = out.parent / "output.txt"
-    waits = lambda: output.read_text().count("tba.py: waiting for fresher data")
+    waits = lambda: output.read_text().count("tba.py: waiting for fresh")
     (pid,) = searcher_pids(proc.pid)
     for _ in range(5):
         n, said = train_steps(out), waits()
@@ -55,12 +56,15 @@ def freeze_searcher(proc, out, then=3, window=60):
     raise AssertionError("the trainer made no progress with the searcher stopped")
 
 
-def test_silent_searcher_bounds_staleness_warns_and_stops(tiny_model, tmp_path):
-    """The issue's probe: SIGSTOP the searcher. The trainer goes at most --max-staleness steps past
-    the newest data, says what it waits for, warns naming the searcher, and after --timeout of
+@pytest.mark.parametrize("cap", ["reuse cap", "staleness bound"])
+def test_silent_searcher_halts_training_warns_and_stops(cap, tiny_model, tmp_path):
+    """The issue's probe: SIGSTOP the searcher. The trainer takes a few more steps at most: as many as
+    the reuse cap's bank allows (k steps here), or, with the cap off, up to --max-staleness steps past
+    the newest data. It says what it waits for, warns naming the searcher, and after --timeout of
     silence stops with status 1 naming it, after a checkpoint of the last step."""
     out, S, timeout = tmp_path / "run", 6, 40
-    proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, "--max-staleness", str(S),
+    bound = ["--max-reuse", "1"] if cap == "reuse cap" else ["--max-reuse", "0", "--max-staleness", str(S)]
+    proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, *bound, "--sync-every", "2",
                   "--timeout", str(timeout), "--out", str(out)], tmp_path)
     try:
         wait_for_steps(proc, out, 3)
@@ -77,10 +81,13 @@ def test_silent_searcher_bounds_staleness_warns_and_stops(tiny_model, tmp_path):
     assert last.endswith(f"(--timeout {timeout}); checkpoint in {out / 'checkpoint'}"), last
     assert time.time() - t0 < timeout + 60
     assert f"tba.py: warning: searcher 0 (pid {pid}) has sent nothing for " in output, output[-3000:]
-    assert "tba.py: waiting for fresher data: the newest was sampled by the weights of step " in output, output[-3000:]
-    # the newest data is at most from the step the searcher stopped at (plus the few in flight)
     steps = [r["step"] for r in metrics(out) if r["kind"] == "train"]
-    assert max(steps) <= stopped_at + 3 + S + 1, (stopped_at, max(steps))
+    if cap == "reuse cap":  # the data in flight (3 steps' worth in freeze_searcher), then the bank: k = 2 steps
+        assert "tba.py: waiting for fresh data: " in output and "(--max-reuse 1)" in output, output[-3000:]
+        assert max(steps) <= stopped_at + 3 + 2 + 1, (stopped_at, max(steps))
+    else:  # the newest data is at most from the step the searcher stopped at (plus the few in flight)
+        assert "tba.py: waiting for fresher data: the newest was sampled by the weights of step " in output, output[-3000:]
+        assert max(steps) <= stopped_at + 3 + S + 1, (stopped_at, max(steps))
     state = assert_checkpoint(out)
     assert state["step"] == max(steps)
     assert_all_gone(everything)

@@ -21,7 +21,7 @@ from searcher import Engine
 def config(model, **kw):
     cfg = Config(model=model, prompts_per_step=3, samples_per_prompt=4, temperature=0.7, max_new_tokens=6, **kw)
     cfg.device, cfg.threads, cfg.model_path, cfg.max_model_len, cfg.dtype = "cpu", 1, model, 512, "float32"
-    cfg.search_samples_per_prompt = cfg.samples_per_prompt
+    cfg.search_samples_per_prompt, cfg.round_prompts = cfg.samples_per_prompt, cfg.prompts_per_step
     return cfg
 
 
@@ -127,7 +127,7 @@ def test_searcher_process_after_sync(tiny_model):
     queue, stop = ctx.Queue(maxsize=4), ctx.Event()
     proc = ctx.Process(target=searcher.run, daemon=True,
                        args=(0, dataclasses.asdict(cfg), shared, queue, stop, None, prompts, answers,
-                             prompts, answers, "cpu"))
+                             prompts, answers, "cpu", None))
     proc.start()
     try:
         model = perturbed(tiny_model, 3)
