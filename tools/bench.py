@@ -210,26 +210,45 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
 
 
 # --- 9: where asynchrony pays: generation-bound, emulated ---------------------------------------------
-def generation_bound(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool) -> dict:
-    """tba.py for each --generation-slowdown X x searchers N (0: the synchronous baseline) x seed, on the
-    default's steps, batch and learning rate. Asynchronous runs and the synchronous run at X = 1 go to
-    their end (final accuracy, staleness, reuse); synchronous runs at X > 1 stop at start + 0.15: the
-    slowdown changes no sample (same seeds), only the time, so their curve is the X = 1 run's, slower
-    (checked on the evaluations they share: `same_as_x1`)."""
-    slowdowns, counts = ([1, 4], [0, 1]) if quick else ([1, 10, 30], [0, 1, 2, 4])
+def reuse_flag(reuse: str, n: int, cfg) -> float:
+    """Part 9's --max-reuse for `reuse`: "off" (0), a number, or "barrier": the authors' ratio, draws per
+    fresh trajectory when their trainer waits at each sync for one round of each of N searchers (k steps
+    of B x K draws against N rounds of round-prompts x search K; docs/performance.md)."""
+    if reuse == "off":
+        return 0.0
+    if reuse == "barrier":
+        return cfg.sync_every * cfg.prompts_per_step * cfg.samples_per_prompt / (
+            n * cfg.round_prompts * cfg.search_samples_per_prompt)
+    return float(reuse)
+
+
+def generation_bound(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, reuses: list[str],
+                     cfg, counts: list[int] | None = None, slowdowns: list[float] | None = None, run_one=None) -> dict:
+    """tba.py for each --generation-slowdown X x searchers N (0: the synchronous baseline) x --max-reuse
+    R (asynchronous runs) x seed, on the default's steps, batch and learning rate. Asynchronous runs and
+    the synchronous run at X = 1 go to their end (final accuracy, staleness, reuse); synchronous runs at
+    X > 1 stop at start + 0.15: the slowdown changes no sample (same seeds), only the time, so their curve
+    is the X = 1 run's, slower (checked on the evaluations they share: `same_as_x1`). `run_one(fn)` runs
+    each run (default: at once)."""
+    slowdowns = slowdowns or ([1, 4] if quick else [1, 10, 30])
+    counts = counts or ([0, 1] if quick else [0, 1, 2, 4])
     rows = []
     for x in slowdowns:
         for n in counts:
-            for seed in seeds:
-                run = os.path.join(out, f"slowdown{x}-searchers{n}-seed{seed}")
-                r = run_until_target(n, seed, cap, run, ["--eval-every", "2" if quick else "10",
-                                                         "--generation-slowdown", str(x), *flags], n > 0 or x == 1)
-                rows.append(slowdown_row(run, x, n, seed, r))
-                print(f"9. X {x} searchers {n} seed {seed}: +0.15 "
-                      f"{'at %.1f s' % r['seconds'] if r['reached'] else 'not reached'}, {rows[-1]['steps']} steps, "
-                      f"{rows[-1]['steps_per_s'] or 0:.2f} steps/s, accuracy {r['start_accuracy']:.3f} -> "
-                      f"{r['curve'][-1][2]:.3f}", flush=True)
-    return dict(slowdowns=slowdowns, searchers=counts, cap=cap, **speedups(rows, slowdowns))
+            for reuse in reuses if n else ["off"]:
+                for seed in seeds:
+                    r_flag = reuse_flag(reuse, n, cfg) if n else None
+                    name = f"slowdown{x:g}-searchers{n}" + (f"-reuse{reuse}" if n else "") + f"-seed{seed}"
+                    run = os.path.join(out, name)
+                    extra = ["--eval-every", "2" if quick else "10", "--generation-slowdown", str(x),
+                             *(["--max-reuse", f"{r_flag:g}"] if n else []), *flags]
+                    r = (run_one or (lambda f: f()))(lambda: run_until_target(n, seed, cap, run, extra, n > 0 or x == 1))
+                    rows.append(dict(slowdown_row(run, x, n, seed, r), reuse=reuse if n else None, max_reuse=r_flag))
+                    print(f"9. X {x:g} searchers {n}{f' R {reuse}' if n else ''} seed {seed}: +0.15 "
+                          f"{'at %.1f s' % r['seconds'] if r['reached'] else 'not reached'}, {rows[-1]['steps']} steps, "
+                          f"{rows[-1]['steps_per_s'] or 0:.2f} steps/s, accuracy {r['start_accuracy']:.3f} -> "
+                          f"{r['curve'][-1][2]:.3f}", flush=True)
+    return dict(slowdowns=slowdowns, searchers=counts, reuses=reuses, cap=cap, **speedups(rows, slowdowns))
 
 
 def slowdown_row(run: str, x: float, n: int, seed: int, r: dict) -> dict:
@@ -255,7 +274,10 @@ def slowdown_row(run: str, x: float, n: int, seed: int, r: dict) -> dict:
         best=max(accuracy[1:] or accuracy),
         round_seconds=float(np.median([t["search"] for t in later])) if n == 0 else None,               # G
         step_seconds=float(np.median([t["seconds"] - t["search"] for t in later])) if n == 0 else None,  # T
-        slowed=last["slept"] / last["generate"] + 1, curve=[(e["step"], e["accuracy"]) for e in evals])
+        # each round's generation took X x its calibrated cost alone, or longer where it ran longer by itself
+        charged=(last["generate"] + last["slept"]) / last["charged"] if last["charged"] else None,
+        contention=last["generate"] * x / last["charged"] if last["charged"] else None,  # generation / cost alone
+        curve=[(e["step"], e["accuracy"]) for e in evals])
 
 
 def speedups(rows: list[dict], slowdowns: list) -> dict:
@@ -278,6 +300,42 @@ def speedups(rows: list[dict], slowdowns: list) -> dict:
         G, T = np.mean([s["round_seconds"] for s in sync]), np.mean([s["step_seconds"] for s in sync])
         ideal[str(x)] = dict(G=float(G), T=float(T), bound=float((G + T) / T))  # speed-up <= min(N, (G + T) / T)
     return dict(ideal=ideal, rows=rows)
+
+
+# --- 10: fresher data per step ------------------------------------------------------------------------
+FRESHER = [("default", []), ("round B/2", ["--round-prompts", "half"]), ("round B/4", ["--round-prompts", "quarter"]),
+           ("k 1", ["--sync-every", "1"]), ("k 4", ["--sync-every", "4"]), ("m 0.5", ["--recency", "0.5"])]
+
+
+def fresher(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, cfg, run_one=None,
+            x: float = 10, counts: list[int] | None = None) -> dict:
+    """At --generation-slowdown X (10), for N searchers: time to start + 0.15 (each run stops there) with the
+    defaults and with one lever changed (FRESHER: a searcher round of B/2 or B/4 prompts, k, m), against
+    the synchronous run of the same seed."""
+    counts = counts or ([1] if quick else [1, 2, 4])
+    variants = FRESHER[:2] if quick else FRESHER
+    size = {"half": max(1, cfg.prompts_per_step // 2), "quarter": max(1, cfg.prompts_per_step // 4)}
+    rows = []
+    for n in [0] + counts:
+        for name, extra in variants if n else [("synchronous", [])]:
+            for seed in seeds:
+                run = os.path.join(out, f"fresher-searchers{n}-{name.replace(' ', '').replace('/', '')}-seed{seed}")
+                these = [str(size.get(e, e)) for e in extra] + ["--eval-every", "2" if quick else "5",
+                                                                "--generation-slowdown", f"{x:g}", *flags]
+                r = (run_one or (lambda f: f()))(lambda: run_until_target(n, seed, cap, run, these, False))
+                train, _, _ = plot.read(run)
+                rows.append(dict(searchers=n, variant=name, flags=these, seed=seed, reached=r["reached"],
+                                 seconds=r["seconds"], step=r["step"], first_step=r["first_step_seconds"],
+                                 from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None,
+                                 staleness=float(np.mean([t["staleness"] for t in train])) if train else None))
+                print(f"10. searchers {n} {name} seed {seed}: +0.15 "
+                      f"{'at %.1f s (step %d)' % (r['seconds'], r['step']) if r['reached'] else 'not reached'}", flush=True)
+    for r in rows:
+        sync = next(s for s in rows if s["searchers"] == 0 and s["seed"] == r["seed"])
+        both = r["reached"] and sync["reached"]
+        r["speedup"] = sync["seconds"] / r["seconds"] if both else None
+        r["speedup_first_step"] = sync["from_first_step"] / r["from_first_step"] if both else None
+    return dict(x=x, searchers=counts, variants=[v for v, _ in variants], cap=cap, rows=rows)
 
 
 # --- 8: TRL's GRPOTrainer on the same setup -----------------------------------------------------------
@@ -509,8 +567,12 @@ def main():
                    help="which measurements (2 comes with 1); 6: memory of a long TBA run (--minutes); "
                         "7: off-policy robustness of the losses; 8: TRL's GRPOTrainer on the same setup "
                         "(with tba.py and the synchronous baseline run to their end); 9: the generation-bound "
-                        "regime, emulated with --generation-slowdown")
+                        "regime, emulated with --generation-slowdown; 10: fresher data per step (a searcher round's "
+                        "size, k, m) in that regime")
     p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
+    p.add_argument("--reuse", nargs="+", default=["off", "1", "2", "barrier"],
+                   help="part 9: the asynchronous runs' --max-reuse values: off, numbers, and 'barrier' (the authors' "
+                        "ratio for each N)")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
@@ -544,7 +606,10 @@ def main():
     if 7 in args.parts:
         result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
     if 9 in args.parts:
-        result["generation_bound"] = generation_bound(args.seeds, out, flags, min(args.cap, 300), args.quick)
+        result["generation_bound"] = generation_bound(args.seeds, out, flags, min(args.cap, 300), args.quick,
+                                                      ["barrier"] if args.quick else args.reuse, cfg)
+    if 10 in args.parts:
+        result["fresher"] = fresher(args.seeds, out, flags, min(args.cap, 300), args.quick, cfg)
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
@@ -646,18 +711,21 @@ def table(r: dict) -> str:
         secs = lambda t: f"{t:.1f}" if t is not None else "-"
         times = lambda t: f"{t:.2f}x" if t is not None else "-"
         rate = lambda t: f"{t:.2f}" if t is not None else "-"
-        lines += ["9. generation-bound, emulated (--generation-slowdown X: each search round's generation sleeps X - 1 "
-                  "times its own length); +0.15: held-out accuracy >= start + 0.15, seconds from launch and from the "
-                  "first step; fresh: steps/s a trainer using each trajectory once could take; speed-ups over the "
-                  "synchronous run of the same X and seed; uses: draws per trajectory received",
-                  f"   {'X':>3} {'N':>2} {'seed':>4} | {'+0.15 (s)':>9} {'1st step':>8} | {'speed-up':>8} {'1st step':>8} | "
-                  f"{'steps/s':>7} {'fresh':>6} {'speed-up':>8} | {'stale mean/max':>14} | {'uses':>5} | {'final':>5} "
-                  f"{'best':>5}"]
+        lines += ["9. generation-bound, emulated (--generation-slowdown X: each search round's generation takes X times "
+                  "its engine's calibrated cost alone); R: --max-reuse (barrier: the authors' ratio, k B K / (N x round)); "
+                  "+0.15: held-out accuracy >= start + 0.15, seconds from launch and from the first step; fresh: "
+                  "steps/s a trainer using each trajectory once could take; speed-ups over the synchronous run of the "
+                  "same X and seed; uses: draws per trajectory received",
+                  f"   {'X':>3} {'N':>2} {'R':>7} {'seed':>4} | {'+0.15 (s)':>9} {'1st step':>8} | {'speed-up':>8} "
+                  f"{'1st step':>8} | {'steps/s':>7} {'fresh':>6} {'speed-up':>8} | {'stale mean/max':>14} | {'uses':>5} | "
+                  f"{'final':>5} {'best':>5}"]
         for x in gb["slowdowns"]:
             for row in [row for row in gb["rows"] if row["x"] == x]:
                 final = f"{row['final']:.3f}" if row["final"] is not None else (
                     "=X1" if row.get("same_as_x1") else "-")  # the synchronous X = 1 run's, same samples
-                lines.append(f"   {x:>3} {row['searchers']:>2} {row['seed']:>4} | {secs(row['seconds']):>9} "
+                reuse = "-" if row.get("reuse") is None else row["reuse"] + (
+                    f" {row['max_reuse']:.2g}" if row["reuse"] == "barrier" else "")
+                lines.append(f"   {x:>3g} {row['searchers']:>2} {reuse:>7} {row['seed']:>4} | {secs(row['seconds']):>9} "
                              f"{secs(row['from_first_step']):>8} | {times(row['speedup']):>8} "
                              f"{times(row['speedup_first_step']):>8} | {rate(row['steps_per_s']):>7} "
                              f"{rate(row['fresh_steps_per_s']):>6} {times(row['speedup_throughput']):>8} | "
@@ -666,6 +734,26 @@ def table(r: dict) -> str:
             i = gb["ideal"][str(x)]
             lines.append(f"   X {x}: round G = {i['G']:.3f} s, step T = {i['T']:.3f} s (synchronous runs, medians): "
                          f"ideal speed-up min(N, {i['bound']:.1f})")
+    fr = r.get("fresher")
+    if fr:
+        per = lambda rows, f: " / ".join(f(x) for x in rows)
+        secs = lambda t: f"{t:.1f}" if t is not None else "-"
+        times = lambda t: f"{t:.2f}x" if t is not None else "-"
+        lines += [f"10. fresher data per step at --generation-slowdown {fr['x']:g}: one lever changed at a time; seconds "
+                  f"to start + 0.15 from launch and from the first step (per seed), the step it was reached at, "
+                  f"speed-ups over the synchronous run of the same seed",
+                  f"   {'N':>2} {'variant':<11} | {'+0.15 (s)':>13} | {'1st step':>13} | {'step':>9} | {'stale':>5} | "
+                  f"{'speed-up':>13} | {'1st step':>13}"]
+        for n in [0] + fr["searchers"]:
+            for v in fr["variants"] if n else ["synchronous"]:
+                mine = [x for x in fr["rows"] if x["searchers"] == n and x["variant"] == v]
+                stale = [x["staleness"] for x in mine if x["staleness"] is not None]
+                lines.append(f"   {n:>2} {v:<11} | {per(mine, lambda x: secs(x['seconds'])):>13} | "
+                             f"{per(mine, lambda x: secs(x['from_first_step'])):>13} | "
+                             f"{per(mine, lambda x: str(x['step'] or '-')):>9} | "
+                             f"{np.mean(stale) if stale else float('nan'):>5.1f} | "
+                             f"{per(mine, lambda x: times(x['speedup'])):>13} | "
+                             f"{per(mine, lambda x: times(x['speedup_first_step'])):>13}")
     return "\n".join(lines)
 
 

@@ -117,50 +117,50 @@ def study(bench_json: str, out: str):
 
 
 def generation_bound(bench_json: str, out: str):
-    """bench.py part 9, against the number of searchers N, one colour per --generation-slowdown X:
-    left, the speed-up in time to start + 0.15 (from the first step) over the synchronous run; right,
-    the speed-up in fresh-data throughput (steps a second a trainer using each trajectory once could
-    take) beside the ideal min(N, (G + T) / T) (dashed); third, the held-out accuracy of the asynchronous
-    runs' last evaluation. Solid: mean of the seeds; dots: each seed.
-    Runs (or synchronous baselines) that never reached the target within the run have no left point."""
+    """bench.py part 9: one column per --generation-slowdown X, one colour per --max-reuse R, against the
+    number of searchers N. Top: the speed-up in time to start + 0.15 over the synchronous run of the same
+    seed, from the first step (solid) and from launch (dotted); the ideal min(N, (G + T) / T) dashed.
+    Bottom: the held-out accuracy at the end, the synchronous run's (its curve is the X = 1 run's) in
+    gray. Lines: mean of the seeds; dots: each seed. A run (or its synchronous baseline) that never
+    reached the target has no top point."""
     plt = pyplot()
     with open(bench_json) as f:
         gb = json.load(f)["generation_bound"]
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    xs = gb["slowdowns"]
+    fig, axes = plt.subplots(2, len(xs), figsize=(5.2 * len(xs), 8), squeeze=False)
     counts = [n for n in gb["searchers"] if n > 0]
-    for ax, key, what in ((axes[0], "speedup_first_step", "time to start + 0.15, from the first step"),
-                          (axes[1], "speedup_throughput", "fresh-data throughput (each trajectory used once)")):
-        for i, x in enumerate(gb["slowdowns"]):
-            color, rows = f"C{i}", [r for r in gb["rows"] if r["x"] == x]
-            if key == "speedup_throughput":
-                bound = gb["ideal"][str(x)]["bound"]
-                ax.plot(counts, [min(n, bound) for n in counts], "--", color=color, alpha=0.7,
-                        label=f"X = {x}: ideal min(N, (G+T)/T = {bound:.1f})")
-            means = []
-            for n in counts:
-                got = [r[key] for r in rows if r["searchers"] == n and r[key] is not None]
-                means.append(sum(got) / len(got) if got else float("nan"))
-                ax.plot([n] * len(got), got, "o", color=color, alpha=0.5)
-            ax.plot(counts, means, "-", color=color, linewidth=2, label=f"X = {x}: measured")
-        if not any(r[key] is not None for r in gb["rows"] if r["searchers"] > 0):
-            ax.text(0.5, 0.5, "no pair of runs (N searchers and the synchronous one) both reached it",
-                    transform=ax.transAxes, ha="center", fontsize=8)
-        ax.axhline(1, color="gray", linewidth=0.8, linestyle=":")
-        ax.set(xlabel="searchers N", xticks=counts, ylabel="speed-up over the synchronous run (x)", title=what)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for i, x in enumerate(gb["slowdowns"]):  # what the trainer learned from what it got: the last evaluation
-        rows = [r for r in gb["rows"] if r["x"] == x and r["searchers"] > 0]
-        last = [sum(r["curve"][-1][1] for r in rows if r["searchers"] == n) / max(1, sum(r["searchers"] == n for r in rows))
-                for n in counts]
-        axes[2].plot(counts, last, "o-", color=f"C{i}", label=f"X = {x}")
-    axes[2].axhline(gb["rows"][0]["start"], color="gray", linewidth=0.8, linestyle=":", label="start")
-    axes[2].set(xlabel="searchers N", xticks=counts, ylabel="held-out accuracy, last evaluation",
-                title="accuracy at the end of the asynchronous runs")
-    axes[2].grid(alpha=0.3)
-    axes[2].legend(fontsize=7)
-    fig.suptitle("generation-bound regime, emulated: each search round's generation slowed X times "
-                 "(--generation-slowdown X)", fontsize=9)
+    reuses = gb.get("reuses") or [None]
+    mean = lambda v: sum(v) / len(v) if v else float("nan")
+    for col, x in enumerate(xs):
+        top, bottom = axes[0, col], axes[1, col]
+        bound = gb["ideal"][str(x)]["bound"]
+        top.plot(counts, [min(n, bound) for n in counts], "--", color="gray", label=f"ideal min(N, {bound:.1f})")
+        for i, reuse in enumerate(reuses):
+            rows = [r for r in gb["rows"] if r["x"] == x and r["searchers"] > 0 and r.get("reuse") == reuse]
+            color, name = f"C{i}", f"R {reuse}" if reuse is not None else "async"
+            for key, style in (("speedup_first_step", "-"), ("speedup", ":")):
+                got = [[r[key] for r in rows if r["searchers"] == n and r[key] is not None] for n in counts]
+                for n, g in zip(counts, got):
+                    top.plot([n] * len(g), g, "o", color=color, alpha=0.4, markersize=4)
+                top.plot(counts, [mean(g) for g in got], style, color=color,
+                         label=f"{name}, from the first step" if style == "-" else f"{name}, from launch")
+            finals = [[r["curve"][-1][1] for r in rows if r["searchers"] == n] for n in counts]
+            bottom.plot(counts, [mean(f) for f in finals], "o-", color=color, label=name)
+        sync = [r for r in gb["rows"] if r["x"] == x and r["searchers"] == 0]
+        base = [r["final"] for r in gb["rows"] if r["x"] == 1 and r["searchers"] == 0 and r["final"] is not None]
+        if base:
+            bottom.axhline(mean(base), color="gray", linewidth=1, label="synchronous (its X = 1 run)")
+        if sync:
+            bottom.axhline(sync[0]["start"], color="gray", linewidth=0.8, linestyle=":", label="start")
+        top.axhline(1, color="gray", linewidth=0.8, linestyle=":")
+        top.set(xlabel="searchers N", xticks=counts, ylabel="speed-up in time to start + 0.15 (x)",
+                title=f"X = {x:g}")
+        bottom.set(xlabel="searchers N", xticks=counts, ylabel="held-out accuracy at the end")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.suptitle("generation-bound regime, emulated: each search round's generation takes X times its cost alone "
+                 "(--generation-slowdown X); R = --max-reuse", fontsize=9)
     save(fig, out)
 
 
