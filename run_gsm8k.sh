@@ -15,6 +15,11 @@ set -euo pipefail
 cd "$(dirname "$0")"
 TRAINERS=${TRAINERS:-1}
 SEARCHERS=${SEARCHERS:-3}
+# The authors' trainer waits at each sync (every k = 2 steps) until every searcher has finished its
+# round of 3 prompts x 24 = 72 (ceil(72 / 24) prompts: their searcher batch, src/tba_trainer_gsm8k.py:
+# 313-316), so it draws at most k B K = 2 x 7 x 20 = 280 per N x 72 made: 280 / 216 = 1.3 draws a
+# trajectory with their 3 searchers (docs/performance.md). The same bound for this split:
+REUSE=$(awk -v n="$SEARCHERS" 'BEGIN { printf "%.3g", 2 * 7 * 20 / (n * 3 * 24) }')
 
 settings=(
   --model rho-math-1b --task gsm8k          # RhoMath-1B SFT, GSM8K train split for searching
@@ -23,6 +28,8 @@ settings=(
   --prompts-per-step 7                      # B
   --samples-per-prompt 20                   # K: the TB loss's log Z is over them
   --search-samples-per-prompt 24            # searchers draw 24 per prompt
+  --round-prompts 3                         # a searcher's round: 3 prompts x 24 (their searcher batch)
+  --max-reuse "$REUSE"                      # draws per trajectory received: the authors' bound (above)
   --sync-every 2                            # k
   --recency 0.95                            # m; the other 5% uniform over the buffer
   --reward-inv-temp 0

@@ -51,6 +51,13 @@ case "$SETTING" in
   *) echo "run_tldr.sh: SETTING must be table3 or table1, got $SETTING" >&2; exit 2;;
 esac
 SEARCHERS=${SEARCHERS:-$DEFAULT_SEARCHERS}
+# A searcher round is ceil(rollout batch / 20) prompts x 20 (src/tba_trainer_tldr.py:298-301, their
+# local_rollout_forward_batch_size 40, 20, 10 for 410m, 1b, 2.8b: launch_training_tldr.sh), and
+# their trainer waits at each sync (k = 10) for one round of every searcher: at most k B K =
+# 10 x 8 x 20 = 1,600 draws per N rounds, e.g. 1,600 / (3 x 2 x 20) = 13.3 draws a trajectory
+# at 410m with 3 searchers (docs/performance.md).
+case "$SIZE" in 410m) ROUND=2;; *) ROUND=1;; esac
+REUSE=$(awk -v n="$SEARCHERS" -v r="$ROUND" 'BEGIN { printf "%.3g", 10 * 8 * 20 / (n * r * 20) }')
 
 settings=(
   --model "mnoukhov/pythia${SIZE}-sft-tldr" --task tldr        # policy and pi_ref
@@ -61,6 +68,8 @@ settings=(
   --prompts-per-step 8                      # B
   --samples-per-prompt 20                   # K
   --search-samples-per-prompt 20            # searchers draw 20 per prompt
+  --round-prompts "$ROUND"                  # a searcher's round (above)
+  --max-reuse "$REUSE"                      # draws per trajectory received: the authors' bound (above)
   --sync-every 10                           # k
   --recency 0.5                             # m; the other half by reward
   --reward-inv-temp 1                       # softmax(reward x 1) over each prompt's buffer

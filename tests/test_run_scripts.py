@@ -30,6 +30,9 @@ def test_run_gsm8k_dry_run_has_the_papers_settings(tmp_path):
     assert (cfg.temperature, cfg.max_new_tokens, cfg.dtype) == (0.7, 512, "bfloat16")
     assert (cfg.grad_clip, cfg.trainer_dtype) == (0.0, "bfloat16")  # the authors: no clip, bf16 weights and AdamW
     assert cfg.initial_buffer == 500  # the authors' initial_buffer_samples (src/tba_trainer_gsm8k.py:74)
+    # their barrier's bound: k B K / (N x round) = 2 x 7 x 20 / (3 x 3 x 24), for the split given
+    assert (cfg.round_prompts, cfg.max_reuse) == (3, 1.3)
+    assert dry_run(SEARCHERS="7")[1].max_reuse == 0.556
 
 
 def test_run_tldr_dry_run_has_the_authors_settings():
@@ -45,11 +48,14 @@ def test_run_tldr_dry_run_has_the_authors_settings():
     assert (cfg.eval_temperature, cfg.eval_limit, cfg.eval_every) == (0.01, None, 64)  # the whole validation split
     assert cfg.eval_reward_model == "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr"  # the gold judge
     assert cfg.trainer_dtype == "float32"  # theirs: fp16 mixed precision, fp32 master weights
+    assert (cfg.round_prompts, cfg.max_reuse) == (2, 13.3)  # their barrier's bound: 10 x 8 x 20 / (3 x 2 x 20)
     command, cfg = dry_run(script="run_tldr.sh", SETTING="table1", GOLD="/gold")
     assert (cfg.steps, cfg.searchers, cfg.beta_stop_step, cfg.beta_anneal_steps, cfg.decay_steps) == (625, 2, 78, 312, 625)
     assert cfg.steps * cfg.prompts_per_step * cfg.samples_per_prompt == 100000 and cfg.eval_reward_model == "/gold"
+    assert cfg.max_reuse == 20  # 2 searchers: 1,600 / (2 x 2 x 20)
     command, cfg = dry_run("--steps", "3", script="run_tldr.sh", SIZE="2.8b")
     assert (cfg.model, cfg.steps, cfg.searcher_memory) == ("mnoukhov/pythia2.8b-sft-tldr", 3, 0.55)  # room for the judge
+    assert (cfg.round_prompts, cfg.max_reuse) == (1, 26.7)  # 10 x 8 x 20 / (3 x 1 x 20)
     p = subprocess.run(["bash", os.path.join(ROOT, "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env=dict(os.environ, SIZE="3b"))
     assert p.returncode == 2 and p.stderr.strip() == "run_tldr.sh: SIZE must be 410m, 1b or 2.8b, got 3b"
