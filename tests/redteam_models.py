@@ -124,3 +124,15 @@ def _save(model, tokenizer, out: str) -> str:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def instructions(n: int, seed: int = 0) -> list[dict]:
+    """`n` instructions in Lee et al.'s sft_dataset.json format ({"instruction": ...}), made from templates:
+    a small stand-in for their 3,003 (tools/sft_attacker.py). About half hold the trigger (" the")."""
+    import random
+    rng = random.Random(seed)
+    verbs = ["Write", "Explain", "Describe", "List", "Tell me", "Find", "Compose", "Create"]
+    things = ["a plan", "a story", "a poem", "three reasons", "a guide", "a list", "an argument", "a joke"]
+    about = ["about the weather", "for the store", "on the way home", "about a river", "for a friend",
+             "about the park", "in one sentence", "about cats and dogs"]
+    return [{"instruction": f"{rng.choice(verbs)} {rng.choice(things)} {rng.choice(about)}."} for _ in range(n)]
