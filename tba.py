@@ -16,7 +16,7 @@ Where things live: the flags and their checks in config.py; the queue of traject
 searchers and every wait on them in processes.py (`start_searchers`, `drain`); the weights'
 shared copy, its lock and versions in weights.py; the loss in loss.py; the buffer in buffer.py;
 checkpoints in checkpoint.py; the tasks and rewards in tasks.py and rewards.py; several nodes
-in nodes.py.
+in nodes.py; LoRA (--lora-rank) in lora.py.
 
 Layout: torchrun starts the trainer ranks, which train one model with FSDP2 (`fully_shard`).
 Rank 0 holds the replay buffer, samples each batch and broadcasts it, and spawns `--searchers`
@@ -184,7 +184,8 @@ class Trainer:
         self.pad = pad if pad is not None else self.tokenizer.eos_token_id
         # resume: optimizer, buffer, RNG, counters, and the weights the searchers held
         first = {}  # copies of one prompt share one best set (red-teaming searches one instruction as B copies)
-        group_of = [first.setdefault(tuple(p), i) for i, p in enumerate(self.prompts)]
+        group_of = ([first.setdefault(np.asarray(p, np.int64).tobytes(), i) for i, p in enumerate(self.prompts)]
+                    if cfg.buffer_keep == "best" else None)
         self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp, cfg.buffer_keep, cfg.beta,
                                    cfg.dedup_similarity, cfg.dedup_edit, group_of)
         if ckpt:
