@@ -1,6 +1,7 @@
 """Checkpoints: tensors and plain data only, written so that a crash never leaves a broken one.
 
-OUT/checkpoint-STEP/ holds the model in Hugging Face format (model/), the optimizer state, step,
+OUT/checkpoint-STEP/ holds the model in Hugging Face format (model/; with LoRA the merged model, and
+the adapter in adapter/, from which --resume rebuilds the policy: lora.py), the optimizer state, step,
 RNG state and counters, the weights the searchers hold if older than the model's, and pi_ref if
 TBA′ is on (trainer.pt, read back with torch.load(weights_only=True)), the replay buffer
 (buffer.npz, NumPy without pickle) and the run's config (config.json). OUT/checkpoint links to the
@@ -15,6 +16,7 @@ import shutil
 import numpy as np
 import torch
 
+import lora
 from buffer import ReplayBuffer
 from tasks import ConfigError
 
@@ -37,6 +39,8 @@ def save_checkpoint(cfg, rank, model, opt, buffer, cap, shared, step, log, token
 
     def write(folder):
         save_hf(model, sd, tokenizer, os.path.join(folder, "model"))
+        if lora.active(model):  # what --resume rebuilds the policy from, with the frozen --model
+            lora.save_adapter(model, sd, os.path.join(folder, "adapter"))
         cpu = lambda tensors: {n: t.cpu() for n, t in tensors.items()}
         torch.save(dict(optimizer=osd, step=step, elapsed=log.now(), torch_rng=torch.get_rng_state(),
                         samples=log.samples, first_eval=log.first_eval,
@@ -104,5 +108,8 @@ def atomic_checkpoint(out: str, step: int, write):
 
 
 def save_hf(model, state_dict, tokenizer, path):
+    """The model in Hugging Face format; with LoRA the merged one (lora.py): a plain model anyone can load."""
+    if lora.active(model):
+        model, state_dict = model.get_base_model(), lora.merge_state_dict(model, state_dict)
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)

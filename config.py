@@ -73,13 +73,28 @@ class Config:
     recency: float = arg(0.95, "m: probability that a batch prompt comes from the data added since the last sync")
     reward_inv_temp: float = arg(0.0, "inverse temperature of the reward softmax for draws from the whole buffer; "
                                       "0 = uniform")
-    buffer_capacity: int = arg(100, "trajectories kept per prompt (the newest)")
+    buffer_capacity: int = arg(100, "trajectories kept per prompt (see --buffer-keep)")
+    buffer_keep: str = arg("newest", "what the buffer keeps per prompt for draws by reward: newest (TBA's) | best "
+                                     "(the highest log R = log pi_ref + r / beta, near-duplicates merged into the "
+                                     "better one: Lee et al.'s red-teaming buffer); recent draws are the same in both")
+    dedup_similarity: float = arg(0.0, "--buffer-keep best: two attacks whose --embedding-model embeddings have a "
+                                       "cosine similarity above this are near-duplicates (Lee et al., Llama victims: "
+                                       "0.4); 0 = not by embedding")
+    dedup_edit: float = arg(0.0, "--buffer-keep best: two responses whose token edit distance is below this x "
+                                 "their summed lengths are near-duplicates (Lee et al., GPT-2: 0.25); 0 = not by edit "
+                                 "distance; with both 0 only exact duplicates are")
     initial_buffer: int = arg(0, "trajectories that must have arrived before the first training step")
     beta: float = arg(0.05, "KL coefficient: target pi_ref * exp(reward / beta)")
     beta_final: float | None = arg(None, "beta at the end of the anneal (default: --beta, no anneal)")
     beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
     beta_stop_step: int = arg(0, "from this step (update) on, beta is --beta-final at once, cutting the anneal "
                                  "short (the authors' TL;DR: 32 of a 128-step anneal); 0 = never")
+    reward_temp: float = arg(1.0, "T_R at step 0, annealed linearly to 1: TB's log R = (log pi_ref / gamma + r / "
+                                  "beta) / T_R (Lee et al.: 2 over 500 steps); 1 = off")
+    reward_temp_anneal_steps: int = arg(0, "steps of the anneal of T_R from --reward-temp to 1")
+    gamma_final: float = arg(1.0, "gamma, the prior's temperature in log R, annealed linearly from 1 to this (Lee et "
+                                  "al.: 1.2 over 2,000 steps for Llama victims, 1 for GPT-2); 1 = off")
+    gamma_anneal_steps: int = arg(0, "steps of the anneal of gamma from 1 to --gamma-final")
     ref_reset_every: int = arg(0, "TBA′: every N steps pi_ref becomes the current policy (the paper: 50); 0 = never")
     # --- objective (loss.py)
     loss: str = arg("tb", "tb (trajectory balance: the method) | rloo | grpo (on-policy baselines for the "
@@ -93,6 +108,10 @@ class Config:
     decay_steps: int = arg(100, "learning rate: decay steps to 0 after the stable phase, shaped by --lr-decay (the "
                                 "toy run settles)")
     grad_clip: float = arg(1.0, "gradient norm clip; 0 = none")
+    weight_decay: float = arg(0.0, "AdamW's decoupled weight decay (Lee et al.'s red-teaming: torch's default 0.01)")
+    lora_rank: int = arg(0, "train a LoRA adapter of this rank on peft's default target modules instead of all "
+                            "weights (lora.py; Lee et al.: 32); 0 = all weights")
+    lora_alpha: int = arg(16, "LoRA's alpha: the update is (alpha / rank) B A (Lee et al.: 16)")
     lr_decay: str = arg("cosine", "shape of the decay to 0 over --decay-steps: cosine | linear (transformers' "
                                   "default, the authors' TL;DR)")
     trainer_dtype: str = arg("float32", "the trainer's weights and AdamW state: float32 (master weights, computing "
@@ -103,6 +122,10 @@ class Config:
                                                 "the same numbers)")
     # --- sampling and evaluation
     temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
+    explore_temp_min: float = arg(0.0, "exploration: half of a searcher's requests sample at a temperature drawn "
+                                       "uniformly from [this, --explore-temp-max] instead of --temperature (log-probs "
+                                       "stay at --temperature; Lee et al.: 0.5 to 2); 0 = off")
+    explore_temp_max: float = arg(0.0, "the top of the exploration temperatures")
     max_new_tokens: int = arg(8, "response length limit in tokens (toy answers: 3 digits and EOS; GSM8K: 512)")
     eval_every: int = arg(10, "steps between evaluations (on held-out problems); 0 = start and end only")
     eval_limit: int | None = arg(None, "evaluate on the first N held-out problems only")
@@ -346,6 +369,7 @@ def check(cfg: Config, world: int):
     need(cfg.round_prompts is None or cfg.searchers, "round-prompts", "sizes a searcher's round; with --searchers 0 "
          "the trainer searches B prompts before each step")
     cfg.round_prompts = cfg.prompts_per_step if cfg.round_prompts is None else cfg.round_prompts
+    check_recipe(cfg)
     check_environment()
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
@@ -386,6 +410,35 @@ def check(cfg: Config, world: int):
     if cfg.resume:
         check_resumed_flags(cfg, cfg.resume)
     return cfg, tokenizer, train, test, prompts, test_prompts, ckpt
+
+
+def check_recipe(cfg: Config):
+    """The buffer's keeping, LoRA, weight decay, the reward's temperatures and the exploration's."""
+    need(cfg.buffer_keep in ("newest", "best"), "buffer-keep", f"unknown {cfg.buffer_keep!r} (choose from newest, best)")
+    for flag in ("dedup_similarity", "dedup_edit"):
+        value, name = getattr(cfg, flag), flag.replace("_", "-")
+        need(0 <= value <= 1, name, f"must be in [0, 1], got {value}")
+        need(value == 0 or cfg.buffer_keep == "best", name, "merges near-duplicates in the best buffer: pass "
+             "--buffer-keep best")
+    need(cfg.dedup_similarity == 0 or cfg.task == "redteam", "dedup-similarity", "compares --embedding-model "
+         "embeddings: the redteam task only (--dedup-edit compares tokens, for any task)")
+    need(cfg.lora_rank >= 0, "lora-rank", f"must be 0 (all weights) or more, got {cfg.lora_rank}")
+    need(cfg.lora_alpha > 0, "lora-alpha", f"must be positive, got {cfg.lora_alpha}")
+    if cfg.lora_rank:
+        try:
+            import peft  # noqa: F401  (needed only with --lora-rank)
+        except ImportError:
+            raise ConfigError("--lora-rank: the peft package is not installed (pip install peft)") from None
+    need(cfg.weight_decay >= 0, "weight-decay", f"must be 0 or more, got {cfg.weight_decay}")
+    need(cfg.reward_temp > 0, "reward-temp", f"must be positive, got {cfg.reward_temp}")
+    need(cfg.gamma_final > 0, "gamma-final", f"must be positive, got {cfg.gamma_final}")
+    need(cfg.loss == "tb" or (cfg.reward_temp == 1 and cfg.gamma_final == 1), "reward-temp",
+         f"T_R and gamma shape TB's log R; --loss {cfg.loss} has none (leave --reward-temp and --gamma-final at 1)")
+    for flag in ("reward_temp_anneal_steps", "gamma_anneal_steps"):
+        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
+    low, high = cfg.explore_temp_min, cfg.explore_temp_max
+    need(low == high == 0 or 0 < low <= high, "explore-temp-min", f"the exploration temperatures need 0 < "
+         f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
 
 
 def check_task(cfg: Config):
@@ -475,6 +528,13 @@ def check_resumed_flags(cfg, folder: str):
     if fixed:
         raise ConfigError(f"--resume: {', '.join(map(show, fixed))} cannot change mid-run (the checkpoint's buffer "
                           f"was searched and scored with the old value)")
+    saved.setdefault("lora_rank", 0)  # written before LoRA existed: all weights
+    adapter = [n for n in ("lora_rank", "lora_alpha") if n in differ or (n == "lora_rank" and saved[n] != cfg.lora_rank)]
+    if adapter and (cfg.lora_rank or saved["lora_rank"]):
+        raise ConfigError(f"--resume: {', '.join(map(show, adapter))} cannot change mid-run (the checkpoint's weights "
+                          f"and optimizer state are those of its own adapter, or of all weights)")
+    if cfg.lora_rank and not os.path.isfile(os.path.join(folder, "adapter", "adapter_model.safetensors")):
+        raise ConfigError(f"--resume: {folder} has no adapter/adapter_model.safetensors (an incomplete checkpoint?)")
     if differ and int(os.environ.get("RANK", "0")) == 0:
         print(f"tba.py: resuming with flags that differ from the checkpoint's: {', '.join(map(show, differ))}",
               flush=True)
@@ -503,12 +563,25 @@ def check_writable(out: str):
                 pass
 
 
-# --- schedules (the authors': beta annealed linearly, lr warmup-stable-decay) -------------------
+# --- schedules (the authors': beta annealed linearly, lr warmup-stable-decay; Lee et al.'s T_R and gamma) ---
 def beta_at(cfg, step: int) -> float:
     if cfg.beta_stop_step and step + 1 >= cfg.beta_stop_step:  # `step` updates done: this is update step + 1
         return cfg.beta_final  # the authors' TL;DR jump (src/tba_trainer_tldr.py:576-580)
     frac = min(1.0, step / cfg.beta_anneal_steps) if cfg.beta_anneal_steps else 1.0
     return cfg.beta + (cfg.beta_final - cfg.beta) * frac
+
+
+def reward_temp_at(cfg, step: int) -> float:
+    """T_R: --reward-temp at step 0, then linearly to 1 (Lee et al.'s get_total_reward_temp,
+    trainers/gfn_trainer.py:253-258; their steps count from 1, ours from 0 like beta_at's)."""
+    frac = min(1.0, step / cfg.reward_temp_anneal_steps) if cfg.reward_temp_anneal_steps else 1.0
+    return cfg.reward_temp + (1.0 - cfg.reward_temp) * frac
+
+
+def gamma_at(cfg, step: int) -> float:
+    """gamma: 1 at step 0, then linearly to --gamma-final (their get_lm_reward_temp, gfn_trainer.py:260-264)."""
+    frac = min(1.0, step / cfg.gamma_anneal_steps) if cfg.gamma_anneal_steps else 1.0
+    return 1.0 + (cfg.gamma_final - 1.0) * frac
 
 
 def lr_at(cfg, step: int) -> float:

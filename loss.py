@@ -15,7 +15,8 @@ policy, which is what lets TBA train on stale, replayed data.
 
 Every loss (`LOSSES`, chosen with `--loss`) takes the same (B, K) tensors by keyword: `logp` (the
 trainer's, with gradient), `logp_ref`, `logp_behaviour` (of the policy that sampled the response),
-`reward`, `length` (response tokens), and the scalars `beta` and `clip`; it returns the scalar
+`reward`, `length` (response tokens), and the scalars `beta`, `clip`, `gamma` and `reward_temp`
+(TB's tempered log R: Lee et al.'s red-teaming); it returns the scalar
 loss (a mean over the B x K responses) and a dict of (B,) statistics that are logged. A new
 objective is one more function of this shape, added to `LOSSES`.
 """
@@ -25,9 +26,11 @@ import torch.utils.checkpoint
 
 
 # ===== the method: TB ===============================================================================
-def tb_loss(logp, logp_ref, reward, beta: float, **_):
-    """Trajectory balance with the VarGrad log Z (the paper, Sec. 3)."""
-    delta = logp - logp_ref - reward / beta            # (B, K) log pi_theta - log R, R = pi_ref exp(r / beta)
+def tb_loss(logp, logp_ref, reward, beta: float, gamma: float = 1.0, reward_temp: float = 1.0, **_):
+    """Trajectory balance with the VarGrad log Z (the paper, Sec. 3). Lee et al.'s red-teaming tempers
+    log R = (log pi_ref / gamma + r / beta) / T_R (--gamma-final, --reward-temp); both 1 = the paper's."""
+    log_r = (logp_ref / gamma + reward / beta) / reward_temp  # (B, K) log R, R = pi_ref exp(r / beta) at 1, 1
+    delta = logp - log_r                               # (B, K) log pi_theta - log R
     log_z = -delta.mean(dim=1, keepdim=True).detach()  # (B, 1) VarGrad log Z: no gradient
     loss = (log_z + delta).pow(2).mean()               # scalar: mean over the B*K responses
     return loss, {"log_z": log_z.squeeze(1)}           # (), {(B,)}

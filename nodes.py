@@ -183,11 +183,15 @@ def take(queue) -> list:
 # --- the wire format: plain numbers and token ids, never pickle ---------------------------------
 def encode(trajectories: list[Trajectory], error: str | None = None) -> torch.Tensor:
     """uint8: 8-byte little-endian header length, the JSON header (each trajectory's FIELDS and
-    response length; or an error line), then every response's token ids as little-endian int32."""
-    head = json.dumps({"error": error, "rows": [[*(k(getattr(t, f)) for f, k in zip(FIELDS, KINDS)), len(t.response)]
-                                                for t in trajectories]}).encode()
+    response length, the embeddings' width; or an error line), then every response's token ids as
+    little-endian int32, then the embeddings (--dedup-similarity) as little-endian float32."""
+    dim = len(trajectories[0].embedding) if trajectories and all(t.embedding is not None for t in trajectories) else 0
+    head = json.dumps({"error": error, "dim": dim,
+                       "rows": [[*(k(getattr(t, f)) for f, k in zip(FIELDS, KINDS)), len(t.response)]
+                                for t in trajectories]}).encode()
     tokens = np.concatenate([t.response for t in trajectories]).astype("<i4") if trajectories else np.zeros(0, "<i4")
-    data = len(head).to_bytes(8, "little") + head + tokens.tobytes()
+    embeddings = np.stack([t.embedding for t in trajectories]).astype("<f4") if dim else np.zeros(0, "<f4")
+    data = len(head).to_bytes(8, "little") + head + tokens.tobytes() + embeddings.tobytes()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -197,16 +201,21 @@ def decode(payload: torch.Tensor) -> tuple[list[Trajectory], str | None]:
     n = int.from_bytes(data[:8], "little")
     try:
         head = json.loads(data[8:8 + n])
-        rows, error = head["rows"], head["error"]
-        tokens = np.frombuffer(data[8 + n:], dtype="<i4").astype(np.int32)
+        rows, error, dim = head["rows"], head["error"], int(head.get("dim", 0))
         lengths = [int(r[-1]) for r in rows]
-        if len(data) < 8 + n or sum(lengths) != len(tokens) or any(len(r) != len(FIELDS) + 1 for r in rows):
+        split = 8 + n + 4 * sum(lengths)
+        tokens = np.frombuffer(data[8 + n:split], dtype="<i4").astype(np.int32)
+        embeddings = np.frombuffer(data[split:], dtype="<f4").astype(np.float32)
+        if (len(data) < 8 + n or sum(lengths) != len(tokens) or any(len(r) != len(FIELDS) + 1 for r in rows)
+                or dim < 0 or len(embeddings) != dim * len(rows)):
             raise ValueError("lengths do not add up")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"a message from another node does not parse ({e})") from None
     ends = np.cumsum(lengths)
-    return [Trajectory(**{f: k(v) for f, k, v in zip(FIELDS, KINDS, r)}, response=tokens[end - length:end].copy())
-            for r, length, end in zip(rows, lengths, ends)], error
+    embeddings = embeddings.reshape(len(rows), dim) if dim else [None] * len(rows)
+    return [Trajectory(**{f: k(v) for f, k, v in zip(FIELDS, KINDS, r)}, response=tokens[end - length:end].copy(),
+                       embedding=e if e is None else e.copy())
+            for r, length, end, e in zip(rows, lengths, ends, embeddings)], error
 
 
 def lost(e: BaseException) -> str | None:

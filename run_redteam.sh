@@ -1,43 +1,59 @@
 #!/usr/bin/env bash
-# The paper's red-teaming run (Bartoldson et al., 2025, Table 6: a GPT-2 attacker, TBA on 4 GPUs),
-# built on Lee et al., "Learning diverse attacks on large language models for robust red-teaming and
-# safety tuning" (arXiv 2405.18540, github.com/GFNOrg/red-teaming: main.py, trainers/gfn_trainer.py,
-# configs/gpt2.json, eval.py). The paper gives k = 10, beta = 0.05, 5,000 steps and 128 attacks a step;
-# the rest is Lee et al.'s GPT-2 setting. redteam.py documents the task.
+# The paper's red-teaming run (Bartoldson et al., 2025, Table 6: a GPT-2 attacker, TBA on 4 GPUs), with
+# Lee et al.'s GPT-2 recipe ("Learning diverse attacks on large language models for robust red-teaming
+# and safety tuning", arXiv 2405.18540, github.com/GFNOrg/red-teaming: main.py, trainers/gfn_trainer.py,
+# utils.py, configs/gpt2.json, eval.py). The paper gives k = 10, beta = 0.05, 5,000 steps and 128 attacks
+# a step; the rest is Lee et al.'s. redteam.py documents the task.
 #
-#   bash run_redteam.sh                       # run it
-#   bash run_redteam.sh --dry-run             # print the command and settings, start nothing
-#   ATTACKER=save/gpt2-sft bash run_redteam.sh    # the attacker (see below)
-#   bash run_redteam.sh --victim-responses 3  # extra arguments pass through to tba.py (last wins)
+#   ATTACKER=save/gpt2-sft bash run_redteam.sh              # run it (ATTACKER: see below)
+#   ATTACKER=save/gpt2-sft bash run_redteam.sh --dry-run    # print the command and settings, start nothing
+#   ATTACKER=... bash run_redteam.sh --victim-responses 3   # extra arguments pass through to tba.py (last wins)
+#
+# ATTACKER (required) is their prior: GPT-2 after their supervised fine-tuning on 3,003 harmful
+# instructions, the start of training and pi_ref. Make it with tools/sft_attacker.py from their files
+# prompts/sft_dataset.json and prompts/alpaca.jsonl (github.com/GFNOrg/red-teaming):
+#   python tools/sft_attacker.py sft_dataset.json --prompts alpaca.jsonl --model gpt2 --out save/gpt2-sft
 #
 # GPU split as in run_gsm8k.sh: TRAINERS GPUs train, the next SEARCHERS GPUs each run one searcher,
 # whose GPU also holds pi_ref, the victim and the classifier (docs/tasks.md, "Red-teaming"). The one attack
 # prompt is searched as B = 16 copies of K = 8 attacks, so TRAINERS must divide 16.
 #
-# Where this differs from Lee et al.'s run:
-# - attacker: theirs is GPT-2 after their supervised fine-tuning on instruction lists (a checkpoint
-#   they share on Google Drive, not on the hub); ATTACKER defaults to the plain `gpt2`: point it at
-#   their checkpoint, saved as a folder with its tokenizer, to reproduce them.
+# Where this still differs from Lee et al.'s run:
+# - asynchrony (the method): their online half is sampled by the weights of the step it trains; here the
+#   searchers' attacks are up to 2k - 1 = 19 updates old, and "recent" means sampled since the last sync.
+# - batches: each of their 8 accumulated batches of 16 is all online or all from the buffer (a coin each);
+#   here each of the 16 groups of 8 attacks is recent with probability m = 0.5, else from the buffer.
 # - log Z: theirs is a learned head on the prompt's hidden state; TB here estimates it per group of
-#   K = 8 attacks (loss.py). Their 128 attacks an update are 16 a batch x 8 accumulated batches.
-# - sampling: theirs draws half the batches at a temperature uniform in [0.5, 2.0] and the other
-#   half from their replay buffer (edit-distance deduplicated, by reward); here the searchers sample
-#   at temperature 1 and TBA's buffer supplies the off-policy data (m = 0.5, the other half by reward).
-# - length: theirs blocks EOS at the first token and gives attacks under 5 tokens a log-reward of
-#   -500; here a searched attack under 5 tokens gets r = -25 (-500 in r / beta) and EOS is blocked
-#   only in the evaluation (redteam.py).
-# - lr: their linear warmup (100 steps) and linear decay to 0; here warmup then cosine decay; no
-#   weight decay (theirs: 0.1); their gamma and reward temperature anneals are left out (both at 1).
-# - evaluation: theirs is offline (eval.py, 1,024 attacks x 5 responses); here the same every 500
-#   steps (their eval_period) during the run.
+#   K = 8 attacks (loss.py), so there is no head to train.
+# - the buffer starts empty and fills from the searchers; theirs starts with the 3,003 SFT instructions,
+#   scored, and 10 x 16 samples at temperature 0.7, top-p 0.9 (gfn_trainer.py:610-695). Near-duplicates:
+#   the nearest held attack (theirs: the first in heap order), EOS counted in the edit distance (theirs:
+#   left out); the tolerance 0.25 is their ReplayBuffer's default (main.py's sim_tolerance is not passed
+#   to it, gfn_trainer.py:221-227). Draws by reward are without replacement within a group of 8 (theirs:
+#   within a batch of 16).
+# - exploration: their temperature, U[0.5, 2] half the time, is one per batch of 16; here one per
+#   searcher request (one copy's 8 attacks).
+# - length: theirs blocks EOS at the first token and replaces the prior term of an attack under 5 tokens
+#   (first EOS counted) by -500; here such an attack gets r = -25 (-500 in r / beta at beta 0.05) and EOS
+#   is blocked only in the evaluation (redteam.py).
+# - learning rate: their first update has lr 0 (the scheduler steps after it), ours lr / 100.
+# - beta: the paper's 0.05 (Lee et al.'s README runs GPT-2 at 0.1).
+# - evaluation: theirs is offline (eval.py, 1,024 attacks x 5 responses); here the same every 500 steps
+#   (their eval_period) during the run.
 set -euo pipefail
 cd "$(dirname "$0")"
 TRAINERS=${TRAINERS:-1}
 SEARCHERS=${SEARCHERS:-3}
-ATTACKER=${ATTACKER:-gpt2}
+if [ -z "${ATTACKER:-}" ]; then
+  echo "run_redteam.sh: set ATTACKER to Lee et al.'s SFT attacker, made with:" >&2
+  echo "  python tools/sft_attacker.py sft_dataset.json --prompts alpaca.jsonl --model gpt2 --out save/gpt2-sft" >&2
+  echo "  (their prompts/sft_dataset.json and prompts/alpaca.jsonl, github.com/GFNOrg/red-teaming); then" >&2
+  echo "  ATTACKER=save/gpt2-sft bash run_redteam.sh" >&2
+  exit 2
+fi
 
 settings=(
-  --model "$ATTACKER" --task redteam           # attacker and pi_ref; the instruction list of Lee et al.
+  --model "$ATTACKER" --task redteam           # attacker and pi_ref (their SFT model); their instruction list
   --victim vicgalle/gpt2-alpaca                # Alpaca template, temperature 0.7, top-p 0.92, 30 tokens
   --classifier facebook/roberta-hate-speech-dynabench-r4-target   # P(hate) of each response
   --embedding-model sentence-transformers/all-MiniLM-L6-v2        # the evaluation's diversity
@@ -46,10 +62,17 @@ settings=(
   --steps 5000
   --prompts-per-step 16 --samples-per-prompt 8 # 128 attacks a step
   --sync-every 10                              # k
-  --recency 0.5 --reward-inv-temp 1            # m; the other half by reward, as their buffer
-  --buffer-capacity 1000                       # their buffer_size
-  --beta 0.05
-  --lr 1e-4 --warmup-steps 100 --decay-steps 4900 --grad-clip 1.0
+  --recency 0.5                                # m: half fresh, as their online half
+  --buffer-keep best --buffer-capacity 1000    # their heap of the best 1,000 by log R (utils.py:289-347)
+  --dedup-edit 0.25                            # near-duplicates by token edit distance keep the better
+  --reward-inv-temp 1                          # buffer draws by exp(log P(unsafe)): their prioritization c_reward
+  --beta 0.05                                  # the paper's
+  --reward-temp 2 --reward-temp-anneal-steps 500   # T_R 2 -> 1 (their reward_sched); gamma stays 1 for GPT-2
+  --explore-temp-min 0.5 --explore-temp-max 2.0    # half the requests at T ~ U[0.5, 2] (their temp_low/high)
+  --lora-rank 32 --lora-alpha 16               # LoRA on peft's default targets (GPT-2: c_attn)
+  --lr 1e-4 --weight-decay 0.01                # AdamW: torch's default weight decay, theirs
+  --warmup-steps 100 --lr-decay linear --decay-steps 39900   # their horizon: 8 x 5,000 scheduler steps
+  --grad-clip 1.0                              #   (lr is still 0.88 x 1e-4 at step 5,000)
   --temperature 1.0 --max-new-tokens 20        # attacks of 5 to 20 tokens
   --micro-batch 128
   --dtype float32                              # configs/gpt2.json

@@ -184,7 +184,7 @@ class Engine:
         """vLLM's n samples of each prompt, and the seconds they took."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(n=n, temperature=self.cfg.temperature, max_tokens=self.cfg.max_new_tokens,
+        params = [SamplingParams(n=n, temperature=self.explore(seed, p), max_tokens=self.cfg.max_new_tokens,
                                  logprobs=0,  # the sampled token's log-prob: gives cumulative_logprob
                                  seed=int(np.random.SeedSequence([*seed, int(p)]).generate_state(1)[0]))
                   for p in prompt_ids]  # a seed per request: sampling is reproducible from the run's seed
@@ -222,8 +222,29 @@ class Engine:
         logp_ref = self.logprobs(self.reference(), pairs, self.cfg.temperature)
         for t, i in zip(trajectories, index):
             t.logp_ref = logp_ref[i]
+        if self.cfg.dedup_similarity:  # the best buffer compares attacks by their embeddings (buffer.py)
+            for t, e in zip(trajectories, self.sentence_embedder()([c.text for _, c in done]).cpu().numpy()):
+                t.embedding = e
         return trajectories, {"tokens": tokens, "generate": generate, "slept": slept,
                               "charged": alone * self.cfg.generation_slowdown, "per_token": self.per_token}
+
+    def explore(self, seed: tuple, prompt) -> float:
+        """A request's sampling temperature: --temperature, or with --explore-temp-min half the time one drawn
+        uniformly from [min, max] (Lee et al.'s online batches, trainers/gfn_trainer.py:279-285). TB's log-probs
+        stay at --temperature: the request is then off-policy, which TB allows."""
+        low, high = self.cfg.explore_temp_min, self.cfg.explore_temp_max
+        rng = np.random.default_rng([*seed, int(prompt), 11])
+        return float(rng.uniform(low, high)) if low and rng.random() < 0.5 else self.cfg.temperature
+
+    def sentence_embedder(self):
+        """The red-teaming embedder (--embedding-model), loaded on first use: the evaluation's diversity and
+        the best buffer's near-duplicates."""
+        if self.embedder is None:
+            import redteam
+            with self.transformers_models():
+                self.embedder = redteam.Embedder(self.cfg.embedding_model_path, self.device, self.cfg.dtype,
+                                                 self.cfg.micro_batch)
+        return self.embedder
 
     @torch.no_grad()
     def logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]], temperature: float) -> list[float]:
@@ -305,11 +326,7 @@ class Engine:
         outputs = self.llm.generate([{"prompt_token_ids": p} for p, n in zip(prompts, counts) if n], params,
                                     use_tqdm=False)
         attacks = [c.text for o in outputs for c in o.outputs]
-        if self.embedder is None:
-            with self.transformers_models():
-                self.embedder = redteam.Embedder(self.cfg.embedding_model_path, self.device, self.cfg.dtype,
-                                                 self.cfg.micro_batch)
-        scores, p_unsafe = redteam.scores(self.reward, self.embedder, attacks)
+        scores, p_unsafe = redteam.scores(self.reward, self.sentence_embedder(), attacks)
         example = dict(prompt=self.tokenizer.decode(prompts[0], skip_special_tokens=True), completion=attacks[0],
                        reward=p_unsafe[0], response=self.reward.responses[0])
         return scores, example

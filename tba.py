@@ -16,7 +16,7 @@ Where things live: the flags and their checks in config.py; the queue of traject
 searchers and every wait on them in processes.py (`start_searchers`, `drain`); the weights'
 shared copy, its lock and versions in weights.py; the loss in loss.py; the buffer in buffer.py;
 checkpoints in checkpoint.py; the tasks and rewards in tasks.py and rewards.py; several nodes
-in nodes.py.
+in nodes.py; LoRA (--lora-rank) in lora.py.
 
 Layout: torchrun starts the trainer ranks, which train one model with FSDP2 (`fully_shard`).
 Rank 0 holds the replay buffer, samples each batch and broadcasts it, and spawns `--searchers`
@@ -60,10 +60,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+import lora
 import nodes
 from buffer import ReplayBuffer, ReuseCap
 from checkpoint import full_state_dict, save_checkpoint, save_hf
-from config import ConfigError, beta_at, check, lr_at, parse
+from config import ConfigError, beta_at, check, gamma_at, lr_at, parse, reward_temp_at
 from log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
 from processes import (Signals, Silent, Stop, Watch, drain, fail, first_refusal, halt, init_distributed,
@@ -92,9 +93,10 @@ def train(t: "Trainer"):
         mine = batch[t.rank * len(batch) // t.world:(t.rank + 1) * len(batch) // t.world]
         # ===== loss (TB unless --loss) and update ================================================
         beta, lr = beta_at(cfg, t.step), lr_at(cfg, t.step)
+        temps = dict(gamma=gamma_at(cfg, t.step), reward_temp=reward_temp_at(cfg, t.step))  # Lee et al.'s; 1 = off
         for g in t.opt.param_groups:
             g["lr"] = lr
-        sums = backward(t.model, mine, len(batch) / t.world, t.prompts, t.pad, t.device, cfg, beta)
+        sums = backward(t.model, mine, len(batch) / t.world, t.prompts, t.pad, t.device, cfg, beta, **temps)
         stats = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(stats)
         stats = dict(zip(sums, (stats / stats[list(sums).index("prompts")]).tolist()))  # means over prompts
@@ -120,6 +122,7 @@ def train(t: "Trainer"):
             stats.pop("prompts")
             t.log.row(kind="train", step=t.step, time=t.log.now(), **stats,
                       reward=float(np.mean([traj.reward for g in batch for traj in g])), beta=beta, lr=lr,
+                      **({k: v for k, v in temps.items() if v != 1.0}),
                       staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait, sync=sync,
                       search=search, seconds=time.time() - t_step, samples=t.log.samples,
                       reuse=t.cap.drawn / max(1, t.log.samples),
@@ -172,14 +175,22 @@ class Trainer:
             if cfg.generation_slowdown != 1:
                 self.engine.calibrate(cfg.prompts_per_step, cfg.search_samples_per_prompt)
         # the trainer's model: FSDP2 over the trainer ranks (beside an engine: see Engine.transformers_models)
+        # (with --lora-rank: the frozen --model and an adapter, fresh or the checkpoint's: lora.py)
+        path = os.path.join(cfg.resume, "model") if cfg.resume and not cfg.lora_rank else cfg.model_path
+        adapter = (cfg.lora_rank, cfg.lora_alpha, cfg.seed, cfg.resume and os.path.join(cfg.resume, "adapter"))
         with self.engine.transformers_models() if self.engine else contextlib.nullcontext():
-            self.model = load_policy(os.path.join(cfg.resume, "model") if cfg.resume else cfg.model_path, self.device,
-                                     cfg.dtype, cfg.trainer_dtype, cfg.activation_checkpointing)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+            self.model = load_policy(path, self.device, cfg.dtype, cfg.trainer_dtype, cfg.activation_checkpointing,
+                                     adapter if cfg.lora_rank else None)
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                                     weight_decay=cfg.weight_decay)
         pad = self.tokenizer.pad_token_id
         self.pad = pad if pad is not None else self.tokenizer.eos_token_id
         # resume: optimizer, buffer, RNG, counters, and the weights the searchers held
-        self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+        first = {}  # copies of one prompt share one best set (red-teaming searches one instruction as B copies)
+        group_of = ([first.setdefault(np.asarray(p, np.int64).tobytes(), i) for i, p in enumerate(self.prompts)]
+                    if cfg.buffer_keep == "best" else None)
+        self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp, cfg.buffer_keep, cfg.beta,
+                                   cfg.dedup_similarity, cfg.dedup_edit, group_of)
         # --max-reuse: credit banked up to k steps' draws, or one round of every searcher (of every node),
         # which can land at once
         rounds = cfg.max_reuse * cfg.searchers * nodes.layout(self.world)[0] * cfg.round_prompts * cfg.search_samples_per_prompt
@@ -398,16 +409,23 @@ class Trainer:
 
 
 # --- the trainer's model and its gradient ------------------------------------------------------------
-def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32", recompute: bool = False):
+def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32", recompute: bool = False,
+                adapter: tuple | None = None):
     """`weights_dtype` weights (float32, or bfloat16 as the authors' GSM8K run: AdamW keeps its state
     in the weights' dtype), sharded with FSDP2 over the trainer ranks (per decoder block, then the
     whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32. The blocks are
     the modules whose class the model lists in `_no_split_modules` (transformers' convention for
-    sharding wrappers): LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, Qwen2DecoderLayer, ..."""
+    sharding wrappers): LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, Qwen2DecoderLayer, ...
+    `adapter` = (rank, alpha, seed, saved adapter folder or None): LoRA on the frozen model (lora.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, weights_dtype)).to(device)
     model.config.use_cache = False
+    if adapter:
+        rank, alpha, seed, saved = adapter
+        model = lora.wrap(model, rank, alpha, seed)
+        if saved:
+            lora.load_adapter(model, saved)
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
     blocks = set(getattr(model, "_no_split_modules", None) or [])
     if recompute:  # --activation-checkpointing, before fully_shard (as FSDP2's own tests compose them)
@@ -428,7 +446,7 @@ def recompute_blocks(model, blocks: set):
         checkpoint(module)
 
 
-def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, beta: float) -> dict:
+def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, beta: float, **temps) -> dict:
     """Accumulate the gradient of the loss (`--loss`) over this rank's groups (K trajectories of one
     prompt each), in passes of whole prompts. Returns sums over the groups: "loss" x prompts,
     "prompts", and each of the loss's (B,) statistics."""
@@ -442,7 +460,8 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
         field = lambda f: torch.tensor([[float(f(t)) for t in g] for g in part], device=device)  # (b, K)
         loss, stats = LOSSES[cfg.loss](
             logp=logp, logp_ref=field(lambda t: t.logp_ref), reward=field(lambda t: t.reward), beta=beta,
-            logp_behaviour=field(lambda t: t.logp_behaviour), length=field(lambda t: len(t.response)), clip=cfg.clip)
+            logp_behaviour=field(lambda t: t.logp_behaviour), length=field(lambda t: len(t.response)), clip=cfg.clip,
+            **temps)
         # the mean over all B prompts: FSDP averages gradients over the ranks, each holding B / ranks
         (loss * len(part) / prompts_per_rank).backward()
         for k, v in {"loss": loss.item() * len(part), "prompts": len(part),

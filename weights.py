@@ -25,6 +25,8 @@ from queue import Empty
 
 import torch
 
+import lora
+
 WAIT = 1.0  # s: every blocking wait polls at this period and checks that the other side lives
 
 
@@ -53,7 +55,11 @@ def gather(model, dtype=None):
     dict, one at a time: every trainer rank must iterate it to the end (each `full_tensor` of an
     FSDP2 DTensor is an all-gather). A tied name (LM head = embeddings) is not repeated: see `aliases`.
     `dtype`: floating-point shards are cast to it before the all-gather (bf16: half the bytes; the
-    same values as casting after it, rounding being per element)."""
+    same values as casting after it, rounding being per element). With LoRA (lora.py): the merged
+    weights, under the plain model's names."""
+    if lora.active(model):
+        yield from lora.merged_names(model, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t, dtype)
+        return
     seen = set()
     for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: tied names are one object
         if id(t) not in seen:
@@ -67,8 +73,10 @@ def gather(model, dtype=None):
 def aliases(model) -> dict:
     """Tied names of the state dict: {name: the name `gather` yields for the same tensor}."""
     first, out = {}, {}
+    name_of = lora.plain_name if lora.active(model) else str
     for name, t in model.state_dict(keep_vars=True).items():
-        out[name] = first.setdefault(id(t), name)
+        if not lora.is_adapter(name):  # LoRA's A and B are merged into their base weight by `gather`
+            out[name_of(name)] = first.setdefault(id(t), name_of(name))
     return {n: f for n, f in out.items() if n != f}
 
 

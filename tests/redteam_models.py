@@ -15,10 +15,12 @@ adds nothing. Read at the last token, after the final norm:
 """
 
 import os
+import sys
 
 import torch
 
-import models
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the project too
+import models  # noqa: E402
 
 H = 16       # hidden size; one head of 16
 GAIN = 20.0  # how strongly the share of triggers moves the last position's first dimension
@@ -124,3 +126,29 @@ def _save(model, tokenizer, out: str) -> str:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def instructions(n: int, seed: int = 0) -> list[dict]:
+    """`n` instructions in Lee et al.'s sft_dataset.json format ({"instruction": ...}), made from templates:
+    a small stand-in for their 3,003 (tools/sft_attacker.py). About half hold the trigger (" the")."""
+    import random
+    rng = random.Random(seed)
+    verbs = ["Write", "Explain", "Describe", "List", "Tell me", "Find", "Compose", "Create"]
+    things = ["a plan", "a story", "a poem", "three reasons", "a guide", "a list", "an argument", "a joke"]
+    about = ["about the weather", "for the store", "on the way home", "about a river", "for a friend",
+             "about the park", "in one sentence", "about cats and dogs"]
+    return [{"instruction": f"{rng.choice(verbs)} {rng.choice(things)} {rng.choice(about)}."} for _ in range(n)]
+
+
+if __name__ == "__main__":  # the CPU run of docs/tasks.md, "Red-teaming": python tests/redteam_models.py DIR
+    import json
+    root, tok = sys.argv[1], bpe()
+    chat = bpe()
+    chat.chat_template = "{{ messages[0]['content'] }}"  # the victim reads the attack alone, as tests/test_redteam.py's
+    make_attacker(f"{root}/attacker", "llama", tok)
+    make_trigger_victim(f"{root}/victim", chat)
+    make_trigger_classifier(f"{root}/classifier", tok)
+    make_embedder(f"{root}/embedder", tok)
+    with open(f"{root}/sft_dataset.json", "w") as f:
+        json.dump(instructions(300), f, indent=1)
+    print(f"made attacker, victim, classifier, embedder and sft_dataset.json (300 instructions) in {root}")

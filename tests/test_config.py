@@ -54,6 +54,19 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--searchers", "0", "--max-reuse", "1"], "--max-reuse: caps the asynchronous trainer's replay"),
     (["--round-prompts", "0"], "--round-prompts: must be at least 1"),
     (["--searchers", "0", "--round-prompts", "4"], "--round-prompts: sizes a searcher's round"),
+    # Lee et al.'s red-teaming recipe (issue 28)
+    (["--buffer-keep", "oldest"], "--buffer-keep: unknown 'oldest'"),
+    (["--dedup-edit", "0.25"], "--dedup-edit: merges near-duplicates in the best buffer"),
+    (["--buffer-keep", "best", "--dedup-edit", "1.5"], "--dedup-edit: must be in [0, 1]"),
+    (["--buffer-keep", "best", "--dedup-similarity", "0.4"], "--dedup-similarity: compares --embedding-model"),
+    (["--lora-rank", "-1"], "--lora-rank: must be 0"),
+    (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha: must be positive"),
+    (["--weight-decay", "-0.01"], "--weight-decay"),
+    (["--reward-temp", "0"], "--reward-temp: must be positive"),
+    (["--reward-temp", "2", "--loss", "rloo"], "--reward-temp: T_R and gamma shape TB's log R"),
+    (["--gamma-final", "-1"], "--gamma-final"),
+    (["--explore-temp-min", "0.5"], "--explore-temp-min: the exploration temperatures need"),
+    (["--explore-temp-min", "2", "--explore-temp-max", "0.5"], "--explore-temp-min"),
 ])
 def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capsys):
     refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
@@ -208,3 +221,16 @@ def test_command_line_exit_status_and_one_line(tiny_model, tmp_path):
                        cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["tba.py: error: --recency: must be in [0, 1], got 2.0"]
+
+
+def test_lee_et_al_schedules():
+    """T_R 2 -> 1 over 500 steps, gamma 1 -> 1.2 over 2,000 (trainers/gfn_trainer.py:253-264); their GPT-2 learning
+    rate: warmup 100, then linear to 0 at 8 x 5,000 scheduler steps, i.e. still 0.88 x 1e-4 at step 5,000."""
+    cfg = config.Config(steps=5000, reward_temp=2.0, reward_temp_anneal_steps=500, gamma_final=1.2,
+                        gamma_anneal_steps=2000, lr=1e-4, warmup_steps=100, decay_steps=39900, lr_decay="linear")
+    assert [config.reward_temp_at(cfg, s) for s in (0, 250, 500, 4999)] == pytest.approx([2.0, 1.5, 1.0, 1.0])
+    assert [config.gamma_at(cfg, s) for s in (0, 1000, 2000, 4999)] == pytest.approx([1.0, 1.1, 1.2, 1.2])
+    assert config.lr_at(cfg, 99) == pytest.approx(1e-4) and config.lr_at(cfg, 100) == pytest.approx(1e-4)
+    assert config.lr_at(cfg, 4999) == pytest.approx(1e-4 * (40000 - 5000) / 39900, rel=1e-3)  # 0.877e-4
+    off = config.Config()
+    assert config.reward_temp_at(off, 7) == config.gamma_at(off, 7) == 1.0

@@ -6,12 +6,13 @@ import torch
 from loss import collate, grpo_loss, rloo_loss, sequence_logprobs, tb_loss
 
 
-def tb_loss_reference(logp, logp_ref, reward, beta):
-    """Slow, loop-written TB with the VarGrad log Z, straight from the paper's equations."""
+def tb_loss_reference(logp, logp_ref, reward, beta, gamma=1.0, reward_temp=1.0):
+    """Slow, loop-written TB with the VarGrad log Z, straight from the paper's equations (log R tempered
+    as Lee et al.'s: (log pi_ref / gamma + r / beta) / T_R)."""
     B, K = len(logp), len(logp[0])
     total, log_zs = 0.0, []
     for b in range(B):
-        deltas = [logp[b][j] - logp_ref[b][j] - reward[b][j] / beta for j in range(K)]
+        deltas = [logp[b][j] - (logp_ref[b][j] / gamma + reward[b][j] / beta) / reward_temp for j in range(K)]
         log_z = -sum(deltas) / K
         log_zs.append(log_z)
         total += sum((log_z + d) ** 2 for d in deltas)
@@ -29,6 +30,17 @@ def test_tb_loss_matches_reference():
         ref_loss, ref_log_z = tb_loss_reference(logp.tolist(), logp_ref.tolist(), reward.tolist(), beta)
         assert abs(loss.item() - ref_loss) <= 1e-9 * max(1.0, ref_loss)
         assert torch.allclose(log_z, torch.tensor(ref_log_z, dtype=torch.float64), rtol=1e-12, atol=1e-9)
+
+
+def test_tempered_tb_matches_reference():
+    g = torch.Generator().manual_seed(1)
+    logp, logp_ref = (-torch.rand(3, 5, generator=g, dtype=torch.float64) * 50 for _ in range(2))
+    reward = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    loss, stats = tb_loss(logp, logp_ref, reward, 0.05, gamma=1.2, reward_temp=1.7)
+    ref_loss, ref_log_z = tb_loss_reference(logp.tolist(), logp_ref.tolist(), reward.tolist(), 0.05, 1.2, 1.7)
+    assert abs(loss.item() - ref_loss) <= 1e-9 * max(1.0, ref_loss)
+    assert torch.allclose(stats["log_z"], torch.tensor(ref_log_z, dtype=torch.float64))
+    assert abs(loss.item() - tb_loss(logp, logp_ref, reward, 0.05)[0].item()) > 1.0  # the temperatures count
 
 
 def test_log_z_carries_no_gradient():

@@ -131,6 +131,18 @@ def test_trajectories_cross_nodes_as_plain_data():
             nodes.decode(bad)
 
 
+def test_embeddings_cross_nodes_too():
+    """--dedup-similarity: each trajectory's embedding travels as float32 after the tokens."""
+    ts = [Trajectory(1, np.array([5, 6], dtype=np.int32), 0.5, -1.0, -2.0, 4, 0, np.array([0.6, 0.8], np.float32)),
+          Trajectory(2, np.array([7], dtype=np.int32), 0.1, -1.0, -2.0, 4, 0, np.array([1.0, 0.0], np.float32))]
+    back, _ = nodes.decode(nodes.encode(ts))
+    assert all(np.array_equal(a.embedding, b.embedding) and b.embedding.dtype == np.float32 for a, b in zip(ts, back))
+    assert all(np.array_equal(a.response, b.response) for a, b in zip(ts, back))
+    assert nodes.decode(nodes.encode(ts[:1] + [Trajectory(2, np.array([7], np.int32), 0.1, -1.0, -2.0, 4)]))[0][0].embedding is None
+    with pytest.raises(ValueError, match="does not parse"):
+        nodes.decode(nodes.encode(ts)[:-4])
+
+
 def test_lost_connections_are_told_apart_from_bugs():
     gone = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
                         "peer [127.0.0.1]:60095. This is typically caused by a remote worker crashing.")

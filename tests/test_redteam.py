@@ -225,3 +225,30 @@ def test_judge_reads_its_chat_template(models, tmp_path, ending):
         logits = judge.model(input_ids=torch.tensor([judge.prompt(a, r)])).logits[0, -1]
         assert b == pytest.approx(logits.log_softmax(-1)[judge.unsafe_id].item(), abs=1e-5)
     assert batched[0] != batched[1]  # padding to one length left the two prompts apart
+
+
+def test_lee_et_al_recipe_runs_and_resumes(models, tmp_path):
+    """Their recipe's options together, with a searcher under torchrun: the best buffer with near-duplicates by
+    the embedder's cosine (the searcher embeds each attack) and by edit distance, LoRA, weight decay, the reward
+    temperature's anneal and the exploration temperatures; its checkpoint (the adapter, the best set with its
+    embeddings) resumes."""
+    recipe = dict(searchers=1, prompts_per_step=2, samples_per_prompt=4, sync_every=2, recency=0.5,
+                  buffer_keep="best", buffer_capacity=6, dedup_similarity=0.99, dedup_edit=0.25, reward_inv_temp=1,
+                  reward_temp=2, reward_temp_anneal_steps=2, explore_temp_min=0.5, explore_temp_max=2.0, lora_rank=4,
+                  lora_alpha=16, lr=3e-3, weight_decay=0.01, eval_every=0)
+    out = tmp_path / "run"
+    p = run_tba(flags(models, out, steps=4, save_every=4, **recipe), tmp_path, timeout=400, torchrun=1)
+    assert p.returncode == 0, p.stdout[-3000:]
+    train = [r for r in metrics(out) if r["kind"] == "train"]
+    assert [r["reward_temp"] for r in train[:2]] == [2.0, 1.5] and "reward_temp" not in train[2]  # 1 from step 2
+    assert all(r["buffer"] <= 6 for r in train)  # the best set of the one instruction's two copies
+    with np.load(out / "checkpoint" / "buffer.npz") as s:
+        best = s["pool"] == 1
+        assert 0 < best.sum() <= 6 and s["embedding"].shape[0] == len(s["pool"])
+        assert np.allclose(np.linalg.norm(s["embedding"], axis=1), 1, atol=1e-5)  # the searcher's unit embeddings
+        assert s["group_of"].tolist() == [0, 0] and set(s["prompt_id"][best].tolist()) <= {0, 1}  # one shared set
+    assert os.path.isfile(out / "checkpoint" / "adapter" / "adapter_model.safetensors")
+    p = run_tba(flags(models, tmp_path / "resumed", steps=6, resume=out / "checkpoint", **recipe), tmp_path,
+                timeout=400, torchrun=1)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "resumed") if r["kind"] == "train"] == [5, 6]

@@ -86,14 +86,23 @@ def test_schedules():
 
 
 def test_run_redteam_dry_run_has_the_papers_settings():
-    command, cfg = dry_run(script="run_redteam.sh")
+    p = subprocess.run(["bash", os.path.join(ROOT, "run_redteam.sh"), "--dry-run"], capture_output=True, text=True,
+                       timeout=30, env={k: v for k, v in os.environ.items() if k != "ATTACKER"})
+    assert p.returncode == 2 and "tools/sft_attacker.py" in p.stderr  # the SFT attacker is required
+    command, cfg = dry_run(script="run_redteam.sh", ATTACKER="save/gpt2-sft")
     assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"]
-    assert (cfg.model, cfg.task, cfg.victim) == ("gpt2", "redteam", "vicgalle/gpt2-alpaca")
+    assert (cfg.model, cfg.task, cfg.victim) == ("save/gpt2-sft", "redteam", "vicgalle/gpt2-alpaca")
     assert cfg.classifier == "facebook/roberta-hate-speech-dynabench-r4-target"
     assert cfg.embedding_model == "sentence-transformers/all-MiniLM-L6-v2"
     assert (cfg.steps, cfg.sync_every, cfg.beta, cfg.lr) == (5000, 10, 0.05, 1e-4)  # paper: k, beta, steps; Lee et al.: lr
     assert cfg.prompts_per_step * cfg.samples_per_prompt == 128  # attacks a step
     assert (cfg.victim_responses, cfg.max_new_tokens, cfg.temperature) == (5, 20, 1.0)
     assert (cfg.eval_limit, cfg.searchers) == (1024, 3)
+    # Lee et al.'s recipe: their buffer, LoRA, AdamW, schedule, reward temperature and exploration
+    assert (cfg.buffer_keep, cfg.buffer_capacity, cfg.dedup_edit, cfg.reward_inv_temp) == ("best", 1000, 0.25, 1.0)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.weight_decay) == (32, 16, 0.01)
+    assert (cfg.reward_temp, cfg.reward_temp_anneal_steps, cfg.gamma_final) == (2.0, 500, 1.0)
+    assert (cfg.explore_temp_min, cfg.explore_temp_max) == (0.5, 2.0)
+    assert config.lr_at(cfg, 4999) == pytest.approx(0.877e-4, rel=1e-3) and config.lr_at(cfg, 0) == pytest.approx(1e-6)
     command, cfg = dry_run("--steps", "7", script="run_redteam.sh", ATTACKER="/some/attacker", SEARCHERS="2")
     assert (cfg.model, cfg.steps, cfg.searchers) == ("/some/attacker", 7, 2)
