@@ -65,8 +65,9 @@ class Config:
     # --- TBA (paper's names: B, K, k, m)
     steps: int = arg(200, "trainer steps (optimizer updates)")
     prompts_per_step: int = arg(32, "B: prompts per training batch")
-    round_prompts: int | None = arg(None, "prompts per search round of a searcher (default: B; the authors' "
-                                          "GSM8K searchers: 3, about half a batch)")
+    round_prompts: int | None = arg(None, "prompts per search round of a searcher (default: B / N rounded up, N the "
+                                          "searchers of all nodes: their rounds together make one batch; the "
+                                          "authors' GSM8K: 3 = 7 / 3 rounded up)")
     samples_per_prompt: int = arg(8, "K: responses per prompt in a training batch (the TB loss's log Z is over them)")
     search_samples_per_prompt: int | None = arg(None, "responses a searcher draws per prompt (>= K; default K)")
     sync_every: int = arg(2, "k: trainer steps between weight syncs to the searchers")
@@ -368,7 +369,10 @@ def check(cfg: Config, world: int):
     need(cfg.round_prompts is None or cfg.round_prompts >= 1, "round-prompts", f"must be at least 1, got {cfg.round_prompts}")
     need(cfg.round_prompts is None or cfg.searchers, "round-prompts", "sizes a searcher's round; with --searchers 0 "
          "the trainer searches B prompts before each step")
-    cfg.round_prompts = cfg.prompts_per_step if cfg.round_prompts is None else cfg.round_prompts
+    # N searchers' rounds of B / N prompts together make one batch: its data comes from weights about as
+    # fresh whatever N (rounds of B each, 4 searchers fed steps from data 5-7 steps stale: docs/performance.md)
+    every = cfg.searchers * nodes.layout(world)[0]
+    cfg.round_prompts = -(-cfg.prompts_per_step // max(1, every)) if cfg.round_prompts is None else cfg.round_prompts
     check_recipe(cfg)
     check_environment()
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):

@@ -193,13 +193,15 @@ def test_loss_is_saved_with_the_run(tiny_model, tmp_path, monkeypatch):
 
 
 def test_reuse_cap_and_round_defaults(tiny_model, tmp_path, monkeypatch):
-    """--max-reuse defaults to config.MAX_REUSE with searchers and to no cap without; a round is B prompts."""
+    """--max-reuse defaults to config.MAX_REUSE with searchers and to no cap without; a round is B / N prompts,
+    rounded up, so that the N searchers' rounds make one batch."""
     monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
     check = lambda *args: config.check(config.parse(["--model", tiny_model, "--out", str(tmp_path / "run"), *args]),
                                        world=1)[0]
     cfg = check()
     assert (cfg.max_reuse, cfg.round_prompts) == (config.MAX_REUSE, cfg.prompts_per_step) and config.MAX_REUSE > 0
     assert check("--searchers", "0").max_reuse == 0
+    assert (check("--searchers", "4").round_prompts, check("--searchers", "3", "--prompts-per-step", "7").round_prompts) == (8, 3)
     cfg = check("--max-reuse", "0", "--round-prompts", "8")
     assert (cfg.max_reuse, cfg.round_prompts) == (0, 8)
 
