@@ -193,17 +193,17 @@ class Engine:
                                     use_tqdm=False)
         return outputs, time.time() - t0
 
-    def calibrate(self, count: int, n: int):
-        """--generation-slowdown: the seconds a generated token costs this engine, warm and (the caller sees
-        to it) alone: a round of `count` prompts x n to warm up, then one timed. Prompts and seeds of their
-        own: the run's samples do not change; the prefix cache is emptied around them."""
+    def calibrate(self, count: int, n: int, timed: bool = True):
+        """--generation-slowdown: a round of `count` prompts x n, to warm the engine up, or (`timed`) to
+        measure the seconds a generated token costs it, warm and (the caller sees to it) alone. Prompts and
+        seeds of their own: the run's samples do not change; the prefix cache is emptied around them."""
         ids = np.random.default_rng([self.cfg.seed, 11]).choice(len(self.prompts), min(count, len(self.prompts)),
                                                                  replace=False)
-        for round_ in range(2):
-            self.llm.reset_prefix_cache()
-            outputs, seconds = self.generate(ids, n, (self.cfg.seed, 11, 11, round_))
         self.llm.reset_prefix_cache()
-        self.per_token = seconds / max(1, sum(len(c.token_ids) for o in outputs for c in o.outputs))
+        outputs, seconds = self.generate(ids, n, (self.cfg.seed, 11, 11, int(timed)))
+        self.llm.reset_prefix_cache()
+        if timed:
+            self.per_token = seconds / max(1, sum(len(c.token_ids) for o in outputs for c in o.outputs))
 
     def search(self, prompt_ids, n: int, seed: tuple) -> tuple[list[Trajectory], dict]:
         """n sampled responses to each prompt, scored, with reference and behaviour log-probs."""
@@ -469,9 +469,10 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
 
 
 def calibrate_alone(engine, started, lock, cfg):
-    """Engine.calibrate once every engine of this node has started (or --timeout has passed), one engine
-    at a time: each is timed alone, as on a device of its own, not sharing the cores with the others'
-    start-up or calibration."""
+    """Engine.calibrate: a warm-up round, then, once every engine of this node has started and warmed up
+    (or --timeout has passed), the timed round one engine at a time: each is timed alone, as on a device
+    of its own, not sharing the cores with the others' start-up or calibration."""
+    engine.calibrate(cfg.round_prompts, cfg.search_samples_per_prompt, timed=False)
     with started.get_lock():
         started.value += 1
     deadline = time.time() + cfg.timeout

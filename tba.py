@@ -173,7 +173,8 @@ class Trainer:
         if cfg.searchers == 0:  # synchronous baseline: a vLLM engine inside the trainer (one process: see check())
             self.engine = Engine(cfg, str(self.device), cfg.trainer_memory, self.prompts, self.answers)
             if cfg.generation_slowdown != 1:
-                self.engine.calibrate(cfg.prompts_per_step, cfg.search_samples_per_prompt)
+                for timed in (False, True):
+                    self.engine.calibrate(cfg.prompts_per_step, cfg.search_samples_per_prompt, timed)
         # the trainer's model: FSDP2 over the trainer ranks (beside an engine: see Engine.transformers_models)
         # (with --lora-rank: the frozen --model and an adapter, fresh or the checkpoint's: lora.py)
         path = os.path.join(cfg.resume, "model") if cfg.resume and not cfg.lora_rank else cfg.model_path
