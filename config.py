@@ -70,7 +70,8 @@ class Config:
                                           "authors' GSM8K: 3 = 7 / 3 rounded up)")
     samples_per_prompt: int = arg(8, "K: responses per prompt in a training batch (the TB loss's log Z is over them)")
     search_samples_per_prompt: int | None = arg(None, "responses a searcher draws per prompt (>= K; default K)")
-    sync_every: int = arg(2, "k: trainer steps between weight syncs to the searchers")
+    sync_every: int = arg(1, "k: trainer steps between weight syncs to the searchers (the toy: every step, for "
+                             "fresher data; the authors' GSM8K: 2)")
     recency: float = arg(0.95, "m: probability that a batch prompt comes from the data added since the last sync")
     reward_inv_temp: float = arg(0.0, "inverse temperature of the reward softmax for draws from the whole buffer; "
                                       "0 = uniform")

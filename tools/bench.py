@@ -570,9 +570,10 @@ def main():
                         "regime, emulated with --generation-slowdown; 10: fresher data per step (a searcher round's "
                         "size, k, m) in that regime")
     p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
-    p.add_argument("--reuse", nargs="+", default=["off", "1", "2", "barrier"],
+    p.add_argument("--reuse", nargs="+", default=["off", "1", "2"],
                    help="part 9: the asynchronous runs' --max-reuse values: off, numbers, and 'barrier' (the authors' "
-                        "ratio for each N)")
+                        "ratio k B K / (N x round) for each N: 1 at tba.py's defaults, where N rounds make one batch "
+                        "and k = 1)")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
