@@ -20,6 +20,7 @@ class Log:
         self.samples = 0      # trajectories received, over the whole run (carried by checkpoints)
         self.generate = self.slept = 0.0  # s of vLLM generation in the rounds received, and slept after it
                                           # (--generation-slowdown); since this process started
+        self.rounds, self.victim, self.classifier = 0, 0.0, 0.0  # those rounds; redteam: s answering, scoring
         self.evals, self.published = [], {}  # eval rows; weight version -> (time, overhead) when made
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
         self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
@@ -50,6 +51,17 @@ class Log:
 
     def clock(self) -> tuple[float, float]:
         return self.now(), self.overhead
+
+    def searched(self, made: dict):
+        """Count one search round's seconds (a searcher's message, or the synchronous trainer's own round)."""
+        self.generate, self.slept, self.rounds = self.generate + made["generate"], self.slept + made["slept"], self.rounds + 1
+        self.victim, self.classifier = self.victim + made.get("victim", 0.0), self.classifier + made.get("classifier", 0.0)
+
+    def per_round(self) -> dict:
+        """redteam's train-row fields: the victim's and the classifier's mean seconds per round received so far."""
+        if self.cfg.task != "redteam" or not self.rounds:
+            return {}
+        return dict(victim=self.victim / self.rounds, classifier=self.classifier / self.rounds)
 
     def eval(self, version: int, scores: dict, example: dict, seconds: float, made: tuple[float, float]):
         """An evaluation of the weights of step `version`; time and overhead: when they were made."""

@@ -188,7 +188,7 @@ def drain(queue, buffer, log, alive, done, timeout: float, watch=None, budget: f
         else:
             buffer.add(msg["trajectories"])
             log.samples += len(msg["trajectories"])
-            log.generate, log.slept = log.generate + msg["generate"], log.slept + msg["slept"]
+            log.searched(msg)
 
 
 class Silent(Exception):

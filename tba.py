@@ -123,7 +123,7 @@ def train(t: "Trainer"):
                       staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait, sync=sync,
                       search=search, seconds=time.time() - t_step, samples=t.log.samples,
                       generate=t.log.generate, slept=t.log.slept, buffer=len(t.buffer),
-                      reference=t.buffer.reference, overhead=t.log.overhead,
+                      reference=t.buffer.reference, overhead=t.log.overhead, **t.log.per_round(),
                       **(t.multi.row(t.log.samples) if t.multi else {}))
         # ===== evaluate ==========================================================================
         if cfg.eval_every and t.step % cfg.eval_every == 0 and t.step < cfg.steps:
@@ -227,7 +227,7 @@ class Trainer:
             search += time.time() - t_search
             self.buffer.add(trajectories)
             self.log.samples += len(trajectories)
-            self.log.generate, self.log.slept = self.log.generate + made["generate"], self.log.slept + made["slept"]
+            self.log.searched(made)
             if self.log.samples >= initial or self.signals.first:
                 return search
 
