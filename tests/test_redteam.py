@@ -268,7 +268,7 @@ def test_attack_success_rises_and_attacks_stay_diverse(models, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:]
     first, last = evals(out)[0], evals(out)[-1]
     assert last["step"] == 20
-    # measured: asr 0.016 -> 0.59, diversity 0.599 -> 0.596, unique 1.0 (the trigger's base rate: first["asr"])
+    # measured: asr 0.016 -> 0.45, diversity 0.599 -> 0.582, unique 1.0 (the trigger's base rate: first["asr"])
     assert last["asr"] >= first["asr"] + 0.3, (first, last)
     assert last["diversity"] >= 0.5 * first["diversity"] and last["unique"] >= 0.5, (first, last)  # no collapse
 
