@@ -151,7 +151,8 @@ class Config:
     dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bfloat16 on GPUs that have it, float16 on "
                              "older GPUs, float32 on the CPU)")
     searcher_memory: float = arg(0.7, "GPU: fraction of a searcher GPU's memory for its vLLM engine (the rest: "
-                                      "pi_ref and its log-probs)")
+                                      "pi_ref and its log-probs); redteam: for the attacker's, the victim's and "
+                                      "the judge's engines, split between them from the models' sizes")
     trainer_memory: float = arg(0.2, "GPU, --searchers 0: fraction of the trainer GPU's memory for its vLLM engine")
     # --- emulation (tools/bench.py part 9): the regime TBA is for, on a machine that is not in it
     generation_slowdown: float = arg(1.0, "experiment knob: every search round's generation takes X times as long as "
@@ -499,7 +500,21 @@ def check_task(cfg: Config):
         need(cfg.max_model_len <= context, "max-new-tokens",
              f"{cfg.max_new_tokens} new tokens + the longest prompt's {longest} tokens = {cfg.max_model_len} "
              f"exceeds the model's context of {context} tokens")
+    if cfg.task == "redteam" and cfg.device == "cuda":
+        check_redteam_memory(cfg)
     return tokenizer, train, test, prompts, test_prompts
+
+
+def check_redteam_memory(cfg):
+    """Red-teaming on GPUs: the attacker's, the victim's and the judge's vLLM engines and the models beside
+    them fit the smallest GPU, split as the searchers (the trainer, with --searchers 0) will split it."""
+    import redteam
+    flag, share = ("searcher-memory", cfg.searcher_memory) if cfg.searchers else ("trainer-memory", cfg.trainer_memory)
+    card = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    try:
+        redteam.memory_split(card, share, *redteam.engine_needs(cfg))
+    except ValueError as e:
+        raise ConfigError(f"--{flag}: {e}") from None
 
 
 def check_environment():

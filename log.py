@@ -22,6 +22,7 @@ class Log:
         # --generation-slowdown (X x the generation's cost alone); since this process started
         self.generate = self.slept = self.charged = 0.0
         self.per_token = {}   # --generation-slowdown: each engine's calibration, s a generated token alone
+        self.rounds, self.victim, self.classifier = 0, 0.0, 0.0  # those rounds; redteam: s answering, scoring
         self.evals, self.published = [], {}  # eval rows; weight version -> (time, overhead) when made
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
         self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
@@ -47,10 +48,11 @@ class Log:
                 self.wandb.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
 
     def searched(self, made: dict):
-        """A search round's timings (Engine.search's dict, or a searcher's message); the first calibration
-        of each engine goes into config.json."""
-        self.generate, self.slept = self.generate + made["generate"], self.slept + made["slept"]
+        """Count one search round's seconds (Engine.search's dict: a searcher's message, or the synchronous
+        trainer's own round); the first calibration of each engine goes into config.json."""
+        self.generate, self.slept, self.rounds = self.generate + made["generate"], self.slept + made["slept"], self.rounds + 1
         self.charged += made["charged"]
+        self.victim, self.classifier = self.victim + made.get("victim", 0.0), self.classifier + made.get("classifier", 0.0)
         engine = str(made.get("searcher", "trainer"))
         if made["per_token"] and engine not in self.per_token and self.rank == 0:
             self.per_token[engine] = made["per_token"]
@@ -65,6 +67,12 @@ class Log:
 
     def clock(self) -> tuple[float, float]:
         return self.now(), self.overhead
+
+    def per_round(self) -> dict:
+        """redteam's train-row fields: the victim's and the classifier's mean seconds per round received so far."""
+        if self.cfg.task != "redteam" or not self.rounds:
+            return {}
+        return dict(victim=self.victim / self.rounds, classifier=self.classifier / self.rounds)
 
     def eval(self, version: int, scores: dict, example: dict, seconds: float, made: tuple[float, float]):
         """An evaluation of the weights of step `version`; time and overhead: when they were made."""

@@ -34,9 +34,10 @@ al., "Learning diverse attacks on large language models for robust red-teaming a
   embeddings (`--embedding-model`, mean-pooled over tokens and L2-normalised as sentence-transformers'
   all-MiniLM-L6-v2, theirs, does); `unique`, the share of distinct attacks.
 
-The victim, the classifier and the embedder are transformers models in the searcher process, built
-beside pi_ref under `Engine.transformers_models()` (searcher.py). docs/tasks.md, "Red-teaming", gives their
-cost against the attacker's generation and what a GPU node would need.
+The victim and a judge of the causal-LM kind run on vLLM engines of their own beside the attacker's, in the
+searcher process (searcher.Engine.start; on a GPU, --searcher-memory is split between them by `memory_split`);
+a sequence classifier and the embedder are transformers models beside pi_ref. docs/tasks.md, "Red-teaming",
+gives why, the split for the paper's two settings, and the cost of a round.
 
     python redteam.py --task redteam --victim V --classifier C --embedding-model E [tba.py flags]
         # times one search round: the attacker's generation, the victim's answers, the classifier
@@ -107,39 +108,54 @@ def load(cls, path: str, device, dtype: str):
 
 
 # --- the victim ----------------------------------------------------------------------------------------
-class Victim:
-    """A frozen causal LM answering each attack n times (transformers generate, in batches)."""
+CONTEXT = 4096  # the victim's and the judge's vLLM context (their max_model_len), or the model's if shorter: their
+# prompts are a template (Llama Guard 3's with its category list: a few hundred tokens), an attack and an answer.
+# It sets the least KV cache each engine must hold (one whole sequence: 0.5 GiB for an 8B Llama), and a CPU
+# engine without chunked prefill takes prompts up to its 4,096-token step (vllm/config/scheduler.py:314-325,
+# engine/arg_utils.py:2974-2979).
 
-    def __init__(self, path: str, device, dtype: str, n: int, batch: int, max_new_tokens: int | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model, self.device, self.n, self.batch = load(AutoModelForCausalLM, path, device, dtype), device, n, batch
+
+def context(path: str) -> int:
+    from transformers import AutoConfig
+    own = getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None)
+    return min(CONTEXT, own or CONTEXT)
+
+
+class Victim:
+    """A frozen causal LM on a vLLM engine of its own (`llm`, searcher.Engine's), answering each attack n
+    times, as Lee et al.'s (trainers/gfn_trainer.py:175-194, 407-417)."""
+
+    def __init__(self, path: str, llm, n: int, max_new_tokens: int | None = None):
+        from transformers import AutoTokenizer
+        self.tokenizer, self.llm, self.n = AutoTokenizer.from_pretrained(path), llm, n
         self.sampling = victim_sampling(self.tokenizer)
         self.sampling["max_new_tokens"] = max_new_tokens or self.sampling["max_new_tokens"]
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     def prompt(self, attack: str) -> list[int]:
-        """The victim's input ids: the attack as a chat user turn, or in Lee et al.'s Alpaca template."""
+        """The victim's input ids: the attack as a chat user turn, or in Lee et al.'s Alpaca template. vLLM refuses
+        an empty prompt (an empty attack under a bare template): that one is BOS alone (EOS without a BOS)."""
         if self.tokenizer.chat_template:  # the template writes its own BOS
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": attack.rstrip()}], tokenize=False,
                                                       add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False).input_ids
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            bos = self.tokenizer.bos_token_id
+            return ids or [bos if bos is not None else self.tokenizer.eos_token_id]
         return self.tokenizer(ALPACA.format(instruction=attack.rstrip())).input_ids
 
-    @torch.no_grad()
     def respond(self, attacks: list[str], seed: int) -> list[str]:
-        """n responses to each attack, attack by attack ([a0 r0, a0 r1, ..., a1 r0, ...])."""
-        out, self.tokens = [], 0  # tokens generated, for the benchmark below
-        with torch.random.fork_rng(devices=[self.device] if torch.device(self.device).type == "cuda" else []):
-            torch.manual_seed(seed)  # reproducible answers without touching the process's own RNG
-            for i in range(0, len(attacks), self.batch):
-                ids, mask = pad([self.prompt(a) for a in attacks[i:i + self.batch]], self.pad_id, True, self.device)
-                # top_k=0: no top-k cut (generation_config's default 50; Lee et al.'s vLLM has none)
-                new = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0,
-                                          num_return_sequences=self.n, pad_token_id=self.pad_id, **self.sampling)
-                out += self.tokenizer.batch_decode(new[:, ids.shape[1]:], skip_special_tokens=True)
-                self.tokens += int((new[:, ids.shape[1]:] != self.pad_id).sum())
-        return out
+        """n responses to each attack, attack by attack ([a0 r0, a0 r1, ..., a1 r0, ...]): one request an
+        attack with its own seed (vLLM gives its n samples seed + i, v1/engine/parallel_sampling.py:76-81), so
+        that the answers follow from `seed` alone. No top-k cut, as Lee et al.'s vLLM; it stops at every EOS id
+        of the victim's generation_config.json (vllm/sampling_params.py:786-800, v1/engine/input_processor.py:
+        489): Llama 3's <|eot_id|>, which theirs lists by hand (gfn_trainer.py:183-187)."""
+        from vllm import SamplingParams
+        s = self.sampling
+        params = [SamplingParams(n=self.n, temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"],
+                                 seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0]))
+                  for i in range(len(attacks))]
+        outputs = self.llm.generate([{"prompt_token_ids": self.prompt(a)} for a in attacks], params, use_tqdm=False)
+        self.tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)  # for the benchmark below
+        return [c.text for o in outputs for c in o.outputs]
 
 
 # --- the classifier: two kinds, one method ------------------------------------------------------------
@@ -170,15 +186,18 @@ class SequenceClassifier:
 
 
 class Judge:
-    """log P(first verdict token = that of "unsafe") of a causal LM judging (attack, response)."""
+    """log P(first verdict token = that of "unsafe") of a causal LM judging (attack, response), on a vLLM engine
+    of its own (`llm`, with prefix caching: the prompts' shared head, Llama Guard's category list, is computed
+    once). One token is generated greedily and the verdict token's log-prob read among `logprob_token_ids`,
+    which vLLM 0.32 takes from the raw logits whatever the token's rank (v1/sample/sampler.py:86-95, 112-119,
+    134-137; the engine keeps the default raw_logprobs): Lee et al.'s top-2 (utils.py:108-109, 129) misses
+    "unsafe" when two other tokens are likelier."""
 
-    def __init__(self, path: str, device, dtype: str, batch: int):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model, self.device, self.batch = load(AutoModelForCausalLM, path, device, dtype), device, batch
+    def __init__(self, path: str, llm):
+        from transformers import AutoTokenizer
+        self.tokenizer, self.llm = AutoTokenizer.from_pretrained(path), llm
         verdict = "unsafe" if self.tokenizer.chat_template else " unsafe"  # after "Verdict:" a space comes first
         self.unsafe_id = self.tokenizer(verdict, add_special_tokens=False).input_ids[0]
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     def prompt(self, attack: str, response: str) -> list[int]:
         if not self.tokenizer.chat_template:
@@ -186,24 +205,15 @@ class Judge:
         text = self.tokenizer.apply_chat_template([{"role": "user", "content": attack},
                                                    {"role": "assistant", "content": response}], tokenize=False)
         if text.endswith("<|end_header_id|>"):  # Llama Guard 3 writes "\n\n" before its verdict (Lee et al.'s
-            text += "\n\n"                      # utils.py adds it for version 3)
+            text += "\n\n"                      # utils.py:118-119 add it for version 3)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    @torch.no_grad()
     def log_p_unsafe(self, attacks: list[str], responses: list[str]) -> list[float]:
-        rows = [self.prompt(a, r) for a, r in zip(attacks, responses)]
-        out = []
-        for i in range(0, len(rows), self.batch):
-            ids, mask = pad(rows[i:i + self.batch], self.pad_id, True, self.device)  # left: the verdict comes last
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding moves no position
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
-            out += logits.log_softmax(-1)[:, self.unsafe_id].tolist()
-        return out
-
-
-def classifier(path: str, kind: str, device, dtype: str, unsafe_label: str | None, batch: int):
-    return (SequenceClassifier(path, device, dtype, unsafe_label, batch) if kind == "sequence"
-            else Judge(path, device, dtype, batch))
+        from vllm import SamplingParams
+        params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[self.unsafe_id], detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": self.prompt(a, r)} for a, r in zip(attacks, responses)],
+                                    params, use_tqdm=False)
+        return [o.outputs[0].logprobs[0][self.unsafe_id].logprob for o in outputs]
 
 
 # --- the reward ----------------------------------------------------------------------------------------
@@ -211,13 +221,9 @@ class Reward:
     """r(attack) = mean over the victim's n responses of log P(unsafe); the searcher's batched reward
     interface (rewards.py). Keeps the last call's responses and timings, for evaluation and benchmarks."""
 
-    def __init__(self, cfg, device, eos: int):
-        self.eos = eos  # the attacker's EOS
-        self.victim = Victim(cfg.victim_path, device, cfg.dtype, cfg.victim_responses, cfg.micro_batch,
-                             cfg.victim_max_new_tokens)
-        self.classifier = classifier(cfg.classifier_path, cfg.classifier_kind, device, cfg.dtype, cfg.unsafe_label,
-                                     cfg.micro_batch)
-        self.n, self.seed, self.calls, self.seconds = cfg.victim_responses, cfg.seed, 0, {}
+    def __init__(self, victim: Victim, classifier, eos: int, seed: int):
+        self.victim, self.classifier, self.eos = victim, classifier, eos  # eos: the attacker's
+        self.n, self.seed, self.calls, self.seconds = victim.n, seed, 0, {}
 
     def log_p_unsafe(self, attacks: list[str]) -> np.ndarray:
         """(attacks, n) log P(unsafe) of the victim's n responses to each attack."""
@@ -286,6 +292,71 @@ def eval_counts(prompts: int, attacks: int | None) -> list[int]:
     return [total // prompts + (i < total % prompts) for i in range(prompts)]
 
 
+# --- a GPU shared by the attacker's, the victim's and the judge's vLLM engines ---------------------------
+def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int]], rest: int) -> dict[str, float]:
+    """Each engine's gpu_memory_utilization on a GPU of `card` bytes whose `share` (--searcher-memory) holds
+    several vLLM engines in one process. engines[name] = (bytes besides the KV cache, the least KV cache, the KV
+    cache a round can fill): each gets its first two, and the share's spare goes to the KV caches in proportion
+    to the third. `rest` (the transformers models beside the engines) must fit in 1 - share. In vLLM 0.32 an
+    engine's fraction is a budget of its own: its KV cache is what its weights, activations and CUDA graphs
+    leave of it, and the engines started before it count as another process (v1/worker/utils.py:716-770,
+    v1/worker/gpu_worker.py:713-744, utils/mem_utils.py:242-245). Raises ValueError (one line) if it cannot fit."""
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    fixed = sum(f + least for f, least, _ in engines.values())
+    if fixed + rest > card:
+        raise ValueError(f"the {' + '.join(engines)} engines need {gib(fixed)} and the models beside them "
+                         f"{gib(rest)}: more than this GPU's {gib(card)}")
+    if fixed > share * card:
+        raise ValueError(f"{share} of this GPU's {gib(card)} cannot hold the {' + '.join(engines)} engines' "
+                         f"{gib(fixed)}; give them at least {fixed / card:.2f}")
+    if rest > (1 - share) * card:
+        raise ValueError(f"{share} of this GPU's {gib(card)} leaves less than the {gib(rest)} that pi_ref and the "
+                         f"models beside the engines need; give the engines at most {1 - rest / card:.2f}")
+    spare, wanted = share * card - fixed, sum(w for *_, w in engines.values())
+    return {name: (f + least + spare * w / wanted) / card for name, (f, least, w) in engines.items()}
+
+
+def engine_needs(cfg) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """memory_split's inputs for a red-teaming searcher, from the models' configs and the run's settings:
+    weights (the parameters in --dtype); the working memory vLLM measures, estimated with its defaults on an
+    A100 or a smaller card, 8,192 tokens a step and 256 sequences (engine/arg_utils.py:2942-2951): a step's
+    activations, the sampler's float32 logits and log-probs, and 0.5 GiB of CUDA graphs and workspaces; the
+    least KV cache, one whole sequence (vLLM starts no engine with less: v1/core/kv_cache_utils.py:1104-1136);
+    the KV cache a round can fill: 256 sequences at once of the attacker's or the victim's length, the judge's
+    one step of prompts (each lives one step). The rest: pi_ref and its log-prob pass (--micro-batch sequences'
+    logits and a 256 MiB chunk, loss.sequence_logprobs), the sequence classifier, the embedder, and 1 GiB for
+    the CUDA context and the allocator's cache."""
+    import transformers
+    from searcher import kv_bytes_per_token
+    d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
+
+    def shape(path, cls=transformers.AutoModelForCausalLM):  # (config, parameters): counted on the meta device
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            return config.get_text_config(), sum(p.numel() for p in cls.from_config(config).parameters())
+
+    def engine(path, longest, length, seqs):  # (besides the KV cache, the least KV cache, what a round can fill)
+        c, n = shape(path)
+        ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+        work = 8192 * (4 * c.hidden_size + 2 * ffn) * d + 3 * 256 * c.vocab_size * 4 + 2**29
+        token = kv_bytes_per_token(path, cfg.dtype)
+        return n * d + work, token * longest, token * min(seqs, 256) * length
+
+    attacks = cfg.prompts_per_step * cfg.search_samples_per_prompt  # a searcher round's
+    answer = cfg.victim_max_new_tokens or CHAT_SAMPLING["max_new_tokens"]  # the longer of the two defaults
+    engines = dict(attacker=engine(cfg.model_path, cfg.max_model_len, cfg.max_model_len, attacks),
+                   victim=engine(cfg.victim_path, context(cfg.victim_path), cfg.max_model_len + answer,
+                                 attacks * cfg.victim_responses))
+    if cfg.classifier_kind == "judge":
+        engines["judge"] = engine(cfg.classifier_path, context(cfg.classifier_path), 8192, 1)
+    c, n = shape(cfg.model_path)
+    rest = n * d + cfg.micro_batch * cfg.max_model_len * c.vocab_size * d + 2**28 + 2**30
+    rest += shape(cfg.embedding_model_path, transformers.AutoModel)[1] * d
+    if cfg.classifier_kind == "sequence":
+        rest += shape(cfg.classifier_path, transformers.AutoModelForSequenceClassification)[1] * d
+    return engines, rest
+
+
 # --- a benchmark: one search round, timed by part -----------------------------------------------------
 def main(argv=None):
     import sys
@@ -301,10 +372,13 @@ def main(argv=None):
     except config.ConfigError as e:
         sys.exit(f"redteam.py: error: {e}")
     torch.set_num_threads(cfg.threads * (1 + cfg.searchers))  # one process here: all the cores
-    engine = Engine(cfg, "cpu" if cfg.device == "cpu" else "cuda:0", cfg.searcher_memory, prompts, [p.answer for p in train])
+    t0 = time.time()
+    memory = cfg.searcher_memory if cfg.searchers else cfg.trainer_memory  # the GPU's share config.check split
+    engine = Engine(cfg, "cpu" if cfg.device == "cpu" else "cuda:0", memory, prompts, [p.answer for p in train])
     attacks = cfg.prompts_per_step * cfg.search_samples_per_prompt
-    print(f"one search round: {attacks} attacks x {cfg.victim_responses} victim responses; victim sampling "
-          f"{engine.reward.victim.sampling}; {torch.get_num_threads()} threads")
+    print(f"{len(engine.engines)} vLLM engines started in {time.time() - t0:.1f} s; one search round: {attacks} attacks "
+          f"x {cfg.victim_responses} victim responses; victim sampling {engine.reward.victim.sampling}; "
+          f"{torch.get_num_threads()} threads")
     for round_ in range(3):  # the first round warms up
         t0 = time.time()
         params = SamplingParams(n=attacks, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=round_)

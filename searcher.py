@@ -54,40 +54,22 @@ class Engine:
                  evaluates: bool = True):
         self.cfg, self.prompts, self.answers = cfg, prompts, answers
         self.device = torch.device(device)
-        kwargs = dict(model=cfg.model_path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
-                      logprobs_mode="processed_logprobs",  # behaviour log-probs after temperature
-                      enforce_eager=self.device.type == "cpu", enable_prefix_caching=True,
-                      use_tqdm_on_load=False)  # its loading bar would break the trainer's
-        if self.device.type == "cuda":  # pick this GPU without hiding the others (CUDA IPC needs them)
-            kwargs.update(device_ids=[self.device.index], gpu_memory_utilization=memory)
-            # vLLM caches its compiled graphs under VLLM_CACHE_ROOT by rank (compilation/decorators.py:
-            # 565-584, backends.py:1074-1084), and every engine here is rank 0 of its own, while
-            # Inductor's code hard-codes the device index: engines on other GPUs would load each
-            # other's artifacts. A cache per device index; read when the engine starts (envs.py).
-            import vllm.envs
-            root, own = vllm.envs.VLLM_CACHE_ROOT, f"tba-cuda{self.device.index}"
-            os.environ["VLLM_CACHE_ROOT"] = root if os.path.basename(root) == own else os.path.join(root, own)
-        else:  # vLLM's sampler torch.compiles its log-prob gather on first use: 3-4 s of C++ build
-            # per process on the CPU, for no speed-up there (this process only; GPUs keep compiling)
-            torch._dynamo.config.disable = True
-            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the user's GiB, else what this run needs
-                kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg))
-            # A seeded request whose prefill is split over two engine steps crashes the CPU engine: the
-            # runner rewinds its generator (v1/worker/gpu_model_runner.py:3498-3502), which a CPU
-            # generator cannot ("CPU Generator does not use offset"). Whole prefills only, as vLLM's
-            # own CPU platform does for MLA (platforms/cpu.py:516-530). Seen once a round's prompts
-            # pass the 4,096-token step budget (red-teaming: 32 x 8 requests of a 223-token prompt).
-            kwargs.update(enable_chunked_prefill=False)
+        split = None  # redteam on a GPU: `memory` split between the attacker's, the victim's and the judge's engines
+        if cfg.task == "redteam" and self.device.type == "cuda":  # (engine_needs builds models on the meta device:
+            import redteam                                        # before vLLM rewrites classes, transformers_models)
+            split = redteam.memory_split(torch.cuda.get_device_properties(self.device).total_memory, memory,
+                                         *redteam.engine_needs(cfg))
+        self.engines = []  # the vLLM engines in this process: the policy's, then red-teaming's victim and judge
+        self.llm = self.start(cfg.model_path, split["attacker"] if split else memory, cfg.max_model_len,
+                              logprobs_mode="processed_logprobs")  # behaviour log-probs after temperature
         from transformers import AutoTokenizer
-        from vllm import LLM
-        self.llm = LLM(**kwargs)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.version = 0      # trainer step of the weights loaded (0 = the initial model)
         self.per_token = None  # --generation-slowdown: s a generated token costs this engine alone (calibrate)
         self.ref_version = 0  # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.ref = self.judge = None  # pi_ref, loaded on the first search; the evaluation's judge
         if cfg.task == "redteam":  # the victim answers, the classifier judges (redteam.py)
-            self.reward, self.embedder = self.red_team_reward(), None
+            self.reward, self.embedder = self.red_team_reward(split or {}), None
         else:
             self.reward = self.reward_model(cfg.reward_model_path) if cfg.reward_model_path else batched(REWARDS[cfg.task])
         # tldr, on the engine that evaluates: a transformers copy of the policy for the evaluation's
@@ -124,10 +106,53 @@ class Engine:
             return RewardModel(path, self.device, self.cfg.dtype, self.tokenizer, self.cfg.non_eos_penalty,
                                batch=self.cfg.micro_batch)
 
-    def red_team_reward(self):
+    def red_team_reward(self, split: dict):
+        """The victim, and a judge of the causal-LM kind, on vLLM engines of their own beside the policy's (on a
+        GPU with `split`'s shares of it); a sequence classifier in transformers (docs/tasks.md says why)."""
         import redteam
-        with self.transformers_models():
-            return redteam.Reward(self.cfg, self.device, self.tokenizer.eos_token_id)
+        cfg = self.cfg
+        llm = self.start(cfg.victim_path, split.get("victim"), redteam.context(cfg.victim_path))
+        victim = redteam.Victim(cfg.victim_path, llm, cfg.victim_responses, cfg.victim_max_new_tokens)
+        if cfg.classifier_kind == "judge":
+            llm = self.start(cfg.classifier_path, split.get("judge"), redteam.context(cfg.classifier_path))
+            classifier = redteam.Judge(cfg.classifier_path, llm)
+        else:
+            with self.transformers_models():
+                classifier = redteam.SequenceClassifier(cfg.classifier_path, self.device, cfg.dtype, cfg.unsafe_label,
+                                                        cfg.micro_batch)
+        return redteam.Reward(victim, classifier, self.tokenizer.eos_token_id, cfg.seed)
+
+    def start(self, path: str, memory: float | None, max_model_len: int, **extra):
+        """A vLLM engine of the model at `path` on this device, kept in this process beside any others (vLLM 0.32
+        lets one process hold several: the later ones reuse its one-rank torch.distributed group and model-parallel
+        groups, distributed/parallel_state.py:1905, 1988, 2366-2404, v1/worker/gpu_worker.py:1664-1678). `memory`:
+        its fraction of the GPU (gpu_memory_utilization); on the CPU its KV cache is sized to this run."""
+        from vllm import LLM
+        kwargs = dict(model=path, dtype=self.cfg.dtype, seed=self.cfg.seed, max_model_len=max_model_len,
+                      enforce_eager=self.device.type == "cpu", enable_prefix_caching=True,
+                      use_tqdm_on_load=False, **extra)  # its loading bar would break the trainer's
+        if self.device.type == "cuda":  # pick this GPU without hiding the others (CUDA IPC needs them)
+            kwargs.update(device_ids=[self.device.index], gpu_memory_utilization=memory)
+            # vLLM caches its compiled graphs under VLLM_CACHE_ROOT by rank (compilation/decorators.py:
+            # 565-584, backends.py:1074-1084), and every engine here is rank 0 of its own, while
+            # Inductor's code hard-codes the device index: engines on other GPUs would load each
+            # other's artifacts. A cache per device index; read when the engine starts (envs.py).
+            import vllm.envs
+            root, own = vllm.envs.VLLM_CACHE_ROOT, f"tba-cuda{self.device.index}"
+            os.environ["VLLM_CACHE_ROOT"] = root if os.path.basename(root) == own else os.path.join(root, own)
+        else:  # vLLM's sampler torch.compiles its log-prob gather on first use: 3-4 s of C++ build
+            # per process on the CPU, for no speed-up there (this process only; GPUs keep compiling)
+            torch._dynamo.config.disable = True
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the user's GiB, else what this run needs
+                kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes(path, self.cfg.dtype, max_model_len))
+            # A seeded request whose prefill is split over two engine steps crashes the CPU engine: the
+            # runner rewinds its generator (v1/worker/gpu_model_runner.py:3498-3502), which a CPU
+            # generator cannot ("CPU Generator does not use offset"). Whole prefills only, as vLLM's
+            # own CPU platform does for MLA (platforms/cpu.py:516-530). Seen once a round's prompts
+            # pass the 4,096-token step budget (red-teaming: 32 x 8 requests of a 223-token prompt).
+            kwargs.update(enable_chunked_prefill=False)
+        self.engines.append(LLM(**kwargs))
+        return self.engines[-1]
 
     # --- weights ---------------------------------------------------------------------------
     def load(self, named_tensors, version: int):
@@ -225,7 +250,8 @@ class Engine:
         if self.cfg.dedup_similarity:  # the best buffer compares attacks by their embeddings (buffer.py)
             for t, e in zip(trajectories, self.sentence_embedder()([c.text for _, c in done]).cpu().numpy()):
                 t.embedding = e
-        return trajectories, {"tokens": tokens, "generate": generate, "slept": slept,
+        timed = self.reward.seconds if self.cfg.task == "redteam" else {}  # the victim's and the classifier's s
+        return trajectories, {"tokens": tokens, "generate": generate, "slept": slept, **timed,
                               "charged": alone * self.cfg.generation_slowdown, "per_token": self.per_token}
 
     def explore(self, seed: tuple, prompt) -> float:
@@ -256,8 +282,10 @@ class Engine:
         return out
 
     def close(self):
-        """Shut the engine down (it also tears down the process group it shares with this process)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Shut the engines down, the policy's last (it also tears down the process group it shares with this
+        process)."""
+        for llm in reversed(self.engines):
+            llm.llm_engine.engine_core.shutdown()
 
     def score(self, prompt: list[int], response: list[int]) -> float:
         """vLLM's summed log-prob of a fixed response (raw logits: temperature 1), for checks."""
@@ -370,18 +398,22 @@ def response_kl_nll(policy, ref, pairs, micro_batch: int, device, chunk_bytes: i
     return np.array(kl_out), np.array(nll_out)
 
 
-def cpu_kv_cache_bytes(cfg) -> int:
-    """KV cache for vLLM's CPU engine: room for its 256 concurrent sequences (vLLM's CPU default,
-    engine/arg_utils.py) of the run's longest length, between 32 MiB and 1 GiB. The CPU engine
-    allocates and zeroes all of it at start: the tiny model needs a few MiB, not the GiBs a default
-    would give (0.35 s less start-up per engine, 1 GiB less memory per searcher)."""
+def kv_bytes_per_token(path: str, dtype: str) -> int:
+    """Bytes of KV cache a token takes in a vLLM engine of the model at `path`: keys and values of every layer."""
     from transformers import AutoConfig
-    c = AutoConfig.from_pretrained(cfg.model_path).get_text_config()
+    c = AutoConfig.from_pretrained(path).get_text_config()
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
-    tokens = 256 * -(-cfg.max_model_len // 256) * 256  # sequences x length in whole blocks
-    return int(min(2**30, max(2**25, per_token * tokens)))
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def cpu_kv_cache_bytes(path: str, dtype: str, max_model_len: int) -> int:
+    """KV cache for vLLM's CPU engine: room for its 256 concurrent sequences (vLLM's CPU default,
+    engine/arg_utils.py) of the engine's longest length, between 32 MiB and 1 GiB. The CPU engine
+    allocates and zeroes all of it at start: the tiny model needs a few MiB, not the GiBs a default
+    would give (0.35 s less start-up per engine, 1 GiB less memory per searcher)."""
+    tokens = 256 * -(-max_model_len // 256) * 256  # sequences x length in whole blocks
+    return int(min(2**30, max(2**25, kv_bytes_per_token(path, dtype) * tokens)))
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -127,7 +127,7 @@ def train(t: "Trainer"):
                       search=search, seconds=time.time() - t_step, samples=t.log.samples,
                       reuse=t.cap.drawn / max(1, t.log.samples),
                       generate=t.log.generate, slept=t.log.slept, charged=t.log.charged, buffer=len(t.buffer),
-                      reference=t.buffer.reference, overhead=t.log.overhead,
+                      reference=t.buffer.reference, overhead=t.log.overhead, **t.log.per_round(),
                       **(t.multi.row(t.log.samples) if t.multi else {}))
         # ===== evaluate ==========================================================================
         if cfg.eval_every and t.step % cfg.eval_every == 0 and t.step < cfg.steps:

@@ -22,7 +22,9 @@ import torch
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script: the project too
 import models  # noqa: E402
 
-H = 16       # hidden size; one head of 16
+H = 16       # hidden size; one head of HEAD_DIM
+HEAD_DIM = 32  # the smallest head vLLM's CPU attention runs (v1/attention/backends/cpu_attn.py:69-70), where
+               # the victim and the judge run; with q = k = 0 and one value dimension the width changes nothing
 GAIN = 20.0  # how strongly the share of triggers moves the last position's first dimension
 TRIGGER = " the"  # one token of the BPE tokenizer, common in GSM8K text
 
@@ -60,7 +62,8 @@ def _trigger_block(model, tokenizer, seed: int):
 
 
 def _config(tokenizer, **extra):
-    config = models.arch_config("llama", tokenizer, hidden=H, layers=1, heads=1, ffn=H, max_len=1024, **extra)
+    config = models.arch_config("llama", tokenizer, hidden=H, layers=1, heads=1, ffn=H, max_len=1024,
+                               head_dim=HEAD_DIM, **extra)
     config.tie_word_embeddings = False
     return config
 
@@ -93,12 +96,13 @@ def make_trigger_classifier(out: str, tokenizer=None, seed: int = 0, labels=("sa
     return _save(model, tokenizer, out)
 
 
-def make_trigger_judge(out: str, tokenizer=None, seed: int = 0) -> str:
+def make_trigger_judge(out: str, tokenizer=None, seed: int = 0, verdict: str = " unsafe") -> str:
+    """`verdict`: the text whose first token is the verdict (redteam.Judge: "unsafe" after a chat template)."""
     import transformers
     tokenizer = tokenizer or bpe()
     model = transformers.LlamaForCausalLM(_config(tokenizer))
     _trigger_block(model, tokenizer, seed)
-    unsafe = tokenizer(" unsafe", add_special_tokens=False).input_ids[0]
+    unsafe = tokenizer(verdict, add_special_tokens=False).input_ids[0]
     with torch.no_grad():
         head = torch.zeros_like(model.lm_head.weight)
         head[:, 1] = 1.0                 # every other token: a constant

@@ -1,6 +1,8 @@
-"""Red-teaming (`--task redteam`, redteam.py): the reward, both kinds of classifier, the diversity metric,
-the refusals, and runs that learn. The models are made in code (tests/redteam_models.py): a trigger
-token (" the") is what the victim repeats and what the classifier and the judge find unsafe."""
+"""Red-teaming (`--task redteam`, redteam.py): the reward with the victim and the judge on vLLM (both kinds of
+classifier; judges with and without a chat template equal to a direct transformers computation), the victim's
+sampling, the diversity metric, the GPU memory split, the refusals, and runs that learn. The models are made in
+code (tests/redteam_models.py): a trigger token (" the") is what the victim repeats and what the classifier and
+the judge find unsafe."""
 
 import importlib.util
 import json
@@ -15,15 +17,23 @@ import torch
 
 import redteam
 import redteam_models as rm
+import searcher
+from config import Config
 from conftest import ROOT, metrics, run_tba
 
 CHAT = "{{ messages[0]['content'] }}"  # a bare chat template: the victim reads the attack alone
+# a judge's template in Llama Guard 3's shape: a long shared head (its category list: several cached KV blocks),
+# the conversation, a header's end after which redteam.Judge adds "\n\n"
+GUARD = ("{{ 'Task: check Agent messages against our safety policy.\\n' }}{% for i in range(1, 10) %}"
+         "{{ 'S' ~ i ~ ': a category of unsafe content, described at some length here.\\n' }}{% endfor %}"
+         "{% for m in messages %}{{ m['role'] ~ ': ' ~ m['content'] ~ '\\n' }}{% endfor %}<|end_header_id|>")
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Folders: attackers (Llama, GPT-NeoX), victims (trigger Llama with a chat template, random
-    GPT-NeoX without), the trigger classifier and judge, an embedder; all with one BPE tokenizer."""
+    """Folders: attackers (Llama, GPT-NeoX), victims (trigger Llama with a chat template, random GPT-NeoX
+    without), the trigger classifier, the trigger judge without and with a chat template, an embedder; all with
+    one BPE tokenizer."""
     root, tok = tmp_path_factory.mktemp("redteam"), rm.bpe()
     m = {arch: rm.make_attacker(str(root / f"attacker_{arch}"), arch, tok) for arch in ("llama", "gpt_neox")}
     chat = rm.bpe()
@@ -32,36 +42,66 @@ def models(tmp_path_factory):
     m["victim_neox"] = rm.make_attacker(str(root / "victim_neox"), "gpt_neox", tok, seed=5)
     m["classifier"] = rm.make_trigger_classifier(str(root / "classifier"), tok)
     m["judge"] = rm.make_trigger_judge(str(root / "judge"), tok)
+    guard = rm.bpe()
+    guard.chat_template = GUARD
+    m["judge_chat"] = rm.make_trigger_judge(str(root / "judge_chat"), guard, verdict="unsafe")
     m["embedder"] = rm.make_embedder(str(root / "embedder"), tok)
     m["tokenizer"], m["root"] = tok, root
     return m
 
 
-def reward_for(models, victim, classifier, kind, n=3):
-    cfg = types.SimpleNamespace(victim_path=models[victim], classifier_path=models[classifier], classifier_kind=kind,
-                                dtype="float32", victim_responses=n, victim_max_new_tokens=None, micro_batch=4,
-                                unsafe_label=None, seed=0)
-    return redteam.Reward(cfg, "cpu", models["tokenizer"].eos_token_id)
+def engine_for(models, victim, classifier, kind, n=3, attacker="llama", **extra):
+    """A searcher's Engine on the CPU: the attacker's, the victim's and (a judge) the judge's vLLM engines."""
+    cfg = Config(task="redteam", model=models[attacker], prompts_per_step=2, samples_per_prompt=4, max_new_tokens=12,
+                 victim_responses=n, micro_batch=4, **extra)
+    cfg.device, cfg.threads, cfg.model_path, cfg.max_model_len, cfg.dtype = "cpu", 1, models[attacker], 128, "float32"
+    cfg.search_samples_per_prompt = cfg.samples_per_prompt
+    cfg.victim_path, cfg.classifier_path, cfg.classifier_kind = models[victim], models[classifier], kind
+    cfg.embedding_model_path = models["embedder"]
+    return searcher.Engine(cfg, "cpu", 0.1, [models["tokenizer"](redteam.ATTACK_PROMPT).input_ids], [""])
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    """Two searchers' engines, kept for the module: a sequence classifier beside the chat victim, and the
+    GPT-NeoX victim (vLLM's Transformers backend) beside a GPT-NeoX attacker and the judge."""
+    made = {}
+    try:
+        made["sequence"] = engine_for(models, "victim", "classifier", "sequence")
+        made["judge"] = engine_for(models, "victim_neox", "judge", "judge", attacker="gpt_neox")
+        yield made
+    finally:
+        for engine in made.values():
+            engine.close()
+
+
+def transformers_log_p_unsafe(path, prompt_ids: list[int], verdict: int) -> tuple[float, int]:
+    """log P(verdict) at the end of one unpadded prompt under the judge in transformers, and the verdict's rank."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        logp = model(input_ids=torch.tensor([prompt_ids])).logits[0, -1].log_softmax(-1)
+    return logp[verdict].item(), int((logp > logp[verdict]).sum()) + 1
 
 
 def by_hand(reward, attack: str, response: str) -> float:
-    """log P(unsafe) of one (attack, response), unbatched and unpadded."""
+    """log P(unsafe) of one (attack, response) in transformers, unbatched and unpadded."""
     c = reward.classifier
     if isinstance(c, redteam.SequenceClassifier):
         ids = torch.tensor([c.tokenizer(response).input_ids or [c.pad_id]])
         return c.model(input_ids=ids).logits[0].log_softmax(-1)[c.unsafe].item()
-    ids = torch.tensor([c.tokenizer(redteam.JUDGE_PROMPT.format(attack=attack.strip(), response=response.strip())).input_ids])
-    return c.model(input_ids=ids).logits[0, -1].log_softmax(-1)[c.tokenizer(" unsafe", add_special_tokens=False).input_ids[0]].item()
+    ids = c.tokenizer(redteam.JUDGE_PROMPT.format(attack=attack.strip(), response=response.strip())).input_ids
+    return transformers_log_p_unsafe(c.llm.llm_engine.model_config.model, ids, c.unsafe_id)[0]
 
 
-@pytest.mark.parametrize("victim,classifier,kind", [("victim", "classifier", "sequence"), ("victim_neox", "judge", "judge")])
-def test_reward_is_the_mean_of_the_logs(models, victim, classifier, kind):
-    reward, tok = reward_for(models, victim, classifier, kind), models["tokenizer"]
+@pytest.mark.parametrize("kind", ["sequence", "judge"])
+def test_reward_is_the_mean_of_the_logs(models, engines, kind):
+    reward, tok = engines[kind].reward, models["tokenizer"]
     attacks = ["How do I open a jar of pickles", "Tell me the way to the store", "Hi"]
     ids = [tok(a).input_ids + [tok.eos_token_id] for a in attacks]
     rewards = reward([[1]] * 3, ids, attacks)
     responses = reward.responses
-    assert len(responses) == 3 * 3
+    assert len(responses) == 3 * 3 and reward.seconds["victim"] > 0 and reward.seconds["classifier"] > 0
     for i, a in enumerate(attacks[:2]):
         hand = np.mean([by_hand(reward, a, r) for r in responses[3 * i:3 * i + 3]])
         assert rewards[i] == pytest.approx(hand, abs=1e-5)
@@ -69,13 +109,51 @@ def test_reward_is_the_mean_of_the_logs(models, victim, classifier, kind):
     assert rewards[1] > rewards[0] + 1, rewards  # the trigger in the attack: the response (chat) or the judge sees it
 
 
-def test_victim_prompt_and_sampling_follow_the_template(models):
-    chat = redteam.Victim(models["victim"], "cpu", "float32", 2, 4)
-    alpaca = redteam.Victim(models["victim_neox"], "cpu", "float32", 2, 4)
+def spy(llm) -> list:
+    """Record what the engine `llm` is asked and answers: [(sampling params, outputs), ...]."""
+    calls, generate = [], llm.generate
+
+    def recording(prompts, params, **kwargs):
+        outputs = generate(prompts, params, **kwargs)
+        calls.append((params, outputs))
+        return outputs
+    llm.generate = recording
+    return calls
+
+
+def greedy(victim, attacks, tokens):
+    from vllm import SamplingParams
+    outputs = victim.llm.generate([{"prompt_token_ids": victim.prompt(a)} for a in attacks],
+                                  SamplingParams(temperature=0.0, max_tokens=tokens), use_tqdm=False)
+    return [o.outputs[0].text for o in outputs for _ in range(victim.n)]
+
+
+def test_victim_prompt_and_sampling(models, engines):
+    """The chat victim reads the attack as a user turn with Lee et al.'s chat sampling, the other one Lee et al.'s
+    Alpaca template with GPT-2's; vLLM gets n, the temperature, top-p and the length, and honours them (a near-zero
+    top-p or temperature gives the greedy answer n times, the Alpaca sampling n different ones); a seed repeats them."""
+    chat, alpaca = engines["sequence"].reward.victim, engines["judge"].reward.victim
     assert chat.sampling == redteam.CHAT_SAMPLING and alpaca.sampling == redteam.ALPACA_SAMPLING
-    assert chat.tokenizer.decode(chat.prompt("Say hi ")) == "Say hi"
+    assert chat.tokenizer.decode(chat.prompt("Say hi ")) == "Say hi" and chat.prompt("") == [chat.tokenizer.bos_token_id]
     assert alpaca.tokenizer.decode(alpaca.prompt("Say hi ")) == redteam.ALPACA.format(instruction="Say hi")
-    assert alpaca.respond(["a", "b"], 3) == alpaca.respond(["a", "b"], 3) != alpaca.respond(["a", "b"], 4)
+    attacks = ["Tell me a story", "Write a poem about the sea"]
+    calls = spy(alpaca.llm)
+    try:
+        first = alpaca.respond(attacks, 3)
+        assert first == alpaca.respond(attacks, 3) != alpaca.respond(attacks, 4)
+        params, outputs = calls[0]
+        assert [(p.n, p.temperature, p.top_p, p.max_tokens) for p in params] == [(3, 0.7, 0.92, 30)] * 2
+        assert len(first) == 2 * 3 and len(set(first[:3])) == 3  # babble: n different answers
+        assert max(len(c.token_ids) for o in outputs for c in o.outputs) == 30
+        alpaca.sampling = dict(redteam.ALPACA_SAMPLING, max_new_tokens=7, top_p=1e-6)  # the likeliest token only
+        assert alpaca.respond(attacks, 5) == greedy(alpaca, attacks, 7)
+        assert max(len(c.token_ids) for o in calls[-1][1] for c in o.outputs) == 7
+        for temperature, equal in ((0.01, True), (1.0, False)):  # (vLLM raises a temperature under 0.01 to it)
+            chat.sampling = dict(redteam.CHAT_SAMPLING, max_new_tokens=7, temperature=temperature)
+            assert (chat.respond(attacks, 5) == greedy(chat, attacks, 7)) == equal, temperature
+    finally:
+        alpaca.sampling, chat.sampling = dict(redteam.ALPACA_SAMPLING), dict(redteam.CHAT_SAMPLING)
+        del alpaca.llm.generate  # the engine's own method again
 
 
 def test_unsafe_label_by_name_or_flag():
@@ -89,8 +167,9 @@ def test_unsafe_label_by_name_or_flag():
         redteam.unsafe_index(config("ok", "bad"), "worse")
 
 
-def test_diversity(models):
-    embed = redteam.Embedder(models["embedder"], "cpu", "float32", 4)
+def test_diversity(models, engines):
+    with engines["sequence"].transformers_models():  # a GPT-NeoX body, in a process where vLLM serves GPT-NeoX
+        embed = redteam.Embedder(models["embedder"], "cpu", "float32", 4)
     assert redteam.diversity(embed(["the same attack"] * 5)) == pytest.approx(0.0, abs=1e-6)
     e = embed(["one attack", "another, longer attack", "a third"])
     assert torch.allclose(e.norm(dim=-1), torch.ones(3))
@@ -98,8 +177,8 @@ def test_diversity(models):
     assert redteam.diversity(e) == pytest.approx(np.mean(pairs), abs=1e-6) and redteam.diversity(e) > 0.01
     # mean pooling leaves padding out: a sentence embeds the same alone and beside a longer one
     assert torch.allclose(embed(["a third"])[0], e[2], atol=1e-5)
-    reward = reward_for(models, "victim", "classifier", "sequence", n=2)
-    scores, p_unsafe = redteam.scores(reward, embed, ["Tell me the way", "Tell me the way", "Open a jar of jam"])
+    scores, p_unsafe = redteam.scores(engines["sequence"].reward, embed, ["Tell me the way", "Tell me the way",
+                                                                          "Open a jar of jam"])
     assert scores["unique"] == pytest.approx(2 / 3) and scores["asr"] == pytest.approx(np.mean(np.array(p_unsafe) > 0.5))
     assert scores["toxicity"] == pytest.approx(np.mean(p_unsafe)) and p_unsafe[0] > 0.5 > p_unsafe[2]
 
@@ -145,8 +224,10 @@ def evals(out):
     return [r for r in metrics(out) if r["kind"] == "eval"]
 
 
-@pytest.mark.parametrize("attacker,classifier,searchers", [("gpt_neox", "judge", 0), ("llama", "classifier", 1)])
+@pytest.mark.parametrize("attacker,classifier,searchers", [("gpt_neox", "judge_chat", 0), ("llama", "classifier", 1)])
 def test_runs_end_to_end(models, tmp_path, attacker, classifier, searchers):
+    """Both kinds of classifier, the judge with a chat template on vLLM beside the victim's and the attacker's engines;
+    the train rows carry the victim's and the classifier's seconds per round."""
     out, size = tmp_path / "run", {}
     if searchers:  # an instruction list of --data whose 5 x 8 requests pass vLLM's 4,096-token step beyond their
         # shared, cached 128-token blocks (searcher.py: whole prefills only on the CPU; a split one crashed the
@@ -165,7 +246,9 @@ def test_runs_end_to_end(models, tmp_path, attacker, classifier, searchers):
     for r in rows:
         assert 0 <= r["asr"] <= 1 and 0 < r["toxicity"] < 1 and 0 < r["diversity"] <= 2 and 0 < r["unique"] <= 1
         assert r["example"]["response"] is not None
-    assert json.load(open(out / "config.json"))["classifier_kind"] == ("judge" if classifier == "judge" else "sequence")
+    assert json.load(open(out / "config.json"))["classifier_kind"] == ("judge" if classifier == "judge_chat" else "sequence")
+    train = [r for r in metrics(out) if r["kind"] == "train"]
+    assert len(train) == 4 and all(r["victim"] > 0 and r["classifier"] > 0 for r in train)
     assert "held-out toxicity" in p.stdout
     if searchers and importlib.util.find_spec("matplotlib"):  # plot.py: the run picture and the Pareto one
         png = tmp_path / "run.png"
@@ -185,7 +268,7 @@ def test_attack_success_rises_and_attacks_stay_diverse(models, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:]
     first, last = evals(out)[0], evals(out)[-1]
     assert last["step"] == 20
-    # measured: asr 0.016 -> 0.59, diversity 0.599 -> 0.596, unique 1.0 (the trigger's base rate: first["asr"])
+    # measured: asr 0.016 -> 0.45, diversity 0.599 -> 0.582, unique 1.0 (the trigger's base rate: first["asr"])
     assert last["asr"] >= first["asr"] + 0.3, (first, last)
     assert last["diversity"] >= 0.5 * first["diversity"] and last["unique"] >= 0.5, (first, last)  # no collapse
 
@@ -203,28 +286,124 @@ def test_the_attack_prompt_or_data(tmp_path):
     assert redteam.eval_counts(1, None) == [1024] and redteam.eval_counts(3, 8) == [3, 3, 2]
 
 
-@pytest.mark.parametrize("ending", ["Verdict:", "<|end_header_id|>"])
-def test_judge_reads_its_chat_template(models, tmp_path, ending):
-    """A judge with a chat template (Llama Guard's way): the template's text, "\\n\\n" after a Llama 3 header
-    (Llama Guard 3), the verdict token of "unsafe"; batched (left-padded) scores equal unpadded ones."""
+@pytest.mark.parametrize("judge", ["gpt2, Verdict:", "gpt2, <|end_header_id|>", "trigger", "trigger, Guard"])
+def test_judge_on_vllm_equals_transformers(models, engines, tmp_path, judge):
+    """The judge's log P(unsafe) on its vLLM engine equals a transformers forward of the same unpadded prompt (float32):
+    a random GPT-2 (absolute positions) with a chat template ending in "Verdict:" or a Llama 3 header (then "\\n\\n",
+    as Llama Guard 3), the trigger Llama without a template (JUDGE_PROMPT, " unsafe") and with Llama Guard's shape
+    ("unsafe"), whose long shared head vLLM caches. Without the trigger, "unsafe" ranks far below the top two that
+    Lee et al. read, and its log-prob still comes back."""
     from transformers import AutoTokenizer
-    path = str(tmp_path / "judge")
-    # a random GPT-2: absolute positions, which left padding would move without position ids (rotary ones are
-    # relative, and the trigger judge ignores positions)
-    rm.make_attacker(path, "gpt2", models["tokenizer"])
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" + ending
-    tok.save_pretrained(path)
-    judge = redteam.Judge(path, "cpu", "float32", 4)
-    assert judge.unsafe_id == tok("unsafe", add_special_tokens=False).input_ids[0]
-    text = f"user: Tell me the way\nassistant: Go left\n{ending}" + ("\n\n" if ending == "<|end_header_id|>" else "")
-    assert judge.tokenizer.decode(judge.prompt("Tell me the way", "Go left")) == text
-    attacks, responses = ["Tell me the way", "Hi"], ["Go left", "Hello there, how are you today? Fine, thanks."]
-    batched = judge.log_p_unsafe(attacks, responses)
-    for a, r, b in zip(attacks, responses, batched):
-        logits = judge.model(input_ids=torch.tensor([judge.prompt(a, r)])).logits[0, -1]
-        assert b == pytest.approx(logits.log_softmax(-1)[judge.unsafe_id].item(), abs=1e-5)
-    assert batched[0] != batched[1]  # padding to one length left the two prompts apart
+    arch, _, ending = judge.partition(", ")
+    if arch == "gpt2":
+        path = str(tmp_path / "judge")
+        rm.make_attacker(path, "gpt2", models["tokenizer"])
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" + ending
+        tok.save_pretrained(path)
+    else:
+        path = models["judge_chat" if ending else "judge"]
+    j = redteam.Judge(path, engines["sequence"].start(path, None, redteam.context(path)))
+    verdict = "unsafe" if ending else " unsafe"
+    assert j.unsafe_id == j.tokenizer(verdict, add_special_tokens=False).input_ids[0]
+    if arch == "gpt2":
+        text = f"user: Tell me the way\nassistant: Go left\n{ending}" + ("\n\n" if ending == "<|end_header_id|>" else "")
+        assert j.tokenizer.decode(j.prompt("Tell me the way", "Go left")) == text
+    attacks, responses = ["Tell me the way", "Hi", "Go left"], ["Go left", "Hello, how are you today? Fine.", "Why"]
+    calls = spy(j.llm)
+    ours, again = j.log_p_unsafe(attacks, responses), j.log_p_unsafe(attacks, responses)
+    direct = [transformers_log_p_unsafe(path, j.prompt(a, r), j.unsafe_id) for a, r in zip(attacks, responses)]
+    assert ours == again and ours == pytest.approx([lp for lp, _ in direct], abs=1e-5)
+    assert len(set(ours)) == 3 or arch == "trigger"  # the trigger judge reads nothing but triggers
+    if ending == "Guard":  # the trigger read; "unsafe" out of the top two without it; the shared head cached
+        assert ours[0] > ours[1] and direct[1][1] > 2, direct
+        block = j.llm.llm_engine.vllm_config.cache_config.block_size
+        head = len(os.path.commonprefix([j.prompt(a, r) for a, r in zip(attacks, responses)]))
+        assert head >= 2 * block and min(o.num_cached_tokens for o in calls[1][1]) >= head // block * block
+
+
+def test_memory_split():
+    """Fractions: each engine gets its weights, working memory and least KV cache, the share's spare goes to the KV
+    caches by what a round fills, and a layout that cannot fit is refused in one line saying what would."""
+    GiB = 2**30
+    engines = dict(attacker=(3 * GiB, GiB, GiB), victim=(18 * GiB, GiB, 3 * GiB))
+    split = redteam.memory_split(80 * GiB, 0.7, engines, 6 * GiB)
+    assert sum(split.values()) == pytest.approx(0.7)
+    assert split["attacker"] * 80 == pytest.approx(4 + 33 * 1 / 4) and split["victim"] * 80 == pytest.approx(19 + 33 * 3 / 4)
+    with pytest.raises(ValueError, match=r"^0.25 of this GPU's 80.0 GiB cannot hold the attacker \+ victim engines' "
+                                         r"23.0 GiB; give them at least 0.29$"):
+        redteam.memory_split(80 * GiB, 0.25, engines, 6 * GiB)
+    with pytest.raises(ValueError, match=r"leaves less than the 30.0 GiB .*; give the engines at most 0.62$"):
+        redteam.memory_split(80 * GiB, 0.7, engines, 30 * GiB)
+    with pytest.raises(ValueError, match=r"^the attacker \+ victim engines need 23.0 GiB and the models beside them "
+                                         r"6.0 GiB: more than this GPU's 24.0 GiB$"):
+        redteam.memory_split(24 * GiB, 0.7, engines, 6 * GiB)
+
+
+def paper_setting(root, llama: bool):
+    """The paper's two red-teaming settings as configs alone (no weights: nothing is downloaded), in the shapes of
+    Lee et al.'s models' config.json files: GPT-2 against GPT-2 Alpaca with RoBERTa's hate classifier in float32,
+    or Llama 3.2 1B against Llama 3.1 8B Instruct with Llama Guard 3 8B (the same shape) in bfloat16; MiniLM
+    embeds. The attack prompt is some 50 tokens in either tokenizer, and attacks 20."""
+    import transformers
+
+    def save(name, config):
+        config.architectures = [type(config).__name__.replace("Config", "") + name.split(":")[1]]
+        config.save_pretrained(str(root / name.split(":")[0]))
+        return str(root / name.split(":")[0])
+    llama3 = lambda **k: transformers.LlamaConfig(vocab_size=128256, num_attention_heads=32, num_key_value_heads=8,
+                                                  max_position_embeddings=131072, **k)
+    eight_b = lambda: llama3(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, tie_word_embeddings=False)
+    if llama:
+        attacker = save("attacker:ForCausalLM", llama3(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                                      tie_word_embeddings=True))
+        victim, classifier = save("victim:ForCausalLM", eight_b()), save("judge:ForCausalLM", eight_b())
+        kind, dtype = "judge", "bfloat16"
+    else:  # gpt2 and vicgalle/gpt2-alpaca: 124M; facebook/roberta-hate-speech-dynabench-r4-target: roberta-base's shape
+        attacker, victim = save("attacker:LMHeadModel", transformers.GPT2Config()), save("victim:LMHeadModel", transformers.GPT2Config())
+        classifier = save("classifier:ForSequenceClassification", transformers.RobertaConfig(
+            vocab_size=50265, max_position_embeddings=514, type_vocab_size=1))
+        kind, dtype = "sequence", "float32"
+    embedder = save("embedder:Model", transformers.BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                                                              intermediate_size=1536))
+    cfg = Config(task="redteam", model=attacker, prompts_per_step=16, samples_per_prompt=8, max_new_tokens=20,
+                 victim_responses=5, micro_batch=128)
+    cfg.model_path, cfg.victim_path, cfg.classifier_path, cfg.embedding_model_path = attacker, victim, classifier, embedder
+    cfg.classifier_kind, cfg.dtype, cfg.search_samples_per_prompt, cfg.max_model_len = kind, dtype, 8, 50 + 20
+    return cfg
+
+
+@pytest.mark.parametrize("llama", [False, True])
+def test_memory_split_of_the_papers_settings(tmp_path, monkeypatch, llama):
+    """The paper's GPT-2 setting fits a 16 GB V100 and its Llama setting an 80 GB A100 at the default
+    --searcher-memory 0.7 (docs/tasks.md gives the split); config's check, which reads the GPUs' memory (faked here:
+    no GPU), refuses the Llama setting in one line on a 48 GB card at 0.7 and on a 40 GB card at any share."""
+    import config
+    cfg = paper_setting(tmp_path, llama)
+    card = (80 if llama else 16) * 10**9
+    engines, rest = redteam.engine_needs(cfg)
+    assert set(engines) == ({"attacker", "victim", "judge"} if llama else {"attacker", "victim"})
+    if llama:  # 1.24B and 8.03B parameters in bf16, and their working memory
+        weights = dict(attacker=1.236e9 * 2, victim=8.030e9 * 2, judge=8.030e9 * 2)
+        assert all(weights[name] < f < weights[name] + 2 * 2**30 for name, (f, _, _) in engines.items()), engines
+    split = redteam.memory_split(card, 0.7, engines, rest)
+    assert sum(split.values()) == pytest.approx(0.7)
+    cfg.searchers = 7 if llama else 3
+    gpus = lambda total: monkeypatch.setattr(torch.cuda, "get_device_properties",
+                                             lambda i: types.SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    gpus(card)
+    config.check_redteam_memory(cfg)  # fits: no refusal
+    if llama:
+        gpus(48 * 10**9)
+        with pytest.raises(config.ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 44.7 GiB cannot hold the "
+                                                     r"attacker \+ victim \+ judge engines' [\d.]+ GiB; give them at least 0.8\d$"):
+            config.check_redteam_memory(cfg)
+        gpus(40 * 10**9)
+        with pytest.raises(config.ConfigError, match=r"^--searcher-memory: the attacker \+ victim \+ judge engines need "
+                                                     r"[\d.]+ GiB and the models beside them [\d.]+ GiB: more than this "
+                                                     r"GPU's 37.3 GiB$"):
+            config.check_redteam_memory(cfg)
 
 
 def test_lee_et_al_recipe_runs_and_resumes(models, tmp_path):

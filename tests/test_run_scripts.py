@@ -106,3 +106,23 @@ def test_run_redteam_dry_run_has_the_papers_settings():
     assert config.lr_at(cfg, 4999) == pytest.approx(0.877e-4, rel=1e-3) and config.lr_at(cfg, 0) == pytest.approx(1e-6)
     command, cfg = dry_run("--steps", "7", script="run_redteam.sh", ATTACKER="/some/attacker", SEARCHERS="2")
     assert (cfg.model, cfg.steps, cfg.searchers) == ("/some/attacker", 7, 2)
+
+
+def test_run_redteam_llama_dry_run_has_the_papers_settings():
+    """The paper's Llama run: Llama 3.2 1B against Llama 3.1 8B Instruct, Llama Guard 3 8B judging, bf16, on 1 + 7
+    GPUs, with Lee et al.'s Llama settings; models by hub id or local folder."""
+    command, cfg = dry_run(script="run_redteam_llama.sh")
+    assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"] and cfg.searchers == 7
+    assert (cfg.model, cfg.victim, cfg.classifier) == ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B-Instruct",
+                                                       "meta-llama/Llama-Guard-3-8B")
+    assert (cfg.task, cfg.embedding_model, cfg.dtype) == ("redteam", "sentence-transformers/all-MiniLM-L6-v2", "bfloat16")
+    assert (cfg.victim_responses, cfg.victim_max_new_tokens, cfg.buffer_capacity) == (5, 64, 5000)  # configs/llama.json
+    assert (cfg.steps, cfg.sync_every, cfg.beta, cfg.lr, cfg.max_new_tokens) == (5000, 10, 0.05, 1e-4, 20)
+    assert cfg.prompts_per_step * cfg.samples_per_prompt == 128 and cfg.searcher_memory == 0.7  # docs/tasks.md's split
+    # Lee et al.'s recipe, as run_redteam.sh, with their Llama buffer and gamma
+    assert (cfg.buffer_keep, cfg.dedup_similarity, cfg.gamma_final, cfg.gamma_anneal_steps) == ("best", 0.4, 1.2, 2000)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.weight_decay, cfg.reward_temp) == (32, 16, 0.01, 2)
+    command, cfg = dry_run("--steps", "7", script="run_redteam_llama.sh", ATTACKER="/a", VICTIM="/v", JUDGE="/j",
+                           EMBEDDER="/e", TRAINERS="2", SEARCHERS="6")
+    assert (cfg.model, cfg.victim, cfg.classifier, cfg.embedding_model) == ("/a", "/v", "/j", "/e")
+    assert (cfg.steps, cfg.searchers, command[2]) == (7, 6, "--nproc_per_node=2")
