@@ -37,18 +37,22 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    seconds from launch to start + 0.15 and start + 0.25, and accuracy after all steps. TRL is not a
    dependency: it runs in a virtual environment of its own, --trl-python PATH or one made once in
    $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line, when that cannot be done.
-9. (only with --parts 9; about 30 min on 2 CPU cores) where asynchrony pays, emulated: the regime
-   TBA is for, where generation dominates (a 1B policy writing long answers on GPUs of its own), made
-   on any machine by `--generation-slowdown X` (each search round sleeps X - 1 times its own vLLM
-   generation time; sleeping uses no core, so N searchers share the cores as they would share
-   nothing on a GPU node). For X in {1, 10, 30} and N in {0 (synchronous), 1, 2, 4} searchers, per
-   seed, on the default's steps, batch and learning rate: seconds to start + 0.15 (from launch and
-   from the first step) and the speed-up over the synchronous run, steps per second, fresh-data
-   throughput (the steps per second a trainer that used each trajectory once could take: search
-   rounds received per second, at most its step rate) and its speed-up, staleness (mean / max),
-   draws per trajectory received, final and best held-out accuracy; the ideal speed-up
-   min(N, (G + T) / T) from the synchronous runs' round time G and step time T. Also drawn:
-   OUT/generation_bound.png (`python tools/plot.py --slowdown OUT/bench.json` draws it again).
+9. (only with --parts 9; hours on 2 CPU cores) where asynchrony pays, emulated: the regime TBA is
+   for, where generation dominates (a 1B policy writing long answers on GPUs of its own), made on any
+   machine by `--generation-slowdown X` (each search round's generation takes X times its engine's
+   cost alone, calibrated once; the round sleeps the rest, using no core, so N searchers share the
+   cores as they would share nothing on a GPU node). For X in {1, 10, 30}, N in {0 (synchronous), 1,
+   2, 4} searchers and, with searchers, --max-reuse R in --reuse (off, 1, 2), per seed, on the
+   default's steps, batch and learning rate: seconds to start + 0.15 (from launch and from the first
+   step) and the speed-up over the synchronous run, steps per second, fresh-data throughput (the
+   steps per second a trainer that used each trajectory once could take: search rounds received per
+   second, at most its step rate) and its speed-up, staleness (mean / max), draws per trajectory
+   received, final and best held-out accuracy; the ideal speed-up min(N, (G + T) / T) from the
+   synchronous runs' round time G and step time T. Also drawn: OUT/generation_bound.png
+   (`python tools/plot.py --slowdown OUT/bench.json` draws it again).
+10. (only with --parts 10) fresher data per step, in that regime (X = 10) with 1, 2 and 4 searchers:
+   time to start + 0.15 with the defaults and with one lever changed at a time (a round of B prompts
+   or of half the default B / N, k = 2, m = 0.5, R = 2), against the synchronous run.
 Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher,
 on the devices a run would use: on a GPU node the trainer's GPU 0 and the first searcher's GPU 1.
 """
@@ -303,20 +307,20 @@ def speedups(rows: list[dict], slowdowns: list) -> dict:
 
 
 # --- 10: fresher data per step ------------------------------------------------------------------------
-FRESHER = [("default", []), ("round B/2", ["--round-prompts", "half"]), ("round B/4", ["--round-prompts", "quarter"]),
-           ("k 1", ["--sync-every", "1"]), ("k 4", ["--sync-every", "4"]), ("m 0.5", ["--recency", "0.5"])]
+FRESHER = [("default", []), ("round B", ["--round-prompts", "whole"]), ("round B/2N", ["--round-prompts", "half"]),
+           ("k 2", ["--sync-every", "2"]), ("m 0.5", ["--recency", "0.5"]), ("R 2", ["--max-reuse", "2"])]
 
 
 def fresher(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, cfg, run_one=None,
             x: float = 10, counts: list[int] | None = None) -> dict:
     """At --generation-slowdown X (10), for N searchers: time to start + 0.15 (each run stops there) with the
-    defaults and with one lever changed (FRESHER: a searcher round of B/2 or B/4 prompts, k, m), against
-    the synchronous run of the same seed."""
+    defaults and with one lever changed (FRESHER: a searcher round of B prompts, or of half the default
+    B / N; k; m; R), against the synchronous run of the same seed."""
     counts = counts or ([1] if quick else [1, 2, 4])
     variants = FRESHER[:2] if quick else FRESHER
-    size = {"half": max(1, cfg.prompts_per_step // 2), "quarter": max(1, cfg.prompts_per_step // 4)}
     rows = []
     for n in [0] + counts:
+        size = {"whole": cfg.prompts_per_step, "half": max(1, -(-cfg.prompts_per_step // max(1, n)) // 2)}
         for name, extra in variants if n else [("synchronous", [])]:
             for seed in seeds:
                 run = os.path.join(out, f"fresher-searchers{n}-{name.replace(' ', '').replace('/', '')}-seed{seed}")
