@@ -10,8 +10,10 @@ Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
   responses drawn by softmax(reward x `reward_inv_temp`) (0 = uniform). Draws are without
   replacement where the pool holds at least K responses, with replacement where it holds fewer.
 - Departure from the authors' MPI code, where data reaches the trainer only at a sync: here it
-  streams in, so right after a sync nothing is "recent" yet; until new data arrives, the recent
-  pool is the newest data there is (the data of the latest window that has any).
+  streams in, so right after a sync little or nothing is "recent" yet. The recent pool is the data
+  of the newest windows (a window: the data added between two syncs) that together cover B prompts:
+  the data since the last sync if it covers B, else that of the windows before it too, so that a
+  batch's recent prompts are distinct while N searchers' rounds of B / N prompts arrive one by one.
 - Prompts are distinct within a batch while the pool has enough of them.
 - TBA′ (reference-policy resetting): every trajectory records the pi_ref that scored it; at a
   reset the buffer is emptied and only data scored under the new pi_ref is kept, so that no TB
@@ -61,8 +63,7 @@ class ReplayBuffer:
         self.best_size = 0
         self.groups: dict[int, OrderedDict] = {}  # prompt id -> {response bytes: (Trajectory, window)}
         self.window = 0                           # number of weight syncs so far
-        self.recent_window = 0                    # the newest window that has data
-        self.recent_prompts: dict[int, None] = {} # prompts with data in recent_window (an ordered set)
+        self.newest: dict[int, int] = {}          # prompt id -> the newest window with its data, oldest first
         self.prompts: list[int] = []              # every prompt with a group, in order of arrival
         self.size = 0                             # trajectories held
         self.reference = 0                        # ref_version of the data kept (TBA′)
@@ -82,9 +83,8 @@ class ReplayBuffer:
             if len(group) > self.capacity:                 # keep the newest `capacity`
                 group.popitem(last=False)
                 self.size -= 1
-            if self.window != self.recent_window:          # first data since the last sync
-                self.recent_window, self.recent_prompts = self.window, {}
-            self.recent_prompts[t.prompt_id] = None
+            self.newest.pop(t.prompt_id, None)
+            self.newest[t.prompt_id] = self.window
             if self.keep == "best":
                 self.keep_best(t)
 
@@ -140,7 +140,18 @@ class ReplayBuffer:
         window = self.window
         self.__init__(self.capacity, self.recency, self.reward_inv_temp, self.keep, self.beta, self.similarity,
                       self.edit, self.group_of)
-        self.window, self.recent_window, self.reference = window, window, version
+        self.window, self.reference = window, version
+
+    def recent(self, B: int) -> tuple[int, list[int]]:
+        """(the oldest window of the recent pool, its prompts): the newest windows that cover B prompts
+        (all there are if fewer)."""
+        prompts, cutoff = [], None
+        for prompt, window in reversed(self.newest.items()):
+            if len(prompts) >= B and window != cutoff:
+                break
+            prompts.append(prompt)
+            cutoff = window
+        return cutoff, prompts[::-1]
 
     def __len__(self):
         """Trajectories held for the whole-buffer draws: the newest, or the best sets."""
@@ -149,15 +160,16 @@ class ReplayBuffer:
     def sample(self, B: int, K: int, rng: np.random.Generator) -> list[list[Trajectory]]:
         """B groups of K trajectories, each group from one prompt (see the module docstring)."""
         assert self.groups, "sample() from an empty buffer"
+        cutoff, recent_prompts = self.recent(B)
         chosen: set[int] = set()
         batch = []
         for _ in range(B):
             recent = rng.random() < self.recency
-            prompt = pick(list(self.recent_prompts) if recent else self.prompts, chosen, rng)
+            prompt = pick(recent_prompts if recent else self.prompts, chosen, rng)
             chosen.add(prompt)
             items = self.groups[prompt].values()
-            if recent:   # data since the last sync (on-policy up to the sync period), uniformly
-                pool_t = [t for t, w in items if w >= self.recent_window]
+            if recent:   # data of the newest windows (on-policy up to the sync period and a round), uniformly
+                pool_t = [t for t, w in items if w >= cutoff]
                 probs = None
             else:        # the whole group (or its best set), by softmax(reward x inverse temperature)
                 pool_t = [t for t, _ in (self.best_of(prompt).values() if self.keep == "best" else items)]
@@ -190,8 +202,8 @@ class ReplayBuffer:
             length=np.array([len(t.response) for t in ts], np.int64),
             tokens=np.concatenate([t.response for t in ts] + [np.zeros(0, np.int32)]).astype(np.int32),
             prompts=np.array(self.prompts, np.int64),
-            recent_prompts=np.array(list(self.recent_prompts), np.int64),
-            counters=np.array([self.window, self.recent_window, self.reference], np.int64),
+            newest=np.array([list(self.newest), list(self.newest.values())], np.int64).reshape(2, -1),
+            counters=np.array([self.window, self.reference], np.int64),
             settings=np.array([self.capacity, self.recency, self.reward_inv_temp, self.keep == "best", self.beta,
                                self.similarity, self.edit], np.float64),
             pool=np.array(pool, np.int8),
@@ -214,8 +226,13 @@ class ReplayBuffer:
             group = buf.groups.setdefault(t.prompt_id, OrderedDict()) if pool[i] == 0 else buf.best_of(t.prompt_id)
             group[t.response.tobytes()] = (t, int(s["window"][i]))
         buf.prompts = s["prompts"].tolist()
-        buf.recent_prompts = dict.fromkeys(s["recent_prompts"].tolist())
-        buf.window, buf.recent_window, buf.reference = s["counters"].tolist()
+        if "newest" in s:
+            buf.newest = dict(zip(*s["newest"].tolist()))
+            buf.window, buf.reference = s["counters"].tolist()
+        else:  # written before the recent pool covered B prompts: each prompt's newest window, from its data
+            buf.window, _, buf.reference = s["counters"].tolist()
+            newest = {p: max(w for _, w in g.values()) for p, g in buf.groups.items()}
+            buf.newest = dict(sorted(newest.items(), key=lambda pw: pw[1]))
         buf.size, buf.best_size = int((pool == 0).sum()), int((pool == 1).sum())
         return buf
 

@@ -66,6 +66,27 @@ def test_until_new_data_arrives_recent_is_the_newest_data():
     assert {g[0].prompt_id for _ in range(30) for g in buf.sample(1, 2, rng)} == {1}
 
 
+def test_recent_covers_b_prompts_when_rounds_are_smaller_than_a_batch():
+    """N searchers' rounds of B / N prompts arrive one by one: right after a sync only one has come, and the
+    recent pool reaches back to the windows before it until it covers B prompts (distinct in the batch);
+    older windows and the responses of other windows to those prompts stay out."""
+    buf = ReplayBuffer(capacity=100, recency=1.0, reward_inv_temp=0.0)
+    buf.add([traj(p, [p, j]) for p in (0, 1) for j in range(4)])       # window 0: prompts 0, 1
+    buf.mark_sync()
+    buf.add([traj(p, [p, j, 1]) for p in (2, 3) for j in range(4)])    # window 1: prompts 2, 3
+    buf.add([traj(p, [p, j, 1]) for p in (4, 5) for j in range(4)])    # window 1: prompts 4, 5
+    buf.mark_sync()
+    buf.add([traj(p, [p, j, 2, 2]) for p in (6, 7) for j in range(4)])  # window 2: prompts 6, 7
+    assert buf.recent(2) == (2, [6, 7]) and buf.recent(4) == (1, [2, 3, 4, 5, 6, 7])  # whole windows
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        batch = buf.sample(4, 4, rng)
+        assert len({g[0].prompt_id for g in batch}) == 4  # distinct: 6 recent prompts for 4
+        assert all(g[0].prompt_id >= 2 and len(g[0].response) >= 3 for g in batch)  # windows 1 and 2 only
+    buf.add([traj(6, [6, 0])])  # an old response again: its prompt's newest window is now 2 still
+    assert buf.recent(8) == (0, [0, 1, 2, 3, 4, 5, 7, 6])  # fewer than 8 prompts in all: every window
+
+
 def test_replacement_only_when_fewer_than_k_distinct():
     buf = ReplayBuffer(capacity=100, recency=0.0, reward_inv_temp=0.0)
     buf.add([traj(0, [j]) for j in range(3)] + [traj(1, [j]) for j in range(10)])
@@ -243,7 +264,7 @@ def test_best_buffer_checkpoint_round_trip():
     assert all(isinstance(v, np.ndarray) and v.dtype != object for v in s.values())
     back = ReplayBuffer.from_state(s)
     for name in ("capacity", "recency", "reward_inv_temp", "keep", "beta", "similarity", "edit", "group_of", "window",
-                 "recent_window", "prompts", "recent_prompts", "size", "best_size"):
+                 "newest", "prompts", "size", "best_size"):
         assert getattr(back, name) == getattr(buf, name), name
     for a, b in [(buf.groups, back.groups), (buf.best, back.best)]:
         assert list(a) == list(b)
