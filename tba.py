@@ -69,7 +69,7 @@ from loss import LOSSES, collate, sequence_logprobs, unique_pairs
 from processes import (Signals, Silent, Stop, Watch, drain, fail, first_refusal, halt, init_distributed,
                        newest, share, share_batch, shutdown, start_searchers, wait_together)
 from searcher import Engine
-from weights import Dead, aliases, allocate, cpu_copy, create, gather, publish, take_part
+from weights import Dead, aliases, allocate, cpu_copy, create, every_name, gather, publish, take_part
 
 
 # ===== the trainer loop: the trainer's side of the paper's Algorithm 1 ===========================
@@ -338,8 +338,8 @@ class Trainer:
                 self.channels[2].put(self.step)
             return
         t0 = time.time()
-        if self.engine.version != self.step:
-            self.engine.load(gather(self.model), self.step)
+        if self.engine.version != self.step:  # the weights as a sync sends them: its dtype, tied names too
+            self.engine.load(every_name(self.model, getattr(torch, self.cfg.dtype)), self.step)
         scores, example = self.engine.evaluate(self.test_prompts, self.test_answers)
         self.log.eval(self.step, scores, example, time.time() - t0, self.log.clock())
         self.log.overhead += time.time() - t0
