@@ -62,7 +62,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import nodes
 from buffer import ReplayBuffer
-from checkpoint import full_state_dict, save_checkpoint, save_hf
+from checkpoint import full_state_dict, linked, save_checkpoint, save_hf
 from config import ConfigError, beta_at, check, lr_at, parse
 from log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
@@ -345,6 +345,12 @@ class Trainer:
         self.log.overhead += time.time() - t0
 
     def checkpoint(self):
+        """OUT/checkpoint-STEP (every rank: its gathers are collective), unless the link already names this
+        step (a signal right after a --save-every save, or finish() after the last one): saving a step again
+        deletes the linked checkpoint before it renames the new one in, and a kill between the two would
+        leave the link on nothing."""
+        if share(self.rank == 0 and linked(self.cfg.out, self.step), self.rank):
+            return
         t0 = time.time()
         save_checkpoint(self.cfg, self.rank, self.model, self.opt, self.buffer, self.shared, self.step, self.log,
                         self.tokenizer)

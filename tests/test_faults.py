@@ -242,6 +242,56 @@ def test_checkpoint_swap_is_atomic(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint-000009"]  # no leftovers
 
 
+def save_twice(path, out, port, results):
+    """One trainer rank checkpoints step 2 twice, as when a signal comes right after a --save-every save
+    or finish() runs after the last one. Reports whether the first checkpoint (marked) is still the
+    linked one, untouched."""
+    import traceback
+    import types
+    import config
+    import tba
+    import torch.distributed as dist
+    import weights
+    from buffer import ReplayBuffer
+    try:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cfg, tok, train, test, prompts, test_prompts, _ = config.check(
+            config.parse(["--model", path, *SMALL, "--out", out]), 1)
+        t = tba.Trainer(cfg, tok, prompts, [p.answer for p in train], test_prompts, [p.answer for p in test], None,
+                        types.SimpleNamespace(first=None, training=True), time.time())
+        try:
+            t.model = tba.load_policy(cfg.model_path, t.device, "float32")
+            t.opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3)
+            t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+            t.shared = weights.create(torch.multiprocessing.get_context("spawn"))
+            weights.allocate(t.shared, weights.gather(t.model), weights.aliases(t.model), t.device, torch.float32)
+            t.step = 2
+            t.checkpoint()
+            first = os.path.realpath(os.path.join(out, "checkpoint"))
+            open(os.path.join(first, "marker"), "w").close()
+            t.checkpoint()
+            results.put({"linked": os.path.realpath(os.path.join(out, "checkpoint")) == first,
+                         "untouched": os.path.exists(os.path.join(first, "marker")),
+                         "folders": sorted(os.listdir(out))})
+        finally:
+            t.log.close()
+    except BaseException:
+        results.put({"error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_step_is_not_saved_twice(tiny_model, tmp_path):
+    """A second save of the linked step would delete that checkpoint before renaming its copy in (a kill
+    between the two leaves the link on nothing): it is skipped."""
+    from conftest import report_of
+    got = report_of(save_twice, tiny_model, str(tmp_path / "run"))
+    assert got["linked"] and got["untouched"], got
+    assert got["folders"] == ["checkpoint", "checkpoint-000002", "config.json", "metrics.jsonl"]
+
+
 def test_non_finite_loss_stops_with_the_step(tiny_model, tmp_path):
     out = tmp_path / "run"
     p = run_tba(["--model", tiny_model, "--searchers", "0", "--steps", "20", "--save-every", "1", *SMALL[:6],
