@@ -500,6 +500,10 @@ if __name__ == "__main__":
         status = 0
     except SystemExit as e:  # fail(): its line is said; its status
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # anything else (a CUDA out-of-memory error, a bug): its traceback once, status 1
+        import traceback
+        traceback.print_exc()
+        status = 1
     # Leave without the interpreter's teardown, after the exit handlers: everything is written, closed
     # and stopped by now, and a rank of a 2-rank run sometimes aborted in that teardown (SIGABRT,
     # "terminate called without an active exception", no Python frame left: a C++ thread destroyed

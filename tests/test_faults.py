@@ -292,6 +292,26 @@ def test_a_step_is_not_saved_twice(tiny_model, tmp_path):
     assert got["folders"] == ["checkpoint", "checkpoint-000002", "config.json", "metrics.jsonl"]
 
 
+def test_an_unexpected_error_exits_1_with_its_traceback_once(tiny_model, tmp_path):
+    """An exception tba.py does not expect (here a simulated CUDA out-of-memory error in the loss): its
+    traceback once, status 1, and no interpreter teardown (which aborted a finished 2-rank run once; a
+    canary's __del__ would print at teardown)."""
+    script = (f"import builtins, runpy, sys; sys.path.insert(0, {ROOT!r}); import loss\n"
+              "def boom(**_): raise RuntimeError('CUDA out of memory (simulated)')\n"
+              "loss.LOSSES['tb'] = boom\n"
+              "class Canary:\n    def __del__(self): print('interpreter teardown', flush=True)\n"
+              "builtins.canary = Canary()\n"
+              f"sys.argv = ['tba.py', '--model', {tiny_model!r}, '--searchers', '0', '--steps', '2', *{SMALL!r},"
+              f" '--out', {str(tmp_path / 'run')!r}]\n"
+              f"runpy.run_path({os.path.join(ROOT, 'tba.py')!r}, run_name='__main__')\n")
+    p = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-3000:]
+    assert p.stdout.count("Traceback (most recent call last)") == 1, p.stdout[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "RuntimeError: CUDA out of memory (simulated)", p.stdout[-3000:]
+    assert "interpreter teardown" not in p.stdout
+
+
 def test_non_finite_loss_stops_with_the_step(tiny_model, tmp_path):
     out = tmp_path / "run"
     p = run_tba(["--model", tiny_model, "--searchers", "0", "--steps", "20", "--save-every", "1", *SMALL[:6],
