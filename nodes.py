@@ -26,10 +26,15 @@ On one node nothing here runs (tba.py's Trainer checks `multi`). On several:
   trajectories' numbers) and the response token ids as int32 (`encode`, `decode`). Nothing received
   from another node is unpickled.
 - Faults: a leader whose searcher died sends that line instead of data; rank 0 stops the run with
-  it, naming the node, and the others stop at the decision. A node that disappears breaks the gloo
-  connections: the next collective on every other node fails at once (a closed connection), or at
-  the process group's timeout (`--timeout`) when the machine is unreachable, and each node's leader
-  stops with one line (`lost`); the searchers of every node are stopped as on one node.
+  it, naming the node, and the others stop at the decision. Every leader watches its own searchers
+  (processes.Watch): its warnings reach rank 0's console at the next meeting, and a searcher silent
+  for --timeout, or a weight lock a stopped searcher never freed (the leader still joins the
+  all-gathers it owes), is sent as the node's silent line: rank 0 ends the wait with it, and the run
+  stops after a checkpoint with one line naming the node and the searcher, as on one node. A node
+  that disappears breaks the gloo connections: the next collective on every other node fails at
+  once (a closed connection), or at the groups' timeout (`allowance`) when the machine is
+  unreachable, and each node's leader stops with one line (`lost`); the searchers of every node are
+  stopped as on one node.
 Train rows gain `samples_per_node` (trajectories received from each node so far) and
 `version_per_node` (the newest weight version in the trajectories from each node other than node 0,
 whose searchers read rank 0's own copy; null for node 0).
@@ -38,6 +43,7 @@ whose searchers read rank 0's own copy; null for node 0).
 import datetime
 import json
 import os
+import sys
 import time
 from queue import Empty
 
@@ -53,6 +59,15 @@ POLL = 0.25  # s between two meetings of the leaders while rank 0 waits for data
 FIELDS = ("prompt_id", "reward", "logp_ref", "logp_behaviour", "version", "ref_version")  # with the length
 KINDS = (int, float, float, float, int, int)  # JSON takes Python's numbers, not NumPy's
 CONTINUE, DONE, FAILED = 0, 1, 2  # rank 0's decision after a meeting
+
+
+def allowance(timeout: float) -> datetime.timedelta:
+    """How long a collective may wait, in the default group and the leaders' alike. Rank 0's long waits
+    (engines starting, the initial buffer, fresher data, the final evaluation) answer the others every
+    slice (processes.wait_together) and every POLL on several nodes; what remains is a rank's time alone
+    between two collectives: a weight-sync lock (up to --timeout) or rank 0 writing a checkpoint (a
+    2.8B one is about 33 GB: minutes on a slow disk)."""
+    return datetime.timedelta(seconds=2 * timeout + 600)
 
 
 def layout(world: int) -> tuple[int, int]:
@@ -78,16 +93,20 @@ class Nodes:
     def __init__(self, world: int, local: int, timeout: float):
         self.count, self.rank = world // local, dist.get_rank()
         # every rank takes part in making a group, members or not (torch.distributed.new_group)
-        self.group = dist.new_group(list(range(0, world, local)), backend="gloo",
-                                    timeout=datetime.timedelta(seconds=timeout))
+        self.group = dist.new_group(list(range(0, world, local)), backend="gloo", timeout=allowance(timeout))
         self.samples = [0] * self.count      # rank 0: trajectories received from each node other than 0
         self.versions = [None] * self.count  # rank 0: newest weight version among them
         self.heard = [False] * self.count    # rank 0: a node's searchers have sent trajectories
 
-    def collect(self, queue, drain_now, alive, until, buffer, log, timeout: float) -> float:
+    def collect(self, drain_now, take_now, alive, silent: list, said: list, until, buffer, log,
+                timeout: float) -> float:
         """Every leader, at the collect step: meet, forward, and repeat every POLL seconds until rank 0
-        says that `until()` holds (rank 0: trajectories into `buffer`, counted in `log`). Returns
-        seconds waited."""
+        says that `until()` holds, or that a node's searcher went silent. Rank 0: `drain_now()` moves
+        node 0's messages into `buffer` and `log`; each other leader sends what `take_now()` returns (its
+        searchers' trajectories), with its `said` lines (its watch's warnings, printed by rank 0) and its
+        `silent` line (Trainer.silent: its watch's, or its weight lock's). Rank 0 takes the first silent
+        line of any node, naming the node, into its own `silent`, and ends the wait: the loop then stops
+        after a checkpoint, as on one node. Returns seconds waited."""
         waited, deadline = 0.0, time.time() + timeout
         while True:
             error, got = None, False
@@ -100,7 +119,9 @@ class Nodes:
                     payload = encode([])
                 else:
                     alive()
-                    payload = encode(take(queue))
+                    trajectories = take_now()
+                    payload = encode(trajectories, silent=silent[0] if silent else None, said=said)
+                    said.clear()
             except BaseException as e:  # a searcher of this node died, a signal...: the run stops, with this
                 error = e               # line from rank 0, after this meeting
                 payload = encode([], error=str(e) if isinstance(e, Dead) else f"stopped by {type(e).__name__}")
@@ -112,11 +133,15 @@ class Nodes:
                         raise error
                     for node, part in enumerate(parts[1:], start=1):
                         try:
-                            trajectories, line = decode(part)
+                            trajectories, report = decode(part)
                         except ValueError as e:
                             raise Dead(f"node {node}: {e}") from None
-                        if line is not None:
-                            raise Dead(f"node {node}: {line}")
+                        if report["error"] is not None:
+                            raise Dead(f"node {node}: {report['error']}")
+                        for line in report["said"]:
+                            log.print(line, file=sys.stderr)
+                        if report["silent"] is not None and not silent:
+                            silent.append(report["silent"])  # it names its node (Trainer.where)
                         buffer.add(trajectories)
                         log.samples += len(trajectories)
                         self.samples[node] += len(trajectories)
@@ -125,7 +150,7 @@ class Nodes:
                         got = got or bool(trajectories)
                         self.heard[node] = self.heard[node] or bool(trajectories)
                     deadline = time.time() + timeout if got else deadline
-                    if until() and all(self.heard):  # the first step waits for every node's searchers
+                    if silent or until() and all(self.heard):  # the first step waits for every node's searchers
                         decision[0] = DONE
                     elif time.time() > deadline:
                         raise TimeoutError(f"no message from the searchers of any node in {timeout:.0f} s "
@@ -168,36 +193,46 @@ class Nodes:
                     version_per_node=[None] + self.versions[1:])
 
 
-def take(queue) -> list:
-    """Every trajectory waiting on a node's queue, without waiting for more."""
+def take(queue, heard) -> list:
+    """Every trajectory waiting on a node's queue, without waiting for more; `heard(message)` for each
+    (the node's watch)."""
     trajectories = []
     while True:
         try:
             msg = queue.get_nowait()
         except Empty:
             return trajectories
+        heard(msg)
         if msg["kind"] == "search":  # evaluations come from node 0's searcher 0 only
             trajectories += msg["trajectories"]
 
 
 # --- the wire format: plain numbers and token ids, never pickle ---------------------------------
-def encode(trajectories: list[Trajectory], error: str | None = None) -> torch.Tensor:
+def encode(trajectories: list[Trajectory], error: str | None = None, silent: str | None = None,
+           said=()) -> torch.Tensor:
     """uint8: 8-byte little-endian header length, the JSON header (each trajectory's FIELDS and
-    response length; or an error line), then every response's token ids as little-endian int32."""
-    head = json.dumps({"error": error, "rows": [[*(k(getattr(t, f)) for f, k in zip(FIELDS, KINDS)), len(t.response)]
-                                                for t in trajectories]}).encode()
+    response length; an error line, a silent line, lines to print), then every response's token ids as
+    little-endian int32."""
+    head = json.dumps({"error": error, "silent": silent, "said": list(said),
+                       "rows": [[*(k(getattr(t, f)) for f, k in zip(FIELDS, KINDS)), len(t.response)]
+                                for t in trajectories]}).encode()
     tokens = np.concatenate([t.response for t in trajectories]).astype("<i4") if trajectories else np.zeros(0, "<i4")
     data = len(head).to_bytes(8, "little") + head + tokens.tobytes()
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def decode(payload: torch.Tensor) -> tuple[list[Trajectory], str | None]:
-    """The trajectories (or the error line) of `encode`; ValueError if it does not parse as one."""
+def decode(payload: torch.Tensor) -> tuple[list[Trajectory], dict]:
+    """The trajectories of `encode` and its report {"error", "silent": a line or None, "said": [lines]};
+    ValueError if it does not parse as one."""
     data = payload.numpy().tobytes()
     n = int.from_bytes(data[:8], "little")
     try:
         head = json.loads(data[8:8 + n])
-        rows, error = head["rows"], head["error"]
+        rows = head["rows"]
+        report = {k: head[k] for k in ("error", "silent", "said")}
+        if not (all(report[k] is None or isinstance(report[k], str) for k in ("error", "silent"))
+                and isinstance(report["said"], list) and all(isinstance(x, str) for x in report["said"])):
+            raise ValueError("a report that is not lines of text")
         tokens = np.frombuffer(data[8 + n:], dtype="<i4").astype(np.int32)
         lengths = [int(r[-1]) for r in rows]
         if len(data) < 8 + n or sum(lengths) != len(tokens) or any(len(r) != len(FIELDS) + 1 for r in rows):
@@ -206,7 +241,7 @@ def decode(payload: torch.Tensor) -> tuple[list[Trajectory], str | None]:
         raise ValueError(f"a message from another node does not parse ({e})") from None
     ends = np.cumsum(lengths)
     return [Trajectory(**{f: k(v) for f, k, v in zip(FIELDS, KINDS, r)}, response=tokens[end - length:end].copy())
-            for r, length, end in zip(rows, lengths, ends)], error
+            for r, length, end in zip(rows, lengths, ends)], report
 
 
 def lost(e: BaseException) -> str | None:

@@ -29,7 +29,7 @@ def start(args, tmp, torchrun=False):
 def wait_for_steps(proc, out, n, timeout=180):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else "the run stopped"
         if os.path.exists(out / "metrics.jsonl") and sum(r["kind"] == "train" for r in metrics(out)) >= n:
             return
         time.sleep(0.2)
