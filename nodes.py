@@ -84,6 +84,42 @@ def check(cfg, world: int):
     if nodes > 1 and cfg.searchers == 0:
         raise ConfigError("--searchers: 0 (the synchronous baseline) runs in one process on one node; "
                           f"got {nodes} nodes")
+    line = nodes > 1 and unreachable(os.environ)
+    if line:
+        raise ConfigError(line)
+
+
+def unreachable(environ) -> str | None:
+    """The line for a node whose CPU collectives would wait until --timeout, or None. gloo, which carries
+    them (the leaders' meetings, every decision), listens on the address this machine's name resolves
+    to unless GLOO_SOCKET_IFNAME names an interface (PyTorch's ProcessGroupGloo.cpp, createDefaultDevice;
+    it falls back to loopback when the name does not resolve), and stock Debian and Ubuntu resolve it to
+    127.0.1.1 (/etc/hosts): nodes on other machines then cannot reach this one. Said when the master
+    address is another machine's; launches on one machine (as the tests run them) work on loopback."""
+    import ipaddress
+    import socket
+    import psutil
+    master = environ.get("MASTER_ADDR")
+    if environ.get("GLOO_SOCKET_IFNAME") or not master:
+        return None
+    addresses = lambda name: {a[4][0].split("%")[0] for a in socket.getaddrinfo(name, None)}
+    try:
+        masters = addresses(master)
+    except OSError:
+        return None  # torchrun's rendezvous says so
+    mine = {a.address.split("%")[0] for links in psutil.net_if_addrs().values() for a in links}
+    host = socket.gethostname()
+    try:
+        named = addresses(host)
+    except OSError:
+        named = set()
+    if masters & (mine | named) or any(not ipaddress.ip_address(a).is_loopback for a in named):
+        return None
+    return (f"GLOO_SOCKET_IFNAME: this machine's name {host!r} resolves to {', '.join(sorted(named)) or 'no address'}"
+            f"{' (loopback)' if named else ''}, where gloo would listen for the CPU collectives, and the master "
+            f"{master} is another machine, which cannot reach it: every collective would wait until --timeout. "
+            f"Set GLOO_SOCKET_IFNAME to the network interface the nodes reach each other on (`ip -brief address` "
+            f"lists them), on every node: GLOO_SOCKET_IFNAME=eth0 torchrun ... (docs/nodes.md)")
 
 
 class Nodes:

@@ -482,9 +482,9 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_env = int(os.environ.get("RANK", "0"))
     try:
-        nodes.check(cfg, world)  # the launch's layout, before the ranks join
-    except ConfigError as e:
-        fail(f"tba.py: error: {e}", 2, rank_env)
+        nodes.check(cfg, world)  # the launch's layout and network, before the ranks join
+    except ConfigError as e:  # said on each node: what one node sees, another may not
+        fail(f"tba.py: error: {e}", 2, int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:  # the ranks join, then decide together whether the configuration holds
         init_distributed(cfg)
     try:

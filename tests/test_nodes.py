@@ -369,3 +369,44 @@ def test_take_hears_every_message():
         q.put(msg)
     assert nodes.take(q, heard.append) == [t] and [m["kind"] for m in heard] == ["search", "beat"]
 
+
+def test_a_host_name_on_loopback_is_refused_when_the_master_is_another_machine(monkeypatch, capsys):
+    """gloo listens where this machine's name resolves: 127.0.1.1 on stock Debian/Ubuntu. With the
+    master on another machine and no GLOO_SOCKET_IFNAME, every CPU collective would wait until
+    --timeout: refused in one line (status 2), on each node. Launches on one machine work on loopback."""
+    import socket
+    import types
+    import psutil
+    import tba
+    table = {"node-b": ["127.0.1.1"], "node-c": ["10.0.0.3"], "10.0.0.1": ["10.0.0.1"], "10.0.0.2": ["10.0.0.2"],
+             "127.0.0.1": ["127.0.0.1"]}
+
+    def getaddrinfo(name, port):
+        if name not in table:
+            raise socket.gaierror("unknown name")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0)) for ip in table[name]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: {"lo": [types.SimpleNamespace(address="127.0.0.1")],
+                                                         "eth0": [types.SimpleNamespace(address="10.0.0.2")]})
+    line = nodes.unreachable({"MASTER_ADDR": "10.0.0.1"})
+    assert line.startswith("GLOO_SOCKET_IFNAME: this machine's name 'node-b' resolves to 127.0.1.1 (loopback), "
+                           "where gloo would listen for the CPU collectives, and the master 10.0.0.1 is another "
+                           "machine"), line
+    assert nodes.unreachable({"MASTER_ADDR": "10.0.0.1", "GLOO_SOCKET_IFNAME": "eth0"}) is None
+    assert nodes.unreachable({"MASTER_ADDR": "127.0.0.1"}) is None  # two launches on one machine (the tests)
+    assert nodes.unreachable({"MASTER_ADDR": "10.0.0.2"}) is None  # this machine is the master
+    assert nodes.unreachable({}) is None  # one node
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-x")  # no address: gloo falls back to loopback
+    assert "resolves to no address" in nodes.unreachable({"MASTER_ADDR": "10.0.0.1"})
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-c")  # resolves to its network address
+    assert nodes.unreachable({"MASTER_ADDR": "10.0.0.1"}) is None
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b")  # through tba.py, before any collective
+    for k, v in dict(GROUP_WORLD_SIZE="2", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", RANK="1", LOCAL_RANK="0",
+                     MASTER_ADDR="10.0.0.1").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    with pytest.raises(SystemExit) as e:
+        tba.main(["--steps", "2"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == f"tba.py: error: {line}"
