@@ -85,6 +85,12 @@ def check_checkpoint_model(folder: str):
         raise ConfigError(f"--resume: {model} holds no weights (none of {', '.join(weights)}; an incomplete checkpoint?)")
 
 
+def linked(out: str, step: int) -> bool:
+    """OUT/checkpoint already names the checkpoint of `step`."""
+    link = os.path.join(out, "checkpoint")
+    return os.path.islink(link) and os.readlink(link) == f"checkpoint-{step:06d}"
+
+
 def atomic_checkpoint(out: str, step: int, write):
     """OUT/checkpoint is a link to the newest complete OUT/checkpoint-STEP: the new one is written
     under a temporary name, renamed, then the link is swapped in one rename, then the old one goes.

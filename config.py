@@ -286,13 +286,15 @@ def load_tokenizer(path: str, flag: str = "model"):
                           f"{str(e).splitlines()[0][:160]})") from None
 
 
-def check_gpus(cfg, world: int):
-    """GPU settings that would fail inside a spawned process: refuse them here, in one line."""
+def check_gpus(cfg, local: int):
+    """GPU settings that would fail inside a spawned process: refuse them here, in one line. `local`: the
+    trainer ranks on this node (torchrun's LOCAL_WORLD_SIZE), which with this node's searchers use this
+    node's GPUs; on several nodes every node checks its own."""
     gpus = torch.cuda.device_count()
-    used = range(world + cfg.searchers)
+    used = range(local + cfg.searchers)
     if len(used) > gpus:
-        raise ConfigError(f"--searchers: {cfg.searchers} searcher(s) + {world} trainer rank(s) need "
-                          f"{len(used)} GPUs, {gpus} visible")
+        raise ConfigError(f"--searchers: {cfg.searchers} searcher(s) + {local} trainer rank(s) on this node need "
+                          f"{len(used)} GPUs on it, {gpus} visible")
     # vLLM refuses bf16 below compute capability 8.0 (vllm/platforms/cuda.py:636-654, checking GPU 0
     # only); torch.cuda.is_bf16_supported() says True there (emulation) and checks one device
     oldest = min((torch.cuda.get_device_capability(i), i) for i in used)
@@ -339,8 +341,10 @@ def check(cfg: Config, world: int):
     Returns (cfg, tokenizer, train, test, prompt ids, test prompt ids, checkpoint or None)."""
     need(0 <= cfg.recency <= 1, "recency", f"must be in [0, 1], got {cfg.recency}")
     need(cfg.samples_per_prompt >= 2, "samples-per-prompt", f"K must be at least 2 (log Z is a mean over K), got {cfg.samples_per_prompt}")
-    cfg.search_samples_per_prompt = cfg.search_samples_per_prompt or cfg.samples_per_prompt
-    need(cfg.search_samples_per_prompt >= cfg.samples_per_prompt, "search-samples-per-prompt", "must be at least K")
+    if cfg.search_samples_per_prompt is None:  # not given: K (an explicit 0 is refused below, not taken as K)
+        cfg.search_samples_per_prompt = cfg.samples_per_prompt
+    need(cfg.search_samples_per_prompt >= cfg.samples_per_prompt, "search-samples-per-prompt",
+         f"must be at least K = {cfg.samples_per_prompt}, got {cfg.search_samples_per_prompt}")
     need(cfg.sync_every >= 1, "sync-every", f"k must be at least 1, got {cfg.sync_every}")
     need(cfg.steps >= 1, "steps", "must be at least 1")
     need(cfg.prompts_per_step >= 1 and cfg.prompts_per_step % world == 0, "prompts-per-step",

@@ -26,10 +26,15 @@ On one node nothing here runs (tba.py's Trainer checks `multi`). On several:
   trajectories' numbers) and the response token ids as int32 (`encode`, `decode`). Nothing received
   from another node is unpickled.
 - Faults: a leader whose searcher died sends that line instead of data; rank 0 stops the run with
-  it, naming the node, and the others stop at the decision. A node that disappears breaks the gloo
-  connections: the next collective on every other node fails at once (a closed connection), or at
-  the process group's timeout (`--timeout`) when the machine is unreachable, and each node's leader
-  stops with one line (`lost`); the searchers of every node are stopped as on one node.
+  it, naming the node, and the others stop at the decision. Every leader watches its own searchers
+  (processes.Watch): its warnings reach rank 0's console at the next meeting, and a searcher silent
+  for --timeout, or a weight lock a stopped searcher never freed (the leader still joins the
+  all-gathers it owes), is sent as the node's silent line: rank 0 ends the wait with it, and the run
+  stops after a checkpoint with one line naming the node and the searcher, as on one node. A node
+  that disappears breaks the gloo connections: the next collective on every other node fails at
+  once (a closed connection), or at the groups' timeout (`allowance`) when the machine is
+  unreachable, and each node's leader stops with one line (`lost`); the searchers of every node are
+  stopped as on one node.
 Train rows gain `samples_per_node` (trajectories received from each node so far) and
 `version_per_node` (the newest weight version in the trajectories from each node other than node 0,
 whose searchers read rank 0's own copy; null for node 0).
@@ -38,6 +43,7 @@ whose searchers read rank 0's own copy; null for node 0).
 import datetime
 import json
 import os
+import sys
 import time
 from queue import Empty
 
@@ -55,6 +61,15 @@ KINDS = (int, float, float, float, int, int)  # JSON takes Python's numbers, not
 CONTINUE, DONE, FAILED = 0, 1, 2  # rank 0's decision after a meeting
 
 
+def allowance(timeout: float) -> datetime.timedelta:
+    """How long a collective may wait, in the default group and the leaders' alike. Rank 0's long waits
+    (engines starting, the initial buffer, fresher data, the final evaluation) answer the others every
+    slice (processes.wait_together) and every POLL on several nodes; what remains is a rank's time alone
+    between two collectives: a weight-sync lock (up to --timeout) or rank 0 writing a checkpoint (a
+    2.8B one is about 33 GB: minutes on a slow disk)."""
+    return datetime.timedelta(seconds=2 * timeout + 600)
+
+
 def layout(world: int) -> tuple[int, int]:
     """(nodes, trainer ranks on this node) from torchrun's environment."""
     return int(os.environ.get("GROUP_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -69,6 +84,42 @@ def check(cfg, world: int):
     if nodes > 1 and cfg.searchers == 0:
         raise ConfigError("--searchers: 0 (the synchronous baseline) runs in one process on one node; "
                           f"got {nodes} nodes")
+    line = nodes > 1 and unreachable(os.environ)
+    if line:
+        raise ConfigError(line)
+
+
+def unreachable(environ) -> str | None:
+    """The line for a node whose CPU collectives would wait until --timeout, or None. gloo, which carries
+    them (the leaders' meetings, every decision), listens on the address this machine's name resolves
+    to unless GLOO_SOCKET_IFNAME names an interface (PyTorch's ProcessGroupGloo.cpp, createDefaultDevice;
+    it falls back to loopback when the name does not resolve), and stock Debian and Ubuntu resolve it to
+    127.0.1.1 (/etc/hosts): nodes on other machines then cannot reach this one. Said when the master
+    address is another machine's; launches on one machine (as the tests run them) work on loopback."""
+    import ipaddress
+    import socket
+    import psutil
+    master = environ.get("MASTER_ADDR")
+    if environ.get("GLOO_SOCKET_IFNAME") or not master:
+        return None
+    addresses = lambda name: {a[4][0].split("%")[0] for a in socket.getaddrinfo(name, None)}
+    try:
+        masters = addresses(master)
+    except OSError:
+        return None  # torchrun's rendezvous says so
+    mine = {a.address.split("%")[0] for links in psutil.net_if_addrs().values() for a in links}
+    host = socket.gethostname()
+    try:
+        named = addresses(host)
+    except OSError:
+        named = set()
+    if masters & (mine | named) or any(not ipaddress.ip_address(a).is_loopback for a in named):
+        return None
+    return (f"GLOO_SOCKET_IFNAME: this machine's name {host!r} resolves to {', '.join(sorted(named)) or 'no address'}"
+            f"{' (loopback)' if named else ''}, where gloo would listen for the CPU collectives, and the master "
+            f"{master} is another machine, which cannot reach it: every collective would wait until --timeout. "
+            f"Set GLOO_SOCKET_IFNAME to the network interface the nodes reach each other on (`ip -brief address` "
+            f"lists them), on every node: GLOO_SOCKET_IFNAME=eth0 torchrun ... (docs/nodes.md)")
 
 
 class Nodes:
@@ -78,16 +129,20 @@ class Nodes:
     def __init__(self, world: int, local: int, timeout: float):
         self.count, self.rank = world // local, dist.get_rank()
         # every rank takes part in making a group, members or not (torch.distributed.new_group)
-        self.group = dist.new_group(list(range(0, world, local)), backend="gloo",
-                                    timeout=datetime.timedelta(seconds=timeout))
+        self.group = dist.new_group(list(range(0, world, local)), backend="gloo", timeout=allowance(timeout))
         self.samples = [0] * self.count      # rank 0: trajectories received from each node other than 0
         self.versions = [None] * self.count  # rank 0: newest weight version among them
         self.heard = [False] * self.count    # rank 0: a node's searchers have sent trajectories
 
-    def collect(self, queue, drain_now, alive, until, buffer, log, timeout: float) -> float:
+    def collect(self, drain_now, take_now, alive, silent: list, said: list, until, buffer, log,
+                timeout: float) -> float:
         """Every leader, at the collect step: meet, forward, and repeat every POLL seconds until rank 0
-        says that `until()` holds (rank 0: trajectories into `buffer`, counted in `log`). Returns
-        seconds waited."""
+        says that `until()` holds, or that a node's searcher went silent. Rank 0: `drain_now()` moves
+        node 0's messages into `buffer` and `log`; each other leader sends what `take_now()` returns (its
+        searchers' trajectories), with its `said` lines (its watch's warnings, printed by rank 0) and its
+        `silent` line (Trainer.silent: its watch's, or its weight lock's). Rank 0 takes the first silent
+        line of any node, naming the node, into its own `silent`, and ends the wait: the loop then stops
+        after a checkpoint, as on one node. Returns seconds waited."""
         waited, deadline = 0.0, time.time() + timeout
         while True:
             error, got = None, False
@@ -100,7 +155,9 @@ class Nodes:
                     payload = encode([])
                 else:
                     alive()
-                    payload = encode(take(queue))
+                    trajectories = take_now()
+                    payload = encode(trajectories, silent=silent[0] if silent else None, said=said)
+                    said.clear()
             except BaseException as e:  # a searcher of this node died, a signal...: the run stops, with this
                 error = e               # line from rank 0, after this meeting
                 payload = encode([], error=str(e) if isinstance(e, Dead) else f"stopped by {type(e).__name__}")
@@ -112,11 +169,15 @@ class Nodes:
                         raise error
                     for node, part in enumerate(parts[1:], start=1):
                         try:
-                            trajectories, line = decode(part)
+                            trajectories, report = decode(part)
                         except ValueError as e:
                             raise Dead(f"node {node}: {e}") from None
-                        if line is not None:
-                            raise Dead(f"node {node}: {line}")
+                        if report["error"] is not None:
+                            raise Dead(f"node {node}: {report['error']}")
+                        for line in report["said"]:
+                            log.print(line, file=sys.stderr)
+                        if report["silent"] is not None and not silent:
+                            silent.append(report["silent"])  # it names its node (Trainer.where)
                         buffer.add(trajectories)
                         log.samples += len(trajectories)
                         self.samples[node] += len(trajectories)
@@ -125,7 +186,7 @@ class Nodes:
                         got = got or bool(trajectories)
                         self.heard[node] = self.heard[node] or bool(trajectories)
                     deadline = time.time() + timeout if got else deadline
-                    if until() and all(self.heard):  # the first step waits for every node's searchers
+                    if silent or until() and all(self.heard):  # the first step waits for every node's searchers
                         decision[0] = DONE
                     elif time.time() > deadline:
                         raise TimeoutError(f"no message from the searchers of any node in {timeout:.0f} s "
@@ -168,25 +229,29 @@ class Nodes:
                     version_per_node=[None] + self.versions[1:])
 
 
-def take(queue) -> list:
-    """Every trajectory waiting on a node's queue, without waiting for more."""
+def take(queue, heard) -> list:
+    """Every trajectory waiting on a node's queue, without waiting for more; `heard(message)` for each
+    (the node's watch)."""
     trajectories = []
     while True:
         try:
             msg = queue.get_nowait()
         except Empty:
             return trajectories
+        heard(msg)
         if msg["kind"] == "search":  # evaluations come from node 0's searcher 0 only
             trajectories += msg["trajectories"]
 
 
 # --- the wire format: plain numbers and token ids, never pickle ---------------------------------
-def encode(trajectories: list[Trajectory], error: str | None = None) -> torch.Tensor:
+def encode(trajectories: list[Trajectory], error: str | None = None, silent: str | None = None,
+           said=()) -> torch.Tensor:
     """uint8: 8-byte little-endian header length, the JSON header (each trajectory's FIELDS and
-    response length, the embeddings' width; or an error line), then every response's token ids as
-    little-endian int32, then the embeddings (--dedup-similarity) as little-endian float32."""
+    response length, the embeddings' width; an error line, a silent line, lines to print), then every
+    response's token ids as little-endian int32, then the embeddings (--dedup-similarity) as little-endian
+    float32."""
     dim = len(trajectories[0].embedding) if trajectories and all(t.embedding is not None for t in trajectories) else 0
-    head = json.dumps({"error": error, "dim": dim,
+    head = json.dumps({"error": error, "silent": silent, "said": list(said), "dim": dim,
                        "rows": [[*(k(getattr(t, f)) for f, k in zip(FIELDS, KINDS)), len(t.response)]
                                 for t in trajectories]}).encode()
     tokens = np.concatenate([t.response for t in trajectories]).astype("<i4") if trajectories else np.zeros(0, "<i4")
@@ -195,13 +260,18 @@ def encode(trajectories: list[Trajectory], error: str | None = None) -> torch.Te
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def decode(payload: torch.Tensor) -> tuple[list[Trajectory], str | None]:
-    """The trajectories (or the error line) of `encode`; ValueError if it does not parse as one."""
+def decode(payload: torch.Tensor) -> tuple[list[Trajectory], dict]:
+    """The trajectories of `encode` and its report {"error", "silent": a line or None, "said": [lines]};
+    ValueError if it does not parse as one."""
     data = payload.numpy().tobytes()
     n = int.from_bytes(data[:8], "little")
     try:
         head = json.loads(data[8:8 + n])
-        rows, error, dim = head["rows"], head["error"], int(head.get("dim", 0))
+        rows, dim = head["rows"], int(head.get("dim", 0))
+        report = {k: head[k] for k in ("error", "silent", "said")}
+        if not (all(report[k] is None or isinstance(report[k], str) for k in ("error", "silent"))
+                and isinstance(report["said"], list) and all(isinstance(x, str) for x in report["said"])):
+            raise ValueError("a report that is not lines of text")
         lengths = [int(r[-1]) for r in rows]
         split = 8 + n + 4 * sum(lengths)
         tokens = np.frombuffer(data[8 + n:split], dtype="<i4").astype(np.int32)
@@ -215,7 +285,7 @@ def decode(payload: torch.Tensor) -> tuple[list[Trajectory], str | None]:
     embeddings = embeddings.reshape(len(rows), dim) if dim else [None] * len(rows)
     return [Trajectory(**{f: k(v) for f, k, v in zip(FIELDS, KINDS, r)}, response=tokens[end - length:end].copy(),
                        embedding=e if e is None else e.copy())
-            for r, length, end, e in zip(rows, lengths, ends, embeddings)], error
+            for r, length, end, e in zip(rows, lengths, ends, embeddings)], report
 
 
 def lost(e: BaseException) -> str | None:

@@ -59,13 +59,10 @@ def init_distributed(cfg):
                               MASTER_PORT=str(s.getsockname()[1]))
     import datetime
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    # rank 0's long waits (engines starting, the initial buffer, fresher data, the final evaluation)
-    # answer the other ranks every slice (wait_together); what remains is its time alone between two
-    # collectives: a weight-sync lock (up to --timeout) or writing a checkpoint (minutes at 2.8B)
-    timeout = datetime.timedelta(seconds=2 * cfg.timeout + 600)
-    # but joining waits at most --timeout: a rank that failed before it joined never comes
+    # joining waits at most --timeout: a rank that failed before it joined never comes
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(cfg.timeout, 1)))
-    dist.distributed_c10d._set_pg_timeout(timeout)  # every later collective (torch/distributed/distributed_c10d.py:1616)
+    # every later collective (torch/distributed/distributed_c10d.py:1616): see nodes.allowance
+    dist.distributed_c10d._set_pg_timeout(nodes.allowance(cfg.timeout))
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
 
 
@@ -142,7 +139,9 @@ class Signals:
 def start_searchers(ctx, cfg, rank: int, local_world: int, shared, prompts, answers, test_prompts, test_answers):
     """Spawn this node's `--searchers` processes (searcher.run) before the trainer loads its model, so
     that their vLLM engines start meanwhile. Searcher i of this node runs on GPU (trainer ranks + i);
-    node n's are numbered from n x searchers (their seeds differ); the node's first also evaluates.
+    node n's are numbered from n x searchers (their seeds differ). Node 0's first also evaluates (rank 0
+    asks it); the others get no evaluation channel, so they build no evaluation models (a TL;DR policy
+    copy: 5.5 GB at 2.8B, reloaded at every sync).
     Returns (processes, (trajectory queue, stop event, evaluation requests, calibration))."""
     # --generation-slowdown's calibration: engines started, and one calibrates at a time (kept alive with
     # the channels: a semaphore collected before a child unpickles it is gone)
@@ -154,8 +153,8 @@ def start_searchers(ctx, cfg, rank: int, local_world: int, shared, prompts, answ
     for i in range(cfg.searchers):
         dev = f"cuda:{local_world + i}" if cfg.device == "cuda" else "cpu"
         p = start.Process(target=searcher.run, name=f"searcher-{first + i}", daemon=True,
-                        args=(first + i, dict(vars(cfg)), shared, queue, stop, evals if i == 0 else None,
-                              prompts, answers, test_prompts, test_answers, dev, calibration))
+                          args=(first + i, dict(vars(cfg)), shared, queue, stop, evals if i == 0 and rank == 0 else None,
+                                prompts, answers, test_prompts, test_answers, dev, calibration))
         p.start()
         procs.append(p)
     return procs, channels
@@ -184,9 +183,10 @@ def fork_server():
 
 
 def drain(queue, buffer, log, alive, done, timeout: float, watch=None, budget: float = math.inf) -> float:
-    """Move every waiting message into the buffer (trajectories) or the log (evaluations); then, while
-    not done(), wait for more, polling, checking the searchers (`watch`: silent ones too) and a
-    timeout, for at most `budget` seconds. Returns seconds waited."""
+    """Move every waiting message into the buffer (trajectories) or the log (evaluations; searcher 0's
+    beats while it evaluates only count as signs of life); then, while not done(), wait for more,
+    polling, checking the searchers (`watch`: silent ones too) and a timeout, for at most `budget`
+    seconds. Returns seconds waited."""
     waited, deadline = 0.0, time.time() + timeout  # the deadline moves on with every message
     end = time.time() + budget
     while True:
@@ -211,7 +211,7 @@ def drain(queue, buffer, log, alive, done, timeout: float, watch=None, budget: f
             watch.heard(msg)
         if msg["kind"] == "eval":
             log.eval(msg["version"], msg["scores"], msg["example"], msg["seconds"], log.published[msg["version"]])
-        else:
+        elif msg["kind"] == "search":
             buffer.add(msg["trajectories"])
             log.samples += len(msg["trajectories"])
             log.searched(msg)
@@ -222,44 +222,53 @@ class Silent(Exception):
 
 
 class Watch:
-    """Rank 0 watches its searchers' messages. A searcher stuck in vLLM, on a wedged GPU or a stalled
-    file system still lives, and the trainer, which never waits once the buffer has data, would train
-    on frozen data without a word. So: a warning once a searcher has sent nothing for well over its
-    usual time between two messages (a round, or an evaluation), and Silent once --timeout passes
-    with nothing from it (start-up counts: vLLM's load and compile). `newest`: the newest weight
-    version that sampled data the trainer received (for --max-staleness)."""
+    """Each node's leader (rank 0 on one node) watches its searchers' messages. A searcher stuck in
+    vLLM, on a wedged GPU or a stalled file system still lives, and the trainer, which never waits once
+    the buffer has data, would train on frozen data without a word. So: a warning (`say`) once a
+    searcher has sent nothing for well over its usual time between two messages (a round), and Silent
+    once --timeout passes with nothing from it (start-up counts: vLLM's load and compile). Searcher 0
+    beats after each part of an evaluation, so a long one is not silence; while one is asked for
+    (`evaluating`, until its result comes) a part longer than a round is no cause for a warning. `newest`: the
+    newest weight version that sampled data the trainer received (for --max-staleness). On several
+    nodes a leader's searchers are numbered from `first` in their messages, and its lines begin with
+    `where` ("node 1: ")."""
     WARN_FACTOR, WARN_MIN = 5.0, 10.0  # warn after 5 x its longest gap so far, 10 s at least
 
-    def __init__(self, procs, timeout: float, log, newest: int):
-        self.procs, self.timeout, self.log, self.newest = procs, timeout, log, newest
+    def __init__(self, procs, timeout: float, say, newest: int, first: int = 0, where: str = ""):
+        self.procs, self.timeout, self.say, self.newest = procs, timeout, say, newest
+        self.first, self.where = first, where
+        self.evaluating = False  # an evaluation asked of searcher 0 has not come yet
         self.last = [time.time()] * len(procs)  # when each was last heard from (or spawned)
         self.gap = [None] * len(procs)          # its longest time between two messages (None: one or none yet)
         self.heard_once = [False] * len(procs)
         self.warned = [False] * len(procs)
 
     def heard(self, msg):
-        i, now = msg.get("searcher", 0), time.time()
-        if self.heard_once[i]:
+        i, now = msg.get("searcher", self.first) - self.first, time.time()
+        if self.heard_once[i] and not (i == 0 and self.evaluating):  # a round's gap, not an evaluation's
             self.gap[i] = max(self.gap[i] or 0.0, now - self.last[i])
         if self.warned[i]:
-            self.log.print(f"tba.py: searcher {i} sends again, after {now - self.last[i]:.0f} s", file=sys.stderr)
+            self.say(f"tba.py: {self.where}searcher {i} sends again, after {now - self.last[i]:.0f} s")
         self.last[i], self.heard_once[i], self.warned[i] = now, True, False
         if msg["kind"] == "search":
             self.newest = max(self.newest, msg["version"])
+        elif msg["kind"] == "eval":
+            self.evaluating = False
 
     def check(self):
         now = time.time()
         for i, p in enumerate(self.procs):
             quiet = now - self.last[i]
             if quiet > self.timeout:
-                raise Silent(f"searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s (--timeout {self.timeout:g})")
+                raise Silent(f"{self.where}searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s "
+                             f"(--timeout {self.timeout:g})")
             usual = self.gap[i]
-            if usual is not None and not self.warned[i] and quiet > min(max(self.WARN_FACTOR * usual, self.WARN_MIN),
-                                                                         self.timeout / 2):
+            if usual is not None and not self.warned[i] and not (i == 0 and self.evaluating) and quiet > min(
+                    max(self.WARN_FACTOR * usual, self.WARN_MIN), self.timeout / 2):
                 self.warned[i] = True
-                self.log.print(f"tba.py: warning: searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s "
-                               f"(usually every {usual:.1f} s at most); the run stops if it stays silent "
-                               f"{self.timeout:g} s (--timeout)", file=sys.stderr)
+                self.say(f"tba.py: warning: {self.where}searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s "
+                         f"(usually every {usual:.1f} s at most); the run stops if it stays silent "
+                         f"{self.timeout:g} s (--timeout)")
 
 
 def newest(buffer) -> int:

@@ -11,8 +11,9 @@ policy's values).
 
 Weights arrive through `weights.py` (shared tensors, a version counter and a lock: its docstring
 gives the protocol). `Engine` is the same code in a searcher process and, with `--searchers 0`
-(the synchronous baseline), inside the trainer. Searcher 0 also evaluates (greedy, on the
-held-out problems) after a round when the trainer has asked for it.
+(the synchronous baseline), inside the trainer. Searcher 0 (of node 0) also evaluates (greedy, on
+the held-out problems) after a round when the trainer has asked for it, with a beat to the trainer
+after each part of the evaluation, so that a long one is not taken for silence.
 """
 
 import contextlib
@@ -296,7 +297,7 @@ class Engine:
         return sum(out.prompt_logprobs[len(prompt) + i][tok].logprob for i, tok in enumerate(response))
 
     # --- evaluation ------------------------------------------------------------------------
-    def evaluate(self, prompts: list[list[int]], answers: list[str]) -> tuple[dict, dict]:
+    def evaluate(self, prompts: list[list[int]], answers: list[str], beat=lambda done: None) -> tuple[dict, dict]:
         """One response to each prompt with the loaded weights (greedy, or at --eval-temperature): their
         scores, and the first problem's as an example. Tasks with an exact answer: {"accuracy"} (pass@1).
         With a reward model (tldr), as the authors' eval_tldr/: "score" (the mean training reward),
@@ -305,18 +306,35 @@ class Engine:
         KL(pi_ref || pi_theta) along the response, pi_ref the SFT model), "ppl_sft" (the mean over
         responses of exp(mean NLL of the response tokens under the SFT model)) and "ppl_sft_authors"
         (the same NLL summed, divided by the whole sequence's predicted tokens, prompt included: what
-        their src/perplexity.py:50-57 computes, the perplexity of the paper's Table 1)."""
-        from vllm import SamplingParams
-
+        their src/perplexity.py:50-57 computes, the perplexity of the paper's Table 1).
+        Every score is a mean over responses, taken over parts of a search round's size (B x responses
+        per prompt; 256 at least, vLLM's batch of sequences on the CPU), each followed by beat(prompts
+        done): a searcher's evaluation can outlast --timeout (the TL;DR one at 2.8B, the 6.9B judge over
+        the whole validation split: about 15 minutes on an A100), and the trainer's watch hears a beat
+        after each part, while a part that hangs is silence."""
         if self.cfg.task == "redteam":  # sampled attacks, not greedy: asr, toxicity, diversity, unique
             return self.evaluate_redteam(prompts)
+        size = max(256, self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt)
+        rows, example = {}, None
+        for i in range(0, len(prompts), size):
+            part, first = self.evaluate_part(prompts[i:i + size], answers[i:i + size])
+            for k, v in part.items():
+                rows.setdefault(k, []).extend(v)
+            example = example or first
+            beat(min(i + size, len(prompts)))
+        return {k: float(np.mean(v)) for k, v in rows.items()}, example
+
+    def evaluate_part(self, prompts: list[list[int]], answers: list[str]) -> tuple[dict, dict]:
+        """evaluate() on some prompts: each score's value for each response, and the first's example."""
+        from vllm import SamplingParams
+
         params = SamplingParams(temperature=self.cfg.eval_temperature, max_tokens=self.cfg.max_new_tokens,
                                 seed=self.cfg.seed if self.cfg.eval_temperature else None)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outputs]
         rewards = self.reward(prompts, responses, [o.outputs[0].text for o in outputs], answers)
         if self.cfg.score == "accuracy":
-            scores = {"accuracy": float(np.mean(rewards))}
+            scores = {"accuracy": list(rewards)}
         else:
             if self.judge is None:
                 same = self.cfg.eval_reward_model_path == self.cfg.reward_model_path
@@ -332,10 +350,9 @@ class Engine:
                 raise RuntimeError("this engine was built with evaluates=False: no policy copy for the KL")
             kl, nll = response_kl_nll(self.policy, self.initial_reference(), pairs, self.cfg.micro_batch, self.device)
             length = np.array([max(1, len(r)) for r in responses])
-            scores = {"score": float(np.mean(rewards)), "win_rate": float(np.mean(np.greater(ours, theirs))),
-                      "kl_ref_theta_per_token": float(np.mean(kl / length)),
-                      "ppl_sft": float(np.mean(np.exp(nll / length))),
-                      "ppl_sft_authors": float(np.mean(np.exp(nll / (length + [len(p) - 1 for p in prompts]))))}
+            scores = {"score": list(rewards), "win_rate": list(np.greater(ours, theirs)),
+                      "kl_ref_theta_per_token": list(kl / length), "ppl_sft": list(np.exp(nll / length)),
+                      "ppl_sft_authors": list(np.exp(nll / (length + [len(p) - 1 for p in prompts])))}
         example = dict(prompt=self.tokenizer.decode(prompts[0], skip_special_tokens=True),
                        completion=outputs[0].outputs[0].text, reward=float(rewards[0]))
         return scores, example
@@ -488,7 +505,8 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
                 if engine.version != requested:  # the weights asked for if it holds them (the initial
                     engine.sync(weights, parent_alive, cfg.timeout)  # model's), else the newest
                 t0 = time.time()
-                scores, example = engine.evaluate(test_prompts, test_answers)
+                beat = lambda done: put(queue, dict(kind="beat", searcher=index, done=done), stop)  # alive: Watch
+                scores, example = engine.evaluate(test_prompts, test_answers, beat)
                 put(queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores, example=example,
                                 seconds=time.time() - t0), stop)
     except Dead:

@@ -63,14 +63,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import lora
 import nodes
 from buffer import ReplayBuffer, ReuseCap
-from checkpoint import full_state_dict, save_checkpoint, save_hf
+from checkpoint import full_state_dict, linked, save_checkpoint, save_hf
 from config import ConfigError, beta_at, check, gamma_at, lr_at, parse, reward_temp_at
 from log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
 from processes import (Signals, Silent, Stop, Watch, drain, fail, first_refusal, halt, init_distributed,
                        newest, share, share_batch, shutdown, start_searchers, wait_together)
 from searcher import Engine
-from weights import Dead, aliases, allocate, cpu_copy, create, gather, publish, take_part
+from weights import Dead, aliases, allocate, cpu_copy, create, every_name, gather, publish, take_part
 
 
 # ===== the trainer loop: the trainer's side of the paper's Algorithm 1 ===========================
@@ -159,7 +159,9 @@ class Trainer:
                        resumed={"step": self.step} if ckpt else None)
         self.procs, self.channels, self.engine, self.shared, self.watch = [], None, None, None, None
         self.history = {}  # --lag: step -> the weights of that step (the leaders, CPU), until published
-        self.silent = []   # [message] once a searcher has sent nothing for --timeout (rank 0)
+        self.silent = []   # [message] once a searcher has sent nothing for --timeout (rank 0; each leader its own)
+        self.said = []     # several nodes, leaders of nodes >= 1: their watch's lines, for rank 0 to print
+        self.where = f"node {self.rank // self.local_world}: " if self.multi else ""  # in this node's lines
 
     def start(self):
         """The searchers first (each node's leader): their vLLM engines start while the trainer loads
@@ -217,8 +219,10 @@ class Trainer:
             for _ in self.procs:  # now the searchers may read them (shared memory / CUDA IPC handles, not copies)
                 self.shared.handoff.put((self.shared.tensors, self.shared.ref))
             self.log.published[self.shared.version.value] = self.log.clock()
-        if self.rank == 0 and self.procs:  # silent searchers
-            self.watch = Watch(self.procs, cfg.timeout, self.log, newest(self.buffer))
+        if self.leader and self.procs:  # silent searchers: each node's leader watches its own
+            say = (lambda line: self.log.print(line, file=sys.stderr)) if self.rank == 0 else self.said.append
+            self.watch = Watch(self.procs, cfg.timeout, say, newest(self.buffer),
+                               first=self.rank // self.local_world * cfg.searchers, where=self.where)
 
     # --- collect ----------------------------------------------------------------------------------
     def collect(self, initial: int) -> tuple[float, float]:
@@ -229,7 +233,7 @@ class Trainer:
             search = self.search_here(initial)
         elif cfg.searchers and self.multi:  # several nodes: the leaders meet (nodes.py); the others go on
             if self.leader:
-                wait = self.multi.collect(self.channels[0], self.now, self.alive,
+                wait = self.multi.collect(self.now, self.listen, self.alive, self.silent, self.said,
                                           lambda: self.fresh(initial) or bool(self.signals.first), self.buffer,
                                           self.log, cfg.timeout)
         elif cfg.searchers:  # TBA: whatever arrived; wait only at the start or for fresher data
@@ -291,8 +295,24 @@ class Trainer:
         return None
 
     def now(self) -> float:
-        """Several nodes, rank 0: node 0's messages into the buffer and the log, without waiting."""
-        return drain(self.channels[0], self.buffer, self.log, self.alive, lambda: True, self.cfg.timeout, self.watch)
+        """Several nodes, rank 0: node 0's messages into the buffer and the log, without waiting; a silent
+        searcher is recorded, as on one node (the loop stops after a checkpoint)."""
+        try:
+            return drain(self.channels[0], self.buffer, self.log, self.alive, lambda: True, self.cfg.timeout,
+                         self.watch)
+        except Silent as e:
+            self.silent[:] = self.silent or [str(e)]
+            return 0.0
+
+    def listen(self) -> list:
+        """Several nodes, a leader of node >= 1: the trajectories its searchers queued, without waiting,
+        heard by its watch; a silent searcher is recorded, for rank 0 (nodes.Nodes.collect)."""
+        trajectories = nodes.take(self.channels[0], self.watch.heard)
+        try:
+            self.watch.check()
+        except Silent as e:
+            self.silent[:] = self.silent or [str(e)]
+        return trajectories
 
     def fresh(self, initial: int) -> bool:
         """Several nodes, rank 0: nothing missing, counting the newest data from every node."""
@@ -338,12 +358,11 @@ class Trainer:
             version, named = max(due), self.history[max(due)].items()
         try:
             publish(self.shared, named, version, self.alive, self.cfg.timeout, to=("policy", "ref") if ref else ("policy",))
-        except TimeoutError:  # the lock stayed taken: a searcher stopped while it read the weights
-            if self.rank != 0:
-                raise
-            take_part(named)  # the other ranks wait in these all-gathers; then all stop at the next batch
-            self.silent[:] = [f"the weight-sync lock was not free for {self.cfg.timeout:g} s: a searcher stopped "
-                              f"while it read the weights (--timeout {self.cfg.timeout:g})"]
+        except TimeoutError:  # the lock stayed taken: a searcher of this node stopped while it read the weights
+            take_part(named)  # every other rank waits in these all-gathers; then all stop at the next batch
+            self.silent[:] = self.silent or [  # rank 0's, or sent to it at the next meeting (nodes.py)
+                f"{self.where}the weight-sync lock was not free for {self.cfg.timeout:g} s: a searcher stopped while "
+                f"it read the weights (--timeout {self.cfg.timeout:g})"]
             return
         if self.leader:
             self.buffer.mark_sync()
@@ -363,15 +382,22 @@ class Trainer:
         if self.cfg.searchers:  # searcher 0 evaluates the newest published weights between rounds
             if self.rank == 0:
                 self.channels[2].put(self.step)
+                self.watch.evaluating = True  # its parts may each take longer than a round: no warning
             return
         t0 = time.time()
-        if self.engine.version != self.step:
-            self.engine.load(gather(self.model), self.step)
+        if self.engine.version != self.step:  # the weights as a sync sends them: its dtype, tied names too
+            self.engine.load(every_name(self.model, getattr(torch, self.cfg.dtype)), self.step)
         scores, example = self.engine.evaluate(self.test_prompts, self.test_answers)
         self.log.eval(self.step, scores, example, time.time() - t0, self.log.clock())
         self.log.overhead += time.time() - t0
 
     def checkpoint(self):
+        """OUT/checkpoint-STEP (every rank: its gathers are collective), unless the link already names this
+        step (a signal right after a --save-every save, or finish() after the last one): saving a step again
+        deletes the linked checkpoint before it renames the new one in, and a kill between the two would
+        leave the link on nothing."""
+        if share(self.rank == 0 and linked(self.cfg.out, self.step), self.rank):
+            return
         t0 = time.time()
         save_checkpoint(self.cfg, self.rank, self.model, self.opt, self.buffer, self.cap, self.shared, self.step,
                         self.log, self.tokenizer)
@@ -491,9 +517,9 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_env = int(os.environ.get("RANK", "0"))
     try:
-        nodes.check(cfg, world)  # the launch's layout, before the ranks join
-    except ConfigError as e:
-        fail(f"tba.py: error: {e}", 2, rank_env)
+        nodes.check(cfg, world)  # the launch's layout and network, before the ranks join
+    except ConfigError as e:  # said on each node: what one node sees, another may not
+        fail(f"tba.py: error: {e}", 2, int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:  # the ranks join, then decide together whether the configuration holds
         init_distributed(cfg)
     try:
@@ -529,6 +555,10 @@ if __name__ == "__main__":
         status = 0
     except SystemExit as e:  # fail(): its line is said; its status
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # anything else (a CUDA out-of-memory error, a bug): its traceback once, status 1
+        import traceback
+        traceback.print_exc()
+        status = 1
     # Leave without the interpreter's teardown, after the exit handlers: everything is written, closed
     # and stopped by now, and a rank of a 2-rank run sometimes aborted in that teardown (SIGABRT,
     # "terminate called without an active exception", no Python frame left: a C++ thread destroyed

@@ -80,6 +80,16 @@ def aliases(model) -> dict:
     return {n: f for n, f in out.items() if n != f}
 
 
+def every_name(model, dtype=None) -> list:
+    """`gather(model, dtype)` with the tied names too ((name, tensor) pairs; a tied tensor under each of
+    its names, as in the shared copy): what a vLLM engine is given to load the model's weights directly.
+    Given the embeddings' name alone, vLLM 0.32's reload keeps a tied LM head stale: a layer that gets
+    no weights in a reload keeps its old tensors (vllm/model_executor/model_loader/reload/layerwise.py:
+    255-266); seen on the CPU (tests/test_weight_sync.py). Every trainer rank calls it (all-gathers)."""
+    named = dict(gather(model, dtype))
+    return [*named.items(), *((name, named[first]) for name, first in aliases(model).items())]
+
+
 def take_part(named):
     """What a trainer rank that holds no shared copy (not its node's leader) does with `gather(model)`:
     join each of its all-gathers, and drop the result. `allocate`, `publish` and `cpu_copy` do this

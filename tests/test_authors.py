@@ -74,9 +74,11 @@ SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-toke
 def test_bf16_trainer_checkpoint_and_exact_resume(tiny_model, tmp_path):
     """--trainer-dtype bfloat16 (synchronous, fixed seed): the weights and AdamW's state are bf16 in the
     checkpoint, and 4 steps straight equal 2 steps, a checkpoint, then a resume to 4 (the same bf16
-    weights, bit for bit: the resumed optimizer state is the saved one, not a float32 copy)."""
+    weights, bit for bit: the resumed optimizer state is the saved one, not a float32 copy). The resumed run
+    evaluates at its start, loading the weights into its engine directly (weights.every_name, tied names
+    included); at seed 1 a stale tied LM head there samples other responses at step 3 and the losses part."""
     from safetensors.torch import load_file
-    common = ["--model", tiny_model, "--searchers", "0", "--seed", "5", "--sync-every", "2", "--eval-every", "0",
+    common = ["--model", tiny_model, "--searchers", "0", "--seed", "1", "--sync-every", "2", "--eval-every", "0",
               "--trainer-dtype", "bfloat16", *SMALL]
     a = run_tba([*common, "--steps", "4", "--out", str(tmp_path / "a")], tmp_path)
     assert a.returncode == 0, a.stdout[-3000:]

@@ -32,7 +32,8 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--samples-per-prompt", "1"], "--samples-per-prompt"),
     (["--sync-every", "0"], "--sync-every"),
     (["--task", "chess"], "--task"),
-    (["--search-samples-per-prompt", "4"], "--search-samples-per-prompt"),
+    (["--search-samples-per-prompt", "4"], "--search-samples-per-prompt: must be at least K = 8, got 4"),
+    (["--search-samples-per-prompt", "0"], "--search-samples-per-prompt: must be at least K = 8, got 0"),  # was K
     (["--prompts-per-step", "0"], "--prompts-per-step"),
     (["--beta", "0"], "--beta"),
     (["--temperature", "0"], "--temperature"),
@@ -119,7 +120,7 @@ def test_a_node_needs_gpus_for_its_own_ranks_and_searchers(tiny_model, monkeypat
     monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cfg = config.Config(model=tiny_model, searchers=3, prompts_per_step=4)
-    with pytest.raises(ConfigError, match="--searchers: 3 searcher.* 2 trainer rank.* need 5 GPUs, 4 visible"):
+    with pytest.raises(ConfigError, match="--searchers: 3 searcher.* 2 trainer rank.* on this node need 5 GPUs on it, 4 visible"):
         config.check(cfg, world=4)  # 4 ranks in all over two nodes; 2 + 3 on this one
 
 

@@ -29,7 +29,7 @@ def start(args, tmp, torchrun=False):
 def wait_for_steps(proc, out, n, timeout=180):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else "the run stopped"
         if os.path.exists(out / "metrics.jsonl") and sum(r["kind"] == "train" for r in metrics(out)) >= n:
             return
         time.sleep(0.2)
@@ -260,6 +260,76 @@ def test_checkpoint_swap_is_atomic(tmp_path):
     checkpoint.atomic_checkpoint(str(tmp_path), 9, write("nine"))
     assert (tmp_path / "checkpoint" / "trainer.pt").read_text() == "nine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint-000009"]  # no leftovers
+
+
+def save_twice(path, out, port, results):
+    """One trainer rank checkpoints step 2 twice, as when a signal comes right after a --save-every save
+    or finish() runs after the last one. Reports whether the first checkpoint (marked) is still the
+    linked one, untouched."""
+    import traceback
+    import types
+    import config
+    import tba
+    import torch.distributed as dist
+    import weights
+    from buffer import ReplayBuffer
+    try:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cfg, tok, train, test, prompts, test_prompts, _ = config.check(
+            config.parse(["--model", path, *SMALL, "--out", out]), 1)
+        t = tba.Trainer(cfg, tok, prompts, [p.answer for p in train], test_prompts, [p.answer for p in test], None,
+                        types.SimpleNamespace(first=None, training=True), time.time())
+        try:
+            t.model = tba.load_policy(cfg.model_path, t.device, "float32")
+            t.opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3)
+            t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+            t.shared = weights.create(torch.multiprocessing.get_context("spawn"))
+            weights.allocate(t.shared, weights.gather(t.model), weights.aliases(t.model), t.device, torch.float32)
+            t.step = 2
+            t.checkpoint()
+            first = os.path.realpath(os.path.join(out, "checkpoint"))
+            open(os.path.join(first, "marker"), "w").close()
+            t.checkpoint()
+            results.put({"linked": os.path.realpath(os.path.join(out, "checkpoint")) == first,
+                         "untouched": os.path.exists(os.path.join(first, "marker")),
+                         "folders": sorted(os.listdir(out))})
+        finally:
+            t.log.close()
+    except BaseException:
+        results.put({"error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_step_is_not_saved_twice(tiny_model, tmp_path):
+    """A second save of the linked step would delete that checkpoint before renaming its copy in (a kill
+    between the two leaves the link on nothing): it is skipped."""
+    from conftest import report_of
+    got = report_of(save_twice, tiny_model, str(tmp_path / "run"))
+    assert got["linked"] and got["untouched"], got
+    assert got["folders"] == ["checkpoint", "checkpoint-000002", "config.json", "metrics.jsonl"]
+
+
+def test_an_unexpected_error_exits_1_with_its_traceback_once(tiny_model, tmp_path):
+    """An exception tba.py does not expect (here a simulated CUDA out-of-memory error in the loss): its
+    traceback once, status 1, and no interpreter teardown (which aborted a finished 2-rank run once; a
+    canary's __del__ would print at teardown)."""
+    script = (f"import builtins, runpy, sys; sys.path.insert(0, {ROOT!r}); import loss\n"
+              "def boom(**_): raise RuntimeError('CUDA out of memory (simulated)')\n"
+              "loss.LOSSES['tb'] = boom\n"
+              "class Canary:\n    def __del__(self): print('interpreter teardown', flush=True)\n"
+              "builtins.canary = Canary()\n"
+              f"sys.argv = ['tba.py', '--model', {tiny_model!r}, '--searchers', '0', '--steps', '2', *{SMALL!r},"
+              f" '--out', {str(tmp_path / 'run')!r}]\n"
+              f"runpy.run_path({os.path.join(ROOT, 'tba.py')!r}, run_name='__main__')\n")
+    p = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout[-3000:]
+    assert p.stdout.count("Traceback (most recent call last)") == 1, p.stdout[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "RuntimeError: CUDA out of memory (simulated)", p.stdout[-3000:]
+    assert "interpreter teardown" not in p.stdout
 
 
 def test_non_finite_loss_stops_with_the_step(tiny_model, tmp_path):

@@ -85,43 +85,43 @@ def test_bfloat16_is_refused_below_compute_capability_8(monkeypatch):
     fake_gpus(monkeypatch, [(7, 0), (7, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"--dtype: bfloat16 needs compute capability 8\.0 .*GPU 0 has 7\.0"):
-        config.check_gpus(cfg, world=1)
+        config.check_gpus(cfg, local=1)
 
 
 def test_auto_dtype_follows_the_oldest_gpu_used(monkeypatch):
     fake_gpus(monkeypatch, [(7, 0), (7, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    config.check_gpus(cfg, world=1)
+    config.check_gpus(cfg, local=1)
     assert cfg.dtype == "float16"
     fake_gpus(monkeypatch, [(9, 0), (7, 5), (9, 0)])  # the searcher's GPU 1 is the old one
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    config.check_gpus(cfg, world=1)
+    config.check_gpus(cfg, local=1)
     assert cfg.dtype == "float16"
     with pytest.raises(ConfigError, match=r"GPU 1 has 7\.5"):
-        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="bfloat16"), world=1)
+        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="bfloat16"), local=1)
     fake_gpus(monkeypatch, [(9, 0), (8, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    config.check_gpus(cfg, world=1)
+    config.check_gpus(cfg, local=1)
     assert cfg.dtype == "bfloat16"
 
 
 def test_exclusive_process_gpu0_is_refused_with_searchers(monkeypatch):
     asked = fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=3)  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
     with pytest.raises(ConfigError, match="EXCLUSIVE_PROCESS"):
-        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=1)
+        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
     assert asked == [0]  # the trainer's GPU, where the searchers open the shared weights
     asked.clear()
     cfg = types.SimpleNamespace(searchers=0, dtype="auto")  # the trainer alone on GPU 0: allowed
-    config.check_gpus(cfg, world=1)
+    config.check_gpus(cfg, local=1)
     assert asked == [] and cfg.dtype == "bfloat16"
     fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=None)  # no NVML: nothing to refuse
-    config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=1)
+    config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
 
 
 def test_too_few_gpus_are_refused(monkeypatch):
     fake_gpus(monkeypatch, [(9, 0), (9, 0)])
-    with pytest.raises(ConfigError, match=r"1 searcher\(s\) \+ 2 trainer rank\(s\) need 3 GPUs, 2 visible"):
-        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), world=2)
+    with pytest.raises(ConfigError, match=r"1 searcher\(s\) \+ 2 trainer rank\(s\) on this node need 3 GPUs on it, 2 visible"):
+        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=2)
 
 
 @gpu

@@ -15,19 +15,23 @@ import torch
 
 import nodes
 from buffer import Trajectory
-from conftest import ROOT, env, free_port, metrics
-from test_faults import assert_all_gone, searcher_pids, wait_for_steps
+from conftest import ROOT, env, free_port, get_report, metrics
+from test_faults import assert_all_gone, assert_checkpoint, searcher_pids, wait_for_steps
 
 SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--max-new-tokens", "6"]
 
 
-def launch(node: int, port: int, args, tmp):
-    """One 'node': torchrun with a static rendezvous on 127.0.0.1:port, in its own session."""
+def launch(node: int, port: int, args, tmp, output=None):
+    """One 'node': torchrun with a static rendezvous on 127.0.0.1:port, in its own session; its output
+    to a pipe, or to the file `output` (readable while it runs)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
            "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
            os.path.join(ROOT, "tba.py"), *args]
-    return subprocess.Popen(cmd, cwd=tmp, env=env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    if output is None:
+        return subprocess.Popen(cmd, cwd=tmp, env=env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    with open(output, "w") as f:
+        return subprocess.Popen(cmd, cwd=tmp, env=env(tmp), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def tree(proc) -> list[int]:
@@ -112,21 +116,80 @@ def test_a_lost_node_stops_every_node(lost, tiny_model, tmp_path):
         kill_all(tree(node0) + tree(node1))  # only if the test failed: by now none of them is left
 
 
+@pytest.mark.parametrize("node", [1, 0])
+def test_a_silent_searcher_of_any_node_stops_the_run_after_a_checkpoint(node, tiny_model, tmp_path):
+    """SIGSTOP one node's searcher (alive, silent: stuck in vLLM, a wedged GPU): rank 0 warns, naming
+    the node and the searcher, and after --timeout the run stops after a checkpoint of the last step
+    with one line naming them; both launches exit, and nothing is left on either."""
+    out, port, timeout = tmp_path / "run", free_port(), 30
+    args = ["--model", tiny_model, *SMALL, "--steps", "100000", "--eval-every", "0", "--timeout", str(timeout),
+            "--out", str(out)]
+    logs = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
+    node1 = launch(1, port, args, tmp_path, logs[1])
+    node0 = launch(0, port, args, tmp_path, logs[0])
+    launches = [node0, node1]
+    try:
+        wait_for_steps(node0, out, 3)
+        deadline = time.time() + 120  # node 1's searcher has sent data: the run is in full flow
+        while max(r.get("samples_per_node", [0, 0])[1] for r in metrics(out)) == 0:
+            assert time.time() < deadline and node0.poll() is None and node1.poll() is None, "no data from node 1"
+            time.sleep(0.5)
+        everything = tree(node0) + tree(node1)
+        (pid,) = searcher_pids(launches[node].pid)
+        steps = lambda: sum(r["kind"] == "train" for r in metrics(out))
+        for _ in range(5):  # stopped outside its weight reload: the run goes on 3 steps (a sync every 2)
+            n = steps()
+            os.kill(pid, signal.SIGSTOP)
+            deadline = time.time() + timeout - 10
+            while steps() < n + 3 and time.time() < deadline:
+                assert node0.poll() is None and node1.poll() is None, logs[0].read_text()[-3000:]
+                time.sleep(0.1)
+            if steps() >= n + 3:
+                break
+            os.kill(pid, signal.SIGCONT)  # it held the lock (a different fault: the test above); again
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the run made no progress with the searcher stopped")
+        t0 = time.time()
+        codes = [p.wait(timeout=timeout + 120) for p in launches]
+        output = logs[0].read_text()
+    finally:
+        kill_all(tree(node0) + tree(node1))  # only if the test failed: by now none of them is left
+    assert all(c not in (0, None) for c in codes), (codes, output[-3000:], logs[1].read_text()[-3000:])
+    assert time.time() - t0 < timeout + 90, output[-3000:]
+    assert f"tba.py: warning: node {node}: searcher 0 (pid {pid}) has sent nothing for " in output, output[-3000:]
+    last = next(line for line in output.splitlines() if line.startswith("tba.py: error:"))
+    assert last.startswith(f"tba.py: error: node {node}: searcher 0 (pid {pid}) has sent nothing for "), output[-3000:]
+    assert last.endswith(f"(--timeout {timeout}); checkpoint in {out / 'checkpoint'}"), last
+    state = assert_checkpoint(out)
+    assert state["step"] == max(r["step"] for r in metrics(out) if r["kind"] == "train")
+    assert_all_gone(everything, within=30)
+
+
 # --- the wire format and the cast: no launches -----------------------------------------------------
 def test_trajectories_cross_nodes_as_plain_data():
     ts = [Trajectory(3, np.array([5, 1, 70000], dtype=np.int32), 0.5, -1.25, -2.0000001, 4, 2),
           Trajectory(7, np.zeros(0, dtype=np.int32), 1.0, -0.1, float("nan"), 6, 0)]
     payload = nodes.encode(ts)
     assert payload.dtype == torch.uint8
-    back, error = nodes.decode(payload)
-    assert error is None and len(back) == 2
+    back, report = nodes.decode(payload)
+    assert len(back) == 2
     for a, b in zip(ts, back):
         for f in nodes.FIELDS:
             assert getattr(a, f) == getattr(b, f) or np.isnan(getattr(a, f)) and np.isnan(getattr(b, f))
         assert b.response.dtype == np.int32 and np.array_equal(a.response, b.response)
-    assert nodes.decode(nodes.encode([], error="searcher 1 died")) == ([], "searcher 1 died")
+    assert report == {"error": None, "silent": None, "said": []}
+    assert nodes.decode(nodes.encode([], error="searcher 1 died")) == (
+        [], {"error": "searcher 1 died", "silent": None, "said": []})
+    report = {"error": None, "silent": "node 1: searcher 0 (pid 9) has sent nothing for 31 s (--timeout 30)",
+              "said": ["tba.py: warning: node 1: searcher 0 (pid 9) has sent nothing for 15 s (...)"]}
+    back, got = nodes.decode(nodes.encode(ts[:1], silent=report["silent"], said=report["said"]))
+    assert got == report and len(back) == 1
+    import json
+    head = json.dumps({"error": None, "silent": {"not": "a line"}, "said": [], "rows": []}).encode()
     for bad in (payload[:-4], payload[:20], torch.zeros(3, dtype=torch.uint8),
-                nodes.encode([]).clone().fill_(7)):
+                nodes.encode([]).clone().fill_(7),
+                torch.frombuffer(bytearray(len(head).to_bytes(8, "little") + head), dtype=torch.uint8)):
         with pytest.raises(ValueError, match="does not parse"):
             nodes.decode(bad)
 
@@ -182,3 +245,180 @@ def test_gathering_in_bf16_gives_the_same_weights():
     torch.multiprocessing.start_processes(cast_worker, args=(free_port(), results), nprocs=2, start_method="spawn")
     checked = results.get(timeout=10)
     assert len(checked) == 4 and all(same and shape for same, shape in checked.values()), checked
+
+
+def two_nodes(target, *args, timeout: float = 180) -> list[dict]:
+    """Run target(rank, *args, port, results) in two spawned processes, each a node of one trainer rank
+    (torchrun's variables set as for --nnodes 2 --nproc-per-node 1); their two reports, rank 0's first.
+    Both are joined, or killed, before this returns."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(rank, *args, port, results), daemon=True) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        reports = [get_report(results, procs, timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+def as_node(rank: int, port: int):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
+                      GROUP_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def alone(rank, port, results):
+    """Rank 0 alone for 3 x --timeout (as while it writes a checkpoint) while the other leader waits in
+    a meeting: the leaders' group waits on, as the default group does (nodes.allowance)."""
+    import datetime
+    import traceback
+    import torch.distributed as dist
+    try:
+        as_node(rank, port)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=2))
+        multi = nodes.Nodes(2, 1, timeout=2.0)
+        if rank == 0:
+            time.sleep(6)
+        parts = multi.gather(nodes.encode([], said=[f"from rank {rank}"]))
+        said = [nodes.decode(p)[1]["said"] for p in parts] if rank == 0 else None
+        results.put({"rank": rank, "said": said})
+    except BaseException:
+        results.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_leaders_group_outlasts_the_timeout_while_rank_0_is_alone():
+    reports = two_nodes(alone, timeout=60)
+    assert reports[0]["said"] == [["from rank 0"], ["from rank 1"]], reports
+
+
+def lock_on_node_1(rank, path, out, port, results):
+    """Two nodes of one trainer rank, without searchers. Node 1's searcher stopped while it held the
+    node's weight lock (taken here, never given back): at the next sync node 1's leader waits --timeout
+    for it, then still joins every all-gather (rank 0 publishes meanwhile), and at the next meeting
+    rank 0 gets the node's silent line and ends the wait with it."""
+    import traceback
+    import types
+    import torch.distributed as dist
+    import config
+    import tba
+    import weights
+    from buffer import ReplayBuffer
+    try:
+        as_node(rank, port)
+        cfg, tok, train, test, prompts, test_prompts, _ = config.check(
+            config.parse(["--model", path, *SMALL, "--timeout", "2", "--out", out]), 2)
+        t = tba.Trainer(cfg, tok, prompts, [p.answer for p in train], test_prompts, [p.answer for p in test], None,
+                        types.SimpleNamespace(first=None, training=True), time.time())
+        try:
+            t.model = tba.load_policy(cfg.model_path, t.device, "float32")
+            t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+            t.shared = weights.create(torch.multiprocessing.get_context("spawn"))
+            weights.allocate(t.shared, weights.gather(t.model), weights.aliases(t.model), t.device, torch.float32)
+            if rank == 1:
+                t.shared.lock.acquire()  # the stopped searcher's
+            t.step = 2
+            t0 = time.time()
+            t.sync_weights()
+            synced = time.time() - t0
+            t.multi.collect(lambda: None, lambda: [], lambda: None, t.silent, t.said, lambda: False, t.buffer,
+                            t.log, cfg.timeout)
+            results.put({"rank": rank, "silent": t.silent, "version": t.shared.version.value, "seconds": synced})
+        finally:
+            t.log.close()
+    except BaseException:
+        results.put({"rank": rank, "error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_weight_lock_never_freed_on_node_1_stops_the_run_like_a_silent_searcher(tiny_model, tmp_path):
+    line = ("node 1: the weight-sync lock was not free for 2 s: a searcher stopped while it read the weights "
+            "(--timeout 2)")
+    node0, node1 = two_nodes(lock_on_node_1, tiny_model, str(tmp_path / "run"))
+    assert node0["silent"] == [line] and node1["silent"] == [line], (node0, node1)
+    assert (node0["version"], node1["version"]) == (2, 0)  # node 0 published; node 1 waited, then joined
+    assert node1["seconds"] >= 2
+
+
+def test_only_node_0s_first_searcher_evaluates():
+    """Every node spawns its searchers alike, numbered from node x searchers, but the evaluation channel
+    goes to node 0's first only: the others build no evaluation models (a TL;DR policy copy)."""
+    import types
+    import processes
+    spawned = []
+
+    class Process:
+        def __init__(self, target, name, daemon, args):
+            spawned.append((name, args[0], args[5]))
+
+        def start(self):
+            pass
+
+    ctx = types.SimpleNamespace(Queue=lambda maxsize=0: object(), Event=object, Process=Process)
+    cfg = types.SimpleNamespace(searchers=2, device="cpu")
+    for rank, expected in ((0, [("searcher-0", 0, True), ("searcher-1", 1, False)]),
+                           (2, [("searcher-2", 2, False), ("searcher-3", 3, False)])):  # nodes of 2 ranks
+        spawned.clear()
+        _, (_, _, evals) = processes.start_searchers(ctx, cfg, rank, 2, None, [], [], [], [])
+        assert [(name, index, channel is evals) for name, index, channel in spawned] == expected
+        assert all(channel is None for name, index, channel in spawned if channel is not evals)
+
+
+def test_take_hears_every_message():
+    """A leader's take: the trajectories of search messages, and every message (beats too) heard."""
+    import queue as queue_module
+    q, heard = queue_module.Queue(), []
+    t = Trajectory(3, np.array([5, 1], dtype=np.int32), 0.5, -1.0, -2.0, 4, 0)
+    for msg in ({"kind": "search", "searcher": 2, "trajectories": [t]}, {"kind": "beat", "searcher": 2, "done": 8}):
+        q.put(msg)
+    assert nodes.take(q, heard.append) == [t] and [m["kind"] for m in heard] == ["search", "beat"]
+
+
+def test_a_host_name_on_loopback_is_refused_when_the_master_is_another_machine(monkeypatch, capsys):
+    """gloo listens where this machine's name resolves: 127.0.1.1 on stock Debian/Ubuntu. With the
+    master on another machine and no GLOO_SOCKET_IFNAME, every CPU collective would wait until
+    --timeout: refused in one line (status 2), on each node. Launches on one machine work on loopback."""
+    import socket
+    import types
+    import psutil
+    import tba
+    table = {"node-b": ["127.0.1.1"], "node-c": ["10.0.0.3"], "10.0.0.1": ["10.0.0.1"], "10.0.0.2": ["10.0.0.2"],
+             "127.0.0.1": ["127.0.0.1"]}
+
+    def getaddrinfo(name, port):
+        if name not in table:
+            raise socket.gaierror("unknown name")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0)) for ip in table[name]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b")
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: {"lo": [types.SimpleNamespace(address="127.0.0.1")],
+                                                         "eth0": [types.SimpleNamespace(address="10.0.0.2")]})
+    line = nodes.unreachable({"MASTER_ADDR": "10.0.0.1"})
+    assert line.startswith("GLOO_SOCKET_IFNAME: this machine's name 'node-b' resolves to 127.0.1.1 (loopback), "
+                           "where gloo would listen for the CPU collectives, and the master 10.0.0.1 is another "
+                           "machine"), line
+    assert nodes.unreachable({"MASTER_ADDR": "10.0.0.1", "GLOO_SOCKET_IFNAME": "eth0"}) is None
+    assert nodes.unreachable({"MASTER_ADDR": "127.0.0.1"}) is None  # two launches on one machine (the tests)
+    assert nodes.unreachable({"MASTER_ADDR": "10.0.0.2"}) is None  # this machine is the master
+    assert nodes.unreachable({}) is None  # one node
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-x")  # no address: gloo falls back to loopback
+    assert "resolves to no address" in nodes.unreachable({"MASTER_ADDR": "10.0.0.1"})
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-c")  # resolves to its network address
+    assert nodes.unreachable({"MASTER_ADDR": "10.0.0.1"}) is None
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-b")  # through tba.py, before any collective
+    for k, v in dict(GROUP_WORLD_SIZE="2", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", RANK="1", LOCAL_RANK="0",
+                     MASTER_ADDR="10.0.0.1").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    with pytest.raises(SystemExit) as e:
+        tba.main(["--steps", "2"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == f"tba.py: error: {line}"

@@ -93,6 +93,65 @@ def test_silent_searcher_halts_training_warns_and_stops(cap, tiny_model, tmp_pat
     assert_all_gone(everything)
 
 
+SLOW_EVALUATION = """# the test's stand-in for a long evaluation: each part of searcher 0's evaluation takes 20 s more
+import os, time
+if os.environ.get("TBA_TEST_EVAL_PARTS"):
+    import searcher
+    real = searcher.Engine.evaluate_part
+    def evaluate_part(self, prompts, answers):
+        with open(os.environ["TBA_TEST_EVAL_PARTS"], "a") as f:
+            f.write(f"{time.time()}\\n")
+        time.sleep(20)
+        return real(self, prompts, answers)
+    searcher.Engine.evaluate_part = evaluate_part
+"""
+
+
+def test_an_evaluation_longer_than_the_timeout_is_not_silence(tiny_model, tmp_path):
+    """Searcher 0's first evaluation outlasts --timeout (2 parts, of 256 and 144 problems, each made
+    20 s slower by a sitecustomize the test writes: 40 s against --timeout 30): it beats after each
+    part, so the run goes on, with no warning; stopped (SIGSTOP) in the middle of its next evaluation,
+    it is silent, and the run stops after --timeout with a checkpoint, naming it."""
+    out, timeout, parts = tmp_path / "run", 30, tmp_path / "parts.txt"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_EVALUATION)
+    os.environ.update(TBA_TEST_EVAL_PARTS=str(parts), PYTHONPATH=f"{hook}:{ROOT}")  # start() copies os.environ
+    try:
+        proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, "--eval-every", "4",
+                      "--timeout", str(timeout), "--out", str(out)], tmp_path)
+    finally:
+        del os.environ["TBA_TEST_EVAL_PARTS"], os.environ["PYTHONPATH"]
+    evals = lambda: [r for r in metrics(out) if r["kind"] == "eval"] if (out / "metrics.jsonl").exists() else []
+    count = lambda: len(parts.read_text().splitlines()) if parts.exists() else 0
+    try:
+        deadline = time.time() + 300
+        while not evals():  # the evaluation of step 0, longer than --timeout
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "output.txt").read_text()[-3000:]
+            time.sleep(0.5)
+        assert evals()[0]["step"] == 0 and evals()[0]["seconds"] > timeout
+        everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        while count() < 2 + 2:  # searcher 0 is in the second evaluation's second part
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "output.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        (pid,) = searcher_pids(proc.pid)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.time()
+        before = (tmp_path / "output.txt").read_text()
+        output = proc.communicate(timeout=timeout + 120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, output[-3000:]
+    assert "has sent nothing" not in before, before[-3000:]  # an evaluation longer than --timeout: no word
+    last = next(line for line in output.splitlines() if line.startswith("tba.py: error:"))
+    assert last.startswith(f"tba.py: error: searcher 0 (pid {pid}) has sent nothing for "), output[-3000:]
+    assert last.endswith(f"(--timeout {timeout}); checkpoint in {out / 'checkpoint'}"), last
+    assert time.time() - t0 < timeout + 60
+    assert_checkpoint(out)
+    assert_all_gone(everything)
+
+
 def test_ctrl_c_in_the_final_evaluation_wait_with_two_ranks(tiny_model, tmp_path):
     """Two trainer ranks; the searcher stops before the end, so rank 0 waits for the final
     evaluation; Ctrl-C there: both ranks write the checkpoint together (its gathers are collective)
@@ -153,8 +212,7 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
     import processes
     now, lines = [1000.0], []
     monkeypatch.setattr(processes.time, "time", lambda: now[0])
-    log = types.SimpleNamespace(print=lambda line, file=None: lines.append(line))
-    watch = processes.Watch([types.SimpleNamespace(pid=42)], 100.0, log, newest=-1)
+    watch = processes.Watch([types.SimpleNamespace(pid=42)], 100.0, lines.append, newest=-1)
     now[0] += 90
     watch.check()  # start-up: silent 90 s, no warning (no usual gap yet), under --timeout
     watch.heard({"kind": "search", "searcher": 0, "version": 3})
@@ -172,6 +230,44 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
     assert lines[-1] == "tba.py: searcher 0 sends again, after 21 s" and watch.newest == 5
     now[0] += 100.5
     with pytest.raises(processes.Silent, match=r"searcher 0 \(pid 42\) has sent nothing for 100 s \(--timeout 100\)"):
+        watch.check()
+
+
+def test_watch_hears_an_evaluations_beats_and_names_the_node(monkeypatch):
+    """A long evaluation: searcher 0 beats after each part, so 250 s of evaluating under --timeout 100
+    is no silence, and parts much longer than its rounds draw no warning while the evaluation is asked
+    for; after its result, the same silence draws a warning, then Silent. On node 1 (searchers numbered
+    from 2 there) the lines name the node and the node's own searcher."""
+    import types
+    import pytest
+    import processes
+    now, lines = [1000.0], []
+    monkeypatch.setattr(processes.time, "time", lambda: now[0])
+    watch = processes.Watch([types.SimpleNamespace(pid=7), types.SimpleNamespace(pid=8)], 100.0, lines.append,
+                            newest=-1, first=2, where="node 1: ")
+    for _ in range(3):  # rounds every 4 s
+        now[0] += 4
+        for i in (2, 3):
+            watch.heard({"kind": "search", "searcher": i, "version": 0})
+    watch.evaluating = True  # asked (Trainer.evaluate): searcher 2, node 1's first, evaluates in 5 parts of 50 s
+    for _ in range(5):
+        for _ in range(10):
+            now[0] += 5
+            watch.heard({"kind": "search", "searcher": 3, "version": 0})
+            watch.check()
+        watch.heard({"kind": "beat", "searcher": 2, "done": 256})
+    watch.heard({"kind": "eval", "searcher": 2, "version": 0})
+    assert lines == [] and not watch.evaluating and watch.gap[0] == 4
+    for _ in range(5):  # then silent: a warning past 5 x its 4 s rounds, Silent at --timeout
+        now[0] += 5
+        watch.heard({"kind": "search", "searcher": 3, "version": 0})
+        watch.check()
+    assert lines == ["tba.py: warning: node 1: searcher 0 (pid 7) has sent nothing for 25 s (usually every 4.0 s "
+                     "at most); the run stops if it stays silent 100 s (--timeout)"]
+    now[0] += 76
+    watch.heard({"kind": "search", "searcher": 3, "version": 0})
+    with pytest.raises(processes.Silent, match=r"^node 1: searcher 0 \(pid 7\) has sent nothing for 101 s "
+                                               r"\(--timeout 100\)$"):
         watch.check()
 
 

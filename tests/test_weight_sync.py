@@ -84,6 +84,30 @@ def test_engine_matches_trainer_after_sync(arch, request):
     engine.close()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_engine_loads_a_model_directly_with_its_tied_names(arch, request):
+    """The synchronous trainer's evaluation loads its current weights into its engine directly
+    (weights.every_name): vLLM then computes the trainer's log-probs, LM head included. The tiny Llama
+    ties its LM head to the embeddings: given the embeddings' name alone, vLLM kept the old head (-12.26
+    against the trainer's -10.93 for a fixed response), so a resumed synchronous run searched its first
+    steps with a mixed policy; the GPT-NeoX has no tied name."""
+    from transformers import AutoTokenizer
+    tiny_model = request.getfixturevalue("tiny_model" if arch == "llama" else "tiny_neox")
+    cfg = config(tiny_model)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt, response = tok("47+85=").input_ids, tok("132").input_ids + [tok.eos_token_id]
+    engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"])
+    try:
+        for version, seed in ((2, 1), (4, 2)):
+            with engine.transformers_models():
+                model = perturbed(tiny_model, seed)
+            engine.load(weights.every_name(model, torch.float32), version)
+            assert abs(engine.score(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
+        assert sorted(weights.aliases(model)) == (["lm_head.weight"] if arch == "llama" else [])
+    finally:
+        engine.close()
+
+
 def load(path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

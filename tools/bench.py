@@ -83,6 +83,20 @@ from loss import collate
 from searcher import Engine
 
 
+def read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def picture(bench_json: str, png: str):
+    """Part 9's picture, or one line saying why there is none: the numbers are complete in bench.json
+    without it, and `python tools/plot.py --slowdown BENCH_JSON` draws it later."""
+    try:
+        plot.generation_bound(bench_json, png)
+    except plot.NoMatplotlib as e:
+        print(f"9. picture skipped: {e}; `python tools/plot.py --slowdown {bench_json}` draws it later", flush=True)
+
+
 def timed(fn, repeat: int) -> float:
     """Median seconds of fn() over `repeat` runs, after one warm-up run."""
     fn()
@@ -106,12 +120,12 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", str(searchers), "--seed", str(seed),
            "--out", out, *flags]
     launched = time.time()
-    log = open(out + ".log", "w")  # the run's console, beside its folder
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(out + ".log", "w") as log:  # the run's console, beside its folder (the run keeps its own copy)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     metrics = os.path.join(out, "metrics.jsonl")
 
     def read():
-        text = open(metrics).read() if os.path.exists(metrics) else ""
+        text = read_text(metrics) if os.path.exists(metrics) else ""
         # complete lines only: the run may be writing its last line while we read
         rows = [json.loads(line) for line in text.split("\n")[:-1]]
         evals = [r for r in rows if r["kind"] == "eval"]
@@ -128,8 +142,8 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
         proc.wait()
     rows, hit = read()
     if not rows:
-        raise RuntimeError(f"tba.py produced no metrics: {open(out + '.log').read()[-2000:]}")
-    started = json.load(open(os.path.join(out, "config.json")))["started"]
+        raise RuntimeError(f"tba.py produced no metrics: {read_text(out + '.log')[-2000:]}")
+    started = json.loads(read_text(os.path.join(out, "config.json")))["started"]
     offset = started - launched  # imports, flag checks, tiny-model cache lookup
 
     def clock(row):  # seconds since launch, without the trainer's evaluation and checkpoint time
@@ -155,8 +169,8 @@ def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
     """Resident memory summed over every process of an async run, sampled every 10 s."""
     import psutil
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--steps", str(10**9), "--eval-every", "0", "--out", out, *flags]
-    log = open(out + ".log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(out + ".log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0, samples = time.time(), []
     try:
         while time.time() - t0 < minutes * 60 and proc.poll() is None:
@@ -174,7 +188,7 @@ def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     at5 = next(m for t, m, _ in samples if t >= min(300, minutes * 60 / 4))
-    steps = max((json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))
+    steps = max((json.loads(line)["step"] for line in read_text(os.path.join(out, "metrics.jsonl")).splitlines()
                  if '"train"' in line), default=0)
     return dict(minutes=minutes, mib_at_5_min=at5, mib_at_end=samples[-1][1], mib_peak=max(m for _, m, _ in samples),
                 growth_after_5_min=samples[-1][1] / at5 - 1, steps=steps, samples=samples)
@@ -199,7 +213,7 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
                 with open(run + ".log", "w") as log:
                     code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
                 if code != 0:
-                    raise RuntimeError(f"tba.py {' '.join(cmd[2:])} failed: {open(run + '.log').read()[-2000:]}")
+                    raise RuntimeError(f"tba.py {' '.join(cmd[2:])} failed: {read_text(run + '.log')[-2000:]}")
                 train, evals, config = plot.read(run)
                 accuracy = [e["accuracy"] for e in evals]
                 final = float(np.mean(accuracy[-3:]))
@@ -373,7 +387,7 @@ def trl_python(given: str | None, log: str) -> tuple[str | None, str]:
     with open(os.path.join(root, ".trl-lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one installer at a time
         ready = os.path.join(venv, "tba-ready.json")
-        if os.path.isfile(ready) and json.load(open(ready)) == pins and check(python):
+        if os.path.isfile(ready) and json.loads(read_text(ready)) == pins and check(python):
             return python, f"TRL from {venv} (made earlier)"
         print(f"8. installing TRL into {venv} (once): pip install {' '.join(pins)} ...", flush=True)
         t0 = time.time()
@@ -386,7 +400,8 @@ def trl_python(given: str | None, log: str) -> tuple[str | None, str]:
                 ok = False
         if not ok or check(python) is None:
             return None, f"could not install {' '.join(pins)} into {venv} (see {log})"
-        json.dump(pins, open(ready, "w"))
+        with open(ready, "w") as f:
+            json.dump(pins, f)
         return python, f"TRL installed into {venv} in {time.time() - t0:.0f} s"
 
 
@@ -408,7 +423,7 @@ def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: lis
             proc.wait()
     train, evals, config = plot.read(out) if os.path.exists(os.path.join(out, "metrics.jsonl")) else ([], [], {})
     if not evals:
-        raise RuntimeError(f"trl_grpo.py produced no evaluation: {open(out + '.log').read()[-2000:]}")
+        raise RuntimeError(f"trl_grpo.py produced no evaluation: {read_text(out + '.log')[-2000:]}")
     offset = config["started"] - launched  # interpreter start before trl_grpo.py's first line
     curve = [(offset + e["time"], e["step"], e["accuracy"]) for e in evals]
     start = curve[0][2]
@@ -595,7 +610,8 @@ def main():
     threads = max(1, cores // 2)  # what the trainer and the searcher each get in a run with one searcher
     torch.set_num_threads(threads)  # before any vLLM engine starts in this process
     machine = dict(cores=cores, threads_per_process=threads, device=cfg.device, torch=torch.__version__,
-                   cpu=next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?"))
+                   cpu=next((line.split(":")[1].strip() for line in read_text("/proc/cpuinfo").splitlines()
+                             if "model name" in line), "?"))
     result = dict(machine=machine, flags=flags, seeds=args.seeds, cap=args.cap)
 
     # 1, 2 (and tba.py's side of 8: whole runs)
@@ -632,7 +648,7 @@ def main():
         json.dump(result, f, indent=1)
     print(table(result))
     if 9 in args.parts:
-        plot.generation_bound(os.path.join(out, "bench.json"), os.path.join(out, "generation_bound.png"))
+        picture(os.path.join(out, "bench.json"), os.path.join(out, "generation_bound.png"))
     print(f"\nwritten: {os.path.join(out, 'bench.json')}")
     os._exit(0)  # the vLLM engines' teardown would try to destroy the process group twice
 

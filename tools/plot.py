@@ -12,7 +12,8 @@ Red-teaming runs (`--task redteam`) also get the paper's Pareto picture beside i
 toxicity against diversity, one point per evaluation, each run's points joined in step order and
 its last one ringed.
 The pictures in docs/ are drawn by this file from `bench.py`'s run folders and bench.json.
-matplotlib is imported here only (pip install matplotlib).
+matplotlib is imported here only (pip install matplotlib); without it this file says so in one line
+(status 2) and bench.py skips its picture.
 """
 
 import argparse
@@ -164,11 +165,15 @@ def generation_bound(bench_json: str, out: str):
     save(fig, out)
 
 
+class NoMatplotlib(Exception):
+    """matplotlib, optional, is not installed: no picture (bench.py goes on without it)."""
+
+
 def pyplot():
     try:
         import matplotlib
     except ImportError:
-        sys.exit("plot.py: matplotlib is not installed (pip install matplotlib)")
+        raise NoMatplotlib("matplotlib is not installed (pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
@@ -181,6 +186,14 @@ def save(fig, out: str):
 
 
 def main(argv=None):
+    try:
+        draw(argv)
+    except NoMatplotlib as e:  # a refusal: one line, status 2
+        print(f"plot.py: {e}; no picture drawn", file=sys.stderr)
+        sys.exit(2)
+
+
+def draw(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="*", help="run folders (each with metrics.jsonl)")
     p.add_argument("--study", help="bench.json of bench.py part 7 (off-policy robustness)")

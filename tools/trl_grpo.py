@@ -231,7 +231,9 @@ def main(argv=None):
                     processing_class=tokenizer, callbacks=[Evaluate()])
     trainer.remove_callback(PrinterCallback)  # the console gets this file's lines instead of TRL's dicts
     trainer.train()
-    evals = [json.loads(line) for line in open(os.path.join(args.out, "metrics.jsonl")) if '"eval"' in line]
+    metrics.close()
+    with open(os.path.join(args.out, "metrics.jsonl")) as f:
+        evals = [json.loads(line) for line in f if '"eval"' in line]
     print(f"done: {args.steps} steps in {now():.0f} s (+{clock['overhead']:.1f} s evaluating) | held-out accuracy "
           f"{evals[0]['accuracy']:.3f} (step 0) -> {evals[-1]['accuracy']:.3f} (step {evals[-1]['step']}) | "
           f"trl {trl.__version__} | {args.out}", flush=True)
