@@ -378,7 +378,8 @@ def check(cfg: Config, world: int):
     # N searchers' rounds of B / N prompts together make one batch: its data comes from weights about as
     # fresh whatever N (rounds of B each, 4 searchers fed steps from data 5-7 steps stale: docs/performance.md)
     every = cfg.searchers * nodes.layout(world)[0]
-    cfg.round_prompts = -(-cfg.prompts_per_step // max(1, every)) if cfg.round_prompts is None else cfg.round_prompts
+    if cfg.searchers and cfg.round_prompts is None:  # synchronous: none (the trainer searches B prompts a step)
+        cfg.round_prompts = -(-cfg.prompts_per_step // every)
     check_recipe(cfg)
     check_environment()
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):

@@ -35,6 +35,12 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # the CPU build, which the tests run, derives from V1. Pin V1 so that a GPU runs the code the tests
 # cover; both reload weights and apply the temperature to processed log-probs.
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+# The CPU's fork server (processes.fork_server) imports this file first. torchrun stops a rank with
+# SIGTERM to its whole process group, the server included, which ignores only SIGINT (Python 3.11,
+# multiprocessing/forkserver.py:196): dead, it reports every searcher as exit code 255
+# (popen_forkserver.py:69-72). So it ignores SIGTERM as the searchers do (run), and ends with the trainer.
+if os.environ.pop("TBA_FORK_SERVER", None):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 # vLLM 0.32's Triton shim touches torch.distributed.reduce_op, deprecated: two FutureWarnings a process
 warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
 

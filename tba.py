@@ -196,7 +196,8 @@ class Trainer:
                                    cfg.dedup_similarity, cfg.dedup_edit, group_of)
         # --max-reuse: credit banked up to k steps' draws, or one round of every searcher (of every node),
         # which can land at once
-        rounds = cfg.max_reuse * cfg.searchers * nodes.layout(self.world)[0] * cfg.round_prompts * cfg.search_samples_per_prompt
+        rounds = (cfg.max_reuse * cfg.searchers * nodes.layout(self.world)[0] * cfg.round_prompts
+                  * cfg.search_samples_per_prompt if cfg.searchers else 0)
         self.cap = ReuseCap(cfg.max_reuse, max(cfg.sync_every * cfg.prompts_per_step * cfg.samples_per_prompt, rounds))
         if ckpt:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
