@@ -157,8 +157,8 @@ def test_ctrl_c_in_the_final_evaluation_wait_with_two_ranks(tiny_model, tmp_path
     evaluation; Ctrl-C there: both ranks write the checkpoint together (its gathers are collective)
     and stop at once, with status 130 and nothing left behind."""
     out, steps = tmp_path / "run", 30
-    proc = start(["--model", tiny_model, "--steps", str(steps), *SMALL, "--max-staleness", "0", "--timeout", "120",
-                  "--out", str(out)], tmp_path, ranks=2)
+    proc = start(["--model", tiny_model, "--steps", str(steps), *SMALL, "--max-reuse", "0", "--max-staleness", "0",
+                  "--timeout", "120", "--out", str(out)], tmp_path, ranks=2)  # no bound: it trains on to the end
     try:
         wait_for_steps(proc, out, 3)
         everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
