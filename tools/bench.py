@@ -593,6 +593,8 @@ def main():
                    help="part 9: the asynchronous runs' --max-reuse values: off, numbers, and 'barrier' (the authors' "
                         "ratio k B K / (N x round) for each N: 1 at tba.py's defaults, where N rounds make one batch "
                         "and k = 1)")
+    p.add_argument("--searchers", type=int, nargs="+", default=[1, 2, 4],
+                   help="parts 9 and 10: the asynchronous runs' searcher counts (each beside the synchronous run)")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
@@ -628,9 +630,11 @@ def main():
         result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
     if 9 in args.parts:
         result["generation_bound"] = generation_bound(args.seeds, out, flags, min(args.cap, 300), args.quick,
-                                                      ["barrier"] if args.quick else args.reuse, cfg)
+                                                      ["barrier"] if args.quick else args.reuse, cfg,
+                                                      None if args.quick else [0, *args.searchers])
     if 10 in args.parts:
-        result["fresher"] = fresher(args.seeds, out, flags, min(args.cap, 300), args.quick, cfg)
+        result["fresher"] = fresher(args.seeds, out, flags, min(args.cap, 300), args.quick, cfg,
+                                    counts=None if args.quick else args.searchers)
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
