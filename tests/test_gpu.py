@@ -546,3 +546,84 @@ def test_chunked_logprobs_match_one_log_softmax(device, tmp_path):
         assert torch.allclose(chunked16, reference, **tol)
         in_bf16 = plain_logprobs(rec16.logits, ids, response, T, upcast=False).float()
         assert ((in_bf16 - reference).abs() - 10 * (tol["atol"] + tol["rtol"] * reference.abs())).max() > 0
+
+
+# ===== a searcher GPU's memory: vLLM's share from the models' sizes (card sizes faked: runs anywhere) ===========
+def pythia(folder, size: str, head: str = "causal") -> str:
+    """A Pythia-shaped config.json (the published dimensions; 6.9B pads its vocabulary to 50,432), no weights:
+    the sizes come from it alone."""
+    from transformers import GPTNeoXConfig
+    hidden, layers, heads = {"410m": (1024, 24, 16), "1b": (2048, 16, 8), "2.8b": (2560, 32, 32),
+                             "6.9b": (4096, 32, 32)}[size]
+    c = GPTNeoXConfig(vocab_size=50432 if size == "6.9b" else 50304, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                      intermediate_size=4 * hidden, rotary_pct=0.25, max_position_embeddings=2048,
+                      tie_word_embeddings=False, num_labels=1)
+    c.architectures = ["GPTNeoXForCausalLM" if head == "causal" else "GPTNeoXForSequenceClassification"]
+    path = os.path.join(folder, f"{size}-{head}")
+    c.save_pretrained(path)
+    return path
+
+
+def tldr_searcher(folder, size: str) -> types.SimpleNamespace:
+    """run_tldr.sh's searcher 0 at SIZE: policy and reward model of that size, the 6.9B judge, bf16, 512-token
+    prompts and 128 new tokens, 8 x 20 a step, 20 sequences a pass."""
+    return types.SimpleNamespace(task="tldr", dtype="bfloat16", model_path=pythia(folder, size), max_model_len=640,
+                                 prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, ref_reset_every=0,
+                                 reward_model_path=pythia(folder, size, "reward"), searchers=3, searcher_memory=None,
+                                 eval_reward_model_path=pythia(folder, "6.9b", "reward"))
+
+
+def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monkeypatch):
+    """run_tldr.sh's searcher 0 holds, beside vLLM, pi_ref, the reward model, the evaluation's policy copy and
+    the 6.9B judge (12.4 GiB in bf16). On a 40 GB card the old --searcher-memory 0.7 left 11.2 GiB, too little
+    at 410M and 1B; the computed share leaves them room and still holds the engine; 2.8B fits 48 and 80 GB
+    cards, and on a 40 GB one it is refused in one line naming the models."""
+    GiB = 2**30
+    gpus = lambda total: monkeypatch.setattr(torch.cuda, "get_device_properties",
+                                             lambda i: types.SimpleNamespace(total_memory=total))
+    import searcher
+    for size, card, share in (("410m", 40e9, 0.51), ("1b", 40e9, 0.42), ("2.8b", 48e9, 0.29), ("2.8b", 80e9, 0.57)):
+        cfg = tldr_searcher(tmp_path, size)
+        engines, beside = searcher.memory_needs(cfg)
+        assert beside["the judge"] == 2 * (6_857_302_016 - 50432 * 4096 + 4096)  # Pythia 6.9B, a one-output head
+        assert beside["pi_ref"] == beside["the evaluation's policy copy"] == 2 * {
+            "410m": 405_334_016, "1b": 1_011_781_632, "2.8b": 2_775_208_960}[size]  # the published totals
+        gpus(int(card))
+        config.check_memory(cfg, 1)
+        assert cfg.searcher_memory == share, (size, card, cfg.searcher_memory)
+        assert sum(beside.values()) <= (1 - share) * card and sum(engines["policy"][:2]) <= share * card
+        if card == 40e9:
+            cfg.searcher_memory = 0.7  # run_tldr.sh's old setting
+            with pytest.raises(ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 37.3 GiB leaves less than "
+                                                  r"the [\d.]+ GiB of the models beside the engines \(pi_ref .*the "
+                                                  r"judge 12.4, the CUDA context 1.0\); give the engines at most 0.[45]\d$"):
+                config.check_memory(cfg, 1)
+    cfg = tldr_searcher(tmp_path, "2.8b")
+    gpus(int(40e9))
+    with pytest.raises(ConfigError) as e:
+        config.check_memory(cfg, 1)
+    line = str(e.value)
+    assert line.startswith("--searcher-memory: the policy engine's ") and line.endswith("need more than this GPU's 37.3 GiB")
+    assert "pi_ref 5.2, its logits 2.4, a float32 chunk 0.2, the reward model 4.9, the evaluation's policy copy 5.2, " \
+           "the judge 12.4, the CUDA context 1.0: 31.3 GiB" in line and "\n" not in line
+
+
+def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tiny_model, tmp_path, monkeypatch):
+    """Through config.check on faked GPUs: the share is computed for this node's searcher GPUs (the smallest),
+    unless --searcher-memory is given; a card too small is refused in one line; a share outside (0, 1) too."""
+    fake_gpus(monkeypatch, [(9, 0)] * 3)
+    sizes = [80 * 2**30, 80 * 2**30, 4 * 2**30]  # trainer on GPU 0, searchers on GPUs 1 and 2
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=sizes[i]))
+    monkeypatch.chdir(tmp_path)
+    check = lambda *args: config.check(config.parse(["--model", tiny_model, "--searchers", "2", *args]), 1)[0]
+    import searcher
+    cfg = check("--out", "a")
+    beside = searcher.memory_needs(cfg)[1]  # pi_ref's pass: 256 sequences' logits; the CUDA context
+    assert cfg.searcher_memory == searcher.memory_share(4 * 2**30, beside) < 0.9 == searcher.memory_share(80 * 2**30, beside)
+    assert check("--searcher-memory", "0.5", "--out", "b").searcher_memory == 0.5
+    sizes[2] = 2**30
+    with pytest.raises(ConfigError, match=r"^--searcher-memory: the policy engine's [\d.]+ GiB and the models beside "
+                                          r"it \(pi_ref 0.0, .*\) need more than this GPU's 1.0 GiB$"):
+        check("--out", "c")
+    with pytest.raises(ConfigError, match=r"^--searcher-memory: must be a fraction in \(0, 1\), got 1.5$"):
+        check("--searcher-memory", "1.5", "--out", "d")
