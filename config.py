@@ -116,8 +116,9 @@ class Config:
     lora_alpha: int = arg(16, "LoRA's alpha: the update is (alpha / rank) B A (Lee et al.: 16)")
     lr_decay: str = arg("cosine", "shape of the decay to 0 over --decay-steps: cosine | linear (transformers' "
                                   "default, the authors' TL;DR)")
-    trainer_dtype: str = arg("float32", "the trainer's weights and AdamW state: float32 (master weights, computing "
-                                        "in --dtype) | bfloat16 (as the authors' GSM8K run: small updates round away)")
+    trainer_dtype: str = arg("float32", "the trainer's weights: float32 (master weights, computing in --dtype) | "
+                                        "bfloat16 (as the authors' GSM8K run: small updates round away); AdamW's "
+                                        "moments are float32 either way")
     micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
     activation_checkpointing: bool = arg(False, "recompute each decoder block's activations in the backward pass "
                                                 "instead of keeping them (less memory, about 1/3 more compute; "
