@@ -116,8 +116,9 @@ class Config:
     lora_alpha: int = arg(16, "LoRA's alpha: the update is (alpha / rank) B A (Lee et al.: 16)")
     lr_decay: str = arg("cosine", "shape of the decay to 0 over --decay-steps: cosine | linear (transformers' "
                                   "default, the authors' TL;DR)")
-    trainer_dtype: str = arg("float32", "the trainer's weights and AdamW state: float32 (master weights, computing "
-                                        "in --dtype) | bfloat16 (as the authors' GSM8K run: small updates round away)")
+    trainer_dtype: str = arg("float32", "the trainer's weights: float32 (master weights, computing in --dtype) | "
+                                        "bfloat16 (as the authors' GSM8K run: small updates round away); AdamW's "
+                                        "moments are float32 either way")
     micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
     activation_checkpointing: bool = arg(False, "recompute each decoder block's activations in the backward pass "
                                                 "instead of keeping them (less memory, about 1/3 more compute; "
@@ -150,9 +151,11 @@ class Config:
                                   "weights more than S (+ --lag) steps old; 0 = no bound")
     dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bfloat16 on GPUs that have it, float16 on "
                              "older GPUs, float32 on the CPU)")
-    searcher_memory: float = arg(0.7, "GPU: fraction of a searcher GPU's memory for its vLLM engine (the rest: "
-                                      "pi_ref and its log-probs); redteam: for the attacker's, the victim's and "
-                                      "the judge's engines, split between them from the models' sizes")
+    searcher_memory: float | None = arg(None, "GPU: fraction of a searcher GPU's memory for its vLLM engine(s) "
+                                              "(redteam: the attacker's, the victim's and the judge's, split from "
+                                              "the models' sizes); default: what the models the searcher loads "
+                                              "beside them leave (pi_ref, reward models, the evaluation's), "
+                                              "computed from their sizes, at most 0.9")
     trainer_memory: float = arg(0.2, "GPU, --searchers 0: fraction of the trainer GPU's memory for its vLLM engine")
     # --- emulation (tools/bench.py part 9): the regime TBA is for, on a machine that is not in it
     generation_slowdown: float = arg(1.0, "experiment knob: every search round's generation takes X times as long as "
@@ -366,6 +369,9 @@ def check(cfg: Config, world: int):
     need(cfg.save_every >= 0, "save-every", "must be 0 or more")
     need(cfg.log_every >= 1, "log-every", "must be at least 1")
     need(cfg.timeout > 0, "timeout", "must be positive")
+    for flag in ("searcher_memory", "trainer_memory"):
+        need(getattr(cfg, flag) is None or 0 < getattr(cfg, flag) < 1, flag.replace("_", "-"),
+             f"must be a fraction in (0, 1), got {getattr(cfg, flag)}")
     need(cfg.generation_slowdown >= 1, "generation-slowdown", f"must be 1 (off) or more, got {cfg.generation_slowdown}")
     need(cfg.max_staleness >= 0, "max-staleness", "must be 0 (no bound) or more")
     need(cfg.max_reuse is None or cfg.max_reuse >= 0, "max-reuse", f"must be 0 (no cap) or more, got {cfg.max_reuse}")
@@ -412,6 +418,8 @@ def check(cfg: Config, world: int):
     cfg.threads = max(1, cores // (local + cfg.searchers))  # CPU: split the cores evenly between processes
     tokenizer, train, test, prompts, test_prompts = check_task(cfg)
     need(cfg.micro_batch >= cfg.samples_per_prompt, "micro-batch", "must hold at least one prompt's K sequences")
+    if cfg.device == "cuda":
+        check_memory(cfg, local)
     cfg.out = cfg.out or (os.path.dirname(os.path.abspath(cfg.resume)) if cfg.resume
                           else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}"))
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
@@ -505,21 +513,25 @@ def check_task(cfg: Config):
         need(cfg.max_model_len <= context, "max-new-tokens",
              f"{cfg.max_new_tokens} new tokens + the longest prompt's {longest} tokens = {cfg.max_model_len} "
              f"exceeds the model's context of {context} tokens")
-    if cfg.task == "redteam" and cfg.device == "cuda":
-        check_redteam_memory(cfg)
     return tokenizer, train, test, prompts, test_prompts
 
 
-def check_redteam_memory(cfg):
-    """Red-teaming on GPUs: the attacker's, the victim's and the judge's vLLM engines and the models beside
-    them fit the smallest GPU, split as the searchers (the trainer, with --searchers 0) will split it."""
-    import redteam
-    flag, share = ("searcher-memory", cfg.searcher_memory) if cfg.searchers else ("trainer-memory", cfg.trainer_memory)
-    card = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+def check_memory(cfg, local: int):
+    """GPUs: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it loads beside
+    them fit the smallest of this node's searcher GPUs, split as the searchers will split it (searcher.
+    memory_split), or a refusal in one line naming what does not fit; --searcher-memory's default computed."""
+    import searcher
+    flag = "searcher-memory" if cfg.searchers else "trainer-memory"
+    gpus = range(local, local + cfg.searchers) if cfg.searchers else range(local)
+    card = min(torch.cuda.get_device_properties(i).total_memory for i in gpus)
+    engines, beside = searcher.memory_needs(cfg)  # searcher 0's, which evaluates: the most
+    share = getattr(cfg, flag.replace("-", "_"))
+    share = searcher.memory_share(card, beside) if share is None else share
     try:
-        redteam.memory_split(card, share, *redteam.engine_needs(cfg))
+        searcher.memory_split(card, share, engines, beside)
     except ValueError as e:
         raise ConfigError(f"--{flag}: {e}") from None
+    setattr(cfg, flag.replace("-", "_"), share)
 
 
 def check_environment():

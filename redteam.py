@@ -35,7 +35,7 @@ al., "Learning diverse attacks on large language models for robust red-teaming a
   all-MiniLM-L6-v2, theirs, does); `unique`, the share of distinct attacks.
 
 The victim and a judge of the causal-LM kind run on vLLM engines of their own beside the attacker's, in the
-searcher process (searcher.Engine.start; on a GPU, --searcher-memory is split between them by `memory_split`);
+searcher process (searcher.Engine.start; on a GPU, --searcher-memory is split between them by `searcher.memory_split`);
 a sequence classifier and the embedder are transformers models beside pi_ref. docs/tasks.md, "Red-teaming",
 gives why, the split for the paper's two settings, and the cost of a round.
 
@@ -290,71 +290,6 @@ def eval_counts(prompts: int, attacks: int | None) -> list[int]:
     """Attacks to sample from each of `prompts` evaluation prompts: `attacks` (default 1,024) in all."""
     total = attacks or EVAL_ATTACKS
     return [total // prompts + (i < total % prompts) for i in range(prompts)]
-
-
-# --- a GPU shared by the attacker's, the victim's and the judge's vLLM engines ---------------------------
-def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int]], rest: int) -> dict[str, float]:
-    """Each engine's gpu_memory_utilization on a GPU of `card` bytes whose `share` (--searcher-memory) holds
-    several vLLM engines in one process. engines[name] = (bytes besides the KV cache, the least KV cache, the KV
-    cache a round can fill): each gets its first two, and the share's spare goes to the KV caches in proportion
-    to the third. `rest` (the transformers models beside the engines) must fit in 1 - share. In vLLM 0.32 an
-    engine's fraction is a budget of its own: its KV cache is what its weights, activations and CUDA graphs
-    leave of it, and the engines started before it count as another process (v1/worker/utils.py:716-770,
-    v1/worker/gpu_worker.py:713-744, utils/mem_utils.py:242-245). Raises ValueError (one line) if it cannot fit."""
-    gib = lambda b: f"{b / 2**30:.1f} GiB"
-    fixed = sum(f + least for f, least, _ in engines.values())
-    if fixed + rest > card:
-        raise ValueError(f"the {' + '.join(engines)} engines need {gib(fixed)} and the models beside them "
-                         f"{gib(rest)}: more than this GPU's {gib(card)}")
-    if fixed > share * card:
-        raise ValueError(f"{share} of this GPU's {gib(card)} cannot hold the {' + '.join(engines)} engines' "
-                         f"{gib(fixed)}; give them at least {fixed / card:.2f}")
-    if rest > (1 - share) * card:
-        raise ValueError(f"{share} of this GPU's {gib(card)} leaves less than the {gib(rest)} that pi_ref and the "
-                         f"models beside the engines need; give the engines at most {1 - rest / card:.2f}")
-    spare, wanted = share * card - fixed, sum(w for *_, w in engines.values())
-    return {name: (f + least + spare * w / wanted) / card for name, (f, least, w) in engines.items()}
-
-
-def engine_needs(cfg) -> tuple[dict[str, tuple[int, int, int]], int]:
-    """memory_split's inputs for a red-teaming searcher, from the models' configs and the run's settings:
-    weights (the parameters in --dtype); the working memory vLLM measures, estimated with its defaults on an
-    A100 or a smaller card, 8,192 tokens a step and 256 sequences (engine/arg_utils.py:2942-2951): a step's
-    activations, the sampler's float32 logits and log-probs, and 0.5 GiB of CUDA graphs and workspaces; the
-    least KV cache, one whole sequence (vLLM starts no engine with less: v1/core/kv_cache_utils.py:1104-1136);
-    the KV cache a round can fill: 256 sequences at once of the attacker's or the victim's length, the judge's
-    one step of prompts (each lives one step). The rest: pi_ref and its log-prob pass (--micro-batch sequences'
-    logits and a 256 MiB chunk, loss.sequence_logprobs), the sequence classifier, the embedder, and 1 GiB for
-    the CUDA context and the allocator's cache."""
-    import transformers
-    from searcher import kv_bytes_per_token
-    d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
-
-    def shape(path, cls=transformers.AutoModelForCausalLM):  # (config, parameters): counted on the meta device
-        config = transformers.AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            return config.get_text_config(), sum(p.numel() for p in cls.from_config(config).parameters())
-
-    def engine(path, longest, length, seqs):  # (besides the KV cache, the least KV cache, what a round can fill)
-        c, n = shape(path)
-        ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
-        work = 8192 * (4 * c.hidden_size + 2 * ffn) * d + 3 * 256 * c.vocab_size * 4 + 2**29
-        token = kv_bytes_per_token(path, cfg.dtype)
-        return n * d + work, token * longest, token * min(seqs, 256) * length
-
-    attacks = cfg.prompts_per_step * cfg.search_samples_per_prompt  # a searcher round's
-    answer = cfg.victim_max_new_tokens or CHAT_SAMPLING["max_new_tokens"]  # the longer of the two defaults
-    engines = dict(attacker=engine(cfg.model_path, cfg.max_model_len, cfg.max_model_len, attacks),
-                   victim=engine(cfg.victim_path, context(cfg.victim_path), cfg.max_model_len + answer,
-                                 attacks * cfg.victim_responses))
-    if cfg.classifier_kind == "judge":
-        engines["judge"] = engine(cfg.classifier_path, context(cfg.classifier_path), 8192, 1)
-    c, n = shape(cfg.model_path)
-    rest = n * d + cfg.micro_batch * cfg.max_model_len * c.vocab_size * d + 2**28 + 2**30
-    rest += shape(cfg.embedding_model_path, transformers.AutoModel)[1] * d
-    if cfg.classifier_kind == "sequence":
-        rest += shape(cfg.classifier_path, transformers.AutoModelForSequenceClassification)[1] * d
-    return engines, rest
 
 
 # --- a benchmark: one search round, timed by part -----------------------------------------------------

@@ -38,8 +38,9 @@ settings=(
   --lr 1e-5 --warmup-steps 50 --stable-steps 350 --decay-steps 600   # warmup-stable-decay
   --grad-clip 0                             # the authors never clip (no clip call in src/tba_trainer_gsm8k.py);
                                             # TB's gradient is ~136x RLOO's at beta 0.014: a clip at 1 acts every step
-  --trainer-dtype bfloat16                  # the authors' bf16 weights and AdamW state (tba_gsm8k.py:49-56): their
-                                            # lr 1e-5 was tuned where small updates round away; float32 steps further
+  --trainer-dtype bfloat16                  # the authors' bf16 weights (tba_gsm8k.py:49-56): their lr 1e-5 was tuned
+                                            # where small updates round away; float32 steps further. AdamW's moments
+                                            # stay float32 (theirs: bf16; docs/departures.md, "bf16 weights")
   --temperature 0.7 --max-new-tokens 512
   --micro-batch 20                          # one prompt's K=20 responses per forward/backward
   --dtype bfloat16

@@ -13,7 +13,7 @@
 #
 # GPU split: the paper's 8 A100s (80 GB), split as run_redteam.sh splits its 4 V100s: TRAINERS GPUs train,
 # the next SEARCHERS GPUs each run one searcher. A searcher's GPU holds the attacker's, the victim's and
-# Llama Guard's vLLM engines (--searcher-memory 0.7 of it, split between them from the models' sizes),
+# Llama Guard's vLLM engines (0.9 of it: --searcher-memory's computed default, split by the models' sizes),
 # pi_ref and MiniLM beside them; docs/tasks.md, "Red-teaming", gives the split, and the run refuses a GPU
 # it cannot fit. The one attack prompt is searched as B = 16 copies of K = 8 attacks: TRAINERS must divide 16.
 #

@@ -39,9 +39,8 @@ SETTING=${SETTING:-table3}
 GOLD=${GOLD:-cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr}
 case "$SIZE" in 410m|1b|2.8b) ;; *) echo "run_tldr.sh: SIZE must be 410m, 1b or 2.8b, got $SIZE" >&2; exit 2;; esac
 # Searcher 0 holds, beside vLLM, pi_ref, the reward model, the evaluation's policy copy and the 6.9B
-# gold judge (13.8 GB in bf16): at 2.8b those are 3 x 5.6 + 13.8 = 30.6 GB plus logits, more than
-# the 0.3 of an 80 GB GPU that --searcher-memory 0.7 leaves (computed, not run on a GPU).
-case "$SIZE" in 2.8b) SEARCHER_MEMORY=0.55;; *) SEARCHER_MEMORY=0.7;; esac
+# gold judge (13.3 GB in bf16): vLLM's share of a searcher GPU (--searcher-memory) is computed from
+# the card and these models' sizes, or the card is refused in one line (docs/gpu.md, "Memory").
 case "$SETTING" in
   # Table 3 (the released config): 40,960 episodes; beta anneals over 128 updates, cut at 32
   table3) STEPS=256; DEFAULT_SEARCHERS=3; BETA_STOP=32; BETA_TARGET=128; EVAL_EVERY=64;;
@@ -81,7 +80,6 @@ settings=(
   --temperature 0.7 --max-new-tokens 128
   --micro-batch 20                          # one prompt's K=20 responses per forward/backward
   --dtype bfloat16
-  --searcher-memory "$SEARCHER_MEMORY"     # vLLM's share of a searcher GPU (see above)
   --eval-every "$EVAL_EVERY"                # at each quarter of the run, as their saved checkpoints
   --eval-temperature 0.01                   # configs/generate_tldr.yml: 0.010001, on the whole validation split
   --eval-reward-model "$GOLD"               # the gold judge: win = gold(response) > gold(reference)

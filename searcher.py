@@ -17,6 +17,7 @@ after each part of the evaluation, so that a long one is not taken for silence.
 """
 
 import contextlib
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -61,13 +62,12 @@ class Engine:
                  evaluates: bool = True):
         self.cfg, self.prompts, self.answers = cfg, prompts, answers
         self.device = torch.device(device)
-        split = None  # redteam on a GPU: `memory` split between the attacker's, the victim's and the judge's engines
-        if cfg.task == "redteam" and self.device.type == "cuda":  # (engine_needs builds models on the meta device:
-            import redteam                                        # before vLLM rewrites classes, transformers_models)
-            split = redteam.memory_split(torch.cuda.get_device_properties(self.device).total_memory, memory,
-                                         *redteam.engine_needs(cfg))
+        split = {}  # on a GPU: `memory` split between the policy's engine and red-teaming's victim's and judge's
+        if self.device.type == "cuda":  # (memory_needs builds models on the meta device: before vLLM rewrites
+            split = memory_split(torch.cuda.get_device_properties(self.device).total_memory, memory,  # classes)
+                                 *memory_needs(cfg, evaluates))
         self.engines = []  # the vLLM engines in this process: the policy's, then red-teaming's victim and judge
-        self.llm = self.start(cfg.model_path, split["attacker"] if split else memory, cfg.max_model_len,
+        self.llm = self.start(cfg.model_path, next(iter(split.values()), memory), cfg.max_model_len,
                               logprobs_mode="processed_logprobs")  # behaviour log-probs after temperature
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -76,7 +76,7 @@ class Engine:
         self.ref_version = 0  # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.ref = self.judge = None  # pi_ref, loaded on the first search; the evaluation's judge
         if cfg.task == "redteam":  # the victim answers, the classifier judges (redteam.py)
-            self.reward, self.embedder = self.red_team_reward(split or {}), None
+            self.reward, self.embedder = self.red_team_reward(split), None
         else:
             self.reward = self.reward_model(cfg.reward_model_path) if cfg.reward_model_path else batched(REWARDS[cfg.task])
         # tldr, on the engine that evaluates: a transformers copy of the policy for the evaluation's
@@ -437,6 +437,99 @@ def cpu_kv_cache_bytes(path: str, dtype: str, max_model_len: int) -> int:
     would give (0.35 s less start-up per engine, 1 GiB less memory per searcher)."""
     tokens = 256 * -(-max_model_len // 256) * 256  # sequences x length in whole blocks
     return int(min(2**30, max(2**25, kv_bytes_per_token(path, dtype) * tokens)))
+
+
+# --- a searcher GPU's memory: vLLM's share, and its split between the engines of one process ----------
+def memory_needs(cfg, evaluates: bool = True) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
+    """memory_split's inputs for a searcher of this run (`evaluates`: the one that evaluates, the largest),
+    from the models' configs (counted on the meta device: no weights read) and the run's settings, in --dtype.
+    Each vLLM engine (the policy's; red-teaming's victim and judge): its weights and the working memory vLLM
+    measures, estimated with its defaults on an A100 or a smaller card, 8,192 tokens a step and 256 sequences
+    (engine/arg_utils.py:2942-2951): a step's activations, the sampler's float32 logits and log-probs, and
+    0.5 GiB of CUDA graphs and workspaces; the least KV cache, one whole sequence (vLLM starts no engine with
+    less: v1/core/kv_cache_utils.py:1104-1136); the KV cache a round can fill: 256 sequences at once of the
+    policy's or the victim's length, the judge's one step of prompts. Beside the engines, by name: pi_ref and
+    its log-prob pass (--micro-batch sequences' logits, twice in the TL;DR evaluation's KL, which holds the
+    policy copy's and pi_ref's at once, and a 256 MiB float32 chunk, loss.sequence_logprobs), the reward
+    model, the evaluation's policy copy, judge and SFT model (TBA′), red-teaming's sequence classifier and
+    embedder, and 1 GiB for the CUDA context and the allocator's cache."""
+    import transformers
+    d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
+
+    def size(path, cls=transformers.AutoModelForCausalLM):  # (text config, bytes of the weights)
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            return config.get_text_config(), sum(p.numel() for p in cls.from_config(config).parameters()) * d
+
+    def engine(path, longest, length, seqs):  # (besides the KV cache, the least KV cache, what a round can fill)
+        c, weights = size(path)
+        ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+        work = 8192 * (4 * c.hidden_size + 2 * ffn) * d + 3 * 256 * c.vocab_size * 4 + 2**29
+        token = kv_bytes_per_token(path, cfg.dtype)
+        return weights + work, token * longest, token * min(seqs, 256) * length
+
+    scorer = transformers.AutoModelForSequenceClassification
+    seqs = cfg.prompts_per_step * cfg.search_samples_per_prompt
+    tldr_eval = cfg.task == "tldr" and evaluates
+    engines = {"attacker" if cfg.task == "redteam" else "policy": engine(cfg.model_path, cfg.max_model_len,
+                                                                         cfg.max_model_len, seqs)}
+    c, policy = size(cfg.model_path)
+    beside = {"pi_ref": policy, "its logits": cfg.micro_batch * cfg.max_model_len * c.vocab_size * d * (1 + tldr_eval),
+              "a float32 chunk": 2**28}
+    if cfg.reward_model_path:
+        beside["the reward model"] = size(cfg.reward_model_path, scorer)[1]
+    if tldr_eval:
+        beside["the evaluation's policy copy"] = policy
+        if cfg.eval_reward_model_path != cfg.reward_model_path:
+            beside["the judge"] = size(cfg.eval_reward_model_path, scorer)[1]
+        if cfg.ref_reset_every:
+            beside["the SFT model"] = policy
+    if cfg.task == "redteam":
+        import redteam
+        answer = cfg.victim_max_new_tokens or redteam.CHAT_SAMPLING["max_new_tokens"]  # the longer default
+        engines["victim"] = engine(cfg.victim_path, redteam.context(cfg.victim_path), cfg.max_model_len + answer,
+                                   seqs * cfg.victim_responses)
+        if cfg.classifier_kind == "judge":
+            engines["judge"] = engine(cfg.classifier_path, redteam.context(cfg.classifier_path), 8192, 1)
+        else:
+            beside["the classifier"] = size(cfg.classifier_path, scorer)[1]
+        beside["the embedder"] = size(cfg.embedding_model_path, transformers.AutoModel)[1]
+    beside["the CUDA context"] = 2**30
+    return engines, beside
+
+
+def memory_share(card: int, beside: dict[str, int]) -> float:
+    """--searcher-memory's default: all of a GPU of `card` bytes that the models beside the engines leave
+    (rounded down to 0.01), at most vLLM's own default of 0.9. vLLM takes its share when it starts and refuses
+    to start with less free (vllm/v1/worker/utils.py:716-772); the searcher loads the rest after it."""
+    return min(0.9, math.floor(100 * (1 - sum(beside.values()) / card)) / 100)
+
+
+def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int]],
+                 beside: dict[str, int]) -> dict[str, float]:
+    """Each engine's gpu_memory_utilization on a GPU of `card` bytes whose `share` (--searcher-memory) holds
+    this process's vLLM engines (memory_needs gives `engines` and `beside`). engines[name] = (bytes besides
+    the KV cache, the least KV cache, the KV cache a round can fill): each gets its first two, and the share's
+    spare goes to the KV caches in proportion to the third. `beside` (the models loaded after the engines)
+    must fit in 1 - share. In vLLM 0.32 an engine's fraction is a budget of its own: its KV cache is what its
+    weights, activations and CUDA graphs leave of it, and the engines started before it count as another
+    process (v1/worker/utils.py:716-770, v1/worker/gpu_worker.py:713-744, utils/mem_utils.py:242-245).
+    Raises ValueError, one line naming what does not fit."""
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    them = f"the {' + '.join(engines)} engine" + ("s'" if len(engines) > 1 else "'s")
+    fixed, rest = sum(f + least for f, least, _ in engines.values()), sum(beside.values())
+    listed = ", ".join(f"{what} {b / 2**30:.1f}" for what, b in beside.items())
+    if fixed + rest > card:
+        raise ValueError(f"{them} {gib(fixed)} and the models beside {'them' if len(engines) > 1 else 'it'} "
+                         f"({listed}: {gib(rest)}) need more than this GPU's {gib(card)}")
+    if fixed > share * card:
+        raise ValueError(f"{share} of this GPU's {gib(card)} cannot hold {them} {gib(fixed)}; give "
+                         f"{'them' if len(engines) > 1 else 'it'} at least {math.ceil(100 * fixed / card) / 100}")
+    if rest > (1 - share) * card:
+        raise ValueError(f"{share} of this GPU's {gib(card)} leaves less than the {gib(rest)} of the models beside "
+                         f"the engines ({listed}); give the engines at most {math.floor(100 * (1 - rest / card)) / 100}")
+    spare, wanted = share * card - fixed, sum(w for *_, w in engines.values())
+    return {name: (f + least + spare * w / wanted) / card for name, (f, least, w) in engines.items()}
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

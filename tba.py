@@ -184,8 +184,8 @@ class Trainer:
         with self.engine.transformers_models() if self.engine else contextlib.nullcontext():
             self.model = load_policy(path, self.device, cfg.dtype, cfg.trainer_dtype, cfg.activation_checkpointing,
                                      adapter if cfg.lora_rank else None)
-        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
-                                     weight_decay=cfg.weight_decay)
+        self.opt = AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
+                         weight_decay=cfg.weight_decay)
         pad = self.tokenizer.pad_token_id
         self.pad = pad if pad is not None else self.tokenizer.eos_token_id
         # resume: optimizer, buffer, RNG, counters, and the weights the searchers held
@@ -439,8 +439,8 @@ class Trainer:
 # --- the trainer's model and its gradient ------------------------------------------------------------
 def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32", recompute: bool = False,
                 adapter: tuple | None = None):
-    """`weights_dtype` weights (float32, or bfloat16 as the authors' GSM8K run: AdamW keeps its state
-    in the weights' dtype), sharded with FSDP2 over the trainer ranks (per decoder block, then the
+    """`weights_dtype` weights (float32, or bfloat16 as the authors' GSM8K run; AdamW's moments stay in
+    float32 either way: `AdamW`), sharded with FSDP2 over the trainer ranks (per decoder block, then the
     whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32. The blocks are
     the modules whose class the model lists in `_no_split_modules` (transformers' convention for
     sharding wrappers): LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, Qwen2DecoderLayer, ...
@@ -462,6 +462,42 @@ def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32", r
         fully_shard(module, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW with its moments in float32 whatever the weights' dtype. torch keeps them in the
+    weights' dtype (zeros_like(p): torch/optim/adam.py:178-184), and in bf16 v x 0.999 rounds back to v,
+    so v stops decaying (docs/departures.md, "bf16 weights"). A bf16 weight is updated by torch's own
+    functional AdamW on a float32 copy, one parameter at a time (a copy of them all would cost 8 bytes a
+    parameter at once), and rounded back; float32 weights take torch's path unchanged."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if all(p.dtype == torch.float32 for g in self.param_groups for p in g["params"]):
+            return super().step(closure)
+        from torch.optim.adam import adam
+        for group in self.param_groups:
+            for p in [p for p in group["params"] if p.grad is not None]:
+                state = self.state[p]
+                if not state:  # as torch's lazy init (adam.py:161-184), in float32 (DTensors stay DTensors)
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, dtype=torch.float32),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
+                weight = p.float()
+                adam([weight], [p.grad.float()], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+                     foreach=False, decoupled_weight_decay=True, amsgrad=False, beta1=group["betas"][0],
+                     beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     maximize=False)
+                p.copy_(weight)
+
+    def load_state_dict(self, state_dict):
+        """torch casts the loaded moments to the weights' dtype (torch/optim/optimizer.py:800-801, 964-1001):
+        put the saved float32 ones back (and older checkpoints' bf16 ones in float32)."""
+        super().load_state_dict(state_dict)
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(saved, [p for g in self.param_groups for p in g["params"]]):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key.startswith("exp_avg"):
+                    self.state[p][key] = value.to(p.device, torch.float32)
 
 
 def recompute_blocks(model, blocks: set):

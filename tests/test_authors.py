@@ -1,6 +1,7 @@
 """The authors' settings, reproduced: their beta and learning-rate schedules at every update (the
-expected values come from their formulas, written out here, not from tba.py), and the GSM8K run's
-bf16 trainer (weights and AdamW state in bf16) with a checkpoint and an exact resume."""
+expected values come from their formulas, written out here, not from tba.py), the GSM8K run's bf16
+trainer (bf16 weights, float32 AdamW moments) with a checkpoint and an exact resume, and the TL;DR
+evaluation."""
 
 import pytest
 import torch
@@ -72,9 +73,9 @@ SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-toke
 
 
 def test_bf16_trainer_checkpoint_and_exact_resume(tiny_model, tmp_path):
-    """--trainer-dtype bfloat16 (synchronous, fixed seed): the weights and AdamW's state are bf16 in the
-    checkpoint, and 4 steps straight equal 2 steps, a checkpoint, then a resume to 4 (the same bf16
-    weights, bit for bit: the resumed optimizer state is the saved one, not a float32 copy). The resumed run
+    """--trainer-dtype bfloat16 (synchronous, fixed seed): the weights are bf16 in the checkpoint and AdamW's
+    moments float32 (tba.AdamW), and 4 steps straight equal 2 steps, a checkpoint, then a resume to 4 (the same
+    bf16 weights, bit for bit: the resumed moments are the saved float32 ones, not torch's bf16 cast of them). The resumed run
     evaluates at its start, loading the weights into its engine directly (weights.every_name, tied names
     included); at seed 1 a stale tied LM head there samples other responses at step 3 and the losses part."""
     from safetensors.torch import load_file
@@ -86,7 +87,7 @@ def test_bf16_trainer_checkpoint_and_exact_resume(tiny_model, tmp_path):
     assert b1.returncode == 0, b1.stdout[-3000:]
     state = torch.load(tmp_path / "b" / "checkpoint" / "trainer.pt", weights_only=True)
     moments = [v for s in state["optimizer"]["state"].values() for k, v in s.items() if k.startswith("exp_avg")]
-    assert moments and {m.dtype for m in moments} == {torch.bfloat16}
+    assert moments and {m.dtype for m in moments} == {torch.float32}
     saved = load_file(tmp_path / "b" / "checkpoint" / "model" / "model.safetensors")
     assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.bfloat16}
     b2 = run_tba([*common, "--steps", "4", "--resume", str(tmp_path / "b" / "checkpoint"),
@@ -111,7 +112,7 @@ def direct_kl_nll(policy, ref, prompt, response):
     over the whole vocabulary (torch's kl_div, as the authors' KLDivLoss(log_target=True)), and the
     response's NLL under ref."""
     import torch.nn.functional as F
-    ids = torch.tensor([prompt + response])
+    ids = torch.tensor([prompt + response], device=policy.device)
     with torch.no_grad():
         logp = F.log_softmax(policy(input_ids=ids).logits[0].float(), -1)   # (T, V)
         logp_ref = F.log_softmax(ref(input_ids=ids).logits[0].float(), -1)  # (T, V)
@@ -121,25 +122,30 @@ def direct_kl_nll(policy, ref, prompt, response):
     return kl, nll
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device visible"))])
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
-def test_full_vocabulary_kl_and_nll(arch, request):
+def test_full_vocabulary_kl_and_nll(arch, device, request):
+    """searcher.response_kl_nll, batched with padding and chunked, against one sequence at a time; on a GPU too
+    (tests/gpu_check.sh), in float32 (the GPU's kernels: a looser bound)."""
     from searcher import response_kl_nll
     from test_weight_sync import perturbed
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = request.getfixturevalue("tiny_neox" if arch == "gpt_neox" else "tiny_model")
     tok = AutoTokenizer.from_pretrained(path)
-    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    policy = perturbed(path, 1).eval()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    policy = perturbed(path, 1).to(device).eval()
     pairs = [(tok("POST: my boss wants weekends\n\nTL;DR:").input_ids, tok(" boss wants").input_ids + [tok.eos_token_id]),
              (tok("12+34=").input_ids, tok("46 and more words here").input_ids)]  # lengths differ: padding
-    kl, nll = response_kl_nll(ref, ref, pairs, 2, "cpu")
+    kl, nll = response_kl_nll(ref, ref, pairs, 2, device)
     assert list(kl) == pytest.approx([0.0, 0.0], abs=1e-6)  # a model against itself
+    rel = 1e-4 if device == "cpu" else 1e-3
     for micro_batch, chunk in ((2, 2**28), (1, 1)):  # one pass, and one sequence a pass, one position a chunk
-        kl, nll = response_kl_nll(policy, ref, pairs, micro_batch, "cpu", chunk_bytes=chunk)
+        kl, nll = response_kl_nll(policy, ref, pairs, micro_batch, device, chunk_bytes=chunk)
         for (prompt, response), k, n in zip(pairs, kl, nll):
             expected_kl, expected_nll = direct_kl_nll(policy, ref, prompt, response)
-            assert k > 1e-3 and k == pytest.approx(expected_kl, rel=1e-4)
-            assert n == pytest.approx(expected_nll, rel=1e-5)
+            assert k > 1e-3 and k == pytest.approx(expected_kl, rel=rel)
+            assert n == pytest.approx(expected_nll, rel=rel / 10)
 
 
 def test_judge_reads_where_transformers_pooling_does(tiny_rm):

@@ -327,17 +327,21 @@ def test_memory_split():
     caches by what a round fills, and a layout that cannot fit is refused in one line saying what would."""
     GiB = 2**30
     engines = dict(attacker=(3 * GiB, GiB, GiB), victim=(18 * GiB, GiB, 3 * GiB))
-    split = redteam.memory_split(80 * GiB, 0.7, engines, 6 * GiB)
+    beside = {"pi_ref": 2 * GiB, "the CUDA context": 4 * GiB}
+    split = searcher.memory_split(80 * GiB, 0.7, engines, beside)
     assert sum(split.values()) == pytest.approx(0.7)
     assert split["attacker"] * 80 == pytest.approx(4 + 33 * 1 / 4) and split["victim"] * 80 == pytest.approx(19 + 33 * 3 / 4)
     with pytest.raises(ValueError, match=r"^0.25 of this GPU's 80.0 GiB cannot hold the attacker \+ victim engines' "
                                          r"23.0 GiB; give them at least 0.29$"):
-        redteam.memory_split(80 * GiB, 0.25, engines, 6 * GiB)
-    with pytest.raises(ValueError, match=r"leaves less than the 30.0 GiB .*; give the engines at most 0.62$"):
-        redteam.memory_split(80 * GiB, 0.7, engines, 30 * GiB)
-    with pytest.raises(ValueError, match=r"^the attacker \+ victim engines need 23.0 GiB and the models beside them "
-                                         r"6.0 GiB: more than this GPU's 24.0 GiB$"):
-        redteam.memory_split(24 * GiB, 0.7, engines, 6 * GiB)
+        searcher.memory_split(80 * GiB, 0.25, engines, beside)
+    with pytest.raises(ValueError, match=r"leaves less than the 30.0 GiB of the models beside the engines \(pi_ref 26.0, "
+                                         r"the CUDA context 4.0\); give the engines at most 0.62$"):
+        searcher.memory_split(80 * GiB, 0.7, engines, {**beside, "pi_ref": 26 * GiB})
+    with pytest.raises(ValueError, match=r"^the attacker \+ victim engines' 23.0 GiB and the models beside them \(pi_ref "
+                                         r"2.0, the CUDA context 4.0: 6.0 GiB\) need more than this GPU's 24.0 GiB$"):
+        searcher.memory_split(24 * GiB, 0.7, engines, beside)
+    assert searcher.memory_share(80 * GiB, beside) == 0.9  # vLLM's default at most
+    assert searcher.memory_share(24 * GiB, beside) == 0.75  # what the models beside leave
 
 
 def paper_setting(root, llama: bool):
@@ -375,35 +379,41 @@ def paper_setting(root, llama: bool):
 
 @pytest.mark.parametrize("llama", [False, True])
 def test_memory_split_of_the_papers_settings(tmp_path, monkeypatch, llama):
-    """The paper's GPT-2 setting fits a 16 GB V100 and its Llama setting an 80 GB A100 at the default
-    --searcher-memory 0.7 (docs/tasks.md gives the split); config's check, which reads the GPUs' memory (faked here:
-    no GPU), refuses the Llama setting in one line on a 48 GB card at 0.7 and on a 40 GB card at any share."""
+    """The paper's GPT-2 setting fits a 16 GB V100 and its Llama setting an 80 GB A100 (docs/tasks.md gives the
+    split) at the computed --searcher-memory and at 0.7; config's check, which reads the GPUs' memory (faked here:
+    no GPU), fits the Llama setting on a 48 GB card with the computed share, refuses it there at 0.7 and on a
+    40 GB card at any share, in one line."""
     import config
     cfg = paper_setting(tmp_path, llama)
     card = (80 if llama else 16) * 10**9
-    engines, rest = redteam.engine_needs(cfg)
+    engines, beside = searcher.memory_needs(cfg)
     assert set(engines) == ({"attacker", "victim", "judge"} if llama else {"attacker", "victim"})
     if llama:  # 1.24B and 8.03B parameters in bf16, and their working memory
         weights = dict(attacker=1.236e9 * 2, victim=8.030e9 * 2, judge=8.030e9 * 2)
         assert all(weights[name] < f < weights[name] + 2 * 2**30 for name, (f, _, _) in engines.items()), engines
-    split = redteam.memory_split(card, 0.7, engines, rest)
+    split = searcher.memory_split(card, 0.7, engines, beside)
     assert sum(split.values()) == pytest.approx(0.7)
     cfg.searchers = 7 if llama else 3
     gpus = lambda total: monkeypatch.setattr(torch.cuda, "get_device_properties",
                                              lambda i: types.SimpleNamespace(total_memory=total))
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     gpus(card)
-    config.check_redteam_memory(cfg)  # fits: no refusal
+    config.check_memory(cfg, 1)  # fits: no refusal
+    assert cfg.searcher_memory == (0.9 if llama else 0.73)  # at most vLLM's default; what RoBERTa & co. leave
     if llama:
         gpus(48 * 10**9)
+        cfg.searcher_memory = None
+        config.check_memory(cfg, 1)
+        assert cfg.searcher_memory == 0.87  # docs/tasks.md: 0.84 to 0.87 fit
+        cfg.searcher_memory = 0.7
         with pytest.raises(config.ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 44.7 GiB cannot hold the "
                                                      r"attacker \+ victim \+ judge engines' [\d.]+ GiB; give them at least 0.8\d$"):
-            config.check_redteam_memory(cfg)
+            config.check_memory(cfg, 1)
         gpus(40 * 10**9)
-        with pytest.raises(config.ConfigError, match=r"^--searcher-memory: the attacker \+ victim \+ judge engines need "
-                                                     r"[\d.]+ GiB and the models beside them [\d.]+ GiB: more than this "
-                                                     r"GPU's 37.3 GiB$"):
-            config.check_redteam_memory(cfg)
+        cfg.searcher_memory = None
+        with pytest.raises(config.ConfigError, match=r"^--searcher-memory: the attacker \+ victim \+ judge engines' "
+                                                     r"[\d.]+ GiB and the models beside them \(pi_ref 2.3, .*, the CUDA "
+                                                     r"context 1.0: [\d.]+ GiB\) need more than this GPU's 37.3 GiB$"):
+            config.check_memory(cfg, 1)
 
 
 def test_lee_et_al_recipe_runs_and_resumes(models, tmp_path):

@@ -54,7 +54,7 @@ def test_run_tldr_dry_run_has_the_authors_settings():
     assert cfg.steps * cfg.prompts_per_step * cfg.samples_per_prompt == 100000 and cfg.eval_reward_model == "/gold"
     assert cfg.max_reuse == 20  # 2 searchers: 1,600 / (2 x 2 x 20)
     command, cfg = dry_run("--steps", "3", script="run_tldr.sh", SIZE="2.8b")
-    assert (cfg.model, cfg.steps, cfg.searcher_memory) == ("mnoukhov/pythia2.8b-sft-tldr", 3, 0.55)  # room for the judge
+    assert (cfg.model, cfg.steps, cfg.searcher_memory) == ("mnoukhov/pythia2.8b-sft-tldr", 3, None)  # computed
     assert (cfg.round_prompts, cfg.max_reuse) == (1, 26.7)  # 10 x 8 x 20 / (3 x 1 x 20)
     p = subprocess.run(["bash", os.path.join(ROOT, "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env=dict(os.environ, SIZE="3b"))
@@ -118,7 +118,7 @@ def test_run_redteam_llama_dry_run_has_the_papers_settings():
     assert (cfg.task, cfg.embedding_model, cfg.dtype) == ("redteam", "sentence-transformers/all-MiniLM-L6-v2", "bfloat16")
     assert (cfg.victim_responses, cfg.victim_max_new_tokens, cfg.buffer_capacity) == (5, 64, 5000)  # configs/llama.json
     assert (cfg.steps, cfg.sync_every, cfg.beta, cfg.lr, cfg.max_new_tokens) == (5000, 10, 0.05, 1e-4, 20)
-    assert cfg.prompts_per_step * cfg.samples_per_prompt == 128 and cfg.searcher_memory == 0.7  # docs/tasks.md's split
+    assert cfg.prompts_per_step * cfg.samples_per_prompt == 128 and cfg.searcher_memory is None  # computed: docs/tasks.md
     # Lee et al.'s recipe, as run_redteam.sh, with their Llama buffer and gamma
     assert (cfg.buffer_keep, cfg.dedup_similarity, cfg.gamma_final, cfg.gamma_anneal_steps) == ("best", 0.4, 1.2, 2000)
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.weight_decay, cfg.reward_temp) == (32, 16, 0.01, 2)
