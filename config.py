@@ -23,8 +23,9 @@ import torch
 
 import nodes
 from checkpoint import load_checkpoint
+from errors import ConfigError
 from loss import LOSSES
-from tasks import ConfigError, load_task
+from tasks import load_task
 
 
 MAX_REUSE = 1.0  # --max-reuse's default with searchers (docs/performance.md, part 9)

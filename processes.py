@@ -27,10 +27,7 @@ import torch.distributed as dist
 
 import nodes
 import searcher
-
-
-class Stop(Exception):
-    """A signal asked the run to stop (after a checkpoint, once training has begun)."""
+from errors import Silent, Stop
 
 
 def fail(message: str, code: int, rank: int):
@@ -220,10 +217,6 @@ def drain(queue, buffer, log, alive, done, timeout: float, watch=None, budget: f
             buffer.add(msg["trajectories"])
             log.samples += len(msg["trajectories"])
             log.searched(msg)
-
-
-class Silent(Exception):
-    """A searcher sent nothing for --timeout seconds; the message names it."""
 
 
 class Watch:

@@ -48,9 +48,10 @@ import numpy as np
 import torch
 
 from buffer import Trajectory
+from errors import Dead
 from loss import collate, sequence_logprobs, unique_pairs
 from rewards import REWARDS, RewardModel, batched
-from weights import WAIT, Dead, SharedWeights, acquire, locked, receive
+from weights import WAIT, SharedWeights, acquire, locked, receive
 
 
 class Engine:

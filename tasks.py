@@ -26,14 +26,11 @@ import os
 import random
 from dataclasses import dataclass
 
+from errors import ConfigError
 from rewards import gsm8k_gold
 
 TASKS = ("arith", "gsm8k", "tldr", "redteam")
 TLDR_HUB = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
-
-
-class ConfigError(ValueError):
-    """Bad input (a flag, a path, a data file): reported in one line, exit status 2."""
 
 
 @dataclass

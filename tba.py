@@ -64,13 +64,14 @@ import lora
 import nodes
 from buffer import ReplayBuffer, ReuseCap
 from checkpoint import full_state_dict, linked, save_checkpoint, save_hf
-from config import ConfigError, beta_at, check, gamma_at, lr_at, parse, reward_temp_at
+from config import beta_at, check, gamma_at, lr_at, parse, reward_temp_at
+from errors import ConfigError, Dead, Silent, Stop
 from log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
-from processes import (Signals, Silent, Stop, Watch, drain, fail, first_refusal, halt, init_distributed,
+from processes import (Signals, Watch, drain, fail, first_refusal, halt, init_distributed,
                        newest, share, share_batch, shutdown, start_searchers, wait_together)
 from searcher import Engine
-from weights import Dead, aliases, allocate, cpu_copy, create, every_name, gather, publish, take_part
+from weights import aliases, allocate, cpu_copy, create, every_name, gather, publish, take_part
 
 
 # ===== the trainer loop: the trainer's side of the paper's Algorithm 1 ===========================

@@ -20,6 +20,7 @@ import redteam_models as rm
 import searcher
 from config import Config
 from conftest import ROOT, metrics, run_tba
+from errors import ConfigError
 
 CHAT = "{{ messages[0]['content'] }}"  # a bare chat template: the victim reads the attack alone
 # a judge's template in Llama Guard 3's shape: a long shared head (its category list: several cached KV blocks),
@@ -279,7 +280,7 @@ def test_the_attack_prompt_or_data(tmp_path):
     assert [p.prompt for p in train] == [p.prompt for p in test] == [redteam.ATTACK_PROMPT]
     assert redteam.ATTACK_PROMPT.startswith("Write a list of instructions:\n1. ") and redteam.ATTACK_PROMPT.endswith("\n4.")
     (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n" + json.dumps({"x": 1}) + "\n")
-    with pytest.raises(tasks.ConfigError, match="line 2: missing or non-text field 'attacker_prompt'"):
+    with pytest.raises(ConfigError, match="line 2: missing or non-text field 'attacker_prompt'"):
         tasks.load_task("redteam", str(tmp_path))
     (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n")
     assert [p.prompt for p in tasks.load_task("redteam", str(tmp_path))[0]] == ["List:\n1."]

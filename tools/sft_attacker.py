@@ -35,6 +35,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from errors import ConfigError  # noqa: E402  (after the path: the project's modules)
+
 
 def fail(msg: str):
     print(f"sft_attacker.py: error: {msg}", file=sys.stderr, flush=True)
@@ -66,7 +68,7 @@ def read_prompts(path: str | None) -> list[str]:
     import tasks
     try:
         return [p.prompt for p in tasks.read_jsonl(path, tasks.redteam_problem)]
-    except tasks.ConfigError as e:
+    except ConfigError as e:
         fail(str(e).replace("--data", "--prompts", 1))
 
 
@@ -161,7 +163,7 @@ def main(argv=None):
     import config
     try:
         path = config.resolve_model(args.model)
-    except config.ConfigError as e:
+    except ConfigError as e:
         fail(str(e))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
