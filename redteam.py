@@ -37,10 +37,8 @@ al., "Learning diverse attacks on large language models for robust red-teaming a
 The victim and a judge of the causal-LM kind run on vLLM engines of their own beside the attacker's, in the
 searcher process (searcher.Engine.start; on a GPU, --searcher-memory is split between them by `memory_split`);
 a sequence classifier and the embedder are transformers models beside pi_ref. docs/tasks.md, "Red-teaming",
-gives why, the split for the paper's two settings, and the cost of a round.
-
-    python redteam.py --task redteam --victim V --classifier C --embedding-model E [tba.py flags]
-        # times one search round: the attacker's generation, the victim's answers, the classifier
+gives why, the split for the paper's two settings, and the cost of a round (tools/redteam_round.py times
+one).
 """
 
 import time
@@ -355,43 +353,3 @@ def engine_needs(cfg) -> tuple[dict[str, tuple[int, int, int]], int]:
     if cfg.classifier_kind == "sequence":
         rest += shape(cfg.classifier_path, transformers.AutoModelForSequenceClassification)[1] * d
     return engines, rest
-
-
-# --- a benchmark: one search round, timed by part -----------------------------------------------------
-def main(argv=None):
-    import sys
-
-    import config
-    from searcher import Engine, quiet_loading
-    from vllm import SamplingParams
-
-    cfg = config.parse(sys.argv[1:] if argv is None else argv)
-    quiet_loading()
-    try:
-        cfg, tokenizer, train, test, prompts, test_prompts, _ = config.check(cfg, 1)
-    except config.ConfigError as e:
-        sys.exit(f"redteam.py: error: {e}")
-    torch.set_num_threads(cfg.threads * (1 + cfg.searchers))  # one process here: all the cores
-    t0 = time.time()
-    memory = cfg.searcher_memory if cfg.searchers else cfg.trainer_memory  # the GPU's share config.check split
-    engine = Engine(cfg, "cpu" if cfg.device == "cpu" else "cuda:0", memory, prompts, [p.answer for p in train])
-    attacks = cfg.prompts_per_step * cfg.search_samples_per_prompt
-    print(f"{len(engine.engines)} vLLM engines started in {time.time() - t0:.1f} s; one search round: {attacks} attacks "
-          f"x {cfg.victim_responses} victim responses; victim sampling {engine.reward.victim.sampling}; "
-          f"{torch.get_num_threads()} threads")
-    for round_ in range(3):  # the first round warms up
-        t0 = time.time()
-        params = SamplingParams(n=attacks, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=round_)
-        out = engine.llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs
-        generation = time.time() - t0
-        engine.reward([prompts[0]] * len(out), [c.token_ids for c in out], [c.text for c in out])
-        s, tokens, victim_tokens = engine.reward.seconds, sum(len(c.token_ids) for c in out), engine.reward.victim.tokens
-        print(f"round {round_}: attacker generation {generation:.2f} s ({tokens} tokens, {tokens / generation:.0f}/s) | "
-              f"victim {s['victim']:.2f} s ({victim_tokens} tokens, {victim_tokens / s['victim']:.0f}/s; "
-              f"{s['victim'] / generation:.1f}x the attacker's time) | classifier {s['classifier']:.2f} s"
-              + (" (warm-up)" if round_ == 0 else ""))
-    engine.close()
-
-
-if __name__ == "__main__":
-    main()
