@@ -116,6 +116,15 @@ def context(path: str) -> int:
     return min(CONTEXT, own or CONTEXT)
 
 
+def kv_bytes_per_token(path: str, dtype: str) -> int:
+    """Bytes of KV cache a token takes in a vLLM engine of the model at `path`: keys and values of every layer."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(path).get_text_config()
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
 class Victim:
     """A frozen causal LM on a vLLM engine of its own (`llm`, searcher.Engine's), answering each attack n
     times, as Lee et al.'s (trainers/gfn_trainer.py:175-194, 407-417)."""
@@ -322,7 +331,6 @@ def engine_needs(cfg) -> tuple[dict[str, tuple[int, int, int]], int]:
     logits and a 256 MiB chunk, loss.sequence_logprobs), the sequence classifier, the embedder, and 1 GiB for
     the CUDA context and the allocator's cache."""
     import transformers
-    from searcher import kv_bytes_per_token
     d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
 
     def shape(path, cls=transformers.AutoModelForCausalLM):  # (config, parameters): counted on the meta device

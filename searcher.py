@@ -422,20 +422,12 @@ def response_kl_nll(policy, ref, pairs, micro_batch: int, device, chunk_bytes: i
     return np.array(kl_out), np.array(nll_out)
 
 
-def kv_bytes_per_token(path: str, dtype: str) -> int:
-    """Bytes of KV cache a token takes in a vLLM engine of the model at `path`: keys and values of every layer."""
-    from transformers import AutoConfig
-    c = AutoConfig.from_pretrained(path).get_text_config()
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-
-
 def cpu_kv_cache_bytes(path: str, dtype: str, max_model_len: int) -> int:
     """KV cache for vLLM's CPU engine: room for its 256 concurrent sequences (vLLM's CPU default,
     engine/arg_utils.py) of the engine's longest length, between 32 MiB and 1 GiB. The CPU engine
     allocates and zeroes all of it at start: the tiny model needs a few MiB, not the GiBs a default
     would give (0.35 s less start-up per engine, 1 GiB less memory per searcher)."""
+    from redteam import kv_bytes_per_token
     tokens = 256 * -(-max_model_len // 256) * 256  # sequences x length in whole blocks
     return int(min(2**30, max(2**25, kv_bytes_per_token(path, dtype) * tokens)))
 
