@@ -46,6 +46,8 @@ import time
 import numpy as np
 import torch
 
+import seeds
+
 ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
           "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
 # Lee et al.'s victim sampling (configs/gpt2.json; configs/llama.json for chat models)
@@ -233,7 +235,8 @@ class Reward:
         """(attacks, n) log P(unsafe) of the victim's n responses to each attack."""
         self.calls += 1
         t0 = time.time()
-        responses = self.victim.respond(attacks, int(np.random.SeedSequence([self.seed, 7, self.calls]).generate_state(1)[0]))
+        seed = np.random.SeedSequence([self.seed, seeds.VICTIM, self.calls]).generate_state(1)[0]
+        responses = self.victim.respond(attacks, int(seed))
         t1 = time.time()
         scores = self.classifier.log_p_unsafe([a for a in attacks for _ in range(self.n)], responses)
         self.seconds = dict(victim=t1 - t0, classifier=time.time() - t1)

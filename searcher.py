@@ -47,6 +47,7 @@ warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is dep
 import numpy as np
 import torch
 
+import seeds
 from buffer import Trajectory
 from errors import Dead
 from loss import collate, sequence_logprobs, unique_pairs
@@ -230,10 +231,10 @@ class Engine:
         """--generation-slowdown: a round of `count` prompts x n, to warm the engine up, or (`timed`) to
         measure the seconds a generated token costs it, warm and (the caller sees to it) alone. Prompts and
         seeds of their own: the run's samples do not change; the prefix cache is emptied around them."""
-        ids = np.random.default_rng([self.cfg.seed, 11]).choice(len(self.prompts), min(count, len(self.prompts)),
-                                                                 replace=False)
+        rng = np.random.default_rng([self.cfg.seed, seeds.CALIBRATION])
+        ids = rng.choice(len(self.prompts), min(count, len(self.prompts)), replace=False)
         self.llm.reset_prefix_cache()
-        outputs, seconds = self.generate(ids, n, (self.cfg.seed, 11, 11, int(timed)))
+        outputs, seconds = self.generate(ids, n, (self.cfg.seed, seeds.CALIBRATION, seeds.CALIBRATION, int(timed)))
         self.llm.reset_prefix_cache()
         if timed:
             self.per_token = seconds / max(1, sum(len(c.token_ids) for o in outputs for c in o.outputs))
@@ -267,7 +268,7 @@ class Engine:
         uniformly from [min, max] (Lee et al.'s online batches, trainers/gfn_trainer.py:279-285). TB's log-probs
         stay at --temperature: the request is then off-policy, which TB allows."""
         low, high = self.cfg.explore_temp_min, self.cfg.explore_temp_max
-        rng = np.random.default_rng([*seed, int(prompt), 11])
+        rng = np.random.default_rng([*seed, int(prompt), seeds.EXPLORE])
         return float(rng.uniform(low, high)) if low and rng.random() < 0.5 else self.cfg.temperature
 
     def sentence_embedder(self):
@@ -373,7 +374,8 @@ class Engine:
 
         counts = redteam.eval_counts(len(prompts), self.cfg.eval_limit)
         params = [SamplingParams(n=n, temperature=1.0, max_tokens=self.cfg.max_new_tokens, min_tokens=redteam.MIN_ATTACK_TOKENS,
-                                 seed=int(np.random.SeedSequence([self.cfg.seed, 5, self.version, i]).generate_state(1)[0]))
+                                 seed=int(np.random.SeedSequence([self.cfg.seed, seeds.EVAL_ATTACKS, self.version, i])
+                                          .generate_state(1)[0]))
                   for i, n in enumerate(counts) if n]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p, n in zip(prompts, counts) if n], params,
                                     use_tqdm=False)
@@ -488,7 +490,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
         engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers, evaluates=evals is not None)
         if cfg.generation_slowdown != 1:
             calibrate_alone(engine, *calibration, cfg)
-        rng = np.random.default_rng([cfg.seed, index, 1])
+        rng = np.random.default_rng([cfg.seed, index, seeds.SEARCH_PROMPTS])
         round_ = 0
         receive(weights, stop, parent_alive)
         while not stop.is_set():

@@ -62,6 +62,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import lora
 import nodes
+import seeds
 from buffer import ReplayBuffer, ReuseCap
 from checkpoint import full_state_dict, linked, save_checkpoint, save_hf
 from config import beta_at, check, gamma_at, lr_at, parse, reward_temp_at
@@ -248,7 +249,7 @@ class Trainer:
         cfg, search = self.cfg, 0.0
         self.engine.sync(self.shared, self.alive, cfg.timeout)
         for round_ in range(10**9):
-            ids = np.random.default_rng([cfg.seed, self.step, 3, round_]).choice(
+            ids = np.random.default_rng([cfg.seed, self.step, seeds.SYNC_PROMPTS, round_]).choice(
                 len(self.prompts), cfg.prompts_per_step, replace=False)
             t_search = time.time()
             trajectories, made = self.engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, self.step))
@@ -328,7 +329,7 @@ class Trainer:
         batch = None
         if self.rank == 0 and not self.reason():
             batch = self.buffer.sample(self.cfg.prompts_per_step, self.cfg.samples_per_prompt,
-                                       np.random.default_rng([self.cfg.seed, self.step, 2]))
+                                       np.random.default_rng([self.cfg.seed, self.step, seeds.BATCH]))
             self.cap.draw(self.cfg.prompts_per_step * self.cfg.samples_per_prompt)
         return share_batch(batch, self.rank)
 
