@@ -165,8 +165,8 @@ def fork_server():
     each, which N searchers spawned afresh would spend side by side on the cores they share: 4 on 2
     cores started 10 s later). On a GPU node each searcher imports on cores of its own, and spawn keeps
     every process free of anything a parent could have set up for CUDA. The server imports searcher.py
-    first (vLLM's environment), so it must find this folder: Python 3.11's fork server does not take
-    the trainer's sys.path (multiprocessing/forkserver.py, main), so PYTHONPATH is given it for its start."""
+    first (its top calls vllm_env.set_up), so it must find this folder: Python 3.11's fork server does not
+    take the trainer's sys.path (multiprocessing/forkserver.py, main), so PYTHONPATH is given it for its start."""
     from multiprocessing import forkserver
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["searcher", "transformers", "vllm", "vllm.entrypoints.llm"])

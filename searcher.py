@@ -24,25 +24,18 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 from queue import Empty, Full
 from types import SimpleNamespace
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process (tba.py refuses 1)
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-# On CUDA vLLM 0.32 defaults to its V2 model runner where Triton works (vllm/config/vllm.py:703-739);
-# the CPU build, which the tests run, derives from V1. Pin V1 so that a GPU runs the code the tests
-# cover; both reload weights and apply the temperature to processed log-probs.
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+import vllm_env
+
+vllm_env.set_up()  # before torch and vLLM are imported, here and in the fork server, which imports this file
 # The CPU's fork server (processes.fork_server) imports this file first. torchrun stops a rank with
 # SIGTERM to its whole process group, the server included, which ignores only SIGINT (Python 3.11,
 # multiprocessing/forkserver.py:196): dead, it reports every searcher as exit code 255
 # (popen_forkserver.py:69-72). So it ignores SIGTERM as the searchers do (run), and ends with the trainer.
 if os.environ.pop("TBA_FORK_SERVER", None):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-# vLLM 0.32's Triton shim touches torch.distributed.reduce_op, deprecated: two FutureWarnings a process
-warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
 
 import numpy as np
 import torch

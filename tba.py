@@ -54,7 +54,10 @@ import contextlib  # noqa: E402  (after the handlers: a signal during these impo
 import math
 import time
 
-import searcher  # first: sets vLLM's environment before anything imports vllm
+import vllm_env
+
+vllm_env.set_up()  # before torch and vLLM are imported: they read it at import
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -62,6 +65,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import lora
 import nodes
+import searcher
 import seeds
 from buffer import ReplayBuffer, ReuseCap
 from checkpoint import full_state_dict, linked, save_checkpoint, save_hf

@@ -69,7 +69,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above tools/
 sys.path.insert(0, ROOT)  # for tba, searcher, ... when run as `python tools/bench.py`
 
-import searcher  # noqa: F401  (first: it sets vLLM's environment)
+import vllm_env
+
+vllm_env.set_up()  # before torch and vLLM are imported: they read it at import
+
 import numpy as np
 import torch
 
