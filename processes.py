@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from queue import Empty
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -133,17 +134,25 @@ class Signals:
         self.first = self.first or (name, time.time())
 
 
-def start_searchers(ctx, cfg, rank: int, local_world: int, shared, prompts, answers, test_prompts, test_answers):
+class Channels(NamedTuple):
+    """Between a node's leader and its searchers (start_searchers)."""
+    queue: object        # mp.Queue: the searchers' messages (trajectories, evaluations, beats) to the trainer
+    stop: object         # mp.Event: set to stop the searchers
+    evals: object        # mp.Queue: evaluation requests (a step) to searcher 0 of node 0
+    calibration: tuple   # (started engines, lock): --generation-slowdown's calibration
+
+
+def start_searchers(ctx, cfg, rank: int, local_world: int, shared, data):
     """Spawn this node's `--searchers` processes (searcher.run) before the trainer loads its model, so
     that their vLLM engines start meanwhile. Searcher i of this node runs on GPU (trainer ranks + i);
     node n's are numbered from n x searchers (their seeds differ). Node 0's first also evaluates (rank 0
     asks it); the others get no evaluation channel, so they build no evaluation models (a TL;DR policy
     copy: 5.5 GB at 2.8B, reloaded at every sync).
-    Returns (processes, (trajectory queue, stop event, evaluation requests, calibration))."""
+    Returns (processes, Channels)."""
     # --generation-slowdown's calibration: engines started, and one calibrates at a time (kept alive with
     # the channels: a semaphore collected before a child unpickles it is gone)
     calibration = (ctx.Value("i", 0), ctx.Lock())
-    channels = (ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue(), calibration)
+    channels = Channels(ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue(), calibration)
     queue, stop, evals, _ = channels
     first, procs = rank // local_world * cfg.searchers, []
     start = fork_server() if cfg.device == "cpu" else ctx
@@ -151,7 +160,7 @@ def start_searchers(ctx, cfg, rank: int, local_world: int, shared, prompts, answ
         dev = f"cuda:{local_world + i}" if cfg.device == "cuda" else "cpu"
         p = start.Process(target=searcher.run, name=f"searcher-{first + i}", daemon=True,
                           args=(first + i, dict(vars(cfg)), shared, queue, stop, evals if i == 0 and rank == 0 else None,
-                                prompts, answers, test_prompts, test_answers, dev, calibration))
+                                data, dev, calibration))
         p.start()
         procs.append(p)
     return procs, channels

@@ -465,8 +465,7 @@ def put(queue, message, stop):
             parent_alive()
 
 
-def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, prompts, answers,
-        test_prompts, test_answers, device: str, calibration):
+def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, data, device: str, calibration):
     """Searcher process main: search, push, reload weights when they move, until told to stop.
     Searcher 0 also answers evaluation requests (`evals`) between rounds. `calibration`: (a counter of
     this node's started engines, a lock) for --generation-slowdown's calibration alone."""
@@ -480,7 +479,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
         quiet_loading()
-        engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers, evaluates=evals is not None)
+        engine = Engine(cfg, device, cfg.searcher_memory, data.prompts, data.answers, evaluates=evals is not None)
         if cfg.generation_slowdown != 1:
             calibrate_alone(engine, *calibration, cfg)
         rng = np.random.default_rng([cfg.seed, index, seeds.SEARCH_PROMPTS])
@@ -489,7 +488,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
         while not stop.is_set():
             engine.sync(weights, parent_alive, cfg.timeout)
             t0 = time.time()
-            ids = rng.choice(len(prompts), size=min(cfg.round_prompts, len(prompts)), replace=False)
+            ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
             trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_))
             put(queue, dict(kind="search", searcher=index, version=engine.version, trajectories=trajectories,
                             seconds=time.time() - t0, **stats), stop)
@@ -500,7 +499,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
                     engine.sync(weights, parent_alive, cfg.timeout)  # model's), else the newest
                 t0 = time.time()
                 beat = lambda done: put(queue, dict(kind="beat", searcher=index, done=done), stop)  # alive: Watch
-                scores, example = engine.evaluate(test_prompts, test_answers, beat)
+                scores, example = engine.evaluate(data.test_prompts, data.test_answers, beat)
                 put(queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores, example=example,
                                 seconds=time.time() - t0), stop)
     except Dead:

@@ -39,6 +39,16 @@ class Problem:
     answer: str  # what the reward compares against (GSM8K: the data set's whole answer field)
 
 
+@dataclass
+class Data:
+    """A run's problems as it uses them (config.check makes it): token ids of the prompts and the answers
+    the reward compares against, for searching (train) and for the evaluation (held out)."""
+    prompts: list[list[int]]       # training prompts, searched on
+    answers: list[str]             # their answers
+    test_prompts: list[list[int]]  # held-out prompts, evaluated on
+    test_answers: list[str]        # their answers
+
+
 # --- arith: the toy task -------------------------------------------------------------------
 ARITH_TEST = 400  # held-out problems (of the 8,100); the other 7,700 are for training
 

@@ -29,13 +29,13 @@ def main(argv=None):
     cfg = config.parse(sys.argv[1:] if argv is None else argv)
     quiet_loading()
     try:
-        cfg, tokenizer, train, test, prompts, test_prompts, _ = config.check(cfg, 1)
+        cfg, tokenizer, data, _ = config.check(cfg, 1)
     except ConfigError as e:
         sys.exit(f"redteam_round.py: error: {e}")
     torch.set_num_threads(cfg.threads * (1 + cfg.searchers))  # one process here: all the cores
     t0 = time.time()
     memory = cfg.searcher_memory if cfg.searchers else cfg.trainer_memory  # the GPU's share config.check split
-    engine = Engine(cfg, "cpu" if cfg.device == "cpu" else "cuda:0", memory, prompts, [p.answer for p in train])
+    engine = Engine(cfg, "cpu" if cfg.device == "cpu" else "cuda:0", memory, data.prompts, data.answers)
     attacks = cfg.prompts_per_step * cfg.search_samples_per_prompt
     print(f"{len(engine.engines)} vLLM engines started in {time.time() - t0:.1f} s; one search round: {attacks} attacks "
           f"x {cfg.victim_responses} victim responses; victim sampling {engine.reward.victim.sampling}; "
@@ -43,9 +43,9 @@ def main(argv=None):
     for round_ in range(3):  # the first round warms up
         t0 = time.time()
         params = SamplingParams(n=attacks, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=round_)
-        out = engine.llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs
+        out = engine.llm.generate([{"prompt_token_ids": data.prompts[0]}], params, use_tqdm=False)[0].outputs
         generation = time.time() - t0
-        engine.reward([prompts[0]] * len(out), [c.token_ids for c in out], [c.text for c in out])
+        engine.reward([data.prompts[0]] * len(out), [c.token_ids for c in out], [c.text for c in out])
         s, tokens, victim_tokens = engine.reward.seconds, sum(len(c.token_ids) for c in out), engine.reward.victim.tokens
         print(f"round {round_}: attacker generation {generation:.2f} s ({tokens} tokens, {tokens / generation:.0f}/s) | "
               f"victim {s['victim']:.2f} s ({victim_tokens} tokens, {victim_tokens / s['victim']:.0f}/s; "
