@@ -238,11 +238,11 @@ class Trainer:
             search = self.search_here(initial)
         elif cfg.searchers and self.multi:  # several nodes: the leaders meet (nodes.py); the others go on
             if self.leader:
-                wait = self.multi.collect(self.now, self.listen, self.alive, self.silent, self.said,
+                wait = self.multi.collect(self.drain_now, self.listen, self.alive, self.silent, self.said,
                                           lambda: self.fresh(initial) or bool(self.signals.first), self.buffer,
                                           self.log, cfg.timeout)
         elif cfg.searchers:  # TBA: whatever arrived; wait only at the start or for fresher data
-            wait = self.receive(lambda: self.missing(initial) is None, lambda: self.missing(initial))
+            wait = self.wait_for(lambda: self.missing(initial) is None, lambda: self.missing(initial))
         return wait, search
 
     def search_here(self, initial: int) -> float:
@@ -267,7 +267,7 @@ class Trainer:
             if p.exitcode is not None:
                 raise Dead(f"searcher {i} (pid {p.pid}) died with exit code {p.exitcode}")
 
-    def receive(self, until, what) -> float:
+    def wait_for(self, until, what) -> float:
         """Move the searchers' messages into the buffer and the log; wait (polling, checking the
         searchers, signals and the timeout) until `until()` holds, a signal or a silent searcher
         stops the run. Every rank waits with rank 0 (wait_together); `what()` says what for.
@@ -299,7 +299,7 @@ class Trainer:
                     f"(--max-reuse {cfg.max_reuse:g})")
         return None
 
-    def now(self) -> float:
+    def drain_now(self) -> float:
         """Several nodes, rank 0: node 0's messages into the buffer and the log, without waiting; a silent
         searcher is recorded, as on one node (the loop stops after a checkpoint)."""
         try:
@@ -415,8 +415,8 @@ class Trainer:
             self.sync_weights(lag=0)  # the final evaluation is of the final weights
         self.evaluate()
         if cfg.searchers:
-            self.receive(lambda: self.log.evals and self.log.evals[-1]["version"] == cfg.steps,
-                         lambda: f"the final evaluation (of step {cfg.steps}) from searcher 0")
+            self.wait_for(lambda: self.log.evals and self.log.evals[-1]["version"] == cfg.steps,
+                          lambda: f"the final evaluation (of step {cfg.steps}) from searcher 0")
             why = share(self.reason(), self.rank)  # all ranks together: a checkpoint is collective
             if why:
                 self.checkpoint()
