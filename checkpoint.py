@@ -18,7 +18,7 @@ import torch
 
 import lora
 from buffer import ReplayBuffer
-from tasks import ConfigError
+from errors import ConfigError
 
 
 def full_state_dict(model) -> dict:

@@ -23,8 +23,9 @@ import torch
 
 import nodes
 from checkpoint import load_checkpoint
+from errors import ConfigError
 from loss import LOSSES
-from tasks import ConfigError, load_task
+from tasks import Data, load_task
 
 
 MAX_REUSE = 1.0  # --max-reuse's default with searchers (docs/performance.md, part 9)
@@ -341,7 +342,7 @@ def need(ok, flag: str, msg: str):
 
 def check(cfg: Config, world: int):
     """Validate flags and data; fill in derived values.
-    Returns (cfg, tokenizer, train, test, prompt ids, test prompt ids, checkpoint or None)."""
+    Returns (cfg, tokenizer, Data, checkpoint or None)."""
     need(0 <= cfg.recency <= 1, "recency", f"must be in [0, 1], got {cfg.recency}")
     need(cfg.samples_per_prompt >= 2, "samples-per-prompt", f"K must be at least 2 (log Z is a mean over K), got {cfg.samples_per_prompt}")
     if cfg.search_samples_per_prompt is None:  # not given: K (an explicit 0 is refused below, not taken as K)
@@ -428,7 +429,7 @@ def check(cfg: Config, world: int):
         check_writable(cfg.out)
     if cfg.resume:
         check_resumed_flags(cfg, cfg.resume)
-    return cfg, tokenizer, train, test, prompts, test_prompts, ckpt
+    return cfg, tokenizer, Data(prompts, [p.answer for p in train], test_prompts, [p.answer for p in test]), ckpt
 
 
 def check_recipe(cfg: Config):

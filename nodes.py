@@ -10,10 +10,10 @@ On one node nothing here runs (tba.py's Trainer checks `multi`). On several:
   publishes under its node's lock. Searchers never join a process group and read the weights
   through shared memory / CUDA IPC as on one node.
 - No weight transport of its own: every trainer rank already runs FSDP2's all-gather of each full
-  parameter when weights are published (weights.gather; rank 0 alone used to keep them). Every
-  leader now copies them into its node's shared tensors. The shards are cast to the sync dtype
-  before the all-gather: half the bytes in bf16, and the same bits as rounding after it, since
-  rounding is per element (tests/test_nodes.py).
+  parameter when weights are published (weights.gather), and every leader copies them into its
+  node's shared tensors. The shards are cast to the sync dtype before the all-gather: half the
+  bytes in bf16, and the same bits as rounding after it, since rounding is per element
+  (tests/test_nodes.py).
 - Trajectories go to rank 0 over torch.distributed: once a step (and every POLL seconds while rank 0
   waits for its initial data, and for a first message from every node: the first step waits until
   every node's searchers are known to run) the leaders meet in `collect`: each takes what its node's searchers
@@ -52,8 +52,7 @@ import torch
 import torch.distributed as dist
 
 from buffer import Trajectory
-from tasks import ConfigError
-from weights import Dead
+from errors import ConfigError, Dead
 
 POLL = 0.25  # s between two meetings of the leaders while rank 0 waits for data
 FIELDS = ("prompt_id", "reward", "logp_ref", "logp_behaviour", "version", "ref_version")  # with the length

@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from queue import Empty
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,10 +28,7 @@ import torch.distributed as dist
 
 import nodes
 import searcher
-
-
-class Stop(Exception):
-    """A signal asked the run to stop (after a checkpoint, once training has begun)."""
+from errors import Silent, Stop
 
 
 def fail(message: str, code: int, rank: int):
@@ -136,17 +134,25 @@ class Signals:
         self.first = self.first or (name, time.time())
 
 
-def start_searchers(ctx, cfg, rank: int, local_world: int, shared, prompts, answers, test_prompts, test_answers):
+class Channels(NamedTuple):
+    """Between a node's leader and its searchers (start_searchers)."""
+    queue: object        # mp.Queue: the searchers' messages (trajectories, evaluations, beats) to the trainer
+    stop: object         # mp.Event: set to stop the searchers
+    evals: object        # mp.Queue: evaluation requests (a step) to searcher 0 of node 0
+    calibration: tuple   # (started engines, lock): --generation-slowdown's calibration
+
+
+def start_searchers(ctx, cfg, rank: int, local_world: int, shared, data):
     """Spawn this node's `--searchers` processes (searcher.run) before the trainer loads its model, so
     that their vLLM engines start meanwhile. Searcher i of this node runs on GPU (trainer ranks + i);
     node n's are numbered from n x searchers (their seeds differ). Node 0's first also evaluates (rank 0
     asks it); the others get no evaluation channel, so they build no evaluation models (a TL;DR policy
     copy: 5.5 GB at 2.8B, reloaded at every sync).
-    Returns (processes, (trajectory queue, stop event, evaluation requests, calibration))."""
+    Returns (processes, Channels)."""
     # --generation-slowdown's calibration: engines started, and one calibrates at a time (kept alive with
     # the channels: a semaphore collected before a child unpickles it is gone)
     calibration = (ctx.Value("i", 0), ctx.Lock())
-    channels = (ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue(), calibration)
+    channels = Channels(ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue(), calibration)
     queue, stop, evals, _ = channels
     first, procs = rank // local_world * cfg.searchers, []
     start = fork_server() if cfg.device == "cpu" else ctx
@@ -154,7 +160,7 @@ def start_searchers(ctx, cfg, rank: int, local_world: int, shared, prompts, answ
         dev = f"cuda:{local_world + i}" if cfg.device == "cuda" else "cpu"
         p = start.Process(target=searcher.run, name=f"searcher-{first + i}", daemon=True,
                           args=(first + i, dict(vars(cfg)), shared, queue, stop, evals if i == 0 and rank == 0 else None,
-                                prompts, answers, test_prompts, test_answers, dev, calibration))
+                                data, dev, calibration))
         p.start()
         procs.append(p)
     return procs, channels
@@ -168,8 +174,8 @@ def fork_server():
     each, which N searchers spawned afresh would spend side by side on the cores they share: 4 on 2
     cores started 10 s later). On a GPU node each searcher imports on cores of its own, and spawn keeps
     every process free of anything a parent could have set up for CUDA. The server imports searcher.py
-    first (vLLM's environment), so it must find this folder: Python 3.11's fork server does not take
-    the trainer's sys.path (multiprocessing/forkserver.py, main), so PYTHONPATH is given it for its start."""
+    first (its top calls vllm_env.set_up), so it must find this folder: Python 3.11's fork server does not
+    take the trainer's sys.path (multiprocessing/forkserver.py, main), so PYTHONPATH is given it for its start."""
     from multiprocessing import forkserver
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["searcher", "transformers", "vllm", "vllm.entrypoints.llm"])
@@ -220,10 +226,6 @@ def drain(queue, buffer, log, alive, done, timeout: float, watch=None, budget: f
             buffer.add(msg["trajectories"])
             log.samples += len(msg["trajectories"])
             log.searched(msg)
-
-
-class Silent(Exception):
-    """A searcher sent nothing for --timeout seconds; the message names it."""
 
 
 class Watch:

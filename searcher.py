@@ -25,33 +25,28 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 from queue import Empty, Full
 from types import SimpleNamespace
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process (tba.py refuses 1)
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-# On CUDA vLLM 0.32 defaults to its V2 model runner where Triton works (vllm/config/vllm.py:703-739);
-# the CPU build, which the tests run, derives from V1. Pin V1 so that a GPU runs the code the tests
-# cover; both reload weights and apply the temperature to processed log-probs.
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+import vllm_env
+
+vllm_env.set_up()  # before torch and vLLM are imported, here and in the fork server, which imports this file
 # The CPU's fork server (processes.fork_server) imports this file first. torchrun stops a rank with
 # SIGTERM to its whole process group, the server included, which ignores only SIGINT (Python 3.11,
 # multiprocessing/forkserver.py:196): dead, it reports every searcher as exit code 255
 # (popen_forkserver.py:69-72). So it ignores SIGTERM as the searchers do (run), and ends with the trainer.
 if os.environ.pop("TBA_FORK_SERVER", None):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-# vLLM 0.32's Triton shim touches torch.distributed.reduce_op, deprecated: two FutureWarnings a process
-warnings.filterwarnings("ignore", message=r"`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
 
 import numpy as np
 import torch
 
+import seeds
 from buffer import Trajectory
+from errors import Dead
 from loss import collate, sequence_logprobs, unique_pairs
 from rewards import REWARDS, RewardModel, batched
-from weights import WAIT, Dead, SharedWeights, acquire, locked, receive
+from weights import WAIT, SharedWeights, acquire, locked, receive
 
 
 class Engine:
@@ -229,10 +224,10 @@ class Engine:
         """--generation-slowdown: a round of `count` prompts x n, to warm the engine up, or (`timed`) to
         measure the seconds a generated token costs it, warm and (the caller sees to it) alone. Prompts and
         seeds of their own: the run's samples do not change; the prefix cache is emptied around them."""
-        ids = np.random.default_rng([self.cfg.seed, 11]).choice(len(self.prompts), min(count, len(self.prompts)),
-                                                                 replace=False)
+        rng = np.random.default_rng([self.cfg.seed, seeds.CALIBRATION])
+        ids = rng.choice(len(self.prompts), min(count, len(self.prompts)), replace=False)
         self.llm.reset_prefix_cache()
-        outputs, seconds = self.generate(ids, n, (self.cfg.seed, 11, 11, int(timed)))
+        outputs, seconds = self.generate(ids, n, (self.cfg.seed, seeds.CALIBRATION, seeds.CALIBRATION, int(timed)))
         self.llm.reset_prefix_cache()
         if timed:
             self.per_token = seconds / max(1, sum(len(c.token_ids) for o in outputs for c in o.outputs))
@@ -266,7 +261,7 @@ class Engine:
         uniformly from [min, max] (Lee et al.'s online batches, trainers/gfn_trainer.py:279-285). TB's log-probs
         stay at --temperature: the request is then off-policy, which TB allows."""
         low, high = self.cfg.explore_temp_min, self.cfg.explore_temp_max
-        rng = np.random.default_rng([*seed, int(prompt), 11])
+        rng = np.random.default_rng([*seed, int(prompt), seeds.EXPLORE])
         return float(rng.uniform(low, high)) if low and rng.random() < 0.5 else self.cfg.temperature
 
     def sentence_embedder(self):
@@ -372,7 +367,8 @@ class Engine:
 
         counts = redteam.eval_counts(len(prompts), self.cfg.eval_limit)
         params = [SamplingParams(n=n, temperature=1.0, max_tokens=self.cfg.max_new_tokens, min_tokens=redteam.MIN_ATTACK_TOKENS,
-                                 seed=int(np.random.SeedSequence([self.cfg.seed, 5, self.version, i]).generate_state(1)[0]))
+                                 seed=int(np.random.SeedSequence([self.cfg.seed, seeds.EVAL_ATTACKS, self.version, i])
+                                          .generate_state(1)[0]))
                   for i, n in enumerate(counts) if n]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p, n in zip(prompts, counts) if n], params,
                                     use_tqdm=False)
@@ -570,8 +566,7 @@ def put(queue, message, stop):
             parent_alive()
 
 
-def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, prompts, answers,
-        test_prompts, test_answers, device: str, calibration):
+def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, data, device: str, calibration):
     """Searcher process main: search, push, reload weights when they move, until told to stop.
     Searcher 0 also answers evaluation requests (`evals`) between rounds. `calibration`: (a counter of
     this node's started engines, a lock) for --generation-slowdown's calibration alone."""
@@ -585,16 +580,16 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
         quiet_loading()
-        engine = Engine(cfg, device, cfg.searcher_memory, prompts, answers, evaluates=evals is not None)
+        engine = Engine(cfg, device, cfg.searcher_memory, data.prompts, data.answers, evaluates=evals is not None)
         if cfg.generation_slowdown != 1:
             calibrate_alone(engine, *calibration, cfg)
-        rng = np.random.default_rng([cfg.seed, index, 1])
+        rng = np.random.default_rng([cfg.seed, index, seeds.SEARCH_PROMPTS])
         round_ = 0
         receive(weights, stop, parent_alive)
         while not stop.is_set():
             engine.sync(weights, parent_alive, cfg.timeout)
             t0 = time.time()
-            ids = rng.choice(len(prompts), size=min(cfg.round_prompts, len(prompts)), replace=False)
+            ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
             trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_))
             put(queue, dict(kind="search", searcher=index, version=engine.version, trajectories=trajectories,
                             seconds=time.time() - t0, **stats), stop)
@@ -605,7 +600,7 @@ def run(index: int, cfg: dict, weights: SharedWeights, queue, stop, evals, promp
                     engine.sync(weights, parent_alive, cfg.timeout)  # model's), else the newest
                 t0 = time.time()
                 beat = lambda done: put(queue, dict(kind="beat", searcher=index, done=done), stop)  # alive: Watch
-                scores, example = engine.evaluate(test_prompts, test_answers, beat)
+                scores, example = engine.evaluate(data.test_prompts, data.test_answers, beat)
                 put(queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores, example=example,
                                 seconds=time.time() - t0), stop)
     except Dead:

@@ -54,7 +54,10 @@ import contextlib  # noqa: E402  (after the handlers: a signal during these impo
 import math
 import time
 
-import searcher  # first: sets vLLM's environment before anything imports vllm
+import vllm_env
+
+vllm_env.set_up()  # before torch and vLLM are imported: they read it at import
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -62,15 +65,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import lora
 import nodes
+import searcher
+import seeds
 from buffer import ReplayBuffer, ReuseCap
 from checkpoint import full_state_dict, linked, save_checkpoint, save_hf
-from config import ConfigError, beta_at, check, gamma_at, lr_at, parse, reward_temp_at
+from config import beta_at, check, gamma_at, lr_at, parse, reward_temp_at
+from errors import ConfigError, Dead, Silent, Stop
 from log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
-from processes import (Signals, Silent, Stop, Watch, drain, fail, first_refusal, halt, init_distributed,
+from processes import (Signals, Watch, drain, fail, first_refusal, halt, init_distributed,
                        newest, share, share_batch, shutdown, start_searchers, wait_together)
 from searcher import Engine
-from weights import Dead, aliases, allocate, cpu_copy, create, every_name, gather, publish, take_part
+from weights import aliases, allocate, cpu_copy, create, every_name, gather, publish, take_part
 
 
 # ===== the trainer loop: the trainer's side of the paper's Algorithm 1 ===========================
@@ -96,7 +102,7 @@ def train(t: "Trainer"):
         temps = dict(gamma=gamma_at(cfg, t.step), reward_temp=reward_temp_at(cfg, t.step))  # Lee et al.'s; 1 = off
         for g in t.opt.param_groups:
             g["lr"] = lr
-        sums = backward(t.model, mine, len(batch) / t.world, t.prompts, t.pad, t.device, cfg, beta, **temps)
+        sums = backward(t.model, mine, len(batch) / t.world, t.data.prompts, t.pad, t.device, cfg, beta, **temps)
         stats = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(stats)
         stats = dict(zip(sums, (stats / stats[list(sums).index("prompts")]).tolist()))  # means over prompts
@@ -143,9 +149,8 @@ class Trainer:
     algorithm itself: the searchers and the waits on them, the weights' trips, evaluation, signals,
     checkpoints, the staleness study (--lag) and TBA′'s reset."""
 
-    def __init__(self, cfg, tokenizer, prompts, answers, test_prompts, test_answers, ckpt, signals, t_start: float):
-        self.cfg, self.tokenizer, self.ckpt, self.signals = cfg, tokenizer, ckpt, signals
-        self.prompts, self.answers, self.test_prompts, self.test_answers = prompts, answers, test_prompts, test_answers
+    def __init__(self, cfg, tokenizer, data, ckpt, signals, t_start: float):
+        self.cfg, self.tokenizer, self.data, self.ckpt, self.signals = cfg, tokenizer, data, ckpt, signals
         self.rank, self.world, local_rank = init_distributed(cfg)
         self.local_world = nodes.layout(self.world)[1]
         self.leader = local_rank == 0  # its node's shared weights, searchers and queue (rank 0 on one node)
@@ -170,10 +175,9 @@ class Trainer:
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = create(ctx) if self.leader else None
         if self.leader and cfg.searchers:
-            self.procs, self.channels = start_searchers(ctx, cfg, self.rank, self.local_world, self.shared, self.prompts,
-                                                        self.answers, self.test_prompts, self.test_answers)
+            self.procs, self.channels = start_searchers(ctx, cfg, self.rank, self.local_world, self.shared, self.data)
         if cfg.searchers == 0:  # synchronous baseline: a vLLM engine inside the trainer (one process: see check())
-            self.engine = Engine(cfg, str(self.device), cfg.trainer_memory, self.prompts, self.answers)
+            self.engine = Engine(cfg, str(self.device), cfg.trainer_memory, self.data.prompts, self.data.answers)
             if cfg.generation_slowdown != 1:
                 for timed in (False, True):
                     self.engine.calibrate(cfg.prompts_per_step, cfg.search_samples_per_prompt, timed)
@@ -190,7 +194,7 @@ class Trainer:
         self.pad = pad if pad is not None else self.tokenizer.eos_token_id
         # resume: optimizer, buffer, RNG, counters, and the weights the searchers held
         first = {}  # copies of one prompt share one best set (red-teaming searches one instruction as B copies)
-        group_of = ([first.setdefault(np.asarray(p, np.int64).tobytes(), i) for i, p in enumerate(self.prompts)]
+        group_of = ([first.setdefault(np.asarray(p, np.int64).tobytes(), i) for i, p in enumerate(self.data.prompts)]
                     if cfg.buffer_keep == "best" else None)
         self.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp, cfg.buffer_keep, cfg.beta,
                                    cfg.dedup_similarity, cfg.dedup_edit, group_of)
@@ -234,11 +238,11 @@ class Trainer:
             search = self.search_here(initial)
         elif cfg.searchers and self.multi:  # several nodes: the leaders meet (nodes.py); the others go on
             if self.leader:
-                wait = self.multi.collect(self.now, self.listen, self.alive, self.silent, self.said,
+                wait = self.multi.collect(self.drain_now, self.listen, self.alive, self.silent, self.said,
                                           lambda: self.fresh(initial) or bool(self.signals.first), self.buffer,
                                           self.log, cfg.timeout)
         elif cfg.searchers:  # TBA: whatever arrived; wait only at the start or for fresher data
-            wait = self.receive(lambda: self.missing(initial) is None, lambda: self.missing(initial))
+            wait = self.wait_for(lambda: self.missing(initial) is None, lambda: self.missing(initial))
         return wait, search
 
     def search_here(self, initial: int) -> float:
@@ -247,8 +251,8 @@ class Trainer:
         cfg, search = self.cfg, 0.0
         self.engine.sync(self.shared, self.alive, cfg.timeout)
         for round_ in range(10**9):
-            ids = np.random.default_rng([cfg.seed, self.step, 3, round_]).choice(
-                len(self.prompts), cfg.prompts_per_step, replace=False)
+            ids = np.random.default_rng([cfg.seed, self.step, seeds.SYNC_PROMPTS, round_]).choice(
+                len(self.data.prompts), cfg.prompts_per_step, replace=False)
             t_search = time.time()
             trajectories, made = self.engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, self.step))
             search += time.time() - t_search
@@ -263,14 +267,14 @@ class Trainer:
             if p.exitcode is not None:
                 raise Dead(f"searcher {i} (pid {p.pid}) died with exit code {p.exitcode}")
 
-    def receive(self, until, what) -> float:
+    def wait_for(self, until, what) -> float:
         """Move the searchers' messages into the buffer and the log; wait (polling, checking the
         searchers, signals and the timeout) until `until()` holds, a signal or a silent searcher
         stops the run. Every rank waits with rank 0 (wait_together); `what()` says what for.
         Returns seconds waited."""
         def some(seconds):
             try:
-                return drain(self.channels[0], self.buffer, self.log, self.alive, done, self.cfg.timeout, self.watch,
+                return drain(self.channels.queue, self.buffer, self.log, self.alive, done, self.cfg.timeout, self.watch,
                              seconds)
             except Silent as e:
                 self.silent[:] = [str(e)]
@@ -295,11 +299,11 @@ class Trainer:
                     f"(--max-reuse {cfg.max_reuse:g})")
         return None
 
-    def now(self) -> float:
+    def drain_now(self) -> float:
         """Several nodes, rank 0: node 0's messages into the buffer and the log, without waiting; a silent
         searcher is recorded, as on one node (the loop stops after a checkpoint)."""
         try:
-            return drain(self.channels[0], self.buffer, self.log, self.alive, lambda: True, self.cfg.timeout,
+            return drain(self.channels.queue, self.buffer, self.log, self.alive, lambda: True, self.cfg.timeout,
                          self.watch)
         except Silent as e:
             self.silent[:] = self.silent or [str(e)]
@@ -308,7 +312,7 @@ class Trainer:
     def listen(self) -> list:
         """Several nodes, a leader of node >= 1: the trajectories its searchers queued, without waiting,
         heard by its watch; a silent searcher is recorded, for rank 0 (nodes.Nodes.collect)."""
-        trajectories = nodes.take(self.channels[0], self.watch.heard)
+        trajectories = nodes.take(self.channels.queue, self.watch.heard)
         try:
             self.watch.check()
         except Silent as e:
@@ -327,7 +331,7 @@ class Trainer:
         batch = None
         if self.rank == 0 and not self.reason():
             batch = self.buffer.sample(self.cfg.prompts_per_step, self.cfg.samples_per_prompt,
-                                       np.random.default_rng([self.cfg.seed, self.step, 2]))
+                                       np.random.default_rng([self.cfg.seed, self.step, seeds.BATCH]))
             self.cap.draw(self.cfg.prompts_per_step * self.cfg.samples_per_prompt)
         return share_batch(batch, self.rank)
 
@@ -382,13 +386,13 @@ class Trainer:
         """Greedy evaluation on the held-out problems with the current weights."""
         if self.cfg.searchers:  # searcher 0 evaluates the newest published weights between rounds
             if self.rank == 0:
-                self.channels[2].put(self.step)
+                self.channels.evals.put(self.step)
                 self.watch.evaluating = True  # its parts may each take longer than a round: no warning
             return
         t0 = time.time()
         if self.engine.version != self.step:  # the weights as a sync sends them: its dtype, tied names too
             self.engine.load(every_name(self.model, getattr(torch, self.cfg.dtype)), self.step)
-        scores, example = self.engine.evaluate(self.test_prompts, self.test_answers)
+        scores, example = self.engine.evaluate(self.data.test_prompts, self.data.test_answers)
         self.log.eval(self.step, scores, example, time.time() - t0, self.log.clock())
         self.log.overhead += time.time() - t0
 
@@ -411,8 +415,8 @@ class Trainer:
             self.sync_weights(lag=0)  # the final evaluation is of the final weights
         self.evaluate()
         if cfg.searchers:
-            self.receive(lambda: self.log.evals and self.log.evals[-1]["version"] == cfg.steps,
-                         lambda: f"the final evaluation (of step {cfg.steps}) from searcher 0")
+            self.wait_for(lambda: self.log.evals and self.log.evals[-1]["version"] == cfg.steps,
+                          lambda: f"the final evaluation (of step {cfg.steps}) from searcher 0")
             why = share(self.reason(), self.rank)  # all ranks together: a checkpoint is collective
             if why:
                 self.checkpoint()
@@ -429,7 +433,7 @@ class Trainer:
         """Whatever happened: the log closed, the searchers and the engine stopped, the group left."""
         self.log.close()
         if self.channels is not None:
-            shutdown(self.procs, *self.channels[:2], self.shared.handoff)
+            shutdown(self.procs, self.channels.queue, self.channels.stop, self.shared.handoff)
         if self.engine is not None:
             self.engine.close()
         if dist.is_initialized():
@@ -535,11 +539,10 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
 
 
 # ===== the run ====================================================================================
-def run(cfg, tokenizer, train_problems, test_problems, prompts, test_prompts, ckpt):
+def run(cfg, tokenizer, data, ckpt):
     t_start = time.time()
     signals = Signals()  # from here a signal stops the run: at once before the first step, else after a checkpoint
-    t = Trainer(cfg, tokenizer, prompts, [p.answer for p in train_problems], test_prompts,
-                [p.answer for p in test_problems], ckpt, signals, t_start)
+    t = Trainer(cfg, tokenizer, data, ckpt, signals, t_start)
     try:
         t.start()
         train(t)
@@ -560,7 +563,7 @@ def main(argv=None):
     if world > 1:  # the ranks join, then decide together whether the configuration holds
         init_distributed(cfg)
     try:
-        cfg, *data = check(cfg, world)
+        cfg, tokenizer, data, ckpt = check(cfg, world)
         refusal = None
     except ConfigError as e:
         refusal = str(e)
@@ -571,7 +574,7 @@ def main(argv=None):
             dist.destroy_process_group()
         fail(f"tba.py: error: {refusal}", 2, rank_env)
     try:
-        run(cfg, *data)
+        run(cfg, tokenizer, data, ckpt)
     except (Dead, Silent, FloatingPointError, TimeoutError) as e:  # a searcher died or went silent, a non-finite loss, a wait timed out
         fail(f"tba.py: error: {e}", 1, rank_env)
     except Stop as e:

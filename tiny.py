@@ -5,11 +5,9 @@ CPU cores), caches it under $TBA_CACHE (default ~/.cache/tba) and reuses it. The
 is a short supervised pass on the answers of training problems, stopped on purpose as soon as
 greedy accuracy on 512 training problems, checked after every step near the target, reaches 35%, so that RL starts
 from the same competence on any machine and has room to improve it. Where the warm start stops
-decides how much RL gains in 200 steps (measured on one machine: held-out 0.24 at the start gave
-+0.26, 0.31 gave +0.30), and a coarse rule stopped at different points on different CPUs: a fixed
-number of steps does not do (accuracy climbs from 25% to 70% within 30 steps, and float rounding
-moves that climb by 10 steps between CPUs), nor did a 30% target checked every 5 steps on 256
-problems (0.278 held-out on an Intel Xeon, 0.240 on an AMD EPYC).
+decides how much RL gains in 200 steps, and a coarse rule stops at different points on different
+CPUs: a fixed number of steps does not do (accuracy climbs from 25% to 70% within 30 steps, and
+float rounding moves that climb by several steps between CPUs).
 
     python tiny.py OUT_DIR    # build it into OUT_DIR instead of the cache
 

@@ -30,10 +30,6 @@ import lora
 WAIT = 1.0  # s: every blocking wait polls at this period and checks that the other side lives
 
 
-class Dead(RuntimeError):
-    """Another process of the run died; the message names it."""
-
-
 @dataclass
 class SharedWeights:
     tensors: dict | None  # Hugging Face parameter name -> shared tensor (tied names share one tensor)

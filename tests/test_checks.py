@@ -13,6 +13,7 @@ import config
 import processes
 import tba
 from conftest import free_port, metrics, report_of, run_tba
+from errors import ConfigError
 from test_faults import SMALL
 
 
@@ -226,5 +227,5 @@ def test_only_rank_0_looks_into_out(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert config.check(cfg, 1)[0].out == str(out)
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(config.ConfigError, match="exists and is not empty"):
+    with pytest.raises(ConfigError, match="exists and is not empty"):
         config.check(config.parse(["--model", tiny_model, *SMALL, "--out", str(out)]), 1)

@@ -11,7 +11,7 @@ import tasks
 import config
 import tba
 from conftest import DATA, ROOT, env
-from tasks import ConfigError
+from errors import ConfigError
 
 
 def refuse(args, tmp_path, monkeypatch, capsys, match):

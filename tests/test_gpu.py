@@ -37,9 +37,9 @@ import config
 import processes
 import tba
 import weights
+from errors import ConfigError, Dead
 from loss import collate, sequence_logprobs
 from conftest import get_report
-from tasks import ConfigError
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 TIMEOUT = 120.0  # s: any wait on a spawned process (first CUDA/NCCL start-up included)
@@ -48,7 +48,7 @@ TIMEOUT = 120.0  # s: any wait on a spawned process (first CUDA/NCCL start-up in
 def parent_alive():
     parent = mp.parent_process()
     if parent is not None and not parent.is_alive():
-        raise weights.Dead("the test process is gone")
+        raise Dead("the test process is gone")
 
 
 def finish(procs, stop=None):
@@ -320,7 +320,7 @@ def test_handoff_of_shared_tensors_to_a_spawned_reader(kind):
 
     def alive():
         if proc.exitcode is not None:
-            raise weights.Dead(f"reader died with exit code {proc.exitcode}")
+            raise Dead(f"reader died with exit code {proc.exitcode}")
 
     def expected(named):
         return {**{n: t.tolist() for n, t in named}, "lm_head.weight": dict(named)["embed.weight"].tolist()}

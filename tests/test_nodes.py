@@ -312,10 +312,9 @@ def lock_on_node_1(rank, path, out, port, results):
     from buffer import ReplayBuffer
     try:
         as_node(rank, port)
-        cfg, tok, train, test, prompts, test_prompts, _ = config.check(
+        cfg, tok, data, _ = config.check(
             config.parse(["--model", path, *SMALL, "--timeout", "2", "--out", out]), 2)
-        t = tba.Trainer(cfg, tok, prompts, [p.answer for p in train], test_prompts, [p.answer for p in test], None,
-                        types.SimpleNamespace(first=None, training=True), time.time())
+        t = tba.Trainer(cfg, tok, data, None, types.SimpleNamespace(first=None, training=True), time.time())
         try:
             t.model = tba.load_policy(cfg.model_path, t.device, "float32")
             t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
@@ -353,6 +352,7 @@ def test_only_node_0s_first_searcher_evaluates():
     goes to node 0's first only: the others build no evaluation models (a TL;DR policy copy)."""
     import types
     import processes
+    from tasks import Data
     spawned = []
 
     class Process:
@@ -367,7 +367,8 @@ def test_only_node_0s_first_searcher_evaluates():
     for rank, expected in ((0, [("searcher-0", 0, True), ("searcher-1", 1, False)]),
                            (2, [("searcher-2", 2, False), ("searcher-3", 3, False)])):  # nodes of 2 ranks
         spawned.clear()
-        _, (_, _, evals) = processes.start_searchers(ctx, cfg, rank, 2, None, [], [], [], [])
+        _, channels = processes.start_searchers(ctx, cfg, rank, 2, None, Data([], [], [], []))
+        evals = channels.evals
         assert [(name, index, channel is evals) for name, index, channel in spawned] == expected
         assert all(channel is None for name, index, channel in spawned if channel is not evals)
 

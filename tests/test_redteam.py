@@ -18,8 +18,10 @@ import torch
 import redteam
 import redteam_models as rm
 import searcher
+import tasks
 from config import Config
 from conftest import ROOT, metrics, run_tba
+from errors import ConfigError
 
 CHAT = "{{ messages[0]['content'] }}"  # a bare chat template: the victim reads the attack alone
 # a judge's template in Llama Guard 3's shape: a long shared head (its category list: several cached KV blocks),
@@ -58,7 +60,7 @@ def engine_for(models, victim, classifier, kind, n=3, attacker="llama", **extra)
     cfg.search_samples_per_prompt = cfg.samples_per_prompt
     cfg.victim_path, cfg.classifier_path, cfg.classifier_kind = models[victim], models[classifier], kind
     cfg.embedding_model_path = models["embedder"]
-    return searcher.Engine(cfg, "cpu", 0.1, [models["tokenizer"](redteam.ATTACK_PROMPT).input_ids], [""])
+    return searcher.Engine(cfg, "cpu", 0.1, [models["tokenizer"](tasks.ATTACK_PROMPT).input_ids], [""])
 
 
 @pytest.fixture(scope="module")
@@ -274,12 +276,11 @@ def test_attack_success_rises_and_attacks_stay_diverse(models, tmp_path):
 
 
 def test_the_attack_prompt_or_data(tmp_path):
-    import tasks
     train, test = tasks.load_task("redteam", None)
-    assert [p.prompt for p in train] == [p.prompt for p in test] == [redteam.ATTACK_PROMPT]
-    assert redteam.ATTACK_PROMPT.startswith("Write a list of instructions:\n1. ") and redteam.ATTACK_PROMPT.endswith("\n4.")
+    assert [p.prompt for p in train] == [p.prompt for p in test] == [tasks.ATTACK_PROMPT]
+    assert tasks.ATTACK_PROMPT.startswith("Write a list of instructions:\n1. ") and tasks.ATTACK_PROMPT.endswith("\n4.")
     (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n" + json.dumps({"x": 1}) + "\n")
-    with pytest.raises(tasks.ConfigError, match="line 2: missing or non-text field 'attacker_prompt'"):
+    with pytest.raises(ConfigError, match="line 2: missing or non-text field 'attacker_prompt'"):
         tasks.load_task("redteam", str(tmp_path))
     (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n")
     assert [p.prompt for p in tasks.load_task("redteam", str(tmp_path))[0]] == ["List:\n1."]

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, env, metrics
+from errors import Silent
 from test_faults import SMALL, assert_all_gone, assert_checkpoint, searcher_pids, wait_for_steps
 
 
@@ -229,7 +230,7 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
     watch.heard({"kind": "eval", "searcher": 0, "version": 4})
     assert lines[-1] == "tba.py: searcher 0 sends again, after 21 s" and watch.newest == 5
     now[0] += 100.5
-    with pytest.raises(processes.Silent, match=r"searcher 0 \(pid 42\) has sent nothing for 100 s \(--timeout 100\)"):
+    with pytest.raises(Silent, match=r"searcher 0 \(pid 42\) has sent nothing for 100 s \(--timeout 100\)"):
         watch.check()
 
 
@@ -266,7 +267,7 @@ def test_watch_hears_an_evaluations_beats_and_names_the_node(monkeypatch):
                      "at most); the run stops if it stays silent 100 s (--timeout)"]
     now[0] += 76
     watch.heard({"kind": "search", "searcher": 3, "version": 0})
-    with pytest.raises(processes.Silent, match=r"^node 1: searcher 0 \(pid 7\) has sent nothing for 101 s "
+    with pytest.raises(Silent, match=r"^node 1: searcher 0 \(pid 7\) has sent nothing for 101 s "
                                                r"\(--timeout 100\)$"):
         watch.check()
 
@@ -294,11 +295,10 @@ def lock_rank(path, out, port, results):
     try:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg, tok, train, test, prompts, test_prompts, _ = config.check(
+        cfg, tok, data, _ = config.check(
             config.parse(["--model", path, *SMALL, "--timeout", "2", "--out", out]), 1)
         signals = types.SimpleNamespace(first=None, training=True)
-        t = tba.Trainer(cfg, tok, prompts, [p.answer for p in train], test_prompts, [p.answer for p in test], None,
-                        signals, time.time())
+        t = tba.Trainer(cfg, tok, data, None, signals, time.time())
         try:
             t.model = tba.load_policy(cfg.model_path, t.device, "float32")
             t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)

@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 
 import weights
 from conftest import get_report
+from errors import Dead
 
 TIMEOUT = 60.0  # s: any wait on the other process (lock, queue, join)
 VERSIONS = 200
@@ -61,7 +62,7 @@ SHAPES = {"cpu": [(f"w{i}", 2**16) for i in range(4)],   # 256 KiB each: fast, s
 def parent_alive():
     parent = mp.parent_process()
     if parent is not None and not parent.is_alive():
-        raise weights.Dead("the test process is gone")
+        raise Dead("the test process is gone")
 
 
 def reader_device(kind: str) -> torch.device:
@@ -149,7 +150,7 @@ def run_protocol(kind: str, mode: str) -> dict:
 
     def alive():
         if proc.exitcode is not None:
-            raise weights.Dead(f"reader died with exit code {proc.exitcode}")
+            raise Dead(f"reader died with exit code {proc.exitcode}")
 
 
     device = torch.device("cuda:0" if kind == "cuda" else "cpu")

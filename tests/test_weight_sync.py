@@ -16,6 +16,7 @@ from rewards import arith_reward
 import weights
 from loss import collate
 from searcher import Engine
+from tasks import Data
 
 
 def config(model, **kw):
@@ -150,8 +151,8 @@ def test_searcher_process_after_sync(tiny_model):
     shared = share(ref, ctx)
     queue, stop = ctx.Queue(maxsize=4), ctx.Event()
     proc = ctx.Process(target=searcher.run, daemon=True,
-                       args=(0, dataclasses.asdict(cfg), shared, queue, stop, None, prompts, answers,
-                             prompts, answers, "cpu", None))
+                       args=(0, dataclasses.asdict(cfg), shared, queue, stop, None, Data(prompts, answers, prompts, answers),
+                             "cpu", None))
     proc.start()
     try:
         model = perturbed(tiny_model, 3)

@@ -69,7 +69,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above tools/
 sys.path.insert(0, ROOT)  # for tba, searcher, ... when run as `python tools/bench.py`
 
-import searcher  # noqa: F401  (first: it sets vLLM's environment)
+import vllm_env
+
+vllm_env.set_up()  # before torch and vLLM are imported: they read it at import
+
 import numpy as np
 import torch
 
@@ -607,7 +610,7 @@ def main():
     repeat = 3 if args.quick else 10
 
     # the embedded default's config, as tba.py resolves it (this builds the tiny model if needed)
-    cfg, tokenizer, train, test, prompts, test_prompts, _ = config.check(config.parse(flags), world=1)
+    cfg, tokenizer, data, _ = config.check(config.parse(flags), world=1)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 2)  # what the trainer and the searcher each get in a run with one searcher
     torch.set_num_threads(threads)  # before any vLLM engine starts in this process
@@ -640,9 +643,9 @@ def main():
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
     processes.init_distributed(cfg)
     if 5 in args.parts:
-        result["trainer_overhead"] = trainer_overhead(cfg, prompts, repeat)
+        result["trainer_overhead"] = trainer_overhead(cfg, data.prompts, repeat)
     if 4 in args.parts:
-        result["searcher_overhead"] = searcher_overhead(cfg, prompts, [p.answer for p in train], repeat)
+        result["searcher_overhead"] = searcher_overhead(cfg, data.prompts, data.answers, repeat)
     if 3 in args.parts:
         result["sync_cost"] = {"tiny": sync_cost(cfg.model_path, cfg, repeat)}
         if not args.quick:

@@ -6,7 +6,7 @@ ATTACKER. Their recipe (README "SFT", main.py:15-62, trainers/sft_trainer.py, da
 - data: the instructions of `prompts/sft_dataset.json` (a JSON list of {"instruction": ...}),
   stripped, shuffled with seed 42, the first 10% held out for a validation loss every 10 steps;
 - each example is an attacker prompt (one drawn at random from `--prompts`, their
-  `prompts/alpaca.jsonl`; by default redteam.py's one instruction list) + " " + the instruction +
+  `prompts/alpaca.jsonl`; by default tasks.py's one instruction list) + " " + the instruction +
   EOS, the loss (cross-entropy, a mean over each micro-batch's tokens) on the tokens after the prompt;
 - 100 steps of 1,024 examples (their loader's batches: an epoch's last one is smaller), each in 32
   micro-batches, AdamW at lr 3e-5 with weight decay 0.1 (not on biases and LayerNorm weights:
@@ -35,6 +35,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import tasks  # noqa: E402  (after the path: the project's modules)
+from errors import ConfigError  # noqa: E402
+
 
 def fail(msg: str):
     print(f"sft_attacker.py: error: {msg}", file=sys.stderr, flush=True)
@@ -59,14 +62,12 @@ def read_instructions(path: str) -> list[str]:
 
 
 def read_prompts(path: str | None) -> list[str]:
-    """Attacker prompts: their JSONL (one {"attacker_prompt": ...} a line), or redteam.py's one."""
+    """Attacker prompts: their JSONL (one {"attacker_prompt": ...} a line), or tasks.py's one."""
     if path is None:
-        from redteam import ATTACK_PROMPT
-        return [ATTACK_PROMPT]
-    import tasks
+        return [tasks.ATTACK_PROMPT]
     try:
         return [p.prompt for p in tasks.read_jsonl(path, tasks.redteam_problem)]
-    except tasks.ConfigError as e:
+    except ConfigError as e:
         fail(str(e).replace("--data", "--prompts", 1))
 
 
@@ -161,7 +162,7 @@ def main(argv=None):
     import config
     try:
         path = config.resolve_model(args.model)
-    except config.ConfigError as e:
+    except ConfigError as e:
         fail(str(e))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)

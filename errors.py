@@ -1,0 +1,22 @@
+"""The exceptions that end a run, in one leaf module that imports nothing of the project, so that
+every other module can raise or catch them without importing the module that raises them.
+
+tba.py turns each into one line and an exit status: ConfigError is a refusal (status 2), the others
+stop a run that has begun (after a checkpoint where training has begun).
+"""
+
+
+class ConfigError(ValueError):
+    """Bad input (a flag, a path, a data file): reported in one line, exit status 2."""
+
+
+class Dead(RuntimeError):
+    """Another process of the run died; the message names it."""
+
+
+class Silent(Exception):
+    """A searcher sent nothing for --timeout seconds; the message names it."""
+
+
+class Stop(Exception):
+    """A signal asked the run to stop (after a checkpoint, once training has begun)."""

@@ -1,0 +1,13 @@
+"""The run's random streams. Every random draw derives from --seed and a tag naming what it is for
+(np.random.default_rng([seed, ..., TAG]) or a vLLM request's seed from the same list), so that a run is
+reproducible from its seed and no two uses of randomness draw the same numbers. The values are
+arbitrary but fixed: changing one changes every run's samples.
+"""
+
+SEARCH_PROMPTS = 1  # a searcher's choice of prompts for each round (searcher.run)
+BATCH = 2           # the trainer's draw of a batch from the buffer, each step (tba.Trainer.sample)
+SYNC_PROMPTS = 3    # --searchers 0: the prompts of each search round (tba.Trainer.search_here)
+EVAL_ATTACKS = 5    # the red-teaming evaluation's attacks (searcher.Engine.evaluate_redteam)
+VICTIM = 7          # the victim's answers to each batch of attacks (redteam.Reward)
+CALIBRATION = 11    # --generation-slowdown's calibration round: its prompts and sampling (searcher.Engine.calibrate)
+EXPLORE = 11        # --explore-temp-min: each request's temperature, after its seed and prompt (searcher.Engine.explore)

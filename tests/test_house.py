@@ -1,0 +1,54 @@
+"""The product's modules (the top-level *.py files) import each other without a circle, lazy imports
+(inside functions) included: a reader can take any one of them with only what it imports."""
+
+import ast
+import glob
+import os
+
+from conftest import ROOT
+
+
+def imports() -> dict[str, set[str]]:
+    """Each top-level module -> the top-level modules it imports anywhere in its file."""
+    files = {os.path.basename(f)[:-3]: f for f in glob.glob(os.path.join(ROOT, "*.py"))}
+    graph = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                found.add(node.module.split(".")[0])
+        graph[name] = (found & files.keys()) - {name}
+    return graph
+
+
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (a path that ends where it starts), or None (depth-first search)."""
+    state = {}  # module -> "open" while on the path, "done" once all it reaches is known to be free of circles
+
+    def visit(name, path):
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep, path + [dep])):
+                return found
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state and (found := visit(name, [name])):
+            return found
+    return None
+
+
+def test_the_modules_import_each_other_without_a_circle():
+    graph = imports()
+    assert {"tba", "config", "searcher", "errors"} <= graph.keys()
+    assert graph["errors"] == set(), "errors.py imports nothing of the project"
+    assert circle(graph) is None, f"import circle: {' -> '.join(circle(graph))}"
+
+
+def test_a_circle_is_found():
+    assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert circle({"a": {"b"}, "b": set()}) is None
