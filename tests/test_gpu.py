@@ -684,7 +684,6 @@ def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monke
     the 6.9B judge (12.4 GiB in bf16). On a 40 GB card the old --searcher-memory 0.7 left 11.2 GiB, too little
     at 410M and 1B; the computed share leaves them room and still holds the engine; 2.8B fits 48 and 80 GB
     cards, and on a 40 GB one it is refused in one line naming the models."""
-    GiB = 2**30
     gpus = lambda total: monkeypatch.setattr(torch.cuda, "get_device_properties",
                                              lambda i: types.SimpleNamespace(total_memory=total))
     import searcher
