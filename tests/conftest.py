@@ -1,5 +1,6 @@
 """Shared fixtures: tiny models made here (no downloads; tests/models.py) and a runner for `tba.py` as a subprocess."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -113,3 +114,24 @@ def report_of(target, *args, timeout: float = 300):
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
+
+
+@contextlib.contextmanager
+def classes_kept(module):
+    """Every class of `module` as it was, afterwards. vLLM's Transformers backend rewrites the decoder class
+    of an architecture it serves that way (GPT-NeoX) in place: its bases, __init__ and __call__
+    (vllm/compilation/decorators.py:352-359, 434, 756; searcher.Engine.transformers_models), so an engine
+    started in the pytest process would leave the later tests' GPT-NeoX models needing a vLLM config."""
+    saved = {c: (c.__bases__, dict(vars(c))) for c in vars(module).values()
+             if isinstance(c, type) and c.__module__ == module.__name__}
+    try:
+        yield
+    finally:
+        for c, (bases, attrs) in saved.items():
+            if c.__bases__ != bases:
+                c.__bases__ = bases
+            for name in set(vars(c)) - set(attrs):
+                delattr(c, name)
+            for name, value in attrs.items():
+                if vars(c).get(name) is not value:
+                    setattr(c, name, value)

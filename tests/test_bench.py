@@ -49,7 +49,7 @@ def test_bench_generation_bound_quick(tiny_model, tmp_path):
     out = tmp_path / "bench"
     p = subprocess.run([*BENCH, "--quick", "--parts", "9", "--out", str(out),
                         "--", "--model", tiny_model, "--steps", "4", "--prompts-per-step", "4",
-                        "--samples-per-prompt", "4", "--max-new-tokens", "6"],
+                        "--samples-per-prompt", "4", "--max-new-tokens", "6", "--sync-every", "2"],
                        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stdout[-3000:]
@@ -61,7 +61,7 @@ def test_bench_generation_bound_quick(tiny_model, tmp_path):
         if r["x"] == 4:  # each round took 4 x its engine's calibrated cost alone, or longer by itself
             assert r["charged"] >= 1 - 1e-9 and r["contention"] > 0
         assert 1 <= r["steps"] <= 4 and r["uses"] > 0 and 0 <= r["staleness"] <= r["staleness_max"] <= 3
-        if r["searchers"]:  # the barrier's ratio: k B K / (N x round) = 2 x 16 / 16, and the draws stayed within it
+        if r["searchers"]:  # the barrier's ratio: k B K / (N x round) = 2 x 16 / (1 x 4 x 4), and the draws stayed within it
             assert (r["reuse"], r["max_reuse"]) == ("barrier", 2.0) and r["uses"] <= 2 + 1e-9
         assert (r["speedup"] is None) == (not (r["reached"] and next(
             s for s in gb["rows"] if s["x"] == r["x"] and s["searchers"] == 0)["reached"]))

@@ -272,7 +272,7 @@ def save_twice(path, out, port, results):
     import tba
     import torch.distributed as dist
     import weights
-    from buffer import ReplayBuffer
+    from buffer import ReplayBuffer, ReuseCap
     try:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -283,6 +283,7 @@ def save_twice(path, out, port, results):
             t.model = tba.load_policy(cfg.model_path, t.device, "float32")
             t.opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3)
             t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+            t.cap = ReuseCap(cfg.max_reuse, cfg.prompts_per_step * cfg.samples_per_prompt)
             t.shared = weights.create(torch.multiprocessing.get_context("spawn"))
             weights.allocate(t.shared, weights.gather(t.model), weights.aliases(t.model), t.device, torch.float32)
             t.step = 2

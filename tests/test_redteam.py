@@ -20,7 +20,7 @@ import redteam_models as rm
 import searcher
 import tasks
 from config import Config
-from conftest import ROOT, metrics, run_tba
+from conftest import ROOT, classes_kept, metrics, run_tba
 from errors import ConfigError
 
 CHAT = "{{ messages[0]['content'] }}"  # a bare chat template: the victim reads the attack alone
@@ -67,14 +67,16 @@ def engine_for(models, victim, classifier, kind, n=3, attacker="llama", **extra)
 def engines(models):
     """Two searchers' engines, kept for the module: a sequence classifier beside the chat victim, and the
     GPT-NeoX victim (vLLM's Transformers backend) beside a GPT-NeoX attacker and the judge."""
+    from transformers.models.gpt_neox import modeling_gpt_neox
     made = {}
-    try:
-        made["sequence"] = engine_for(models, "victim", "classifier", "sequence")
-        made["judge"] = engine_for(models, "victim_neox", "judge", "judge", attacker="gpt_neox")
-        yield made
-    finally:
-        for engine in made.values():
-            engine.close()
+    with classes_kept(modeling_gpt_neox):  # the later test files' GPT-NeoX models: see there
+        try:
+            made["sequence"] = engine_for(models, "victim", "classifier", "sequence")
+            made["judge"] = engine_for(models, "victim_neox", "judge", "judge", attacker="gpt_neox")
+            yield made
+        finally:
+            for engine in made.values():
+                engine.close()
 
 
 def transformers_log_p_unsafe(path, prompt_ids: list[int], verdict: int) -> tuple[float, int]:
