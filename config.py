@@ -547,7 +547,8 @@ def check_environment():
 
 # flags that the checkpoint's data depend on: the buffer's prompt ids index the task's prompts, its
 # rewards and logp_ref were computed with these models, this reward and this temperature
-FIXED_ON_RESUME = ("model", "task", "data", "reward_model", "non_eos_penalty", "temperature")
+FIXED_ON_RESUME = ("model", "task", "data", "reward_model", "non_eos_penalty", "temperature", "buffer_capacity",
+                   "buffer_keep", "dedup_similarity", "dedup_edit")
 
 
 def check_resumed_flags(cfg, folder: str):
@@ -565,7 +566,7 @@ def check_resumed_flags(cfg, folder: str):
     fixed = [n for n in differ if n in FIXED_ON_RESUME]
     if fixed:
         raise ConfigError(f"--resume: {', '.join(map(show, fixed))} cannot change mid-run (the checkpoint's buffer "
-                          f"was searched and scored with the old value)")
+                          f"was searched, scored and kept with the old value)")
     saved.setdefault("lora_rank", 0)  # written before LoRA existed: all weights
     adapter = [n for n in ("lora_rank", "lora_alpha") if n in differ or (n == "lora_rank" and saved[n] != cfg.lora_rank)]
     if adapter and (cfg.lora_rank or saved["lora_rank"]):

@@ -5,6 +5,7 @@ checkpoint that is incomplete or run with other flags."""
 import os
 import traceback
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -12,6 +13,7 @@ import torch.multiprocessing as mp
 import config
 import processes
 import tba
+from buffer import ReplayBuffer
 from conftest import free_port, metrics, report_of, run_tba
 from errors import ConfigError
 from test_faults import SMALL
@@ -145,12 +147,17 @@ def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, c
     assert p.returncode == 2, p.stdout[-3000:]
     assert p.stdout.strip().splitlines() == [
         "tba.py: error: --resume: --temperature 0.5 (was 1.0) cannot change mid-run (the checkpoint's buffer was "
-        "searched and scored with the old value)"]
-    p = run_tba([*flags, "--steps", "3", "--prompts-per-step", "2", "--save-every", "2", "--out", str(tmp_path / "c")],
-                tmp_path)
+        "searched, scored and kept with the old value)"]
+    p = run_tba([*flags, "--buffer-keep", "best", "--out", str(tmp_path / "d")], tmp_path)
+    assert p.returncode == 2 and "--buffer-keep best (was newest) cannot change mid-run" in p.stdout, p.stdout[-3000:]
+    p = run_tba([*flags, "--steps", "3", "--prompts-per-step", "2", "--recency", "0.5", "--reward-inv-temp", "2",
+                 "--save-every", "1", "--out", str(tmp_path / "c")], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:]
     assert ("tba.py: resuming with flags that differ from the checkpoint's: --steps 3 (was 2), "
-            "--prompts-per-step 2 (was 4)") in p.stdout.splitlines(), p.stdout[-3000:]
+            "--prompts-per-step 2 (was 4), --recency 0.5 (was 0.95), --reward-inv-temp 2.0 (was 0.0), --save-every 1 (was 2)"
+            ) in p.stdout.splitlines(), p.stdout[-3000:]
+    with np.load(tmp_path / "c" / "checkpoint" / "buffer.npz", allow_pickle=False) as f:  # the new m, T: in use
+        assert ReplayBuffer.from_state(dict(f)).recency == 0.5 and ReplayBuffer.from_state(dict(f)).reward_inv_temp == 2
 
 
 # ===== the run scripts ============================================================================
