@@ -166,9 +166,6 @@ def start_searchers(ctx, cfg, rank: int, local_world: int, shared, data):
     return procs, channels
 
 
-FORK_SERVER = "TBA_FORK_SERVER"
-
-
 def fork_server():
     """On the CPU, searchers start from a fork server that has imported vLLM once (about 5 s of one core
     each, which N searchers spawned afresh would spend side by side on the cores they share: 4 on 2
@@ -181,11 +178,11 @@ def fork_server():
     ctx.set_forkserver_preload(["searcher", "transformers", "vllm", "vllm.entrypoints.llm"])
     before = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__))] + ([before] if before else []))
-    os.environ[FORK_SERVER] = "1"  # searcher.py, imported there first, then ignores SIGTERM: see there
+    os.environ[searcher.FORK_SERVER] = "1"  # searcher.py, imported there first, then ignores SIGTERM: see there
     try:
         forkserver.ensure_running()
     finally:
-        del os.environ[FORK_SERVER]
+        del os.environ[searcher.FORK_SERVER]
         if before is None:
             del os.environ["PYTHONPATH"]
         else:

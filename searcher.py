@@ -35,7 +35,8 @@ vllm_env.set_up()  # before torch and vLLM are imported, here and in the fork se
 # SIGTERM to its whole process group, the server included, which ignores only SIGINT (Python 3.11,
 # multiprocessing/forkserver.py:196): dead, it reports every searcher as exit code 255
 # (popen_forkserver.py:69-72). So it ignores SIGTERM as the searchers do (run), and ends with the trainer.
-if os.environ.pop("TBA_FORK_SERVER", None):
+FORK_SERVER = "TBA_FORK_SERVER"  # set while processes.fork_server starts the server
+if os.environ.pop(FORK_SERVER, None):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 import numpy as np

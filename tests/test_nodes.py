@@ -80,6 +80,22 @@ def test_two_nodes_learn_with_node_1s_trajectories(tiny_model, tmp_path):
     assert "done: 40 steps" in outputs[0]
 
 
+def in_flow(port: int, args, out, tmp, outputs=(None, None)):
+    """Two 'nodes' (node 1 launched first) in full flow: node 0 has taken 3 steps and node 1's searcher
+    has sent data. Returns (node 0, node 1); kills both if they do not get there."""
+    node1 = launch(1, port, args, tmp, outputs[1])
+    node0 = launch(0, port, args, tmp, outputs[0])
+    try:
+        wait_for_steps(node0, out, 3)
+        deadline = time.time() + 120
+        while max(r.get("samples_per_node", [0, 0])[1] for r in metrics(out)) == 0:
+            assert time.time() < deadline and node0.poll() is None and node1.poll() is None, "no data from node 1"
+            time.sleep(0.5)
+    except BaseException:
+        kill_all(tree(node0) + tree(node1))
+        raise
+    return node0, node1
+
 @pytest.mark.parametrize("lost", ["node 1", "node 0", "node 1's searcher"])
 def test_a_lost_node_stops_every_node(lost, tiny_model, tmp_path):
     """kill -9 of a whole 'node' (launcher, trainer, searcher) or of one searcher on node 1, mid-run:
@@ -88,15 +104,9 @@ def test_a_lost_node_stops_every_node(lost, tiny_model, tmp_path):
     out, port, timeout = tmp_path / "run", free_port(), 60
     args = ["--model", tiny_model, *SMALL, "--steps", "100000", "--eval-every", "0", "--timeout", str(timeout),
             "--out", str(out)]
-    node1 = launch(1, port, args, tmp_path)
-    node0 = launch(0, port, args, tmp_path)
+    node0, node1 = in_flow(port, args, out, tmp_path)
     launches = {"node 0": node0, "node 1": node1}
     try:
-        wait_for_steps(node0, out, 3)
-        deadline = time.time() + 120  # node 1's searcher has sent data: the run is in full flow
-        while max(r.get("samples_per_node", [0, 0])[1] for r in metrics(out)) == 0:
-            assert time.time() < deadline and node0.poll() is None and node1.poll() is None, "no data from node 1"
-            time.sleep(0.5)
         everything = tree(node0) + tree(node1)
         if lost == "node 1's searcher":  # node 0 names the node; node 1's torchrun report, the searcher
             victims, expect = searcher_pids(node1.pid), {node0: "node 1: searcher 0 (pid", node1: "searcher 0 (pid"}
@@ -125,15 +135,9 @@ def test_a_silent_searcher_of_any_node_stops_the_run_after_a_checkpoint(node, ti
     args = ["--model", tiny_model, *SMALL, "--steps", "100000", "--eval-every", "0", "--timeout", str(timeout),
             "--out", str(out)]
     logs = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
-    node1 = launch(1, port, args, tmp_path, logs[1])
-    node0 = launch(0, port, args, tmp_path, logs[0])
+    node0, node1 = in_flow(port, args, out, tmp_path, logs)
     launches = [node0, node1]
     try:
-        wait_for_steps(node0, out, 3)
-        deadline = time.time() + 120  # node 1's searcher has sent data: the run is in full flow
-        while max(r.get("samples_per_node", [0, 0])[1] for r in metrics(out)) == 0:
-            assert time.time() < deadline and node0.poll() is None and node1.poll() is None, "no data from node 1"
-            time.sleep(0.5)
         everything = tree(node0) + tree(node1)
         (pid,) = searcher_pids(launches[node].pid)
         steps = lambda: sum(r["kind"] == "train" for r in metrics(out))
