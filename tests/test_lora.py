@@ -99,7 +99,8 @@ def test_searchers_get_the_merged_weights(tiny_gpt2, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     out = tmp_path / "run"
     p = run_tba(["--model", tiny_gpt2, "--searchers", "1", "--steps", "4", "--sync-every", "2", "--eval-every", "0",
-                 "--eval-limit", "200", "--seed", "1", *SMALL, "--out", str(out)], tmp_path, torchrun=2, timeout=400)
+                 "--eval-limit", "200", "--seed", "1", *SMALL, "--lr", "3e-2",  # big steps: the answers must move
+                 "--out", str(out)], tmp_path, torchrun=2, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:]
     final = [r for r in metrics(out) if r["kind"] == "eval"][-1]
     assert final["version"] == 4
