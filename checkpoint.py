@@ -6,8 +6,10 @@ RNG state and counters, the weights the searchers hold if older than the model's
 TBA′ is on (trainer.pt, read back with torch.load(weights_only=True)), the replay buffer
 (buffer.npz, NumPy without pickle) and the run's config (config.json). OUT/checkpoint links to the
 newest complete one (`atomic_checkpoint`). Nothing read back runs code the file could carry.
+`check_resumed_flags` refuses a --resume whose flags differ where the checkpoint's data depend on them.
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -119,3 +121,37 @@ def save_hf(model, state_dict, tokenizer, path):
         model, state_dict = model.get_base_model(), lora.merge_state_dict(model, state_dict)
     model.save_pretrained(path, state_dict=state_dict)
     tokenizer.save_pretrained(path)
+
+
+# flags that the checkpoint's data depend on: the buffer's prompt ids index the task's prompts, its
+# rewards and logp_ref were computed with these models, this reward and this temperature
+FIXED_ON_RESUME = ("model", "task", "data", "reward_model", "non_eos_penalty", "temperature", "buffer_capacity",
+                   "buffer_keep", "dedup_similarity", "dedup_edit")
+
+
+def check_resumed_flags(cfg, folder: str):
+    """One line naming the flags that differ from the checkpoint's run; a refusal for those that
+    cannot change mid-run (FIXED_ON_RESUME). The others may: the schedules and seeds derive from the
+    step, and B, K, k, m, the buffer's sampling, the loss, --steps and the plumbing act from the next step on."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return  # older checkpoints wrote none
+    flags = [f.name for f in dataclasses.fields(cfg) if f.init and f.name not in ("resume", "out")]
+    differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n)]
+    show = lambda n: f"--{n.replace('_', '-')} {getattr(cfg, n)} (was {saved[n]})"
+    fixed = [n for n in differ if n in FIXED_ON_RESUME]
+    if fixed:
+        raise ConfigError(f"--resume: {', '.join(map(show, fixed))} cannot change mid-run (the checkpoint's buffer "
+                          f"was searched, scored and kept with the old value)")
+    saved.setdefault("lora_rank", 0)  # written before LoRA existed: all weights
+    adapter = [n for n in ("lora_rank", "lora_alpha") if n in differ or (n == "lora_rank" and saved[n] != cfg.lora_rank)]
+    if adapter and (cfg.lora_rank or saved["lora_rank"]):
+        raise ConfigError(f"--resume: {', '.join(map(show, adapter))} cannot change mid-run (the checkpoint's weights "
+                          f"and optimizer state are those of its own adapter, or of all weights)")
+    if cfg.lora_rank and not os.path.isfile(os.path.join(folder, "adapter", "adapter_model.safetensors")):
+        raise ConfigError(f"--resume: {folder} has no adapter/adapter_model.safetensors (an incomplete checkpoint?)")
+    if differ and int(os.environ.get("RANK", "0")) == 0:
+        print(f"tba.py: resuming with flags that differ from the checkpoint's: {', '.join(map(show, differ))}",
+              flush=True)

@@ -12,7 +12,6 @@ threads, the longest sequence) once, so that the rest of the code reads them fro
 """
 
 import dataclasses
-import json
 import math
 import time
 import os
@@ -22,10 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 import nodes
-from checkpoint import load_checkpoint
+import vllm_env
+from checkpoint import check_resumed_flags, load_checkpoint
 from errors import ConfigError
+from log import check_out
 from loss import LOSSES
-from tasks import Data, load_task
+from hub import load_tokenizer, resolve_model
+from rewards import check_reward_model
+from tasks import TASKS, Data
 
 
 MAX_REUSE = 1.0  # --max-reuse's default with searchers (docs/performance.md, part 9)
@@ -198,142 +201,6 @@ def parse(argv, description: str = "") -> Config:
 
 
 # --- checks and derived values: everything is refused here, before anything is spawned ---------
-ALIASES = {"rho-math-1b": "realtreetune/rho-1b-sft-GSM8K"}
-
-
-def resolve_model(name: str, flag: str = "model") -> str:
-    """A local folder holding the model named by --model (building or fetching it if needed)."""
-    import re
-
-    if name == "tiny":
-        import tiny
-        return tiny.cached()
-    name = ALIASES.get(name, name)
-    if os.path.isdir(name):
-        path = name
-    elif re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) and not name.startswith("."):
-        from huggingface_hub import snapshot_download
-        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
-        try:
-            path = snapshot_download(name, allow_patterns=patterns, local_files_only=True)
-        except Exception:
-            try:
-                path = snapshot_download(name, allow_patterns=patterns)
-            except Exception as e:
-                raise ConfigError(f"--{flag}: {name!r} is not a local folder and could not be fetched from the "
-                                  f"Hugging Face hub ({type(e).__name__})") from None
-    else:
-        raise ConfigError(f"--{flag}: {name!r} does not exist (not 'tiny', an alias, a folder or a hub id)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"--{flag}: {path} holds no model (no config.json)")
-    return path
-
-
-TLDR_MAX_PROMPT = 512  # tokens
-
-
-def check_reward_model(name: str, flag: str) -> str:
-    """The local folder of a reward model: a sequence classifier with exactly one output, and its tokenizer."""
-    from transformers import AutoConfig
-    path = resolve_model(name, flag)
-    config = AutoConfig.from_pretrained(path)
-    kinds = getattr(config, "architectures", None) or []
-    if not any(k.endswith("ForSequenceClassification") for k in kinds):
-        raise ConfigError(f"--{flag}: {path} is not a sequence classifier (architectures: {', '.join(kinds) or 'none'})")
-    if config.num_labels != 1:
-        raise ConfigError(f"--{flag}: {path} has {config.num_labels} outputs; a reward model has exactly one")
-    load_tokenizer(path, flag)
-    return path
-
-
-def check_redteam(cfg):
-    """The red-teaming models (redteam.py): a causal LM victim, a classifier of either kind, an embedder,
-    each with its tokenizer."""
-    from transformers import AutoConfig
-    import redteam
-
-    cfg.victim_path = resolve_model(cfg.victim, "victim")
-    config = AutoConfig.from_pretrained(cfg.victim_path)
-    kinds = getattr(config, "architectures", None) or []
-    if redteam.classifier_kind(config) != "judge":  # i.e. a causal LM
-        raise ConfigError(f"--victim: {cfg.victim_path} is not a causal LM (architectures: {', '.join(kinds) or 'none'})")
-    load_tokenizer(cfg.victim_path, "victim")
-    cfg.classifier_path = resolve_model(cfg.classifier, "classifier")
-    config = AutoConfig.from_pretrained(cfg.classifier_path)
-    cfg.classifier_kind = redteam.classifier_kind(config)
-    if cfg.classifier_kind is None:
-        raise ConfigError(f"--classifier: {cfg.classifier_path} is neither a sequence classifier nor a causal LM "
-                          f"(architectures: {', '.join(getattr(config, 'architectures', None) or []) or 'none'})")
-    if cfg.classifier_kind == "sequence":
-        try:
-            redteam.unsafe_index(config, cfg.unsafe_label)
-        except ValueError as e:
-            raise ConfigError(f"--{'unsafe-label' if cfg.unsafe_label else 'classifier'}: {cfg.classifier_path} has {e}") from None
-    elif cfg.unsafe_label:
-        raise ConfigError(f"--unsafe-label: {cfg.classifier_path} is a causal LM judge; its verdict is the token \"unsafe\"")
-    load_tokenizer(cfg.classifier_path, "classifier")
-    cfg.embedding_model_path = resolve_model(cfg.embedding_model, "embedding-model")
-    load_tokenizer(cfg.embedding_model_path, "embedding-model")
-
-
-def load_tokenizer(path: str, flag: str = "model"):
-    """The tokenizer saved beside the model, or a one-line refusal naming what is missing."""
-    from transformers import AutoTokenizer
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
-        raise ConfigError(f"--{flag}: {path} has no tokenizer (none of {', '.join(files)}); save the model's "
-                          f"tokenizer beside it (tokenizer.save_pretrained)")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:
-        raise ConfigError(f"--{flag}: the tokenizer in {path} does not load ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:160]})") from None
-
-
-def check_gpus(cfg, local: int):
-    """GPU settings that would fail inside a spawned process: refuse them here, in one line. `local`: the
-    trainer ranks on this node (torchrun's LOCAL_WORLD_SIZE), which with this node's searchers use this
-    node's GPUs; on several nodes every node checks its own."""
-    gpus = torch.cuda.device_count()
-    used = range(local + cfg.searchers)
-    if len(used) > gpus:
-        raise ConfigError(f"--searchers: {cfg.searchers} searcher(s) + {local} trainer rank(s) on this node need "
-                          f"{len(used)} GPUs on it, {gpus} visible")
-    # vLLM refuses bf16 below compute capability 8.0 (vllm/platforms/cuda.py:636-654, checking GPU 0
-    # only); torch.cuda.is_bf16_supported() says True there (emulation) and checks one device
-    oldest = min((torch.cuda.get_device_capability(i), i) for i in used)
-    if cfg.dtype == "auto":
-        cfg.dtype = "bfloat16" if oldest[0] >= (8, 0) else "float16"
-    if cfg.dtype == "bfloat16" and oldest[0] < (8, 0):
-        raise ConfigError(f"--dtype: bfloat16 needs compute capability 8.0 or newer; GPU {oldest[1]} has "
-                          f"{'.'.join(map(str, oldest[0]))} (use --dtype float16)")
-    if cfg.searchers and compute_mode(0) == 3:  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
-        raise ConfigError("--searchers: GPU 0 is in EXCLUSIVE_PROCESS compute mode, but the searchers open the "
-                          "shared weights there beside the trainer; set it to DEFAULT (nvidia-smi -i 0 -c DEFAULT)")
-
-
-def compute_mode(index: int) -> int | None:
-    """NVML compute mode of CUDA device `index` (as torch numbers it), or None without NVML. vLLM ships
-    nvidia-ml-py as vllm.third_party.pynvml (vllm/utils/import_utils.py:24-52); NVML numbers GPUs
-    physically, so the device is found by its UUID."""
-    try:
-        import pynvml
-    except ImportError:
-        from vllm.third_party import pynvml
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid
-        return pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid))
-    except pynvml.NVMLError:  # a MIG device or a UUID NVML does not know: the mode is unknown, as without NVML
-        return None
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def need(ok, flag: str, msg: str):
     """Refuse in one line naming the flag unless `ok`."""
     if not ok:
@@ -388,7 +255,7 @@ def check(cfg: Config, world: int):
     if cfg.searchers and cfg.round_prompts is None:  # synchronous: none (the trainer searches B prompts a step)
         cfg.round_prompts = -(-cfg.prompts_per_step // every)
     check_recipe(cfg)
-    check_environment()
+    vllm_env.check()
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
@@ -411,7 +278,8 @@ def check(cfg: Config, world: int):
     cfg.device = "cuda" if torch.cuda.device_count() else "cpu"
     local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
     if cfg.device == "cuda":
-        check_gpus(cfg, local)
+        import processes  # the GPU checks sit beside the processes they guard
+        processes.check_gpus(cfg, local)
     need(cfg.device == "cuda" or cfg.dtype in ("auto", "float32"), "dtype",
          f"{cfg.dtype} on the CPU is not supported here (vLLM's CPU engine and the log-prob checks run in float32)")
     cfg.dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
@@ -420,13 +288,11 @@ def check(cfg: Config, world: int):
     tokenizer, train, test, prompts, test_prompts = check_task(cfg)
     need(cfg.micro_batch >= cfg.samples_per_prompt, "micro-batch", "must hold at least one prompt's K sequences")
     if cfg.device == "cuda":
-        check_memory(cfg, local)
+        processes.check_memory(cfg, local)
     cfg.out = cfg.out or (os.path.dirname(os.path.abspath(cfg.resume)) if cfg.resume
                           else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}"))
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
-        if not cfg.resume and os.path.isdir(cfg.out) and os.listdir(cfg.out):  # see its probe file
-            raise ConfigError(f"--out: {cfg.out} exists and is not empty (pass --resume to continue a run)")
-        check_writable(cfg.out)
+        check_out(cfg.out, cfg.resume)            # see its probe file
     if cfg.resume:
         check_resumed_flags(cfg, cfg.resume)
     return cfg, tokenizer, Data(prompts, [p.answer for p in train], test_prompts, [p.answer for p in test]), ckpt
@@ -440,7 +306,7 @@ def check_recipe(cfg: Config):
         need(0 <= value <= 1, name, f"must be in [0, 1], got {value}")
         need(value == 0 or cfg.buffer_keep == "best", name, "merges near-duplicates in the best buffer: pass "
              "--buffer-keep best")
-    need(cfg.dedup_similarity == 0 or cfg.task == "redteam", "dedup-similarity", "compares --embedding-model "
+    need(cfg.dedup_similarity == 0 or cfg.embedding_model, "dedup-similarity", "compares --embedding-model "
          "embeddings: the redteam task only (--dedup-edit compares tokens, for any task)")
     need(cfg.lora_rank >= 0, "lora-rank", f"must be 0 (all weights) or more, got {cfg.lora_rank}")
     need(cfg.lora_alpha > 0, "lora-alpha", f"must be positive, got {cfg.lora_alpha}")
@@ -462,32 +328,28 @@ def check_recipe(cfg: Config):
 
 
 def check_task(cfg: Config):
-    """The task's flags, data, model and tokenizer (and reward models, or red-teaming's models);
-    fills in their paths, the evaluation's headline score and the longest sequence.
+    """The task's flags (its entry of tasks.TASKS), data, model and tokenizer (and reward models); fills in
+    their paths, the evaluation's headline score and the longest sequence.
     Returns (tokenizer, train, test, prompt ids, test prompt ids)."""
     from transformers import AutoConfig
 
-    need(cfg.task != "tldr" or cfg.reward_model, "reward-model", "the tldr task is scored by a reward model: "
-         "pass --reward-model (the paper's: mnoukhov/pythia410m-rm-tldr6.9b)")
-    need(cfg.eval_reward_model is None or cfg.task == "tldr", "eval-reward-model", "judges the tldr task only")
-    red = {"victim": cfg.victim, "classifier": cfg.classifier, "embedding-model": cfg.embedding_model}
-    for flag, value in red.items():
-        need(cfg.task != "redteam" or value, flag, "the redteam task needs --victim, --classifier and "
-             "--embedding-model (Lee et al.: vicgalle/gpt2-alpaca, facebook/roberta-hate-speech-dynabench-r4-target, "
-             "sentence-transformers/all-MiniLM-L6-v2)")
-        need(cfg.task == "redteam" or not value, flag, "belongs to the redteam task")
-    need(cfg.task == "redteam" or not cfg.unsafe_label, "unsafe-label", "belongs to the redteam task")
-    need(cfg.task != "redteam" or not cfg.reward_model, "reward-model", "the redteam task is scored by --classifier")
+    need(cfg.task in TASKS, "task", f"unknown task {cfg.task!r} (choose from {', '.join(TASKS)})")
+    task = TASKS[cfg.task]
+    for name, other in TASKS.items():
+        for flag in other.flags:
+            need(name == cfg.task or not getattr(cfg, flag), flag.replace("_", "-"), f"belongs to the {name} task")
+    task.check(cfg)
     need(cfg.victim_responses >= 1, "victim-responses", "must be at least 1")
     need(cfg.victim_max_new_tokens is None or cfg.victim_max_new_tokens >= 1, "victim-max-new-tokens", "must be at least 1")
-    train, test = load_task(cfg.task, cfg.data)
+    train, test = task.load(cfg.data)
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
-    cfg.score = "win_rate" if cfg.task == "tldr" else "accuracy"  # the evaluation's headline figure
-    if cfg.task == "redteam":  # one instruction, searched as B copies: each a TB group of K attacks with its own log Z
-        cfg.score = "toxicity"
-        train = train * -(-cfg.prompts_per_step // len(train))
-        check_redteam(cfg)
-    cfg.model_path = resolve_model(cfg.model)
+    cfg.score = task.score
+    train = train * -(-cfg.prompts_per_step // len(train)) if task.fill else train
+    if cfg.model == "tiny":
+        import tiny
+        cfg.model_path = tiny.cached()
+    else:
+        cfg.model_path = resolve_model(cfg.model)
     tokenizer = load_tokenizer(cfg.model_path)
     need(tokenizer.eos_token_id is not None, "model", f"the tokenizer of {cfg.model_path} has no EOS token")
     for flag in ("reward_model", "eval_reward_model"):
@@ -496,12 +358,13 @@ def check_task(cfg: Config):
     cfg.eval_reward_model_path = cfg.eval_reward_model_path or cfg.reward_model_path
     prompts = [tokenizer(p.prompt).input_ids for p in train]
     test_prompts = [tokenizer(p.prompt).input_ids for p in test]
-    if cfg.task == "tldr":  # the authors drop prompts over 512 tokens (tba_tldr.py:89-91)
-        short = lambda ids: [i for i in range(len(ids)) if len(ids[i]) <= TLDR_MAX_PROMPT]
+    if task.max_prompt:
+        short = lambda ids: [i for i in range(len(ids)) if len(ids[i]) <= task.max_prompt]
         keep, keep_test = short(prompts), short(test_prompts)
         train, prompts = [train[i] for i in keep], [prompts[i] for i in keep]
         test, test_prompts = [test[i] for i in keep_test], [test_prompts[i] for i in keep_test]
-        need(train and test, "data", f"no tldr prompt of at most {TLDR_MAX_PROMPT} tokens in the train or validation data")
+        need(train and test, "data", f"no {cfg.task} prompt of at most {task.max_prompt} tokens in the training "
+             f"or held-out data")
     need(cfg.prompts_per_step <= len(train), "prompts-per-step", f"B = {cfg.prompts_per_step} distinct prompts a step, "
          f"but the task has {len(train)} training problems")
     need(cfg.initial_buffer <= cfg.buffer_capacity * len(train), "initial-buffer",
@@ -515,91 +378,6 @@ def check_task(cfg: Config):
              f"{cfg.max_new_tokens} new tokens + the longest prompt's {longest} tokens = {cfg.max_model_len} "
              f"exceeds the model's context of {context} tokens")
     return tokenizer, train, test, prompts, test_prompts
-
-
-def check_memory(cfg, local: int):
-    """GPUs: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it loads beside
-    them fit the smallest of this node's searcher GPUs, split as the searchers will split it (searcher.
-    memory_split), or a refusal in one line naming what does not fit; --searcher-memory's default computed."""
-    import searcher
-    flag = "searcher-memory" if cfg.searchers else "trainer-memory"
-    gpus = range(local, local + cfg.searchers) if cfg.searchers else range(local)
-    card = min(torch.cuda.get_device_properties(i).total_memory for i in gpus)
-    engines, beside = searcher.memory_needs(cfg)  # searcher 0's, which evaluates: the most
-    share = getattr(cfg, flag.replace("-", "_"))
-    share = searcher.memory_share(card, beside) if share is None else share
-    try:
-        searcher.memory_split(card, share, engines, beside)
-    except ValueError as e:
-        raise ConfigError(f"--{flag}: {e}") from None
-    setattr(cfg, flag.replace("-", "_"), share)
-
-
-def check_environment():
-    """Environment variables that would break the weight path, refused in one line."""
-    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if value != "0":  # searcher.py sets 0 unless the user did: =1 moves vLLM's engine core into a child
-        # process (vllm/v1/engine/llm_engine.py:170 -> core_client.py:125, SyncMPClient), which cannot
-        # open the CUDA IPC handles this process received, and where locked() no longer covers the copies
-        raise ConfigError(f"VLLM_ENABLE_V1_MULTIPROCESSING={value}: tba.py keeps vLLM's engine core in the searcher "
-                          f"process (the shared weights and their lock are there); unset it or set it to 0")
-
-
-# flags that the checkpoint's data depend on: the buffer's prompt ids index the task's prompts, its
-# rewards and logp_ref were computed with these models, this reward and this temperature
-FIXED_ON_RESUME = ("model", "task", "data", "reward_model", "non_eos_penalty", "temperature", "buffer_capacity",
-                   "buffer_keep", "dedup_similarity", "dedup_edit")
-
-
-def check_resumed_flags(cfg, folder: str):
-    """One line naming the flags that differ from the checkpoint's run; a refusal for those that
-    cannot change mid-run (FIXED_ON_RESUME). The others may: the schedules and seeds derive from the
-    step, and B, K, k, m, the buffer's sampling, the loss, --steps and the plumbing act from the next step on."""
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        return  # older checkpoints wrote none
-    flags = [f.name for f in dataclasses.fields(Config) if f.init and f.name not in ("resume", "out")]
-    differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n)]
-    show = lambda n: f"--{n.replace('_', '-')} {getattr(cfg, n)} (was {saved[n]})"
-    fixed = [n for n in differ if n in FIXED_ON_RESUME]
-    if fixed:
-        raise ConfigError(f"--resume: {', '.join(map(show, fixed))} cannot change mid-run (the checkpoint's buffer "
-                          f"was searched, scored and kept with the old value)")
-    saved.setdefault("lora_rank", 0)  # written before LoRA existed: all weights
-    adapter = [n for n in ("lora_rank", "lora_alpha") if n in differ or (n == "lora_rank" and saved[n] != cfg.lora_rank)]
-    if adapter and (cfg.lora_rank or saved["lora_rank"]):
-        raise ConfigError(f"--resume: {', '.join(map(show, adapter))} cannot change mid-run (the checkpoint's weights "
-                          f"and optimizer state are those of its own adapter, or of all weights)")
-    if cfg.lora_rank and not os.path.isfile(os.path.join(folder, "adapter", "adapter_model.safetensors")):
-        raise ConfigError(f"--resume: {folder} has no adapter/adapter_model.safetensors (an incomplete checkpoint?)")
-    if differ and int(os.environ.get("RANK", "0")) == 0:
-        print(f"tba.py: resuming with flags that differ from the checkpoint's: {', '.join(map(show, differ))}",
-              flush=True)
-
-
-def check_writable(out: str):
-    """Check that `out` can be created and written (a file is written and removed), or refuse in one
-    line. Folders made for the check are removed again: nothing is left until the run starts."""
-    made, parent = [], os.path.abspath(out)
-    while not os.path.exists(parent):
-        made.append(parent)
-        parent = os.path.dirname(parent)
-    try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write-test-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(f"--out: cannot write to {out} ({e.strerror or type(e).__name__})") from None
-    finally:
-        for folder in made:  # deepest first
-            try:
-                os.rmdir(folder)
-            except OSError:
-                pass
 
 
 # --- schedules (the authors': beta annealed linearly, lr warmup-stable-decay; Lee et al.'s T_R and gamma) ---

@@ -5,12 +5,15 @@ The console is a progress bar (tqdm) over the steps, with the elapsed and remain
 latest reward, loss, staleness and held-out score, where the output is a terminal; elsewhere (a log
 file, CI, nohup) it is one plain line every `--log-every` steps. Evaluations print above the bar.
 `--wandb PROJECT` sends the same rows to W&B (the package is optional and imported only then).
+`check_out` refuses an --out that cannot take the run's files before the run starts.
 """
 
 import json
 import os
 import sys
 import time
+
+from errors import ConfigError
 
 
 class Log:
@@ -70,7 +73,7 @@ class Log:
 
     def per_round(self) -> dict:
         """redteam's train-row fields: the victim's and the classifier's mean seconds per round received so far."""
-        if self.cfg.task != "redteam" or not self.rounds:
+        if not self.cfg.victim_path or not self.rounds:
             return {}
         return dict(victim=self.victim / self.rounds, classifier=self.classifier / self.rounds)
 
@@ -142,3 +145,29 @@ class Log:
         if getattr(self, "file", None) is not None:
             self.file.close()
             self.file = None
+
+
+def check_out(out: str, resume: str | None):
+    """Refuse in one line an --out that holds files (unless resuming into it) or cannot be created and written
+    (a file is written and removed). Folders made for the check are removed again: nothing is left until the
+    run starts."""
+    if not resume and os.path.isdir(out) and os.listdir(out):
+        raise ConfigError(f"--out: {out} exists and is not empty (pass --resume to continue a run)")
+    made, parent = [], os.path.abspath(out)
+    while not os.path.exists(parent):
+        made.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--out: cannot write to {out} ({e.strerror or type(e).__name__})") from None
+    finally:
+        for folder in made:  # deepest first
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass

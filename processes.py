@@ -10,6 +10,9 @@ searchers' start and stop, the waits and the faults.
   answer the other ranks every slice (`wait_together`), so that no rank sits in a collective while
   rank 0 checkpoints alone. A refusal of the configuration on any rank stops all (`first_refusal`).
 - Signals (`Signals`): a checkpoint, then a stop with one line (`fail`), on every rank at once.
+- GPU settings a spawned process would fail on (too few GPUs, bf16 on an old one, EXCLUSIVE_PROCESS mode,
+  a searcher's models that do not fit its GPU) are refused before any process starts (`check_gpus`,
+  `check_memory`, called by config.check).
 """
 
 import json
@@ -28,7 +31,7 @@ import torch.distributed as dist
 
 import nodes
 import searcher
-from errors import Silent, Stop
+from errors import ConfigError, Silent, Stop
 
 
 def fail(message: str, code: int, rank: int):
@@ -318,3 +321,65 @@ def shutdown(procs, queue, stop, handoff):
             p.join(timeout=5)
     queue.cancel_join_thread()
     handoff.cancel_join_thread()
+
+
+# --- GPU settings a spawned process would fail on, refused by config.check before any starts -----------
+def check_gpus(cfg, local: int):
+    """GPU settings that would fail inside a spawned process: refuse them here, in one line. `local`: the
+    trainer ranks on this node (torchrun's LOCAL_WORLD_SIZE), which with this node's searchers use this
+    node's GPUs; on several nodes every node checks its own."""
+    gpus = torch.cuda.device_count()
+    used = range(local + cfg.searchers)
+    if len(used) > gpus:
+        raise ConfigError(f"--searchers: {cfg.searchers} searcher(s) + {local} trainer rank(s) on this node need "
+                          f"{len(used)} GPUs on it, {gpus} visible")
+    # vLLM refuses bf16 below compute capability 8.0 (vllm/platforms/cuda.py:636-654, checking GPU 0
+    # only); torch.cuda.is_bf16_supported() says True there (emulation) and checks one device
+    oldest = min((torch.cuda.get_device_capability(i), i) for i in used)
+    if cfg.dtype == "auto":
+        cfg.dtype = "bfloat16" if oldest[0] >= (8, 0) else "float16"
+    if cfg.dtype == "bfloat16" and oldest[0] < (8, 0):
+        raise ConfigError(f"--dtype: bfloat16 needs compute capability 8.0 or newer; GPU {oldest[1]} has "
+                          f"{'.'.join(map(str, oldest[0]))} (use --dtype float16)")
+    if cfg.searchers and compute_mode(0) == 3:  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+        raise ConfigError("--searchers: GPU 0 is in EXCLUSIVE_PROCESS compute mode, but the searchers open the "
+                          "shared weights there beside the trainer; set it to DEFAULT (nvidia-smi -i 0 -c DEFAULT)")
+
+
+def compute_mode(index: int) -> int | None:
+    """NVML compute mode of CUDA device `index` (as torch numbers it), or None without NVML. vLLM ships
+    nvidia-ml-py as vllm.third_party.pynvml (vllm/utils/import_utils.py:24-52); NVML numbers GPUs
+    physically, so the device is found by its UUID."""
+    try:
+        import pynvml
+    except ImportError:
+        from vllm.third_party import pynvml
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid
+        return pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+    except pynvml.NVMLError:  # a MIG device or a UUID NVML does not know: the mode is unknown, as without NVML
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def check_memory(cfg, local: int):
+    """GPUs: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it loads beside
+    them fit the smallest of this node's searcher GPUs, split as the searchers will split it (searcher.
+    memory_split), or a refusal in one line naming what does not fit; --searcher-memory's default computed."""
+    flag = "searcher-memory" if cfg.searchers else "trainer-memory"
+    gpus = range(local, local + cfg.searchers) if cfg.searchers else range(local)
+    card = min(torch.cuda.get_device_properties(i).total_memory for i in gpus)
+    engines, beside = searcher.memory_needs(cfg)  # searcher 0's, which evaluates: the most
+    share = getattr(cfg, flag.replace("-", "_"))
+    share = searcher.memory_share(card, beside) if share is None else share
+    try:
+        searcher.memory_split(card, share, engines, beside)
+    except ValueError as e:
+        raise ConfigError(f"--{flag}: {e}") from None
+    setattr(cfg, flag.replace("-", "_"), share)

@@ -4,12 +4,16 @@
 - `gsm8k_reward`: the paper's GSM8K reward (Sec. 5 of Bartoldson et al., and the authors'
   `gsm8k_utils.py`): 1.0 if the LAST number in the completion, commas removed, equals the
   number after `####` in the data set's answer, compared as floats; else 0.0.
-- `RewardModel`: a learned reward (`--reward-model`), the paper's TL;DR reward.
+- `RewardModel`: a learned reward (`--reward-model`), the paper's TL;DR reward; `check_reward_model`
+  refuses a model that is not one before the run starts.
 The searcher calls either kind the same way, once per round: `reward(prompts, responses,
 completions, answers) -> list[float]` (a string reward through `batched`).
 """
 
 import re
+
+from errors import ConfigError
+from hub import load_tokenizer, resolve_model
 
 # The authors' number pattern: decimals, numbers with a leading dot, scientific notation,
 # integers; each with an optional sign. `$` and `%` are not part of a number.
@@ -50,6 +54,21 @@ REWARDS = {"arith": arith_reward, "gsm8k": gsm8k_reward}
 def batched(reward):
     """A string reward as the searcher calls every reward: on the lists of one round."""
     return lambda prompts, responses, completions, answers: [reward(c, a) for c, a in zip(completions, answers)]
+
+
+def check_reward_model(name: str, flag: str) -> str:
+    """The local folder of a reward model (--FLAG): a sequence classifier with exactly one output, and its
+    tokenizer; refused in one line otherwise."""
+    from transformers import AutoConfig
+    path = resolve_model(name, flag)
+    config = AutoConfig.from_pretrained(path)
+    kinds = getattr(config, "architectures", None) or []
+    if not any(k.endswith("ForSequenceClassification") for k in kinds):
+        raise ConfigError(f"--{flag}: {path} is not a sequence classifier (architectures: {', '.join(kinds) or 'none'})")
+    if config.num_labels != 1:
+        raise ConfigError(f"--{flag}: {path} has {config.num_labels} outputs; a reward model has exactly one")
+    load_tokenizer(path, flag)
+    return path
 
 
 class RewardModel:

@@ -46,7 +46,8 @@ import seeds
 from buffer import Trajectory
 from errors import Dead
 from loss import collate, sequence_logprobs, unique_pairs
-from rewards import REWARDS, RewardModel, batched
+from rewards import RewardModel, batched
+from tasks import TASKS
 from weights import WAIT, SharedWeights, acquire, locked, receive
 
 
@@ -71,10 +72,11 @@ class Engine:
         self.per_token = None  # --generation-slowdown: s a generated token costs this engine alone (calibrate)
         self.ref_version = 0  # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.ref = self.judge = None  # pi_ref, loaded on the first search; the evaluation's judge
-        if cfg.task == "redteam":  # the victim answers, the classifier judges (redteam.py)
+        if cfg.victim_path:  # red-teaming: the victim answers, the classifier judges (redteam.py)
             self.reward, self.embedder = self.red_team_reward(split), None
-        else:
-            self.reward = self.reward_model(cfg.reward_model_path) if cfg.reward_model_path else batched(REWARDS[cfg.task])
+        else:  # the task's reward, or a reward model in its place
+            self.reward = (self.reward_model(cfg.reward_model_path) if cfg.reward_model_path
+                           else batched(TASKS[cfg.task].reward))
         # tldr, on the engine that evaluates: a transformers copy of the policy for the evaluation's
         # full-vocabulary KL, kept at vLLM's weights by load(). vLLM 0.32 can return whole
         # distributions (SamplingParams(logprobs=-1) with LLM(max_logprobs=-1): vllm/sampling_params.py:
@@ -84,7 +86,7 @@ class Engine:
         # 0.01, not pi_theta's), and as one Python {token: Logprob} dict per position: 50k entries x
         # 128 tokens x 6.5k responses. A copy costs the policy's weights once more on this device
         # and one forward per response.
-        self.policy = self.transformers_copy(cfg.model_path) if cfg.task == "tldr" and evaluates else None
+        self.policy = self.transformers_copy(cfg.model_path) if TASKS[cfg.task].score == "win_rate" and evaluates else None
         self.sft = None  # the initial pi_ref, for the evaluation once TBA′ has reset pi_ref
 
     @contextlib.contextmanager
@@ -253,7 +255,7 @@ class Engine:
         if self.cfg.dedup_similarity:  # the best buffer compares attacks by their embeddings (buffer.py)
             for t, e in zip(trajectories, self.sentence_embedder()([c.text for _, c in done]).cpu().numpy()):
                 t.embedding = e
-        timed = self.reward.seconds if self.cfg.task == "redteam" else {}  # the victim's and the classifier's s
+        timed = getattr(self.reward, "seconds", {})  # red-teaming: the victim's and the classifier's s
         return trajectories, {"tokens": tokens, "generate": generate, "slept": slept, **timed,
                               "charged": alone * self.cfg.generation_slowdown, "per_token": self.per_token}
 
@@ -314,7 +316,7 @@ class Engine:
         done): a searcher's evaluation can outlast --timeout (the TL;DR one at 2.8B, the 6.9B judge over
         the whole validation split: about 15 minutes on an A100), and the trainer's watch hears a beat
         after each part, while a part that hangs is silence."""
-        if self.cfg.task == "redteam":  # sampled attacks, not greedy: asr, toxicity, diversity, unique
+        if TASKS[self.cfg.task].score == "toxicity":  # red-teaming: sampled attacks: asr, toxicity, diversity, unique
             return self.evaluate_redteam(prompts)
         size = max(256, self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt)
         rows, example = {}, None
@@ -335,7 +337,7 @@ class Engine:
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outputs]
         rewards = self.reward(prompts, responses, [o.outputs[0].text for o in outputs], answers)
-        if self.cfg.score == "accuracy":
+        if TASKS[self.cfg.task].score == "accuracy":
             scores = {"accuracy": list(rewards)}
         else:
             if self.judge is None:
@@ -467,9 +469,9 @@ def memory_needs(cfg, evaluates: bool = True) -> tuple[dict[str, tuple[int, int,
 
     scorer = transformers.AutoModelForSequenceClassification
     seqs = cfg.prompts_per_step * cfg.search_samples_per_prompt
-    tldr_eval = cfg.task == "tldr" and evaluates
-    engines = {"attacker" if cfg.task == "redteam" else "policy": engine(cfg.model_path, cfg.max_model_len,
-                                                                         cfg.max_model_len, seqs)}
+    tldr_eval = TASKS[cfg.task].score == "win_rate" and evaluates
+    engines = {"attacker" if cfg.victim_path else "policy": engine(cfg.model_path, cfg.max_model_len,
+                                                                 cfg.max_model_len, seqs)}
     c, policy = size(cfg.model_path)
     beside = {"pi_ref": policy, "its logits": cfg.micro_batch * cfg.max_model_len * c.vocab_size * d * (1 + tldr_eval),
               "a float32 chunk": 2**28}
@@ -481,7 +483,7 @@ def memory_needs(cfg, evaluates: bool = True) -> tuple[dict[str, tuple[int, int,
             beside["the judge"] = size(cfg.eval_reward_model_path, scorer)[1]
         if cfg.ref_reset_every:
             beside["the SFT model"] = policy
-    if cfg.task == "redteam":
+    if cfg.victim_path:
         import redteam
         answer = cfg.victim_max_new_tokens or redteam.CHAT_SAMPLING["max_new_tokens"]  # the longer default
         engines["victim"] = engine(cfg.victim_path, redteam.context(cfg.victim_path), cfg.max_model_len + answer,

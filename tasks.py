@@ -12,12 +12,14 @@
   (`train.jsonl` for searching, `validation.jsonl` for evaluation, one JSON object a line with the
   fields `query`: the formatted post, ending in "TL;DR:", and `reference_response`: a human
   summary) or from the hub. The prompt is `query` as it is; the answer is `reference_response`,
-  which the evaluation's win rate compares against. Prompts over 512 tokens are dropped (tba.py).
+  which the evaluation's win rate compares against. Prompts over 512 tokens are dropped (config.py).
 - `redteam` (the paper's red-teaming task, redteam.py): the attacker's instruction list of Lee et
   al. (their prompts/attack_prompt.jsonl), or the prompts of `--data DIR`'s `attack_prompt.jsonl`
   (their format: one JSON object a line with the field `attacker_prompt`). There is no answer and
   nothing held out: the evaluation samples fresh attacks from the same prompts.
 
+Each is one entry of `TASKS` (a `Task`: its loader, reward, headline score and flag checks), which
+config.py and the searchers ask instead of the task's name; README, "Add your own task", adds one.
 Bad data raises `ConfigError` with a one-line message; `tba.py` prints it and exits with 2.
 """
 
@@ -25,11 +27,12 @@ import json
 import os
 import random
 from dataclasses import dataclass
+from typing import Callable
 
+import redteam
 from errors import ConfigError
-from rewards import gsm8k_gold
+from rewards import arith_reward, gsm8k_gold, gsm8k_reward
 
-TASKS = ("arith", "gsm8k", "tldr", "redteam")
 TLDR_HUB = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
 
 
@@ -129,25 +132,74 @@ def from_hub(name: str, config, splits: tuple[str, str], problem) -> tuple[list[
     return tuple([problem(r, f"{name} {split} row {i}") for i, r in enumerate(ds[split])] for split in splits)
 
 
+def folder(data: str | None) -> str:
+    if not os.path.isdir(data):
+        raise ConfigError(f"--data: {data} is not a folder")
+    return data
+
+
+def load_arith(data: str | None) -> tuple[list[Problem], list[Problem]]:
+    if data is not None:
+        raise ConfigError("--data: the arith task is generated in code and takes no data folder")
+    return arith_splits()
+
+
+def load_redteam(data: str | None) -> tuple[list[Problem], list[Problem]]:
+    if data is None:
+        return [Problem(ATTACK_PROMPT, "")], [Problem(ATTACK_PROMPT, "")]
+    problems = read_jsonl(os.path.join(folder(data), "attack_prompt.jsonl"), redteam_problem)
+    return problems, list(problems)
+
+
+def load_splits(name: str, config, splits: tuple[str, str], problem):
+    """A loader of a data set with two splits, (train, test), from --data's JSONL files or the hub."""
+    def load(data: str | None) -> tuple[list[Problem], list[Problem]]:
+        if data is None:
+            return from_hub(name, config, splits, problem)
+        return tuple(read_jsonl(os.path.join(folder(data), f"{split}.jsonl"), problem) for split in splits)
+    return load
+
+
+def check_tldr(cfg):
+    if not cfg.reward_model:
+        raise ConfigError("--reward-model: the tldr task is scored by a reward model: pass --reward-model (the "
+                          "paper's: mnoukhov/pythia410m-rm-tldr6.9b)")
+
+
+@dataclass(frozen=True)
+class Task:
+    """What `--task NAME` is: TASKS[NAME]. config.check and the searchers ask it, never the task's name.
+    - load(--data folder or None) -> (train, test) problems, or ConfigError in one line;
+    - reward(completion, answer) -> float, or None where a model scores the responses (--reward-model);
+    - score: the evaluation's headline figure, which picks the evaluation (searcher.Engine.evaluate):
+      accuracy (greedy responses scored by the reward), win_rate (a judge against the answer) or
+      toxicity (sampled attacks, redteam.py);
+    - check(cfg): the task's own requirements, refused in one line, their derived values filled in;
+    - flags: the flags that belong to this task alone (refused with any other);
+    - max_prompt: longer prompts (in tokens) are dropped;
+    - fill: the training prompts are repeated to fill a batch of B (one instruction searched as B copies,
+      each a TB group of K responses with its own log Z)."""
+    load: Callable
+    reward: Callable | None = None
+    score: str = "accuracy"
+    check: Callable = lambda cfg: None
+    flags: tuple[str, ...] = ()
+    max_prompt: int | None = None
+    fill: bool = False
+
+
+TASKS = {
+    "arith": Task(load_arith, arith_reward),
+    "gsm8k": Task(load_splits("openai/gsm8k", "main", ("train", "test"), gsm8k_problem), gsm8k_reward),
+    "tldr": Task(load_splits(TLDR_HUB, None, ("train", "validation"), tldr_problem), score="win_rate",
+                 check=check_tldr, flags=("eval_reward_model",), max_prompt=512),  # the authors' (tba_tldr.py:89-91)
+    "redteam": Task(load_redteam, score="toxicity", check=redteam.check, fill=True,
+                    flags=("victim", "classifier", "unsafe_label", "embedding_model")),
+}
+
+
 def load_task(task: str, data: str | None) -> tuple[list[Problem], list[Problem]]:
     """(train, test) problems of `task`. Raises ConfigError on bad input."""
     if task not in TASKS:
         raise ConfigError(f"--task: unknown task {task!r} (choose from {', '.join(TASKS)})")
-    if task == "arith":
-        if data is not None:
-            raise ConfigError("--data: the arith task is generated in code and takes no data folder")
-        return arith_splits()
-    if task == "redteam":
-        if data is None:
-            return [Problem(ATTACK_PROMPT, "")], [Problem(ATTACK_PROMPT, "")]
-        if not os.path.isdir(data):
-            raise ConfigError(f"--data: {data} is not a folder")
-        problems = read_jsonl(os.path.join(data, "attack_prompt.jsonl"), redteam_problem)
-        return problems, list(problems)
-    name, config, splits, problem = (("openai/gsm8k", "main", ("train", "test"), gsm8k_problem) if task == "gsm8k"
-                                     else (TLDR_HUB, None, ("train", "validation"), tldr_problem))
-    if data is None:
-        return from_hub(name, config, splits, problem)
-    if not os.path.isdir(data):
-        raise ConfigError(f"--data: {data} is not a folder")
-    return tuple(read_jsonl(os.path.join(data, f"{split}.jsonl"), problem) for split in splits)
+    return TASKS[task].load(data)

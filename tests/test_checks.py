@@ -199,7 +199,7 @@ def test_compute_mode_is_unknown_when_nvml_does_not_know_the_device(monkeypatch)
                                  nvmlDeviceGetComputeMode=lambda handle: 0)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="MIG-1234"))
-    assert config.compute_mode(0) is None
+    assert processes.compute_mode(0) is None
     assert calls == ["init", "shutdown"]
 
 

@@ -1,7 +1,7 @@
 """The GPU path without vLLM: FSDP2 over NCCL in bf16 (float32 or bf16 weights, with or without activation
 checkpointing), the on-device gather into shared CUDA tensors, their CUDA IPC handoff, the leaders' gloo
 group beside NCCL, AdamW's float32 moments under bf16 weights, chunked log-probs on the GPU, the GPU
-refusals of `config.check_gpus`, a searcher GPU's memory split, and `weights.allocator_for_sharing` under
+refusals of `processes.check_gpus`, a searcher GPU's memory split, and `weights.allocator_for_sharing` under
 expandable segments.
 
 Tests marked `gpu` (and the "cuda" cases of the others) are skipped when no CUDA device is visible;
@@ -72,7 +72,7 @@ def reader_device(kind="cuda") -> str:
 KINDS = ["cpu", pytest.param("cuda", marks=gpu)]
 
 
-# ===== config.check_gpus: refusals (CUDA queries faked: runs anywhere) ==============================
+# ===== processes.check_gpus: refusals (CUDA queries faked: runs anywhere) ==============================
 def fake_gpus(monkeypatch, capabilities, mode=0):
     """torch sees len(capabilities) GPUs with these compute capabilities; NVML says GPU 0 is in
     compute mode `mode`. Returns the indices compute_mode was asked about."""
@@ -80,7 +80,7 @@ def fake_gpus(monkeypatch, capabilities, mode=0):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda device=None: capabilities[0 if device is None else int(device)])
-    monkeypatch.setattr(config, "compute_mode", lambda index: asked.append(index) or mode)
+    monkeypatch.setattr(processes, "compute_mode", lambda index: asked.append(index) or mode)
     return asked
 
 
@@ -88,43 +88,43 @@ def test_bfloat16_is_refused_below_compute_capability_8(monkeypatch):
     fake_gpus(monkeypatch, [(7, 0), (7, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"--dtype: bfloat16 needs compute capability 8\.0 .*GPU 0 has 7\.0"):
-        config.check_gpus(cfg, local=1)
+        processes.check_gpus(cfg, local=1)
 
 
 def test_auto_dtype_follows_the_oldest_gpu_used(monkeypatch):
     fake_gpus(monkeypatch, [(7, 0), (7, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    config.check_gpus(cfg, local=1)
+    processes.check_gpus(cfg, local=1)
     assert cfg.dtype == "float16"
     fake_gpus(monkeypatch, [(9, 0), (7, 5), (9, 0)])  # the searcher's GPU 1 is the old one
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    config.check_gpus(cfg, local=1)
+    processes.check_gpus(cfg, local=1)
     assert cfg.dtype == "float16"
     with pytest.raises(ConfigError, match=r"GPU 1 has 7\.5"):
-        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="bfloat16"), local=1)
+        processes.check_gpus(types.SimpleNamespace(searchers=1, dtype="bfloat16"), local=1)
     fake_gpus(monkeypatch, [(9, 0), (8, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    config.check_gpus(cfg, local=1)
+    processes.check_gpus(cfg, local=1)
     assert cfg.dtype == "bfloat16"
 
 
 def test_exclusive_process_gpu0_is_refused_with_searchers(monkeypatch):
     asked = fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=3)  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
     with pytest.raises(ConfigError, match="EXCLUSIVE_PROCESS"):
-        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
+        processes.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
     assert asked == [0]  # the trainer's GPU, where the searchers open the shared weights
     asked.clear()
     cfg = types.SimpleNamespace(searchers=0, dtype="auto")  # the trainer alone on GPU 0: allowed
-    config.check_gpus(cfg, local=1)
+    processes.check_gpus(cfg, local=1)
     assert asked == [] and cfg.dtype == "bfloat16"
     fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=None)  # no NVML: nothing to refuse
-    config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
+    processes.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
 
 
 def test_too_few_gpus_are_refused(monkeypatch):
     fake_gpus(monkeypatch, [(9, 0), (9, 0)])
     with pytest.raises(ConfigError, match=r"1 searcher\(s\) \+ 2 trainer rank\(s\) on this node need 3 GPUs on it, 2 visible"):
-        config.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=2)
+        processes.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=2)
 
 
 @gpu
@@ -142,7 +142,7 @@ def test_compute_mode_finds_the_gpu_by_uuid():
     modes = {u.strip(): m.strip() for u, m in (row.split(",") for row in rows if row.strip())}
     for i in range(torch.cuda.device_count()):
         uuid = str(torch.cuda.get_device_properties(i).uuid)
-        uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid  # as config.compute_mode does
+        uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid  # as processes.compute_mode does
         assert uuid in modes, f"torch device {i}: {uuid} is not among nvidia-smi's {sorted(modes)}"
     try:
         import pynvml  # noqa: F401  (compute_mode would fall back to vllm.third_party.pynvml: not here)
@@ -150,7 +150,7 @@ def test_compute_mode_finds_the_gpu_by_uuid():
         return
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     mode = modes[uuid if uuid.startswith("GPU-") else "GPU-" + uuid]
-    assert config.compute_mode(0) == {"Default": 0, "Prohibited": 2, "Exclusive_Process": 3}[mode]
+    assert processes.compute_mode(0) == {"Default": 0, "Prohibited": 2, "Exclusive_Process": 3}[mode]
 
 
 # ===== weights.allocator_for_sharing ===========================================================
@@ -673,8 +673,8 @@ def pythia(folder, size: str, head: str = "causal") -> str:
 def tldr_searcher(folder, size: str) -> types.SimpleNamespace:
     """run_tldr.sh's searcher 0 at SIZE: policy and reward model of that size, the 6.9B judge, bf16, 512-token
     prompts and 128 new tokens, 8 x 20 a step, 20 sequences a pass."""
-    return types.SimpleNamespace(task="tldr", dtype="bfloat16", model_path=pythia(folder, size), max_model_len=640,
-                                 prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, ref_reset_every=0,
+    return types.SimpleNamespace(task="tldr", victim_path=None, dtype="bfloat16", model_path=pythia(folder, size),
+                                 max_model_len=640, prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, ref_reset_every=0,
                                  reward_model_path=pythia(folder, size, "reward"), searchers=3, searcher_memory=None,
                                  eval_reward_model_path=pythia(folder, "6.9b", "reward"))
 
@@ -694,7 +694,7 @@ def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monke
         assert beside["pi_ref"] == beside["the evaluation's policy copy"] == 2 * {
             "410m": 405_334_016, "1b": 1_011_781_632, "2.8b": 2_775_208_960}[size]  # the published totals
         gpus(int(card))
-        config.check_memory(cfg, 1)
+        processes.check_memory(cfg, 1)
         assert cfg.searcher_memory == share, (size, card, cfg.searcher_memory)
         assert sum(beside.values()) <= (1 - share) * card and sum(engines["policy"][:2]) <= share * card
         if card == 40e9:
@@ -702,11 +702,11 @@ def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monke
             with pytest.raises(ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 37.3 GiB leaves less than "
                                                   r"the [\d.]+ GiB of the models beside the engines \(pi_ref .*the "
                                                   r"judge 12.4, the CUDA context 1.0\); give the engines at most 0.[45]\d$"):
-                config.check_memory(cfg, 1)
+                processes.check_memory(cfg, 1)
     cfg = tldr_searcher(tmp_path, "2.8b")
     gpus(int(40e9))
     with pytest.raises(ConfigError) as e:
-        config.check_memory(cfg, 1)
+        processes.check_memory(cfg, 1)
     line = str(e.value)
     assert line.startswith("--searcher-memory: the policy engine's ") and line.endswith("need more than this GPU's 37.3 GiB")
     assert "pi_ref 5.2, its logits 2.4, a float32 chunk 0.2, the reward model 4.9, the evaluation's policy copy 5.2, " \

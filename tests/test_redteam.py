@@ -386,7 +386,7 @@ def test_memory_split_of_the_papers_settings(tmp_path, monkeypatch, llama):
     split) at the computed --searcher-memory and at 0.7; config's check, which reads the GPUs' memory (faked here:
     no GPU), fits the Llama setting on a 48 GB card with the computed share, refuses it there at 0.7 and on a
     40 GB card at any share, in one line."""
-    import config
+    import processes
     cfg = paper_setting(tmp_path, llama)
     card = (80 if llama else 16) * 10**9
     engines, beside = searcher.memory_needs(cfg)
@@ -400,23 +400,23 @@ def test_memory_split_of_the_papers_settings(tmp_path, monkeypatch, llama):
     gpus = lambda total: monkeypatch.setattr(torch.cuda, "get_device_properties",
                                              lambda i: types.SimpleNamespace(total_memory=total))
     gpus(card)
-    config.check_memory(cfg, 1)  # fits: no refusal
+    processes.check_memory(cfg, 1)  # fits: no refusal
     assert cfg.searcher_memory == (0.9 if llama else 0.73)  # at most vLLM's default; what RoBERTa & co. leave
     if llama:
         gpus(48 * 10**9)
         cfg.searcher_memory = None
-        config.check_memory(cfg, 1)
+        processes.check_memory(cfg, 1)
         assert cfg.searcher_memory == 0.87  # docs/tasks.md: 0.84 to 0.87 fit
         cfg.searcher_memory = 0.7
-        with pytest.raises(config.ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 44.7 GiB cannot hold the "
+        with pytest.raises(processes.ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 44.7 GiB cannot hold the "
                                                      r"attacker \+ victim \+ judge engines' [\d.]+ GiB; give them at least 0.8\d$"):
-            config.check_memory(cfg, 1)
+            processes.check_memory(cfg, 1)
         gpus(40 * 10**9)
         cfg.searcher_memory = None
-        with pytest.raises(config.ConfigError, match=r"^--searcher-memory: the attacker \+ victim \+ judge engines' "
+        with pytest.raises(processes.ConfigError, match=r"^--searcher-memory: the attacker \+ victim \+ judge engines' "
                                                      r"[\d.]+ GiB and the models beside them \(pi_ref 2.3, .*, the CUDA "
                                                      r"context 1.0: [\d.]+ GiB\) need more than this GPU's 37.3 GiB$"):
-            config.check_memory(cfg, 1)
+            processes.check_memory(cfg, 1)
 
 
 def test_lee_et_al_recipe_runs_and_resumes(models, tmp_path):

@@ -159,9 +159,9 @@ def main(argv=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import config
+    import hub
     try:
-        path = config.resolve_model(args.model)
+        path = hub.resolve_model(args.model)
     except ConfigError as e:
         fail(str(e))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
