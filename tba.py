@@ -28,12 +28,7 @@ Several nodes (`torchrun --nnodes N`): each node's first trainer process (its le
 node what rank 0 does for the weights and searchers, and forwards its searchers' trajectories to
 rank 0 (nodes.py; `multi` is None on one node).
 
-Departures from the authors' code (MPI + DeepSpeed + TRL): trajectories stream to the trainer
-through a bounded queue instead of arriving at each sync, so "recent" data means data added since
-the last sync, or the newest data until some arrives (buffer.py); weights travel through shared
-memory / CUDA IPC instead of MPI; the learning-rate schedule is computed in config.py (same shape
-as transformers' warmup-stable-decay). `--loss` swaps TB for an on-policy baseline (loss.py), for
-the off-policy study of `tools/bench.py` part 7; `--ref-reset-every` is TBA′ (the paper, Sec. 6).
+Departures from the paper and the authors' code, and why: docs/departures.md.
 """
 
 import os
