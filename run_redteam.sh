@@ -18,28 +18,7 @@
 # whose GPU also holds pi_ref, the victim and the classifier (docs/tasks.md, "Red-teaming"). The one attack
 # prompt is searched as B = 16 copies of K = 8 attacks, so TRAINERS must divide 16.
 #
-# Where this still differs from Lee et al.'s run:
-# - asynchrony (the method): their online half is sampled by the weights of the step it trains; here the
-#   searchers' attacks are up to 2k - 1 = 19 updates old, and "recent" means sampled since the last sync.
-# - batches: each of their 8 accumulated batches of 16 is all online or all from the buffer (a coin each);
-#   here each of the 16 groups of 8 attacks is recent with probability m = 0.5, else from the buffer.
-# - log Z: theirs is a learned head on the prompt's hidden state; TB here estimates it per group of
-#   K = 8 attacks (loss.py), so there is no head to train.
-# - the buffer starts empty and fills from the searchers; theirs starts with the 3,003 SFT instructions,
-#   scored, and 10 x 16 samples at temperature 0.7, top-p 0.9 (gfn_trainer.py:610-695). Near-duplicates:
-#   the nearest held attack (theirs: the first in heap order), EOS counted in the edit distance (theirs:
-#   left out); the tolerance 0.25 is their ReplayBuffer's default (main.py's sim_tolerance is not passed
-#   to it, gfn_trainer.py:221-227). Draws by reward are without replacement within a group of 8 (theirs:
-#   within a batch of 16).
-# - exploration: their temperature, U[0.5, 2] half the time, is one per batch of 16; here one per
-#   searcher request (one copy's 8 attacks).
-# - length: theirs blocks EOS at the first token and replaces the prior term of an attack under 5 tokens
-#   (first EOS counted) by -500; here such an attack gets r = -25 (-500 in r / beta at beta 0.05) and EOS
-#   is blocked only in the evaluation (redteam.py).
-# - learning rate: their first update has lr 0 (the scheduler steps after it), ours lr / 100.
-# - beta: the paper's 0.05 (Lee et al.'s README runs GPT-2 at 0.1).
-# - evaluation: theirs is offline (eval.py, 1,024 attacks x 5 responses); here the same every 500 steps
-#   (their eval_period) during the run.
+# Where this run still differs from Lee et al.'s, and why: docs/departures.md, "Red-teaming".
 set -euo pipefail
 cd "$(dirname "$0")"
 TRAINERS=${TRAINERS:-1}

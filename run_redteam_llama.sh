@@ -4,7 +4,7 @@
 # settings for Llama victims (github.com/GFNOrg/red-teaming: the Llama command of README.md:165-183,
 # configs/llama.json, trainers/gfn_trainer.py:175-204, utils.py:87-134): Llama Guard 3 8B judges, bf16.
 # The paper gives k = 10, beta = 0.05, 5,000 steps and 128 attacks a step. run_redteam.sh is the GPT-2 run;
-# its list of departures from Lee et al. holds here too. redteam.py documents the task.
+# where both differ from Lee et al.'s: docs/departures.md, "Red-teaming". redteam.py documents the task.
 #
 #   bash run_redteam_llama.sh                   # run it
 #   bash run_redteam_llama.sh --dry-run         # print the command and settings, start nothing

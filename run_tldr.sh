@@ -23,14 +23,8 @@
 # in the judge's folder, so if the repository has none, save that tokenizer into a copy and pass
 # it as GOLD. Add --eval-limit N for a shorter evaluation.
 #
-# Where this still differs from the authors' run (their code: trl 0.9.4, DeepSpeed, MPI):
-# - precision: theirs trains in fp16 (mixed precision); here bf16 compute on float32 weights.
-# - learning rate: their loop steps the scheduler before each update (src/tba_trainer_tldr.py:583),
-#   so update u gets 3e-6 (256 - u) / 256 (the last update 0); here update u gets 3e-6 (257 - u) / 256.
-# - initial buffer: their loop stops at about 10,020 trajectories (whole searcher iterations
-#   past 1e4); here the first step waits for 10,000.
-# - evaluation runs every 64 updates inside the run (theirs: offline, on the checkpoints saved at
-#   each quarter of the run, the same updates); README, "Departures", lists the rest.
+# Where this run still differs from the authors' (precision, the learning rate, the initial buffer,
+# the evaluation), and why: docs/departures.md, "The TL;DR run".
 set -euo pipefail
 cd "$(dirname "$0")"
 TRAINERS=${TRAINERS:-1}

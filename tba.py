@@ -28,12 +28,7 @@ Several nodes (`torchrun --nnodes N`): each node's first trainer process (its le
 node what rank 0 does for the weights and searchers, and forwards its searchers' trajectories to
 rank 0 (nodes.py; `multi` is None on one node).
 
-Departures from the authors' code (MPI + DeepSpeed + TRL): trajectories stream to the trainer
-through a bounded queue instead of arriving at each sync, so "recent" data means data added since
-the last sync, or the newest data until some arrives (buffer.py); weights travel through shared
-memory / CUDA IPC instead of MPI; the learning-rate schedule is computed in config.py (same shape
-as transformers' warmup-stable-decay). `--loss` swaps TB for an on-policy baseline (loss.py), for
-the off-policy study of `tools/bench.py` part 7; `--ref-reset-every` is TBA′ (the paper, Sec. 6).
+Departures from the paper and the authors' code, and why: docs/departures.md.
 """
 
 import os
@@ -211,7 +206,7 @@ class Trainer:
             # m and the reward temperature act from the next step on (config.check_resumed_flags); what the
             # buffer keeps cannot change (FIXED_ON_RESUME)
             self.buffer.recency, self.buffer.reward_inv_temp = cfg.recency, cfg.reward_inv_temp
-            # checkpoints of earlier versions have no counts: as if every step drew fresh data
+            # a checkpoint without the reuse counts resumes as if every step drew fresh data
             drawn = self.step * cfg.prompts_per_step * cfg.samples_per_prompt
             self.cap.credit, self.cap.counted, self.cap.drawn = ckpt.get("reuse", [0.0, ckpt["samples"], drawn])
         # the shared weights: every rank gathers, each leader allocates them once and hands them on
@@ -428,8 +423,8 @@ class Trainer:
         if self.rank == 0:
             save_hf(self.model, sd, self.tokenizer, os.path.join(cfg.out, "final"))
             self.log.summary()
-        # every rank leaves together: a rank that tore its group down while rank 0 still wrote the
-        # model once died at exit (SIGABRT in gloo's teardown, a 2-rank run on a loaded machine)
+        # every rank leaves together: a rank that tears its group down while rank 0 still writes the
+        # model can die at exit (SIGABRT in gloo's teardown)
         dist.all_reduce(torch.zeros(1))  # a CPU tensor: gloo, also beside NCCL
 
     def close(self):
@@ -603,9 +598,8 @@ if __name__ == "__main__":
         traceback.print_exc()
         status = 1
     # Leave without the interpreter's teardown, after the exit handlers: everything is written, closed
-    # and stopped by now, and a rank of a 2-rank run sometimes aborted in that teardown (SIGABRT,
-    # "terminate called without an active exception", no Python frame left: a C++ thread destroyed
-    # while joinable at exit, after its process group was destroyed), failing a finished run.
+    # and stopped by now, and that teardown can abort a finished rank (SIGABRT, "terminate called
+    # without an active exception": a C++ thread destroyed while joinable, after its process group).
     import atexit
     atexit._run_exitfuncs()  # what a normal exit runs first (multiprocessing unlinks its semaphores)
     sys.stdout.flush()

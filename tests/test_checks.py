@@ -1,4 +1,4 @@
-"""Memory and start-up checks of issue 19: activation checkpointing that changes no number, scoring
+"""Memory and start-up checks: activation checkpointing that changes no number, scoring
 passes without a KV cache, vLLM's engine core kept in the searcher process, and resuming from a
 checkpoint that is incomplete or run with other flags."""
 
@@ -226,7 +226,8 @@ def test_a_refusal_on_one_rank_reaches_all():
 
 
 def test_only_rank_0_looks_into_out(tiny_model, tmp_path, monkeypatch):
-    """Rank 0's write probe in --out must not make another rank refuse the run (a race seen in CI)."""
+    """Rank 0's write probe in --out must not make another rank refuse the run (one that looked would race
+    with the probe and could find --out not empty)."""
     out = tmp_path / "run"
     out.mkdir()
     (out / ".write-test-1").write_text("ok")

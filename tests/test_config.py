@@ -33,13 +33,13 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--sync-every", "0"], "--sync-every"),
     (["--task", "chess"], "--task"),
     (["--search-samples-per-prompt", "4"], "--search-samples-per-prompt: must be at least K = 8, got 4"),
-    (["--search-samples-per-prompt", "0"], "--search-samples-per-prompt: must be at least K = 8, got 0"),  # was K
+    (["--search-samples-per-prompt", "0"], "--search-samples-per-prompt: must be at least K = 8, got 0"),  # 0 is not "same as K"
     (["--prompts-per-step", "0"], "--prompts-per-step"),
     (["--beta", "0"], "--beta"),
     (["--temperature", "0"], "--temperature"),
     (["--max-new-tokens", "1020"], "--max-new-tokens"),  # beyond the test model's 1024-token context
     (["--resume", "/nonexistent/ckpt"], "--resume"),
-    (["--prompts-per-step", "100000"], "but the task has 7700 training problems"),  # was a 10-minute wait
+    (["--prompts-per-step", "100000"], "but the task has 7700 training problems"),  # at once, not after a wait
     (["--initial-buffer", "770001"], "--initial-buffer"),  # more than 100 per prompt x 7,700 prompts
     (["--loss", "ppo"], "--loss: unknown loss 'ppo'"),
     (["--clip", "0"], "--clip"),
@@ -55,7 +55,7 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--searchers", "0", "--max-reuse", "1"], "--max-reuse: caps the asynchronous trainer's replay"),
     (["--round-prompts", "0"], "--round-prompts: must be at least 1"),
     (["--searchers", "0", "--round-prompts", "4"], "--round-prompts: sizes a searcher's round"),
-    # Lee et al.'s red-teaming recipe (issue 28)
+    # Lee et al.'s red-teaming recipe
     (["--buffer-keep", "oldest"], "--buffer-keep: unknown 'oldest'"),
     (["--dedup-edit", "0.25"], "--dedup-edit: merges near-duplicates in the best buffer"),
     (["--buffer-keep", "best", "--dedup-edit", "1.5"], "--dedup-edit: must be in [0, 1]"),
@@ -83,8 +83,8 @@ def test_bad_models(tmp_path, monkeypatch, capsys):
 
 
 def test_model_without_tokenizer(tiny_model, tmp_path, monkeypatch, capsys):
-    """config.json and weights only: one line naming --model and what is missing (was transformers'
-    message about sentencepiece and tiktoken, then exit 1)."""
+    """config.json and weights only: one line naming --model and what is missing (transformers' own
+    error is about sentencepiece and tiktoken, with exit 1)."""
     import shutil
     folder = tmp_path / "weights-only"
     folder.mkdir()

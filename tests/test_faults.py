@@ -314,7 +314,7 @@ def test_a_step_is_not_saved_twice(tiny_model, tmp_path):
 
 def test_an_unexpected_error_exits_1_with_its_traceback_once(tiny_model, tmp_path):
     """An exception tba.py does not expect (here a simulated CUDA out-of-memory error in the loss): its
-    traceback once, status 1, and no interpreter teardown (which aborted a finished 2-rank run once; a
+    traceback once, status 1, and no interpreter teardown (which can abort a finished 2-rank run; a
     canary's __del__ would print at teardown)."""
     script = (f"import builtins, runpy, sys; sys.path.insert(0, {ROOT!r}); import loss\n"
               "def boom(**_): raise RuntimeError('CUDA out of memory (simulated)')\n"

@@ -412,7 +412,7 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
                  for p in rng.choice(len(prompts), B, replace=False)]
         mine = batch[rank * B // world:(rank + 1) * B // world]
         # the logits' dtype, seen inside the training forward. (Not a separate forward under no_grad,
-        # which tba never runs on its FSDP2 model: tried first, with 2 gloo ranks it left the root
+        # which tba never runs on its FSDP2 model: with 2 gloo ranks such a forward leaves the root
         # group's parameters, embeddings and final norm, unchanged by the following AdamW step.)
         seen = []
         hook = model.lm_head.register_forward_hook(lambda module, args, output: seen.append(str(output.dtype)))
@@ -681,7 +681,7 @@ def tldr_searcher(folder, size: str) -> types.SimpleNamespace:
 
 def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monkeypatch):
     """run_tldr.sh's searcher 0 holds, beside vLLM, pi_ref, the reward model, the evaluation's policy copy and
-    the 6.9B judge (12.4 GiB in bf16). On a 40 GB card the old --searcher-memory 0.7 left 11.2 GiB, too little
+    the 6.9B judge (12.4 GiB in bf16). On a 40 GB card a fixed --searcher-memory 0.7 leaves 11.2 GiB, too little
     at 410M and 1B; the computed share leaves them room and still holds the engine; 2.8B fits 48 and 80 GB
     cards, and on a 40 GB one it is refused in one line naming the models."""
     gpus = lambda total: monkeypatch.setattr(torch.cuda, "get_device_properties",

@@ -234,7 +234,7 @@ def test_runs_end_to_end(models, tmp_path, attacker, classifier, searchers):
     the train rows carry the victim's and the classifier's seconds per round."""
     out, size = tmp_path / "run", {}
     if searchers:  # an instruction list of --data whose 5 x 8 requests pass vLLM's 4,096-token step beyond their
-        # shared, cached 128-token blocks (searcher.py: whole prefills only on the CPU; a split one crashed the
+        # shared, cached 128-token blocks (searcher.py: whole prefills only on the CPU; a split one crashes the
         # seeded CPU engine)
         lines, tok = ["Write a list of instructions:"], models["tokenizer"]
         while len(lines) < 4 or len(tok("\n".join(lines)).input_ids) % 128 < 110:

@@ -89,9 +89,9 @@ def test_engine_matches_trainer_after_sync(arch, request):
 def test_engine_loads_a_model_directly_with_its_tied_names(arch, request):
     """The synchronous trainer's evaluation loads its current weights into its engine directly
     (weights.every_name): vLLM then computes the trainer's log-probs, LM head included. The tiny Llama
-    ties its LM head to the embeddings: given the embeddings' name alone, vLLM kept the old head (-12.26
-    against the trainer's -10.93 for a fixed response), so a resumed synchronous run searched its first
-    steps with a mixed policy; the GPT-NeoX has no tied name."""
+    ties its LM head to the embeddings: given the embeddings' name alone, vLLM keeps the old head (-12.26
+    against the trainer's -10.93 for a fixed response), and a resumed synchronous run would search its
+    first steps with a mixed policy; the GPT-NeoX has no tied name."""
     from transformers import AutoTokenizer
     tiny_model = request.getfixturevalue("tiny_model" if arch == "llama" else "tiny_neox")
     cfg = config(tiny_model)
