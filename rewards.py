@@ -47,9 +47,6 @@ def arith_reward(completion: str, answer: str) -> float:
     return float(completion.strip() == answer)
 
 
-REWARDS = {"arith": arith_reward, "gsm8k": gsm8k_reward}
-
-
 # --- the one interface the searcher calls, once per round, for either kind of reward -------------
 def batched(reward):
     """A string reward as the searcher calls every reward: on the lists of one round."""

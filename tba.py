@@ -203,7 +203,7 @@ class Trainer:
             set_optimizer_state_dict(self.model, self.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
             torch.set_rng_state(ckpt["torch_rng"])
             self.buffer, self.log.samples, self.log.first_eval = ckpt["buffer"], ckpt["samples"], ckpt["first_eval"]
-            # m and the reward temperature act from the next step on (config.check_resumed_flags); what the
+            # m and the reward temperature act from the next step on (checkpoint.check_resumed_flags); what the
             # buffer keeps cannot change (FIXED_ON_RESUME)
             self.buffer.recency, self.buffer.reward_inv_temp = cfg.recency, cfg.reward_inv_temp
             # a checkpoint without the reuse counts resumes as if every step drew fresh data
