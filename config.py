@@ -209,7 +209,7 @@ def need(ok, flag: str, msg: str):
 
 def check(cfg: Config, world: int):
     """Validate flags and data; fill in derived values.
-    Returns (cfg, tokenizer, Data, checkpoint or None)."""
+    Returns (cfg, Data, checkpoint or None)."""
     need(0 <= cfg.recency <= 1, "recency", f"must be in [0, 1], got {cfg.recency}")
     need(cfg.samples_per_prompt >= 2, "samples-per-prompt", f"K must be at least 2 (log Z is a mean over K), got {cfg.samples_per_prompt}")
     if cfg.search_samples_per_prompt is None:  # not given: K (an explicit 0 is refused below, not taken as K)
@@ -295,7 +295,7 @@ def check(cfg: Config, world: int):
         check_out(cfg.out, cfg.resume)            # see its probe file
     if cfg.resume:
         check_resumed_flags(cfg, cfg.resume)
-    return cfg, tokenizer, Data(prompts, [p.answer for p in train], test_prompts, [p.answer for p in test]), ckpt
+    return cfg, Data(prompts, [p.answer for p in train], test_prompts, [p.answer for p in test]), ckpt
 
 
 def check_recipe(cfg: Config):

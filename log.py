@@ -102,18 +102,18 @@ class Log:
 
     def show(self, row):
         """The console: the bar's position and postfix, or a plain line every --log-every steps."""
-        t = self.last_train
-        if t is None:
+        last = self.last_train
+        if last is None:
             return
-        score = f" | held-out {self.evals[-1][self.cfg.score]:.3f}" if self.evals else ""
-        brief = (f"reward {t['reward']:.3f} | loss {t['loss']:.4g} | stale {t['staleness']:.1f}/{t['staleness_max']}"
-                 f"{score}")
+        held_out = f" | held-out {self.evals[-1][self.cfg.score]:.3f}" if self.evals else ""
+        brief = (f"reward {last['reward']:.3f} | loss {last['loss']:.4g} | stale {last['staleness']:.1f}/"
+                 f"{last['staleness_max']}{held_out}")
         if self.bar is not None:
-            self.bar.update(t["step"] - self.bar.n)
+            self.bar.update(last["step"] - self.bar.n)
             self.bar.set_postfix_str(brief, refresh=True)
-        elif row["kind"] == "train" and (t["step"] % self.cfg.log_every == 0 or t["step"] == self.cfg.steps):
-            print(f"step {t['step']:5d}/{self.cfg.steps} | {brief} | beta {t['beta']:.4f} | lr {t['lr']:.2e} | "
-                  f"wait {t['wait']:.2f}s | samples {t['samples']} | {t['time']:.0f}s", flush=True)
+        elif row["kind"] == "train" and (last["step"] % self.cfg.log_every == 0 or last["step"] == self.cfg.steps):
+            print(f"step {last['step']:5d}/{self.cfg.steps} | {brief} | beta {last['beta']:.4f} | lr {last['lr']:.2e} | "
+                  f"wait {last['wait']:.2f}s | samples {last['samples']} | {last['time']:.0f}s", flush=True)
 
     def print(self, line: str, file=None):
         """A line on the console, above the bar if there is one."""

@@ -6,7 +6,7 @@ searchers' start and stop, the waits and the faults.
   searcher that lives but has gone silent (a warning, then Silent, which stops the run after a
   checkpoint).
 - Any decision that leads to a collective is taken by all ranks together: rank 0 decides and
-  broadcasts it (`share`, `share_batch`: plain data and tensors, never pickled), and its long waits
+  broadcasts it (`broadcast`, `broadcast_batch`: plain data and tensors, never pickled), and its long waits
   answer the other ranks every slice (`wait_together`), so that no rank sits in a collective while
   rank 0 checkpoints alone. A refusal of the configuration on any rank stops all (`first_refusal`).
 - Signals (`Signals`): a checkpoint, then a stop with one line (`fail`), on every rank at once.
@@ -83,7 +83,7 @@ def first_refusal(message: str | None) -> str | None:
     return None
 
 
-def share(obj, rank: int):
+def broadcast(obj, rank: int):
     """Rank 0's `obj` on every rank: plain data (None, bools, numbers, strings, lists), sent as JSON
     bytes in a tensor, never pickled (other ranks may be other machines)."""
     if dist.get_world_size() == 1:
@@ -91,11 +91,11 @@ def share(obj, rank: int):
     return json.loads(broadcast_bytes(json.dumps(obj).encode() if rank == 0 else b"", rank))
 
 
-def share_batch(batch, rank: int):
+def broadcast_batch(batch, rank: int):
     """Rank 0's batch (groups of trajectories, or None) on every rank, in nodes.encode's bytes."""
     if dist.get_world_size() == 1:
         return batch
-    sizes = share(None if batch is None else [len(g) for g in batch], rank)
+    sizes = broadcast(None if batch is None else [len(g) for g in batch], rank)
     if sizes is None:
         return None
     data = nodes.encode([t for g in batch for t in g]).numpy().tobytes() if rank == 0 else b""
@@ -296,11 +296,11 @@ def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float) 
             finished = done()
             if not finished:
                 log.print(f"tba.py: waiting for {what()} ({waited:.0f} s so far)", file=sys.stderr)
-        if (finished if world == 1 else share(finished, rank)):
+        if (finished if world == 1 else broadcast(finished, rank)):
             return waited
 
 
-def halt(why, saved: bool, out: str):
+def raise_stop(why, saved: bool, out: str):
     """Stop every rank for rank 0's reason (broadcast): a silent searcher or a signal."""
     kind, what = why or ("signal", "a signal")
     where = f"checkpoint in {os.path.join(out, 'checkpoint')}" if saved else "before the first step: nothing to save"
@@ -309,7 +309,7 @@ def halt(why, saved: bool, out: str):
     raise Stop(what, saved)
 
 
-def shutdown(procs, queue, stop, handoff):
+def stop_searchers(procs, queue, stop, handoff):
     """Stop the searchers: ask (they finish their round), then kill; nothing is left behind."""
     stop.set()
     deadline = time.time() + 5

@@ -292,7 +292,7 @@ class Engine:
         for llm in reversed(self.engines):
             llm.llm_engine.engine_core.shutdown()
 
-    def score(self, prompt: list[int], response: list[int]) -> float:
+    def logprob(self, prompt: list[int], response: list[int]) -> float:
         """vLLM's summed log-prob of a fixed response (raw logits: temperature 1), for checks."""
         from vllm import SamplingParams
 

@@ -66,77 +66,80 @@ from buffer import ReplayBuffer, ReuseCap
 from checkpoint import full_state_dict, linked, save_checkpoint, save_hf
 from config import beta_at, check, gamma_at, lr_at, parse, reward_temp_at
 from errors import ConfigError, Dead, Silent, Stop
+from hub import load_tokenizer
 from log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
-from processes import (Signals, Watch, drain, fail, first_refusal, halt, init_distributed,
-                       newest, share, share_batch, shutdown, start_searchers, wait_together)
+from processes import (Signals, Watch, broadcast, broadcast_batch, drain, fail, first_refusal, init_distributed,
+                       newest, raise_stop, start_searchers, stop_searchers, wait_together)
 from searcher import Engine
 from weights import aliases, allocate, cpu_copy, create, every_name, gather, publish, take_part
 
 
 # ===== the trainer loop: the trainer's side of the paper's Algorithm 1 ===========================
-def train(t: "Trainer"):
+def train(trainer: "Trainer"):
     """Until --steps: collect what the searchers sent, sample B prompts x K responses, take one step
     of the loss, send the weights to the searchers every k steps, log, evaluate, checkpoint. Every
     trainer rank runs it; rank 0 holds the buffer and samples, and each rank takes its share of B."""
-    cfg = t.cfg
-    t.evaluate()  # the initial model's score
-    first_step = t.step
-    while t.step < cfg.steps:
+    cfg = trainer.cfg
+    trainer.evaluate()  # the initial model's score
+    first_step = trainer.step
+    while trainer.step < cfg.steps:
         t_step = time.time()
         # ===== collect: searched trajectories into the buffer ====================================
-        initial = cfg.initial_buffer if t.step == first_step and not t.ckpt else 0  # before the first step
-        wait, search = t.collect(initial)
+        initial = cfg.initial_buffer if trainer.step == first_step and not trainer.ckpt else 0  # before the first step
+        wait, search = trainer.collect(initial)
         # ===== sample a batch: B prompts x K responses (TBA: recency m, reward softmax) =========
-        batch = t.sample()
+        batch = trainer.sample()
         if batch is None:  # rank 0 stops the run (a signal, a silent searcher): every rank with it
-            t.stop(saved=t.step > first_step)
-        mine = batch[t.rank * len(batch) // t.world:(t.rank + 1) * len(batch) // t.world]
+            trainer.stop(saved=trainer.step > first_step)
+        mine = batch[trainer.rank * len(batch) // trainer.world:(trainer.rank + 1) * len(batch) // trainer.world]
         # ===== loss (TB unless --loss) and update ================================================
-        beta, lr = beta_at(cfg, t.step), lr_at(cfg, t.step)
-        temps = dict(gamma=gamma_at(cfg, t.step), reward_temp=reward_temp_at(cfg, t.step))  # Lee et al.'s; 1 = off
-        for g in t.opt.param_groups:
+        beta, lr = beta_at(cfg, trainer.step), lr_at(cfg, trainer.step)
+        temps = dict(gamma=gamma_at(cfg, trainer.step),  # Lee et al.'s; 1 = off
+                     reward_temp=reward_temp_at(cfg, trainer.step))
+        for g in trainer.opt.param_groups:
             g["lr"] = lr
-        sums = backward(t.model, mine, len(batch) / t.world, t.data.prompts, t.pad, t.device, cfg, beta, **temps)
+        sums = backward(trainer.model, mine, len(batch) / trainer.world, trainer.data.prompts, trainer.pad,
+                        trainer.device, cfg, beta, **temps)
         stats = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(stats)
         stats = dict(zip(sums, (stats / stats[list(sums).index("prompts")]).tolist()))  # means over prompts
         if not math.isfinite(stats["loss"]):
-            raise FloatingPointError(f"non-finite loss at step {t.step + 1}; the last good checkpoint, if any, "
+            raise FloatingPointError(f"non-finite loss at step {trainer.step + 1}; the last good checkpoint, if any, "
                                      f"is {os.path.join(cfg.out, 'checkpoint')}")
         if cfg.grad_clip:
-            torch.nn.utils.clip_grad_norm_(t.model.parameters(), cfg.grad_clip)
-        t.opt.step()
-        t.opt.zero_grad(set_to_none=True)
-        t.step += 1
-        t.signals.training = True  # from now on a signal stops the run after a checkpoint
+            torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), cfg.grad_clip)
+        trainer.opt.step()
+        trainer.opt.zero_grad(set_to_none=True)
+        trainer.step += 1
+        trainer.signals.training = True  # from now on a signal stops the run after a checkpoint
         # ===== sync weights to the searchers every k steps; TBA′: reset pi_ref every rho ========
         t_sync = time.time()
-        if cfg.ref_reset_every and t.step % cfg.ref_reset_every == 0:
-            t.reset_reference()
-        elif t.step % cfg.sync_every == 0:
-            t.sync_weights()
+        if cfg.ref_reset_every and trainer.step % cfg.ref_reset_every == 0:
+            trainer.reset_reference()
+        elif trainer.step % cfg.sync_every == 0:
+            trainer.sync_weights()
         sync = time.time() - t_sync
         # ===== log ===============================================================================
-        if t.rank == 0:
-            stale = [t.step - 1 - traj.version for g in batch for traj in g]
+        if trainer.rank == 0:
+            stale = [trainer.step - 1 - traj.version for g in batch for traj in g]
             stats.pop("prompts")
-            t.log.row(kind="train", step=t.step, time=t.log.now(), **stats,
-                      reward=float(np.mean([traj.reward for g in batch for traj in g])), beta=beta, lr=lr,
-                      **({k: v for k, v in temps.items() if v != 1.0}),
-                      staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait, sync=sync,
-                      search=search, seconds=time.time() - t_step, samples=t.log.samples,
-                      reuse=t.cap.drawn / max(1, t.log.samples),
-                      generate=t.log.generate, slept=t.log.slept, charged=t.log.charged, buffer=len(t.buffer),
-                      reference=t.buffer.reference, overhead=t.log.overhead, **t.log.per_round(),
-                      **(t.multi.row(t.log.samples) if t.multi else {}))
+            log = trainer.log
+            log.row(kind="train", step=trainer.step, time=log.now(), **stats,
+                    reward=float(np.mean([traj.reward for g in batch for traj in g])), beta=beta, lr=lr,
+                    **({k: v for k, v in temps.items() if v != 1.0}),
+                    staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait, sync=sync,
+                    search=search, seconds=time.time() - t_step, samples=log.samples,
+                    reuse=trainer.cap.drawn / max(1, log.samples), generate=log.generate, slept=log.slept,
+                    charged=log.charged, buffer=len(trainer.buffer), reference=trainer.buffer.reference,
+                    overhead=log.overhead, **log.per_round(), **(trainer.multi.row(log.samples) if trainer.multi else {}))
         # ===== evaluate ==========================================================================
-        if cfg.eval_every and t.step % cfg.eval_every == 0 and t.step < cfg.steps:
-            t.evaluate()
+        if cfg.eval_every and trainer.step % cfg.eval_every == 0 and trainer.step < cfg.steps:
+            trainer.evaluate()
         # ===== checkpoint ========================================================================
-        if cfg.save_every and t.step % cfg.save_every == 0:
-            t.checkpoint()
-    t.finish()
+        if cfg.save_every and trainer.step % cfg.save_every == 0:
+            trainer.checkpoint()
+    trainer.finish()
 
 
 class Trainer:
@@ -144,8 +147,9 @@ class Trainer:
     algorithm itself: the searchers and the waits on them, the weights' trips, evaluation, signals,
     checkpoints, the staleness study (--lag) and TBA′'s reset."""
 
-    def __init__(self, cfg, tokenizer, data, ckpt, signals, t_start: float):
-        self.cfg, self.tokenizer, self.data, self.ckpt, self.signals = cfg, tokenizer, data, ckpt, signals
+    def __init__(self, cfg, data, ckpt, signals, t_start: float):
+        self.cfg, self.data, self.ckpt, self.signals = cfg, data, ckpt, signals
+        self.tokenizer = load_tokenizer(cfg.model_path)  # for padding and the final model's folder
         self.rank, self.world, local_rank = init_distributed(cfg)
         self.local_world = nodes.layout(self.world)[1]
         self.leader = local_rank == 0  # its node's shared weights, searchers and queue (rank 0 on one node)
@@ -331,7 +335,7 @@ class Trainer:
             batch = self.buffer.sample(self.cfg.prompts_per_step, self.cfg.samples_per_prompt,
                                        np.random.default_rng([self.cfg.seed, self.step, seeds.BATCH]))
             self.cap.draw(self.cfg.prompts_per_step * self.cfg.samples_per_prompt)
-        return share_batch(batch, self.rank)
+        return broadcast_batch(batch, self.rank)
 
     def reason(self):
         """Why rank 0 stops the run, or None: ("silent", message) or ("signal", name)."""
@@ -340,10 +344,10 @@ class Trainer:
 
     def stop(self, saved: bool):
         """Every rank: stop for rank 0's reason, after a checkpoint if `saved` (a step was taken)."""
-        why = share(self.reason(), self.rank)
+        why = broadcast(self.reason(), self.rank)
         if saved:
             self.checkpoint()
-        halt(why, saved, self.cfg.out)
+        raise_stop(why, saved, self.cfg.out)
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
     def sync_weights(self, ref=False, lag=None):
@@ -399,7 +403,7 @@ class Trainer:
         step (a signal right after a --save-every save, or finish() after the last one): saving a step again
         deletes the linked checkpoint before it renames the new one in, and a kill between the two would
         leave the link on nothing."""
-        if share(self.rank == 0 and linked(self.cfg.out, self.step), self.rank):
+        if broadcast(self.rank == 0 and linked(self.cfg.out, self.step), self.rank):
             return
         t0 = time.time()
         save_checkpoint(self.cfg, self.rank, self.model, self.opt, self.buffer, self.cap, self.shared, self.step,
@@ -415,10 +419,10 @@ class Trainer:
         if cfg.searchers:
             self.wait_for(lambda: self.log.evals and self.log.evals[-1]["version"] == cfg.steps,
                           lambda: f"the final evaluation (of step {cfg.steps}) from searcher 0")
-            why = share(self.reason(), self.rank)  # all ranks together: a checkpoint is collective
+            why = broadcast(self.reason(), self.rank)  # all ranks together: a checkpoint is collective
             if why:
                 self.checkpoint()
-                halt(why, True, cfg.out)
+                raise_stop(why, True, cfg.out)
         sd = full_state_dict(self.model)
         if self.rank == 0:
             save_hf(self.model, sd, self.tokenizer, os.path.join(cfg.out, "final"))
@@ -431,7 +435,7 @@ class Trainer:
         """Whatever happened: the log closed, the searchers and the engine stopped, the group left."""
         self.log.close()
         if self.channels is not None:
-            shutdown(self.procs, self.channels.queue, self.channels.stop, self.shared.handoff)
+            stop_searchers(self.procs, self.channels.queue, self.channels.stop, self.shared.handoff)
         if self.engine is not None:
             self.engine.close()
         if dist.is_initialized():
@@ -537,15 +541,15 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
 
 
 # ===== the run ====================================================================================
-def run(cfg, tokenizer, data, ckpt):
+def run(cfg, data, ckpt):
     t_start = time.time()
     signals = Signals()  # from here a signal stops the run: at once before the first step, else after a checkpoint
-    t = Trainer(cfg, tokenizer, data, ckpt, signals, t_start)
+    trainer = Trainer(cfg, data, ckpt, signals, t_start)
     try:
-        t.start()
-        train(t)
+        trainer.start()
+        train(trainer)
     finally:
-        t.close()
+        trainer.close()
 
 
 @record  # torchrun's convention: an unexpected exception lands in its report with its traceback
@@ -561,7 +565,7 @@ def main(argv=None):
     if world > 1:  # the ranks join, then decide together whether the configuration holds
         init_distributed(cfg)
     try:
-        cfg, tokenizer, data, ckpt = check(cfg, world)
+        cfg, data, ckpt = check(cfg, world)
         refusal = None
     except ConfigError as e:
         refusal = str(e)
@@ -572,7 +576,7 @@ def main(argv=None):
             dist.destroy_process_group()
         fail(f"tba.py: error: {refusal}", 2, rank_env)
     try:
-        run(cfg, tokenizer, data, ckpt)
+        run(cfg, data, ckpt)
     except (Dead, Silent, FloatingPointError, TimeoutError) as e:  # a searcher died or went silent, a non-finite loss, a wait timed out
         fail(f"tba.py: error: {e}", 1, rank_env)
     except Stop as e:

@@ -276,9 +276,9 @@ def save_twice(path, out, port, results):
     try:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg, tok, data, _ = config.check(
+        cfg, data, _ = config.check(
             config.parse(["--model", path, *SMALL, "--out", out]), 1)
-        t = tba.Trainer(cfg, tok, data, None, types.SimpleNamespace(first=None, training=True), time.time())
+        t = tba.Trainer(cfg, data, None, types.SimpleNamespace(first=None, training=True), time.time())
         try:
             t.model = tba.load_policy(cfg.model_path, t.device, "float32")
             t.opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3)

@@ -316,9 +316,9 @@ def lock_on_node_1(rank, path, out, port, results):
     from buffer import ReplayBuffer
     try:
         as_node(rank, port)
-        cfg, tok, data, _ = config.check(
+        cfg, data, _ = config.check(
             config.parse(["--model", path, *SMALL, "--timeout", "2", "--out", out]), 2)
-        t = tba.Trainer(cfg, tok, data, None, types.SimpleNamespace(first=None, training=True), time.time())
+        t = tba.Trainer(cfg, data, None, types.SimpleNamespace(first=None, training=True), time.time())
         try:
             t.model = tba.load_policy(cfg.model_path, t.device, "float32")
             t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)

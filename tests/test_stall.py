@@ -295,10 +295,10 @@ def lock_rank(path, out, port, results):
     try:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg, tok, data, _ = config.check(
+        cfg, data, _ = config.check(
             config.parse(["--model", path, *SMALL, "--timeout", "2", "--out", out]), 1)
         signals = types.SimpleNamespace(first=None, training=True)
-        t = tba.Trainer(cfg, tok, data, None, signals, time.time())
+        t = tba.Trainer(cfg, data, None, signals, time.time())
         try:
             t.model = tba.load_policy(cfg.model_path, t.device, "float32")
             t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)

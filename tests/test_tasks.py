@@ -35,7 +35,7 @@ def digit(monkeypatch):
 def test_the_checks_ask_the_entry(digit, tiny_model, tmp_path):
     check = lambda *args: config.check(config.parse(["--model", tiny_model, "--task", "digit", "--searchers", "0",
                                                      "--out", str(tmp_path / "run"), *args]), 1)
-    cfg, _, data, _ = check("--prompts-per-step", "4", "--samples-per-prompt", "4")
+    cfg, data, _ = check("--prompts-per-step", "4", "--samples-per-prompt", "4")
     assert cfg.score == "accuracy" and len(data.prompts) == 12 and data.test_answers == ["0", "1", "2", "3"]
     with pytest.raises(config.ConfigError, match="^--prompts-per-step: .* the task has 12 training problems$"):
         check("--prompts-per-step", "16")

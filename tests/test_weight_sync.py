@@ -71,7 +71,7 @@ def test_engine_matches_trainer_after_sync(arch, request):
         assert engine.sync(shared, lambda: None, 10) and engine.version == version
         assert not engine.sync(shared, lambda: None, 10)  # no version move, no reload
         # a fixed response: vLLM's prompt log-probs (raw logits) vs the trainer's at temperature 1
-        assert abs(engine.score(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
+        assert abs(engine.logprob(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
         # the cached prompt prefix was dropped: sampled tokens' log-probs follow the new weights
         after = engine.llm.generate([{"prompt_token_ids": prompt}], sample, use_tqdm=False)[0].outputs[0]
         expected = trainer_logprobs(model, [(prompt, list(after.token_ids))], 1.0)[0]
@@ -103,7 +103,7 @@ def test_engine_loads_a_model_directly_with_its_tied_names(arch, request):
             with engine.transformers_models():
                 model = perturbed(tiny_model, seed)
             engine.load(weights.every_name(model, torch.float32), version)
-            assert abs(engine.score(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
+            assert abs(engine.logprob(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
         assert sorted(weights.aliases(model)) == (["lm_head.weight"] if arch == "llama" else [])
     finally:
         engine.close()

@@ -610,7 +610,7 @@ def main():
     repeat = 3 if args.quick else 10
 
     # the embedded default's config, as tba.py resolves it (this builds the tiny model if needed)
-    cfg, tokenizer, data, _ = config.check(config.parse(flags), world=1)
+    cfg, data, _ = config.check(config.parse(flags), world=1)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 2)  # what the trainer and the searcher each get in a run with one searcher
     torch.set_num_threads(threads)  # before any vLLM engine starts in this process

@@ -29,7 +29,7 @@ def main(argv=None):
     cfg = config.parse(sys.argv[1:] if argv is None else argv)
     quiet_loading()
     try:
-        cfg, tokenizer, data, _ = config.check(cfg, 1)
+        cfg, data, _ = config.check(cfg, 1)
     except ConfigError as e:
         sys.exit(f"redteam_round.py: error: {e}")
     torch.set_num_threads(cfg.threads * (1 + cfg.searchers))  # one process here: all the cores
