@@ -4,6 +4,7 @@
 import ast
 import glob
 import os
+import re
 
 from conftest import ROOT
 
@@ -52,3 +53,26 @@ def test_the_modules_import_each_other_without_a_circle():
 def test_a_circle_is_found():
     assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert circle({"a": {"b"}, "b": set()}) is None
+
+
+# a file:line citation into a dependency, from its package's root: vllm/v1/worker/utils.py:716-772
+CITED = re.compile(r"(?<![\w/.])((?:vllm|torch|transformers|peft|multiprocessing)/[\w/]+\.py):(\d+)(?:-(\d+))?")
+
+
+def test_cited_lines_exist_in_the_installed_versions():
+    """Comments cite vLLM, torch, transformers, peft and Python by file and line where a choice rests on them
+    (docs/gpu.md: the pinned versions). Each cited file exists here and holds the cited lines, so that a
+    version change that moves one fails here, naming the comment to read again."""
+    import importlib.util
+    files = glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "tools", "*.py"))
+    cited = [(os.path.basename(f), m) for f in files for m in CITED.finditer(open(f).read())]
+    assert len(cited) >= 15, "the citations are found"
+    stale = []
+    for where, m in cited:
+        package = m.group(1).split("/")[0]
+        root = os.path.dirname(os.path.dirname(importlib.util.find_spec(package).origin))
+        path, last = os.path.join(root, m.group(1)), int(m.group(3) or m.group(2))
+        lines = len(open(path).read().splitlines()) if os.path.isfile(path) else 0
+        if lines < last:
+            stale.append(f"{where}: {m.group(0)} ({'missing' if not lines else f'{lines} lines'})")
+    assert not stale, f"citations that the installed versions do not hold: {stale}"
