@@ -190,7 +190,7 @@ class Victim:
                                  seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0]))
                   for i in range(len(attacks))]
         outputs = self.llm.generate([{"prompt_token_ids": self.prompt(a)} for a in attacks], params, use_tqdm=False)
-        self.tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)  # for the benchmark below
+        self.tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)  # tools/redteam_round.py reports it
         return [c.text for o in outputs for c in o.outputs]
 
 

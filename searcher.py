@@ -153,7 +153,7 @@ class Engine:
             # A seeded request whose prefill is split over two engine steps crashes the CPU engine: the
             # runner rewinds its generator (v1/worker/gpu_model_runner.py:3498-3502), which a CPU
             # generator cannot ("CPU Generator does not use offset"). Whole prefills only, as vLLM's
-            # own CPU platform does for MLA (platforms/cpu.py:516-530). Seen once a round's prompts
+            # own CPU platform does for MLA (platforms/cpu.py:516-530). It happens once a round's prompts
             # pass the 4,096-token step budget (red-teaming: 32 x 8 requests of a 223-token prompt).
             kwargs.update(enable_chunked_prefill=False)
         self.engines.append(LLM(**kwargs))
