@@ -9,5 +9,5 @@ BATCH = 2           # the trainer's draw of a batch from the buffer, each step (
 SYNC_PROMPTS = 3    # --searchers 0: the prompts of each search round (tba.Trainer.search_here)
 EVAL_ATTACKS = 5    # the red-teaming evaluation's attacks (searcher.Engine.evaluate_redteam)
 VICTIM = 7          # the victim's answers to each batch of attacks (redteam.Reward)
-CALIBRATION = 11    # --generation-slowdown's calibration round: its prompts and sampling (searcher.Engine.calibrate)
+CALIBRATION = 13    # --generation-slowdown's calibration round: its prompts and sampling (searcher.Engine.calibrate)
 EXPLORE = 11        # --explore-temp-min: each request's temperature, after its seed and prompt (searcher.Engine.explore)

@@ -76,3 +76,9 @@ def test_cited_lines_exist_in_the_installed_versions():
         if lines < last:
             stale.append(f"{where}: {m.group(0)} ({'missing' if not lines else f'{lines} lines'})")
     assert not stale, f"citations that the installed versions do not hold: {stale}"
+
+
+def test_the_random_streams_have_distinct_tags():
+    import seeds
+    tags = {name: value for name, value in vars(seeds).items() if name.isupper()}
+    assert len(tags) >= 7 and len(set(tags.values())) == len(tags), tags
