@@ -131,7 +131,7 @@ def test_a_silent_searcher_of_any_node_stops_the_run_after_a_checkpoint(node, ti
     """SIGSTOP one node's searcher (alive, silent: stuck in vLLM, a wedged GPU): rank 0 warns, naming
     the node and the searcher, and after --timeout the run stops after a checkpoint of the last step
     with one line naming them; both launches exit, and nothing is left on either."""
-    out, port, timeout = tmp_path / "run", free_port(), 30
+    out, port, timeout = tmp_path / "run", free_port(), 24
     args = ["--model", tiny_model, *SMALL, "--steps", "100000", "--eval-every", "0", "--timeout", str(timeout),
             "--out", str(out)]
     logs = [tmp_path / "node0.txt", tmp_path / "node1.txt"]

@@ -63,14 +63,14 @@ def test_silent_searcher_halts_training_warns_and_stops(cap, tiny_model, tmp_pat
     the reuse cap's bank allows (k steps here), or, with the cap off, up to --max-staleness steps past
     the newest data. It says what it waits for, warns naming the searcher, and after --timeout of
     silence stops with status 1 naming it, after a checkpoint of the last step."""
-    out, S, timeout = tmp_path / "run", 6, 40
+    out, S, timeout = tmp_path / "run", 6, 30
     bound = ["--max-reuse", "1"] if cap == "reuse cap" else ["--max-reuse", "0", "--max-staleness", str(S)]
     proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, *bound, "--sync-every", "2",
                   "--timeout", str(timeout), "--out", str(out)], tmp_path)
     try:
         wait_for_steps(proc, out, 3)
         everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        pid, stopped_at = freeze_searcher(proc, out, window=25)  # < --timeout
+        pid, stopped_at = freeze_searcher(proc, out, window=20)  # < --timeout
         t0 = time.time()
         output = proc.communicate(timeout=timeout + 120)[0]
     finally:
@@ -94,7 +94,7 @@ def test_silent_searcher_halts_training_warns_and_stops(cap, tiny_model, tmp_pat
     assert_all_gone(everything)
 
 
-SLOW_EVALUATION = """# the test's stand-in for a long evaluation: each part of searcher 0's evaluation takes 20 s more
+SLOW_EVALUATION = """# the test's stand-in for a long evaluation: each part of searcher 0's evaluation takes 16 s more
 import os, time
 if os.environ.get("TBA_TEST_EVAL_PARTS"):
     import searcher
@@ -102,7 +102,7 @@ if os.environ.get("TBA_TEST_EVAL_PARTS"):
     def evaluate_part(self, prompts, answers):
         with open(os.environ["TBA_TEST_EVAL_PARTS"], "a") as f:
             f.write(f"{time.time()}\\n")
-        time.sleep(20)
+        time.sleep(16)
         return real(self, prompts, answers)
     searcher.Engine.evaluate_part = evaluate_part
 """
@@ -110,10 +110,10 @@ if os.environ.get("TBA_TEST_EVAL_PARTS"):
 
 def test_an_evaluation_longer_than_the_timeout_is_not_silence(tiny_model, tmp_path):
     """Searcher 0's first evaluation outlasts --timeout (2 parts, of 256 and 144 problems, each made
-    20 s slower by a sitecustomize the test writes: 40 s against --timeout 30): it beats after each
+    16 s slower by a sitecustomize the test writes: 32 s against --timeout 24): it beats after each
     part, so the run goes on, with no warning; stopped (SIGSTOP) in the middle of its next evaluation,
     it is silent, and the run stops after --timeout with a checkpoint, naming it."""
-    out, timeout, parts = tmp_path / "run", 30, tmp_path / "parts.txt"
+    out, timeout, parts = tmp_path / "run", 24, tmp_path / "parts.txt"
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_EVALUATION)

@@ -64,6 +64,7 @@ def test_part8_skips_in_one_line(tiny_model, tmp_path):
     assert p.returncode == 0, p.stdout[-3000:]
     assert "8. TRL GRPOTrainer: skipped: --trl-python" in p.stdout
     assert json.load(open(out / "bench.json"))["trl"].keys() == {"note"}
+    assert not list(out.glob("seed*")), "tba.py's side of a skipped part 8 was run"
 
 
 def trl_python():

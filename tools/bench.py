@@ -36,7 +36,8 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    measured the same way; the arith task only), per seed:
    seconds from launch to start + 0.15 and start + 0.25, and accuracy after all steps. TRL is not a
    dependency: it runs in a virtual environment of its own, --trl-python PATH or one made once in
-   $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line, when that cannot be done.
+   $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line and without tba.py's runs
+   for it, when that cannot be done.
 9. (only with --parts 9; hours on 2 CPU cores) where asynchrony pays, emulated: the regime TBA is
    for, where generation dominates (a 1B policy writing long answers on GPUs of its own), made on any
    machine by `--generation-slowdown X` (each search round's generation takes X times its engine's
@@ -443,15 +444,19 @@ def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: lis
     )
 
 
-def trl_part(seeds: list[int], given: str | None, cap: float, out: str, cfg, quick: bool) -> dict:
-    """Part 8, TRL's side, on tba.py's setup `cfg` (model, B, K, temperature, length, steps, evaluation):
-    {"note", "python", "version", "runs": [run_trl's dict per seed]}, or {"note"} when skipped."""
+def trl_ready(given: str | None, out: str, cfg) -> tuple[str | None, str]:
+    """Part 8's TRL python and its note (trl_python), or (None, why the part is skipped). Asked before
+    tba.py's side of part 8 runs, so that a skipped part costs no runs."""
     if cfg.task != "arith":
-        return dict(note=f"trl_grpo.py runs the arith task only, not {cfg.task}")
+        return None, f"trl_grpo.py runs the arith task only, not {cfg.task}"
     python, note = trl_python(given, os.path.join(out, "trl-install.log"))
     print(f"8. {note}", flush=True)
-    if python is None:
-        return dict(note=note)
+    return python, note
+
+
+def trl_part(seeds: list[int], python: str, note: str, cap: float, out: str, cfg, quick: bool) -> dict:
+    """Part 8, TRL's side, on tba.py's setup `cfg` (model, B, K, temperature, length, steps, evaluation),
+    with trl_ready's python and note: {"note", "python", "version", "runs": [run_trl's dict per seed]}."""
     setup = ["--steps", str(min(cfg.steps, 10) if quick else cfg.steps), "--prompts-per-step", str(cfg.prompts_per_step),
              "--samples-per-prompt", str(cfg.samples_per_prompt), "--temperature", str(cfg.temperature),
              "--max-new-tokens", str(cfg.max_new_tokens), "--decay-steps", str(cfg.decay_steps),
@@ -619,16 +624,20 @@ def main():
                              if "model name" in line), "?"))
     result = dict(machine=machine, flags=flags, seeds=args.seeds, cap=args.cap)
 
+    trl_py, trl_note = trl_ready(args.trl_python, out, cfg) if 8 in args.parts else (None, "")
+    if 8 in args.parts and trl_py is None:
+        result["trl"] = dict(note=trl_note)  # skipped: tba.py's side of 8 is not run either
+
     # 1, 2 (and tba.py's side of 8: whole runs)
     runs = []
-    for seed in args.seeds if {1, 2, 8} & set(args.parts) else []:
+    for seed in args.seeds if {1, 2} & set(args.parts) or trl_py else []:
         for searchers in (1, 0):
             run_out = os.path.join(out, f"seed{seed}-searchers{searchers}")
             runs.append(run_until_target(searchers, seed, args.cap, run_out,
-                                         ["--eval-every", "2" if args.quick else "10", *flags], args.full or 8 in args.parts))
+                                         ["--eval-every", "2" if args.quick else "10", *flags], args.full or trl_py is not None))
     result["time_to_target"] = runs
-    if 8 in args.parts:
-        result["trl"] = trl_part(args.seeds, args.trl_python, args.cap, out, cfg, args.quick)
+    if trl_py:
+        result["trl"] = trl_part(args.seeds, trl_py, trl_note, args.cap, out, cfg, args.quick)
     if 7 in args.parts:
         result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
     if 9 in args.parts:
