@@ -24,9 +24,9 @@ import nodes
 import vllm_env
 from checkpoint import check_resumed_flags, load_checkpoint
 from errors import ConfigError
+from hub import load_tokenizer, resolve_model
 from log import check_out
 from loss import LOSSES
-from hub import load_tokenizer, resolve_model
 from rewards import check_reward_model
 from tasks import TASKS, Data
 
