@@ -148,7 +148,7 @@ CONTEXT = 4096  # the victim's and the judge's vLLM context (their max_model_len
 # prompts are a template (Llama Guard 3's with its category list: a few hundred tokens), an attack and an answer.
 # It sets the least KV cache each engine must hold (one whole sequence: 0.5 GiB for an 8B Llama), and a CPU
 # engine without chunked prefill takes prompts up to its 4,096-token step (vllm/config/scheduler.py:314-325,
-# engine/arg_utils.py:2974-2979).
+# vllm/engine/arg_utils.py:2974-2979).
 
 
 def context(path: str) -> int:
@@ -180,10 +180,11 @@ class Victim:
 
     def respond(self, attacks: list[str], seed: int) -> list[str]:
         """n responses to each attack, attack by attack ([a0 r0, a0 r1, ..., a1 r0, ...]): one request an
-        attack with its own seed (vLLM gives its n samples seed + i, v1/engine/parallel_sampling.py:76-81), so
-        that the answers follow from `seed` alone. No top-k cut, as Lee et al.'s vLLM; it stops at every EOS id
-        of the victim's generation_config.json (vllm/sampling_params.py:786-800, v1/engine/input_processor.py:
-        489): Llama 3's <|eot_id|>, which theirs lists by hand (gfn_trainer.py:183-187)."""
+        attack with its own seed (vLLM gives its n samples seed + i, vllm/v1/engine/parallel_sampling.py:76-81),
+        so that the answers follow from `seed` alone. No top-k cut, as Lee et al.'s vLLM; it stops at every EOS
+        id of the victim's generation_config.json (vllm/sampling_params.py:786-800,
+        vllm/v1/engine/input_processor.py:489): Llama 3's <|eot_id|>, which theirs lists by hand
+        (gfn_trainer.py:183-187)."""
         from vllm import SamplingParams
         s = self.sampling
         params = [SamplingParams(n=self.n, temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"],
@@ -224,8 +225,8 @@ class SequenceClassifier:
 class Judge:
     """log P(first verdict token = that of "unsafe") of a causal LM judging (attack, response), on a vLLM engine
     of its own (`llm`, with prefix caching: the prompts' shared head, Llama Guard's category list, is computed
-    once). One token is generated greedily and the verdict token's log-prob read among `logprob_token_ids`,
-    which vLLM 0.32 takes from the raw logits whatever the token's rank (v1/sample/sampler.py:86-95, 112-119,
+    once). One token is generated greedily and the verdict token's log-prob read among `logprob_token_ids`, which
+    vLLM 0.32 takes from the raw logits whatever the token's rank (vllm/v1/sample/sampler.py:86-95, 112-119,
     134-137; the engine keeps the default raw_logprobs): Lee et al.'s top-2 (utils.py:108-109, 129) misses
     "unsafe" when two other tokens are likelier."""
 

@@ -105,7 +105,7 @@ class RewardModel:
         transformers' sequence-classification pooling reads it instead, the last token that is not
         padding, with pad = EOS where the tokenizer has no pad token (as the authors' eval_tldr/
         load_and_eval.py sets it): a response ending in EOS is read at the token before
-        (transformers/models/gpt_neox/modeling_gpt_neox.py:513-526, modeling_layers.py:160-173)."""
+        (transformers/models/gpt_neox/modeling_gpt_neox.py:513-526, transformers/modeling_layers.py:160-173)."""
         if not self.same_vocab:  # another tokenizer: score the text, with its own EOS where there was one
             ends = [s[-1:] == [self.eos] for s in sequences]
             texts = self.policy_tokenizer.batch_decode(sequences, skip_special_tokens=True)

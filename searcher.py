@@ -34,7 +34,8 @@ vllm_env.set_up()  # before torch and vLLM are imported, here and in the fork se
 # The CPU's fork server (processes.fork_server) imports this file first. torchrun stops a rank with
 # SIGTERM to its whole process group, the server included, which ignores only SIGINT (Python 3.11,
 # multiprocessing/forkserver.py:196): dead, it reports every searcher as exit code 255
-# (popen_forkserver.py:69-72). So it ignores SIGTERM as the searchers do (run), and ends with the trainer.
+# (multiprocessing/popen_forkserver.py:69-72). So it ignores SIGTERM as the searchers do (run), and
+# ends with the trainer.
 FORK_SERVER = "TBA_FORK_SERVER"  # set while processes.fork_server starts the server
 if os.environ.pop(FORK_SERVER, None):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -79,10 +80,10 @@ class Engine:
                            else batched(TASKS[cfg.task].reward))
         # tldr, on the engine that evaluates: a transformers copy of the policy for the evaluation's
         # full-vocabulary KL, kept at vLLM's weights by load(). vLLM 0.32 can return whole
-        # distributions (SamplingParams(logprobs=-1) with LLM(max_logprobs=-1): vllm/sampling_params.py:
-        # 921-926, vllm/config/model.py:282-286, v1/sample/sampler.py:123-127), but only for the
-        # engine's whole life (its search rounds too, and -1 turns off a GPU sharding of the sampler,
-        # config/vllm.py:3051-3054), as logprobs_mode's values (here after the evaluation's temperature
+        # distributions (SamplingParams(logprobs=-1) with LLM(max_logprobs=-1): vllm/sampling_params.py:921-926,
+        # vllm/config/model.py:282-286, vllm/v1/sample/sampler.py:123-127), but only for the engine's whole
+        # life (its search rounds too, and -1 turns off a GPU sharding of the sampler,
+        # vllm/config/vllm.py:3051-3054), as logprobs_mode's values (here after the evaluation's temperature
         # 0.01, not pi_theta's), and as one Python {token: Logprob} dict per position: 50k entries x
         # 128 tokens x 6.5k responses. A copy costs the policy's weights once more on this device
         # and one forward per response.
@@ -92,13 +93,13 @@ class Engine:
     @contextlib.contextmanager
     def transformers_models(self):
         """Build transformers models in this process (pi_ref, reward models, the synchronous trainer's
-        policy) inside this. vLLM serves architectures it has no native code for (GPT-NeoX, i.e.
-        Pythia, in 0.32: model_executor/models/registry.py:709-716) through its Transformers backend,
-        which rewrites the transformers decoder class in place (compilation/decorators.py:359, 434,
-        756, via models/transformers/base.py:172): its __init__ then needs a current vLLM config, and
-        its __call__ runs vLLM's torch.compile wrapper unless that config's compilation is off. A copy
-        of the engine's config with compilation off gives plain eager models, with log-probs and
-        gradients equal to a process without vLLM; for natively served models it changes nothing."""
+        policy) inside this. vLLM serves architectures it has no native code for (GPT-NeoX, i.e. Pythia,
+        in 0.32: vllm/model_executor/models/registry.py:709-716) through its Transformers backend, which
+        rewrites the transformers decoder class in place (vllm/compilation/decorators.py:359, 434, 756,
+        via vllm/model_executor/models/transformers/base.py:172): its __init__ then needs a current vLLM
+        config, and its __call__ runs vLLM's torch.compile wrapper unless that config's compilation is
+        off. A copy of the engine's config with compilation off gives plain eager models, with log-probs
+        and gradients equal to a process without vLLM; for natively served models it changes nothing."""
         import copy
         from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
         config = copy.copy(self.llm.llm_engine.vllm_config)
@@ -130,18 +131,19 @@ class Engine:
     def start(self, path: str, memory: float | None, max_model_len: int, **extra):
         """A vLLM engine of the model at `path` on this device, kept in this process beside any others (vLLM 0.32
         lets one process hold several: the later ones reuse its one-rank torch.distributed group and model-parallel
-        groups, distributed/parallel_state.py:1905, 1988, 2366-2404, v1/worker/gpu_worker.py:1664-1678). `memory`:
-        its fraction of the GPU (gpu_memory_utilization); on the CPU its KV cache is sized to this run."""
+        groups, vllm/distributed/parallel_state.py:1905, 1988, 2366-2404, vllm/v1/worker/gpu_worker.py:1664-1678).
+        `memory`: its fraction of the GPU (gpu_memory_utilization); on the CPU its KV cache is sized to this run."""
         from vllm import LLM
         kwargs = dict(model=path, dtype=self.cfg.dtype, seed=self.cfg.seed, max_model_len=max_model_len,
                       enforce_eager=self.device.type == "cpu", enable_prefix_caching=True,
                       use_tqdm_on_load=False, **extra)  # its loading bar would break the trainer's
         if self.device.type == "cuda":  # pick this GPU without hiding the others (CUDA IPC needs them)
             kwargs.update(device_ids=[self.device.index], gpu_memory_utilization=memory)
-            # vLLM caches its compiled graphs under VLLM_CACHE_ROOT by rank (compilation/decorators.py:
-            # 565-584, backends.py:1074-1084), and every engine here is rank 0 of its own, while
-            # Inductor's code hard-codes the device index: engines on other GPUs would load each
-            # other's artifacts. A cache per device index; read when the engine starts (envs.py).
+            # vLLM caches its compiled graphs under VLLM_CACHE_ROOT by rank
+            # (vllm/compilation/decorators.py:565-584, vllm/compilation/backends.py:1074-1084), and every
+            # engine here is rank 0 of its own, while Inductor's code hard-codes the device index: engines
+            # on other GPUs would load each other's artifacts. A cache per device index; read when the
+            # engine starts (vllm/envs.py).
             import vllm.envs
             root, own = vllm.envs.VLLM_CACHE_ROOT, f"tba-cuda{self.device.index}"
             os.environ["VLLM_CACHE_ROOT"] = root if os.path.basename(root) == own else os.path.join(root, own)
@@ -150,11 +152,11 @@ class Engine:
             torch._dynamo.config.disable = True
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the user's GiB, else what this run needs
                 kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes(path, self.cfg.dtype, max_model_len))
-            # A seeded request whose prefill is split over two engine steps crashes the CPU engine: the
-            # runner rewinds its generator (v1/worker/gpu_model_runner.py:3498-3502), which a CPU
-            # generator cannot ("CPU Generator does not use offset"). Whole prefills only, as vLLM's
-            # own CPU platform does for MLA (platforms/cpu.py:516-530). It happens once a round's prompts
-            # pass the 4,096-token step budget (red-teaming: 32 x 8 requests of a 223-token prompt).
+            # A seeded request whose prefill is split over two engine steps crashes the CPU engine: the runner
+            # rewinds its generator (vllm/v1/worker/gpu_model_runner.py:3498-3502), which a CPU generator
+            # cannot ("CPU Generator does not use offset"). Whole prefills only, as vLLM's own CPU platform
+            # does for MLA (vllm/platforms/cpu.py:516-530). It happens once a round's prompts pass the
+            # 4,096-token step budget (red-teaming: 32 x 8 requests of a 223-token prompt).
             kwargs.update(enable_chunked_prefill=False)
         self.engines.append(LLM(**kwargs))
         return self.engines[-1]
@@ -169,8 +171,8 @@ class Engine:
                 raise RuntimeError(f"weights the evaluation's policy copy does not have: {unexpected[:3]}")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV
-        # values. reset_prefix_cache() returns False when blocks are still in use (v1/core/
-        # block_pool.py:837-845); between two rounds none are, so False is a bug to stop on.
+        # values. reset_prefix_cache() returns False when blocks are still in use
+        # (vllm/v1/core/block_pool.py:837-845); between two rounds none are, so False is a bug to stop on.
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(f"vLLM could not reset its prefix cache after loading the weights of step {version}")
         self.version = version
@@ -444,9 +446,9 @@ def memory_needs(cfg, evaluates: bool = True) -> tuple[dict[str, tuple[int, int,
     from the models' configs (counted on the meta device: no weights read) and the run's settings, in --dtype.
     Each vLLM engine (the policy's; red-teaming's victim and judge): its weights and the working memory vLLM
     measures, estimated with its defaults on an A100 or a smaller card, 8,192 tokens a step and 256 sequences
-    (engine/arg_utils.py:2942-2951): a step's activations, the sampler's float32 logits and log-probs, and
+    (vllm/engine/arg_utils.py:2942-2951): a step's activations, the sampler's float32 logits and log-probs, and
     0.5 GiB of CUDA graphs and workspaces; the least KV cache, one whole sequence (vLLM starts no engine with
-    less: v1/core/kv_cache_utils.py:1104-1136); the KV cache a round can fill: 256 sequences at once of the
+    less: vllm/v1/core/kv_cache_utils.py:1104-1136); the KV cache a round can fill: 256 sequences at once of the
     policy's or the victim's length, the judge's one step of prompts. Beside the engines, by name: pi_ref and
     its log-prob pass (--micro-batch sequences' logits, twice in the TL;DR evaluation's KL, which holds the
     policy copy's and pi_ref's at once, and a 256 MiB float32 chunk, loss.sequence_logprobs), the reward
@@ -511,8 +513,8 @@ def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int
     the KV cache, the least KV cache, the KV cache a round can fill): each gets its first two, and the share's
     spare goes to the KV caches in proportion to the third. `beside` (the models loaded after the engines)
     must fit in 1 - share. In vLLM 0.32 an engine's fraction is a budget of its own: its KV cache is what its
-    weights, activations and CUDA graphs leave of it, and the engines started before it count as another
-    process (v1/worker/utils.py:716-770, v1/worker/gpu_worker.py:713-744, utils/mem_utils.py:242-245).
+    weights, activations and CUDA graphs leave of it, and the engines started before it count as another process
+    (vllm/v1/worker/utils.py:716-770, vllm/v1/worker/gpu_worker.py:713-744, vllm/utils/mem_utils.py:242-245).
     Raises ValueError, one line naming what does not fit."""
     gib = lambda b: f"{b / 2**30:.1f} GiB"
     them = f"the {' + '.join(engines)} engine" + ("s'" if len(engines) > 1 else "'s")

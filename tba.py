@@ -485,7 +485,7 @@ class AdamW(torch.optim.AdamW):
         for group in self.param_groups:
             for p in [p for p in group["params"] if p.grad is not None]:
                 state = self.state[p]
-                if not state:  # as torch's lazy init (adam.py:161-184), in float32 (DTensors stay DTensors)
+                if not state:  # as torch's lazy init (torch/optim/adam.py:161-184), in float32 (DTensors stay DTensors)
                     state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, dtype=torch.float32),
                                  exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
                 weight = p.float()

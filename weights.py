@@ -80,8 +80,8 @@ def every_name(model, dtype=None) -> list:
     """`gather(model, dtype)` with the tied names too ((name, tensor) pairs; a tied tensor under each of
     its names, as in the shared copy): what a vLLM engine is given to load the model's weights directly.
     Given the embeddings' name alone, vLLM 0.32's reload keeps a tied LM head stale: a layer that gets
-    no weights in a reload keeps its old tensors (vllm/model_executor/model_loader/reload/layerwise.py:
-    255-266); seen on the CPU (tests/test_weight_sync.py). Every trainer rank calls it (all-gathers)."""
+    no weights in a reload keeps its old tensors (vllm/model_executor/model_loader/reload/layerwise.py:255-266);
+    seen on the CPU (tests/test_weight_sync.py). Every trainer rank calls it (all-gathers)."""
     named = dict(gather(model, dtype))
     return [*named.items(), *((name, named[first]) for name, first in aliases(model).items())]
 
@@ -190,9 +190,10 @@ def acquire(lock, alive, timeout: float):
 @contextlib.contextmanager
 def locked(weights: SharedWeights, alive, timeout: float, *devices):
     """Hold the lock; before letting it go, wait for every CUDA device that the shared tensors or
-    `devices` live on. CUDA copies do not block the host, and vLLM's reload (model_loader/reload/
-    layerwise.py) never synchronises: without this wait the next publish could overwrite tensors
-    that a searcher's GPU is still reading, leaving it with a mix of two versions."""
+    `devices` live on. CUDA copies do not block the host, and vLLM's reload
+    (vllm/model_executor/model_loader/reload/layerwise.py) never synchronises: without this wait the next
+    publish could overwrite tensors that a searcher's GPU is still reading, leaving it with a mix of two
+    versions."""
     acquire(weights.lock, alive, timeout)
     try:
         yield
