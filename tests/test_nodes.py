@@ -54,11 +54,14 @@ def kill_all(pids):
 
 def test_two_nodes_learn_with_node_1s_trajectories(tiny_model, tmp_path):
     """Both launches complete; rank 0 trains on node 1's trajectories, which come from weights that
-    node 1's leader received (versions past 0), and held-out accuracy rises."""
+    node 1's leader received (versions past 0), under a reuse cap that counts both nodes' data, and
+    held-out accuracy rises."""
     out, port = tmp_path / "run", free_port()
     # B = 32 x K = 8 and lr 5e-5 (the defaults): this model learns there (0.27 -> 0.31 in 30 steps, at
     # B = 8 x K = 4 it did not; at lr 1e-3 it collapsed)
-    args = ["--model", tiny_model, "--max-new-tokens", "6", "--steps", "40", "--eval-every", "0", "--out", str(out)]
+    # R = 0.3: under the 0.4 draws a trajectory that 40 steps take here uncapped, so that the cap holds the trainer
+    args = ["--model", tiny_model, "--max-new-tokens", "6", "--steps", "40", "--eval-every", "0", "--max-reuse", "0.3",
+            "--out", str(out)]
     node1 = launch(1, port, args, tmp_path)
     node0 = launch(0, port, args, tmp_path)
     try:
@@ -75,6 +78,10 @@ def test_two_nodes_learn_with_node_1s_trajectories(tiny_model, tmp_path):
         assert len(r["samples_per_node"]) == 2 and sum(r["samples_per_node"]) == r["samples"]
     assert train[-1]["samples_per_node"][1] > 0, "nothing arrived from node 1"
     assert max(r["version_per_node"][1] for r in train) >= 2, "node 1's searcher never got new weights"
+    # the reuse cap counts every node's data: never more than R draws a trajectory received, and more than
+    # R x node 0's (a cap fed by node 0's count alone could not allow them)
+    assert all(r["reuse"] <= 0.3 + 1e-9 for r in train), [r["reuse"] for r in train]
+    assert train[-1]["reuse"] * train[-1]["samples"] > 0.3 * train[-1]["samples_per_node"][0], train[-1]
     assert evals[0]["version"] == 0 and evals[-1]["version"] == 40
     assert evals[-1]["accuracy"] > evals[0]["accuracy"], [e["accuracy"] for e in evals]
     assert "done: 40 steps" in outputs[0]
