@@ -59,6 +59,7 @@ class Engine:
     def __init__(self, cfg, device: str, memory: float, prompts: list[list[int]], answers: list[str],
                  evaluates: bool = True):
         self.cfg, self.prompts, self.answers = cfg, prompts, answers
+        self.task = TASKS[cfg.task]  # its reward and its evaluation
         self.device = torch.device(device)
         split = {}  # on a GPU: `memory` split between the policy's engine and red-teaming's victim's and judge's
         if self.device.type == "cuda":  # (memory_needs builds models on the meta device: before vLLM rewrites
@@ -77,7 +78,7 @@ class Engine:
             self.reward, self.embedder = self.red_team_reward(split), None
         else:  # the task's reward, or a reward model in its place
             self.reward = (self.reward_model(cfg.reward_model_path) if cfg.reward_model_path
-                           else batched(TASKS[cfg.task].reward))
+                           else batched(self.task.reward))
         # tldr, on the engine that evaluates: a transformers copy of the policy for the evaluation's
         # full-vocabulary KL, kept at vLLM's weights by load(). vLLM 0.32 can return whole
         # distributions (SamplingParams(logprobs=-1) with LLM(max_logprobs=-1): vllm/sampling_params.py:921-926,
@@ -87,7 +88,7 @@ class Engine:
         # 0.01, not pi_theta's), and as one Python {token: Logprob} dict per position: 50k entries x
         # 128 tokens x 6.5k responses. A copy costs the policy's weights once more on this device
         # and one forward per response.
-        self.policy = self.transformers_copy(cfg.model_path) if TASKS[cfg.task].score == "win_rate" and evaluates else None
+        self.policy = self.transformers_copy(cfg.model_path) if self.task.score == "win_rate" and evaluates else None
         self.sft = None  # the initial pi_ref, for the evaluation once TBA′ has reset pi_ref
 
     @contextlib.contextmanager
@@ -318,7 +319,7 @@ class Engine:
         done): a searcher's evaluation can outlast --timeout (the TL;DR one at 2.8B, the 6.9B judge over
         the whole validation split: about 15 minutes on an A100), and the trainer's watch hears a beat
         after each part, while a part that hangs is silence."""
-        if TASKS[self.cfg.task].score == "toxicity":  # red-teaming: sampled attacks: asr, toxicity, diversity, unique
+        if self.task.score == "toxicity":  # red-teaming: sampled attacks: asr, toxicity, diversity, unique
             return self.evaluate_redteam(prompts)
         size = max(256, self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt)
         rows, example = {}, None
@@ -339,7 +340,7 @@ class Engine:
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outputs]
         rewards = self.reward(prompts, responses, [o.outputs[0].text for o in outputs], answers)
-        if TASKS[self.cfg.task].score == "accuracy":
+        if self.task.score == "accuracy":
             scores = {"accuracy": list(rewards)}
         else:
             if self.judge is None:

@@ -196,10 +196,3 @@ TASKS = {
     "redteam": Task(load_redteam, score="toxicity", check=redteam.check, fill=True,
                     flags=("victim", "classifier", "unsafe_label", "embedding_model")),
 }
-
-
-def load_task(task: str, data: str | None) -> tuple[list[Problem], list[Problem]]:
-    """(train, test) problems of `task`. Raises ConfigError on bad input."""
-    if task not in TASKS:
-        raise ConfigError(f"--task: unknown task {task!r} (choose from {', '.join(TASKS)})")
-    return TASKS[task].load(data)

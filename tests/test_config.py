@@ -155,28 +155,28 @@ def test_bad_data_files(tmp_path):
     (d / "test.jsonl").write_text("\n".join(good) + "\n")
     (d / "train.jsonl").write_text("\n".join(good[:2] + ["{not json"]) + "\n")
     with pytest.raises(ConfigError, match=r"train\.jsonl line 3: not valid JSON"):
-        tasks.load_task("gsm8k", str(d))
+        tasks.TASKS["gsm8k"].load(str(d))
     (d / "train.jsonl").write_text(good[0] + "\n" + json.dumps({"question": "q?"}) + "\n")
     with pytest.raises(ConfigError, match=r"line 2: missing or non-text field 'answer'"):
-        tasks.load_task("gsm8k", str(d))
+        tasks.TASKS["gsm8k"].load(str(d))
     (d / "train.jsonl").write_text(json.dumps({"question": "q?", "answer": "no marker"}) + "\n")
     with pytest.raises(ConfigError, match=r"line 1: .*####"):
-        tasks.load_task("gsm8k", str(d))
+        tasks.TASKS["gsm8k"].load(str(d))
     (d / "train.jsonl").write_text("\n")
     with pytest.raises(ConfigError, match="holds no problems"):
-        tasks.load_task("gsm8k", str(d))
+        tasks.TASKS["gsm8k"].load(str(d))
     with pytest.raises(ConfigError, match="--data"):
-        tasks.load_task("gsm8k", str(tmp_path / "nowhere"))
+        tasks.TASKS["gsm8k"].load(str(tmp_path / "nowhere"))
 
 
 def test_gsm8k_without_data_names_the_flag(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="--data"):
-        tasks.load_task("gsm8k", None)
+        tasks.TASKS["gsm8k"].load(None)
 
 
 def test_gsm8k_prompt_format():
-    train, test = tasks.load_task("gsm8k", DATA)
+    train, test = tasks.TASKS["gsm8k"].load(DATA)
     first = json.loads(open(os.path.join(DATA, "train.jsonl")).readline())
     assert train[0].prompt == f"[MATH TASK] Problem:\n{first['question']}\n\nSolution:\n"
     assert train[0].answer == first["answer"] and len(test) > 0
