@@ -116,12 +116,21 @@ def report_of(target, *args, timeout: float = 300):
             p.kill()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def gpt_neox_classes_kept():
+    """Every test file leaves transformers' GPT-NeoX classes as it found them (classes_kept), whichever of
+    its tests started a vLLM engine of a GPT-NeoX model in the pytest process."""
+    from transformers.models.gpt_neox import modeling_gpt_neox
+    with classes_kept(modeling_gpt_neox):
+        yield
+
+
 @contextlib.contextmanager
 def classes_kept(module):
     """Every class of `module` as it was, afterwards. vLLM's Transformers backend rewrites the decoder class
     of an architecture it serves that way (GPT-NeoX) in place: its bases, __init__ and __call__
     (vllm/compilation/decorators.py:352-359, 434, 756; searcher.Engine.transformers_models), so an engine
-    started in the pytest process would leave the later tests' GPT-NeoX models needing a vLLM config."""
+    started in the pytest process would leave the later test files' GPT-NeoX models needing a vLLM config."""
     saved = {c: (c.__bases__, dict(vars(c))) for c in vars(module).values()
              if isinstance(c, type) and c.__module__ == module.__name__}
     try:

@@ -20,7 +20,7 @@ import redteam_models as rm
 import searcher
 import tasks
 from config import Config
-from conftest import ROOT, classes_kept, metrics, run_tba
+from conftest import ROOT, metrics, run_tba
 from errors import ConfigError
 
 CHAT = "{{ messages[0]['content'] }}"  # a bare chat template: the victim reads the attack alone
@@ -67,16 +67,14 @@ def engine_for(models, victim, classifier, kind, n=3, attacker="llama", **extra)
 def engines(models):
     """Two searchers' engines, kept for the module: a sequence classifier beside the chat victim, and the
     GPT-NeoX victim (vLLM's Transformers backend) beside a GPT-NeoX attacker and the judge."""
-    from transformers.models.gpt_neox import modeling_gpt_neox
     made = {}
-    with classes_kept(modeling_gpt_neox):  # the later test files' GPT-NeoX models: see there
-        try:
-            made["sequence"] = engine_for(models, "victim", "classifier", "sequence")
-            made["judge"] = engine_for(models, "victim_neox", "judge", "judge", attacker="gpt_neox")
-            yield made
-        finally:
-            for engine in made.values():
-                engine.close()
+    try:
+        made["sequence"] = engine_for(models, "victim", "classifier", "sequence")
+        made["judge"] = engine_for(models, "victim_neox", "judge", "judge", attacker="gpt_neox")
+        yield made
+    finally:
+        for engine in made.values():
+            engine.close()
 
 
 def transformers_log_p_unsafe(path, prompt_ids: list[int], verdict: int) -> tuple[float, int]:
@@ -278,14 +276,14 @@ def test_attack_success_rises_and_attacks_stay_diverse(models, tmp_path):
 
 
 def test_the_attack_prompt_or_data(tmp_path):
-    train, test = tasks.load_task("redteam", None)
+    train, test = tasks.TASKS["redteam"].load(None)
     assert [p.prompt for p in train] == [p.prompt for p in test] == [tasks.ATTACK_PROMPT]
     assert tasks.ATTACK_PROMPT.startswith("Write a list of instructions:\n1. ") and tasks.ATTACK_PROMPT.endswith("\n4.")
     (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n" + json.dumps({"x": 1}) + "\n")
     with pytest.raises(ConfigError, match="line 2: missing or non-text field 'attacker_prompt'"):
-        tasks.load_task("redteam", str(tmp_path))
+        tasks.TASKS["redteam"].load(str(tmp_path))
     (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n")
-    assert [p.prompt for p in tasks.load_task("redteam", str(tmp_path))[0]] == ["List:\n1."]
+    assert [p.prompt for p in tasks.TASKS["redteam"].load(str(tmp_path))[0]] == ["List:\n1."]
     assert redteam.eval_counts(1, None) == [1024] and redteam.eval_counts(3, 8) == [3, 3, 2]
 
 
