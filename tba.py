@@ -371,6 +371,11 @@ class Trainer:
                 f"{self.where}the weight-sync lock was not free for {self.cfg.timeout:g} s: a searcher stopped while "
                 f"it read the weights (--timeout {self.cfg.timeout:g})"]
             return
+        except Dead:  # several nodes: a searcher died holding the lock; leaving now would show the other
+            if not self.multi:  # nodes a closed connection only. The next meeting's alive() names it to rank 0
+                raise
+            take_part(named)
+            return
         if self.leader:
             self.buffer.mark_sync()
             self.log.published[version] = self.log.clock()

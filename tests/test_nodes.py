@@ -3,6 +3,7 @@ believe they are a node, with one trainer process and one searcher each. Also th
 the trajectories between nodes, and the cast before FSDP2's all-gather."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -309,11 +310,12 @@ def test_the_leaders_group_outlasts_the_timeout_while_rank_0_is_alone():
     assert reports[0]["said"] == [["from rank 0"], ["from rank 1"]], reports
 
 
-def lock_on_node_1(rank, path, out, port, results):
-    """Two nodes of one trainer rank, without searchers. Node 1's searcher stopped while it held the
-    node's weight lock (taken here, never given back): at the next sync node 1's leader waits --timeout
-    for it, then still joins every all-gather (rank 0 publishes meanwhile), and at the next meeting
-    rank 0 gets the node's silent line and ends the wait with it."""
+def lock_on_node_1(rank, died, path, out, port, results):
+    """Two nodes of one trainer rank. Node 1's searcher stopped (or, if `died`, was killed) while it held
+    the node's weight lock (taken here, never given back): at the next sync node 1's leader waits
+    --timeout for a stopped one (not for a dead one), then still joins every all-gather (rank 0
+    publishes meanwhile), and at the next meeting rank 0 gets the node's silent line and ends the wait
+    with it, or the node's line saying which searcher died, and stops with it."""
     import traceback
     import types
     import torch.distributed as dist
@@ -321,6 +323,7 @@ def lock_on_node_1(rank, path, out, port, results):
     import tba
     import weights
     from buffer import ReplayBuffer
+    from errors import Dead
     try:
         as_node(rank, port)
         cfg, data, _ = config.check(
@@ -329,17 +332,26 @@ def lock_on_node_1(rank, path, out, port, results):
         try:
             t.model = tba.load_policy(cfg.model_path, t.device, "float32")
             t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
-            t.shared = weights.create(torch.multiprocessing.get_context("spawn"))
+            ctx = torch.multiprocessing.get_context("spawn")
+            t.shared = weights.create(ctx)
             weights.allocate(t.shared, weights.gather(t.model), weights.aliases(t.model), t.device, torch.float32)
             if rank == 1:
                 t.shared.lock.acquire()  # the stopped searcher's
+                if died:  # a real process, killed (this daemon cannot have multiprocessing children)
+                    searcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                    searcher.kill()
+                    t.procs = [types.SimpleNamespace(pid=searcher.pid, exitcode=searcher.wait())]
             t.step = 2
             t0 = time.time()
             t.sync_weights()
             synced = time.time() - t0
-            t.multi.collect(lambda: None, lambda: [], lambda: None, t.silent, t.said, lambda: False, t.buffer,
-                            t.log, cfg.timeout)
-            results.put({"rank": rank, "silent": t.silent, "version": t.shared.version.value, "seconds": synced})
+            report = {"rank": rank, "version": t.shared.version.value, "seconds": synced, "stopped": None}
+            try:
+                t.multi.collect(lambda: None, lambda: [], t.alive, t.silent, t.said, lambda: False, t.buffer,
+                                t.log, cfg.timeout)
+            except Dead as e:
+                report["stopped"] = str(e)
+            results.put({**report, "silent": t.silent})
         finally:
             t.log.close()
     except BaseException:
@@ -352,10 +364,20 @@ def lock_on_node_1(rank, path, out, port, results):
 def test_a_weight_lock_never_freed_on_node_1_stops_the_run_like_a_silent_searcher(tiny_model, tmp_path):
     line = ("node 1: the weight-sync lock was not free for 2 s: a searcher stopped while it read the weights "
             "(--timeout 2)")
-    node0, node1 = two_nodes(lock_on_node_1, tiny_model, str(tmp_path / "run"))
+    node0, node1 = two_nodes(lock_on_node_1, False, tiny_model, str(tmp_path / "run"))
     assert node0["silent"] == [line] and node1["silent"] == [line], (node0, node1)
     assert (node0["version"], node1["version"]) == (2, 0)  # node 0 published; node 1 waited, then joined
     assert node1["seconds"] >= 2
+
+
+def test_a_searcher_of_node_1_killed_holding_the_weight_lock_is_named_to_rank_0(tiny_model, tmp_path):
+    """Not a closed connection: node 1's leader takes part in the all-gathers and reports the death at
+    the next meeting, so node 0 stops naming the node and the searcher."""
+    node0, node1 = two_nodes(lock_on_node_1, True, tiny_model, str(tmp_path / "run"))
+    assert "error" not in node0 and "error" not in node1, (node0, node1)
+    assert re.fullmatch(r"node 1: searcher 0 \(pid \d+\) died with exit code -9", node0["stopped"]), node0
+    assert re.fullmatch(r"searcher 0 \(pid \d+\) died with exit code -9", node1["stopped"]), node1
+    assert (node0["version"], node1["version"]) == (2, 0) and node1["seconds"] < 2  # no wait for the dead
 
 
 def test_only_node_0s_first_searcher_evaluates():
