@@ -25,8 +25,9 @@ On one node nothing here runs (tba.py's Trainer checks `multi`). On several:
 - What crosses nodes is plain data: a uint8 tensor holding a length-prefixed JSON header (the
   trajectories' numbers) and the response token ids as int32 (`encode`, `decode`). Nothing received
   from another node is unpickled.
-- Faults: a leader whose searcher died sends that line instead of data; rank 0 stops the run with
-  it, naming the node, and the others stop at the decision. Every leader watches its own searchers
+- Faults: a leader whose searcher died sends that line instead of data (one that died holding the
+  weight lock too: the leader still joins the all-gathers it owes); rank 0 stops the run with it,
+  naming the node, and the others stop at the decision. Every leader watches its own searchers
   (processes.Watch): its warnings reach rank 0's console at the next meeting, and a searcher silent
   for --timeout, or a weight lock a stopped searcher never freed (the leader still joins the
   all-gathers it owes), is sent as the node's silent line: rank 0 ends the wait with it, and the run
