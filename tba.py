@@ -371,9 +371,11 @@ class Trainer:
                 f"{self.where}the weight-sync lock was not free for {self.cfg.timeout:g} s: a searcher stopped while "
                 f"it read the weights (--timeout {self.cfg.timeout:g})"]
             return
-        except Dead:  # several nodes: a searcher died holding the lock; leaving now would show the other
-            if not self.multi:  # nodes a closed connection only. The next meeting's alive() names it to rank 0
+        except Dead:  # a searcher died holding the lock
+            if not self.multi:
                 raise
+            # several nodes: leaving now would show the others a closed connection only; the next
+            # meeting's alive() names the searcher to rank 0 (nodes.py)
             take_part(named)
             return
         if self.leader:
