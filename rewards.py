@@ -12,8 +12,8 @@ completions, answers) -> list[float]` (a string reward through `batched`).
 
 import re
 
-from errors import ConfigError
-from hub import load_tokenizer, resolve_model
+from runtime.errors import ConfigError
+from runtime.hub import load_tokenizer, resolve_model
 
 # The authors' number pattern: decimals, numbers with a leading dot, scientific notation,
 # integers; each with an optional sign. `$` and `%` are not part of a number.

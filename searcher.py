@@ -28,7 +28,7 @@ import traceback
 from queue import Empty, Full
 from types import SimpleNamespace
 
-import vllm_env
+from runtime import vllm_env
 
 vllm_env.set_up()  # before torch and vLLM are imported, here and in the fork server, which imports this file
 # The CPU's fork server (processes.fork_server) imports this file first. torchrun stops a rank with
@@ -43,13 +43,13 @@ if os.environ.pop(FORK_SERVER, None):
 import numpy as np
 import torch
 
-import seeds
+from runtime import seeds
 from buffer import Trajectory
-from errors import Dead
+from runtime.errors import Dead
 from loss import collate, sequence_logprobs, unique_pairs
 from rewards import RewardModel, batched
 from tasks import TASKS
-from weights import WAIT, SharedWeights, acquire, locked, receive
+from runtime.weights import WAIT, SharedWeights, acquire, locked, receive
 
 
 class Engine:
@@ -116,7 +116,7 @@ class Engine:
     def red_team_reward(self, split: dict):
         """The victim, and a judge of the causal-LM kind, on vLLM engines of their own beside the policy's (on a
         GPU with `split`'s shares of it); a sequence classifier in transformers (docs/tasks.md says why)."""
-        import redteam
+        from tasks import redteam
         cfg = self.cfg
         llm = self.start(cfg.victim_path, split.get("victim"), redteam.context(cfg.victim_path))
         victim = redteam.Victim(cfg.victim_path, llm, cfg.victim_responses, cfg.victim_max_new_tokens)
@@ -274,7 +274,7 @@ class Engine:
         """The red-teaming embedder (--embedding-model), loaded on first use: the evaluation's diversity and
         the best buffer's near-duplicates."""
         if self.embedder is None:
-            import redteam
+            from tasks import redteam
             with self.transformers_models():
                 self.embedder = redteam.Embedder(self.cfg.embedding_model_path, self.device, self.cfg.dtype,
                                                  self.cfg.micro_batch)
@@ -368,7 +368,7 @@ class Engine:
         """--eval-limit attacks (default 1,024) sampled at temperature 1 with the loaded weights, EOS
         blocked before 5 tokens as Lee et al.'s eval.py, each answered by the victim: redteam.scores(). The
         example is the first attack, its mean P(unsafe) as its reward, and the victim's first response."""
-        import redteam
+        from tasks import redteam
         from vllm import SamplingParams
 
         counts = redteam.eval_counts(len(prompts), self.cfg.eval_limit)
@@ -487,7 +487,7 @@ def memory_needs(cfg, evaluates: bool = True) -> tuple[dict[str, tuple[int, int,
         if cfg.ref_reset_every:
             beside["the SFT model"] = policy
     if cfg.victim_path:
-        import redteam
+        from tasks import redteam
         answer = cfg.victim_max_new_tokens or redteam.CHAT_SAMPLING["max_new_tokens"]  # the longer default
         engines["victim"] = engine(cfg.victim_path, redteam.context(cfg.victim_path), cfg.max_model_len + answer,
                                    seqs * cfg.victim_responses)

@@ -49,7 +49,7 @@ import contextlib  # noqa: E402  (after the handlers: a signal during these impo
 import math
 import time
 
-import vllm_env
+from runtime import vllm_env
 
 vllm_env.set_up()  # before torch and vLLM are imported: they read it at import
 
@@ -58,21 +58,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-import lora
-import nodes
+from runtime import lora
+from runtime import nodes
 import searcher
-import seeds
+from runtime import seeds
 from buffer import ReplayBuffer, ReuseCap
-from checkpoint import full_state_dict, linked, save_checkpoint, save_hf
-from config import beta_at, check, gamma_at, lr_at, parse, reward_temp_at
-from errors import ConfigError, Dead, Silent, Stop
-from hub import load_tokenizer
-from log import Log
+from runtime.checkpoint import full_state_dict, linked, save_checkpoint, save_hf
+from runtime.config import beta_at, check, gamma_at, lr_at, parse, reward_temp_at
+from runtime.errors import ConfigError, Dead, Silent, Stop
+from runtime.hub import load_tokenizer
+from runtime.log import Log
 from loss import LOSSES, collate, sequence_logprobs, unique_pairs
-from processes import (Signals, Watch, broadcast, broadcast_batch, drain, fail, first_refusal, init_distributed,
+from runtime.processes import (Signals, Watch, broadcast, broadcast_batch, drain, fail, first_refusal, init_distributed,
                        newest, raise_stop, start_searchers, stop_searchers, wait_together)
 from searcher import Engine
-from weights import aliases, allocate, cpu_copy, create, every_name, gather, publish, take_part
+from runtime.weights import aliases, allocate, cpu_copy, create, every_name, gather, publish, take_part
 
 
 # ===== the trainer loop: the trainer's side of the paper's Algorithm 1 ===========================

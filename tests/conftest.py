@@ -23,7 +23,7 @@ def tiny_model(tmp_path_factory):
     warm-started (about 15 s) until about 20% of arith answers are right: rewards vary, so training
     has a signal (with all rewards 0 and the policy equal to pi_ref, the TB gradient is exactly zero).
     Smaller models plateau below 10% here, too rarely right for runs of 4 prompts x 4 samples."""
-    import tiny
+    from runtime import tiny
     path = str(tmp_path_factory.mktemp("tiny") / "model")
     r = tiny.RECIPE
     model, tokenizer = tiny.make_model(path, r["hidden"], r["layers"], r["heads"], r["ffn"], max_len=1024)  # GSM8K fits

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-import tiny
+from runtime import tiny
 from tasks import arith_splits
 
 

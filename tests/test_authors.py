@@ -6,7 +6,7 @@ evaluation."""
 import pytest
 import torch
 
-import config
+from runtime import config
 
 from conftest import metrics, run_tba
 from test_run_scripts import dry_run
@@ -188,7 +188,7 @@ def evaluation_rows(tiny_neox, tiny_rm, report):
 
 def evaluation_rows_checks(tiny_neox, tiny_rm):
     import numpy as np
-    import weights
+    from runtime import weights
     from searcher import Engine
     from test_weight_sync import config, perturbed
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer

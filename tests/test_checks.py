@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import config
-import processes
+from runtime import config
+from runtime import processes
 import tba
 from buffer import ReplayBuffer
 from conftest import free_port, metrics, report_of, run_tba
-from errors import ConfigError
+from runtime.errors import ConfigError
 from test_faults import SMALL
 
 

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 import tasks
-import config
+from runtime import config
 import tba
 from conftest import DATA, ROOT, env
-from errors import ConfigError
+from runtime.errors import ConfigError
 
 
 def refuse(args, tmp_path, monkeypatch, capsys, match):
@@ -187,7 +187,7 @@ def test_loss_is_saved_with_the_run(tiny_model, tmp_path, monkeypatch):
     cfg, *_ = config.check(config.parse(["--model", tiny_model, "--loss", "grpo", "--clip", "0.3",
                                    "--out", str(tmp_path / "run")]), world=1)
     assert not (tmp_path / "run").exists()  # checked, then removed: the run makes it
-    from log import Log
+    from runtime.log import Log
     Log(cfg, 0, 0.0).close()
     saved = json.load(open(tmp_path / "run" / "config.json"))
     assert (saved["loss"], saved["clip"], saved["score"]) == ("grpo", 0.3, "accuracy")

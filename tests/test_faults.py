@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-import checkpoint
+from runtime import checkpoint
 from conftest import ROOT, env, metrics, run_tba
 
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3",
@@ -268,10 +268,10 @@ def save_twice(path, out, port, results):
     linked one, untouched."""
     import traceback
     import types
-    import config
+    from runtime import config
     import tba
     import torch.distributed as dist
-    import weights
+    from runtime import weights
     from buffer import ReplayBuffer, ReuseCap
     try:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",

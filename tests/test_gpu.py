@@ -32,12 +32,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import checkpoint
-import config
-import processes
+from runtime import checkpoint
+from runtime import config
+from runtime import processes
 import tba
-import weights
-from errors import ConfigError, Dead
+from runtime import weights
+from runtime.errors import ConfigError, Dead
 from loss import collate, sequence_logprobs
 from conftest import get_report
 
@@ -457,7 +457,7 @@ def test_fsdp2_bf16_step_and_gather_into_shared_tensors(kind, weights_dtype, rec
     """GPU: NCCL (tba's "cpu:gloo,cuda:nccl"), 2 ranks with 2+ GPUs. CPU: one gloo rank, the same checks. Over
     --trainer-dtype and --activation-checkpointing; AdamW's moments are float32 DTensors either way."""
     pytest.importorskip("transformers")
-    import tiny
+    from runtime import tiny
     path = str(tmp_path / "model")
     tiny.make_model(path, hidden=64, layers=2, heads=2)  # a tied Llama
     world = min(2, torch.cuda.device_count()) if kind == "cuda" else 1  # NCCL: one GPU per rank
@@ -496,7 +496,7 @@ def node_rank(kind, rank, port, path, results):
     gather of trajectories (gloo, CPU tensors), and the default group's CPU all-gather (first_refusal: gloo),
     twice, as a run interleaves them at each sync and collect."""
     import torch.distributed as dist
-    import nodes
+    from runtime import nodes
     from buffer import Trajectory
     try:
         torch.set_num_threads(1)
@@ -532,7 +532,7 @@ def node_rank(kind, rank, port, path, results):
 def test_the_leaders_gloo_group_beside_nccl(kind, tmp_path):
     """Two nodes' leaders on this machine: NCCL all-gathers of the default group and gloo gathers of the
     leaders' group and of the default group's CPU side, interleaved, agree on both ranks (GPU: 2 GPUs)."""
-    import tiny
+    from runtime import tiny
     path = str(tmp_path / "model")
     tiny.make_model(path, hidden=64, layers=2, heads=2)
     with socket.socket() as s:
@@ -607,7 +607,7 @@ def plain_logprobs(logits, input_ids, response_mask, temperature, upcast=True):
 @pytest.mark.parametrize("device", KINDS)
 def test_chunked_logprobs_match_one_log_softmax(device, tmp_path):
     pytest.importorskip("transformers")
-    import tiny
+    from runtime import tiny
     model, _ = tiny.make_model(str(tmp_path / "model"), hidden=64, layers=2, heads=2)
     model = model.to(device).eval()
     g = torch.Generator().manual_seed(0)

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-import lora
+from runtime import lora
 import models
-import tiny
-import weights
+from runtime import tiny
+from runtime import weights
 from conftest import metrics, run_tba
 from tasks import arith_splits
 

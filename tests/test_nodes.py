@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-import nodes
+from runtime import nodes
 from buffer import Trajectory
 from conftest import ROOT, env, free_port, get_report, metrics
 from test_faults import assert_all_gone, assert_checkpoint, searcher_pids, wait_for_steps
@@ -232,7 +232,7 @@ def cast_worker(rank, port, results):
     and rounded afterwards, bit for bit."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from weights import gather
+    from runtime.weights import gather
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -319,11 +319,11 @@ def lock_on_node_1(rank, died, path, out, port, results):
     import traceback
     import types
     import torch.distributed as dist
-    import config
+    from runtime import config
     import tba
-    import weights
+    from runtime import weights
     from buffer import ReplayBuffer
-    from errors import Dead
+    from runtime.errors import Dead
     try:
         as_node(rank, port)
         cfg, data, _ = config.check(
@@ -384,7 +384,7 @@ def test_only_node_0s_first_searcher_evaluates():
     """Every node spawns its searchers alike, numbered from node x searchers, but the evaluation channel
     goes to node 0's first only: the others build no evaluation models (a TL;DR policy copy)."""
     import types
-    import processes
+    from runtime import processes
     from tasks import Data
     spawned = []
 

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-import redteam
+from tasks import redteam
 import redteam_models as rm
 import searcher
 import tasks
-from config import Config
+from runtime.config import Config
 from conftest import ROOT, metrics, run_tba
-from errors import ConfigError
+from runtime.errors import ConfigError
 
 CHAT = "{{ messages[0]['content'] }}"  # a bare chat template: the victim reads the attack alone
 # a judge's template in Llama Guard 3's shape: a long shared head (its category list: several cached KV blocks),
@@ -384,7 +384,7 @@ def test_memory_split_of_the_papers_settings(tmp_path, monkeypatch, llama):
     split) at the computed --searcher-memory and at 0.7; config's check, which reads the GPUs' memory (faked here:
     no GPU), fits the Llama setting on a 48 GB card with the computed share, refuses it there at 0.7 and on a
     40 GB card at any share, in one line."""
-    import processes
+    from runtime import processes
     cfg = paper_setting(tmp_path, llama)
     card = (80 if llama else 16) * 10**9
     engines, beside = searcher.memory_needs(cfg)

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-import config
+from runtime import config
 from conftest import ROOT
 
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, env, metrics
-from errors import Silent
+from runtime.errors import Silent
 from test_faults import SMALL, assert_all_gone, assert_checkpoint, searcher_pids, wait_for_steps
 
 
@@ -210,7 +210,7 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
     5 x the longest gap (10 s at least), once; Silent at --timeout; a message resets it all."""
     import types
     import pytest
-    import processes
+    from runtime import processes
     now, lines = [1000.0], []
     monkeypatch.setattr(processes.time, "time", lambda: now[0])
     watch = processes.Watch([types.SimpleNamespace(pid=42)], 100.0, lines.append, newest=-1)
@@ -241,7 +241,7 @@ def test_watch_hears_an_evaluations_beats_and_names_the_node(monkeypatch):
     from 2 there) the lines name the node and the node's own searcher."""
     import types
     import pytest
-    import processes
+    from runtime import processes
     now, lines = [1000.0], []
     monkeypatch.setattr(processes.time, "time", lambda: now[0])
     watch = processes.Watch([types.SimpleNamespace(pid=7), types.SimpleNamespace(pid=8)], 100.0, lines.append,
@@ -288,9 +288,9 @@ def lock_rank(path, out, port, results):
     import types
     import torch
     import torch.distributed as dist
-    import config
+    from runtime import config
     import tba
-    import weights
+    from runtime import weights
     from buffer import ReplayBuffer
     try:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",

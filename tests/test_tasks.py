@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import config
+from runtime import config
 import tasks
 from conftest import ROOT, env, metrics
 

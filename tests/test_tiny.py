@@ -5,7 +5,7 @@ import os
 
 import torch
 
-import tiny
+from runtime import tiny
 from tasks import arith_splits
 
 

@@ -40,9 +40,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import weights
+from runtime import weights
 from conftest import get_report
-from errors import Dead
+from runtime.errors import Dead
 
 TIMEOUT = 60.0  # s: any wait on the other process (lock, queue, join)
 VERSIONS = 200

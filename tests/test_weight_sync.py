@@ -10,10 +10,10 @@ import torch
 import torch.multiprocessing as mp
 
 import searcher
-from config import Config
+from runtime.config import Config
 from loss import sequence_logprobs
 from rewards import arith_reward
-import weights
+from runtime import weights
 from loss import collate
 from searcher import Engine
 from tasks import Data

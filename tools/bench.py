@@ -70,7 +70,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above tools/
 sys.path.insert(0, ROOT)  # for tba, searcher, ... when run as `python tools/bench.py`
 
-import vllm_env
+from runtime import vllm_env
 
 vllm_env.set_up()  # before torch and vLLM are imported: they read it at import
 
@@ -78,10 +78,10 @@ import numpy as np
 import torch
 
 import plot  # reads run folders (matplotlib only when drawing)
-import config
-import processes
+from runtime import config
+from runtime import processes
 import tba
-import weights
+from runtime import weights
 from buffer import Trajectory
 from loss import collate
 from searcher import Engine
@@ -469,7 +469,7 @@ def trl_part(seeds: list[int], python: str, note: str, cap: float, out: str, cfg
 def make_llama_100m(folder: str):
     """A ~100M-parameter Llama with random weights (GPT-2-small-like shape, 32k vocabulary)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    import tiny
+    from runtime import tiny
     config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
                          num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=256,
                          tie_word_embeddings=False)

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import numpy as np
 import torch
 
-import config
-import processes
+from runtime import config
+from runtime import processes
 import tba
 from buffer import Trajectory
 

@@ -13,15 +13,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above tools/
 sys.path.insert(0, ROOT)  # for config, searcher, ... when run as `python tools/redteam_round.py`
 
-import vllm_env  # noqa: E402
+from runtime import vllm_env  # noqa: E402
 
 vllm_env.set_up()  # before torch and vLLM are imported: they read it at import
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
-import config  # noqa: E402
-from errors import ConfigError  # noqa: E402
+from runtime import config  # noqa: E402
+from runtime.errors import ConfigError  # noqa: E402
 from searcher import Engine, quiet_loading  # noqa: E402
 
 

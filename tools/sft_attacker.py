@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import tasks  # noqa: E402  (after the path: the project's modules)
-from errors import ConfigError  # noqa: E402
+from runtime.errors import ConfigError  # noqa: E402
 
 
 def fail(msg: str):
@@ -159,7 +159,7 @@ def main(argv=None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import hub
+    from runtime import hub
     try:
         path = hub.resolve_model(args.model)
     except ConfigError as e:

@@ -66,7 +66,7 @@ sys.path.insert(0, ROOT)  # for tiny, rewards and tasks
 
 import torch
 
-import tiny
+from runtime import tiny
 from rewards import arith_reward
 from tasks import arith_splits
 

@@ -29,8 +29,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-import redteam
-from errors import ConfigError
+from tasks import redteam
+from runtime.errors import ConfigError
 from rewards import arith_reward, gsm8k_gold, gsm8k_reward
 
 TLDR_HUB = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"

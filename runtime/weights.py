@@ -25,7 +25,7 @@ from queue import Empty
 
 import torch
 
-import lora
+from runtime import lora
 
 WAIT = 1.0  # s: every blocking wait polls at this period and checks that the other side lives
 

@@ -6,7 +6,7 @@ refuses (config.check) what the user set that would break the weight path.
 import os
 import warnings
 
-from errors import ConfigError
+from runtime.errors import ConfigError
 
 
 def set_up():

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from errors import ConfigError
+from runtime.errors import ConfigError
 
 
 class Log:

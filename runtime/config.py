@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-import nodes
-import vllm_env
-from checkpoint import check_resumed_flags, load_checkpoint
-from errors import ConfigError
-from hub import load_tokenizer, resolve_model
-from log import check_out
+from runtime import nodes
+from runtime import vllm_env
+from runtime.checkpoint import check_resumed_flags, load_checkpoint
+from runtime.errors import ConfigError
+from runtime.hub import load_tokenizer, resolve_model
+from runtime.log import check_out
 from loss import LOSSES
 from rewards import check_reward_model
 from tasks import TASKS, Data
@@ -278,7 +278,7 @@ def check(cfg: Config, world: int):
     cfg.device = "cuda" if torch.cuda.device_count() else "cpu"
     local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
     if cfg.device == "cuda":
-        import processes  # the GPU checks sit beside the processes they guard
+        from runtime import processes  # the GPU checks sit beside the processes they guard
         processes.check_gpus(cfg, local)
     need(cfg.device == "cuda" or cfg.dtype in ("auto", "float32"), "dtype",
          f"{cfg.dtype} on the CPU is not supported here (vLLM's CPU engine and the log-prob checks run in float32)")
@@ -346,7 +346,7 @@ def check_task(cfg: Config):
     cfg.score = task.score
     train = train * -(-cfg.prompts_per_step // len(train)) if task.fill else train
     if cfg.model == "tiny":
-        import tiny
+        from runtime import tiny
         cfg.model_path = tiny.cached()
     else:
         cfg.model_path = resolve_model(cfg.model)

@@ -29,9 +29,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import nodes
+from runtime import nodes
 import searcher
-from errors import ConfigError, Silent, Stop
+from runtime.errors import ConfigError, Silent, Stop
 
 
 def fail(message: str, code: int, rank: int):
@@ -180,7 +180,8 @@ def fork_server():
     ctx = torch.multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["searcher", "transformers", "vllm", "vllm.entrypoints.llm"])
     before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__))] + ([before] if before else []))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root, above runtime/
+    os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([before] if before else []))
     os.environ[searcher.FORK_SERVER] = "1"  # searcher.py, imported there first, then ignores SIGTERM: see there
     try:
         forkserver.ensure_running()

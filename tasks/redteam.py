@@ -46,9 +46,9 @@ import time
 import numpy as np
 import torch
 
-import seeds
-from errors import ConfigError
-from hub import load_tokenizer, resolve_model
+from runtime import seeds
+from runtime.errors import ConfigError
+from runtime.hub import load_tokenizer, resolve_model
 
 ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
           "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")

@@ -6,7 +6,7 @@ model is built by tiny.py (config.py asks it for --model tiny).
 import os
 import re
 
-from errors import ConfigError
+from runtime.errors import ConfigError
 
 ALIASES = {"rho-math-1b": "realtreetune/rho-1b-sft-GSM8K"}
 

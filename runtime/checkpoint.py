@@ -18,9 +18,9 @@ import shutil
 import numpy as np
 import torch
 
-import lora
+from runtime import lora
 from buffer import ReplayBuffer
-from errors import ConfigError
+from runtime.errors import ConfigError
 
 
 def full_state_dict(model) -> dict:

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from buffer import Trajectory
-from errors import ConfigError, Dead
+from runtime.errors import ConfigError, Dead
 
 POLL = 0.25  # s between two meetings of the leaders while rank 0 waits for data
 FIELDS = ("prompt_id", "reward", "logp_ref", "logp_behaviour", "version", "ref_version")  # with the length

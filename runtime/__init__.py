@@ -1,0 +1,1 @@
+"""The machinery: how a run runs, not what it computes (see each file's docstring)."""
