@@ -46,16 +46,5 @@ settings=(
   --dtype bfloat16
   --eval-every 100                          # greedy pass@1 on the 1,319 test problems
 )
-passthrough=()
-dry_run=0
-for arg in "$@"; do
-  if [ "$arg" = "--dry-run" ]; then dry_run=1; else passthrough+=("$arg"); fi
-done
-cmd=(torchrun --standalone --nproc_per_node="$TRAINERS" tba.py "${settings[@]}" "${passthrough[@]}")
-
-echo "GPU split: $TRAINERS trainer GPU(s) + $SEARCHERS searcher GPU(s)"
-echo "${cmd[*]}"
-if [ "$dry_run" = 1 ]; then
-  exit 0
-fi
-exec "${cmd[@]}"
+source scripts/launch.sh
+launch "" "$@"

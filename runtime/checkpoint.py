@@ -1,10 +1,11 @@
 """Checkpoints: tensors and plain data only, written so that a crash never leaves a broken one.
 
 OUT/checkpoint-STEP/ holds the model in Hugging Face format (model/; with LoRA the merged model, and
-the adapter in adapter/, from which --resume rebuilds the policy: lora.py), the optimizer state, step,
-RNG state and counters, the weights the searchers hold if older than the model's, and pi_ref if
+the adapter in adapter/, from which --resume rebuilds the policy: runtime/lora.py), the optimizer state,
+step, RNG state and counters, the weights the searchers hold if older than the model's, and pi_ref if
 TBA′ is on (trainer.pt, read back with torch.load(weights_only=True)), the replay buffer
-(buffer.npz, NumPy without pickle) and the run's config (config.json). OUT/checkpoint links to the
+(buffer.npz, NumPy without pickle; runtime.checks rebuilds it as the task's buffer kind) and the run's
+config (config.json). OUT/checkpoint links to the
 newest complete one (`atomic_checkpoint`). Nothing read back runs code the file could carry.
 `check_resumed_flags` refuses a --resume whose flags differ where the checkpoint's data depend on them.
 """
@@ -19,7 +20,6 @@ import numpy as np
 import torch
 
 from runtime import lora
-from buffer import ReplayBuffer
 from runtime.errors import ConfigError
 
 
@@ -29,10 +29,10 @@ def full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_checkpoint(cfg, rank, model, opt, buffer, cap, shared, step, log, tokenizer):
-    """Model (Hugging Face format), optimizer, step (the schedules and per-step seeds derive from it),
-    RNG state, counters (--max-reuse's among them), replay buffer, the weights the searchers hold if older than the model's,
-    and pi_ref if TBA′ is on."""
+def save_checkpoint(cfg, rank, model, opt, buffer, held, counters: dict, step: int, tokenizer):
+    """Model (Hugging Face format), optimizer, step (the schedules and per-step seeds derive from it), RNG
+    state, the run's `counters` (plain data: the reuse cap's among them), replay buffer, and `held`
+    (runtime.fleet.Fleet.held: the weights the searchers hold if older than the model's, and TBA′'s pi_ref)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     sd = full_state_dict(model)
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -43,34 +43,30 @@ def save_checkpoint(cfg, rank, model, opt, buffer, cap, shared, step, log, token
         save_hf(model, sd, tokenizer, os.path.join(folder, "model"))
         if lora.active(model):  # what --resume rebuilds the policy from, with the frozen --model
             lora.save_adapter(model, sd, os.path.join(folder, "adapter"))
-        cpu = lambda tensors: {n: t.cpu() for n, t in tensors.items()}
-        torch.save(dict(optimizer=osd, step=step, elapsed=log.now(), torch_rng=torch.get_rng_state(),
-                        samples=log.samples, first_eval=log.first_eval,
-                        reuse=[cap.credit, cap.counted, cap.drawn],
-                        synced=cpu(shared.tensors) if shared.version.value != step else None,
-                        synced_version=shared.version.value,
-                        ref=cpu(shared.ref) if shared.ref is not None else None, ref_version=shared.ref_version.value),
+        torch.save(dict(optimizer=osd, step=step, torch_rng=torch.get_rng_state(), **counters, **held),
                    os.path.join(folder, "trainer.pt"))
         np.savez(os.path.join(folder, "buffer.npz"), **buffer.state())
         with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(vars(cfg), f, indent=1)
+            json.dump(dataclasses.asdict(cfg), f, indent=1)
     atomic_checkpoint(cfg.out, step, write)
 
 
 def load_checkpoint(folder: str) -> dict:
-    """The trainer state and buffer of a checkpoint, read without running any code it could carry."""
+    """The trainer state and the buffer's arrays of a checkpoint, read without running any code it could carry."""
     trainer, buffer = os.path.join(folder, "trainer.pt"), os.path.join(folder, "buffer.npz")
+    if not os.path.exists(folder):
+        raise ConfigError(f"--resume: {folder} does not exist")
     if not os.path.isfile(trainer):
-        old = " (written by an older version, with pickle: not loaded)" if os.path.isfile(
-            os.path.join(folder, "buffer.pkl")) else ""
-        raise ConfigError(f"--resume: {folder} is not a checkpoint folder{old}")
+        inside = os.path.join(folder, "checkpoint")
+        hint = f" (its run's checkpoint is {inside})" if os.path.isfile(os.path.join(inside, "trainer.pt")) else ""
+        raise ConfigError(f"--resume: {folder} is not a checkpoint folder{hint}")
     if not os.path.isfile(buffer):
-        raise ConfigError(f"--resume: {folder} has no buffer.npz (written by an older version?)")
+        raise ConfigError(f"--resume: {folder} has no buffer.npz (an incomplete checkpoint?)")
     check_checkpoint_model(folder)
     try:
         state = torch.load(trainer, weights_only=True, map_location="cpu")  # tensors and plain data only
         with np.load(buffer, allow_pickle=False) as f:
-            state["buffer"] = ReplayBuffer.from_state(dict(f))
+            state["buffer"] = dict(f)
     except Exception as e:
         raise ConfigError(f"--resume: {folder} does not parse as a checkpoint ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
@@ -136,16 +132,15 @@ def check_resumed_flags(cfg, folder: str):
     try:
         with open(os.path.join(folder, "config.json")) as f:
             saved = json.load(f)
-    except (OSError, ValueError):
-        return  # older checkpoints wrote none
-    flags = [f.name for f in dataclasses.fields(cfg) if f.init and f.name not in ("resume", "out")]
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume: {folder}/config.json does not read ({type(e).__name__})") from None
+    flags = [f.name for f in dataclasses.fields(cfg) if not f.metadata.get("derived") and f.name not in ("resume", "out")]
     differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n)]
     show = lambda n: f"--{n.replace('_', '-')} {getattr(cfg, n)} (was {saved[n]})"
     fixed = [n for n in differ if n in FIXED_ON_RESUME]
     if fixed:
         raise ConfigError(f"--resume: {', '.join(map(show, fixed))} cannot change mid-run (the checkpoint's buffer "
                           f"was searched, scored and kept with the old value)")
-    saved.setdefault("lora_rank", 0)  # written before LoRA existed: all weights
     adapter = [n for n in ("lora_rank", "lora_alpha") if n in differ or (n == "lora_rank" and saved[n] != cfg.lora_rank)]
     if adapter and (cfg.lora_rank or saved["lora_rank"]):
         raise ConfigError(f"--resume: {', '.join(map(show, adapter))} cannot change mid-run (the checkpoint's weights "

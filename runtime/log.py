@@ -8,6 +8,7 @@ file, CI, nohup) it is one plain line every `--log-every` steps. Evaluations pri
 `check_out` refuses an --out that cannot take the run's files before the run starts.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,13 +21,12 @@ class Log:
     def __init__(self, cfg, rank: int, t0: float, step: int = 0, resumed: dict | None = None):
         self.cfg, self.rank, self.t0 = cfg, rank, t0
         self.overhead = 0.0   # s the trainer spent evaluating and checkpointing (not learning)
-        self.samples = 0      # trajectories received, over the whole run (carried by checkpoints)
         # s of vLLM generation in the rounds received, slept after it and charged in all by
         # --generation-slowdown (X x the generation's cost alone); since this process started
         self.generate = self.slept = self.charged = 0.0
         self.per_token = {}   # --generation-slowdown: each engine's calibration, s a generated token alone
-        self.rounds, self.victim, self.classifier = 0, 0.0, 0.0  # those rounds; redteam: s answering, scoring
-        self.evals, self.published = [], {}  # eval rows; weight version -> (time, overhead) when made
+        self.rounds, self.parts = 0, {}  # those rounds; s of each part of their rewards (a task's scorer says)
+        self.last_eval = None   # the latest eval row
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
         self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
         self.last_train, self.bar, self.wandb = None, None, None
@@ -46,7 +46,7 @@ class Log:
         if cfg.wandb:
             import wandb
             self.wandb = wandb.init(project=cfg.wandb, name=os.path.basename(os.path.abspath(cfg.out)),
-                                    dir=cfg.out, config=dict(vars(cfg)))
+                                    dir=cfg.out, config=dataclasses.asdict(cfg))
             for kind in ("train", "eval"):
                 self.wandb.define_metric(f"{kind}/*", step_metric=f"{kind}/step")
 
@@ -55,7 +55,8 @@ class Log:
         trainer's own round); the first calibration of each engine goes into config.json."""
         self.generate, self.slept, self.rounds = self.generate + made["generate"], self.slept + made["slept"], self.rounds + 1
         self.charged += made["charged"]
-        self.victim, self.classifier = self.victim + made.get("victim", 0.0), self.classifier + made.get("classifier", 0.0)
+        for part, seconds in made["parts"].items():
+            self.parts[part] = self.parts.get(part, 0.0) + seconds
         engine = str(made.get("searcher", "trainer"))
         if made["per_token"] and engine not in self.per_token and self.rank == 0:
             self.per_token[engine] = made["per_token"]
@@ -63,7 +64,7 @@ class Log:
 
     def write_config(self, **derived):
         with open(os.path.join(self.cfg.out, "config.json"), "w") as f:
-            json.dump(dict(vars(self.cfg), started=self.t0, **derived), f, indent=1)  # started: Unix time of t = 0
+            json.dump(dict(dataclasses.asdict(self.cfg), started=self.t0, **derived), f, indent=1)  # started: Unix time of t = 0
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -72,10 +73,9 @@ class Log:
         return self.now(), self.overhead
 
     def per_round(self) -> dict:
-        """redteam's train-row fields: the victim's and the classifier's mean seconds per round received so far."""
-        if not self.cfg.victim_path or not self.rounds:
-            return {}
-        return dict(victim=self.victim / self.rounds, classifier=self.classifier / self.rounds)
+        """The train row's fields of the rewards' parts (red-teaming: the victim, the classifier): the mean
+        seconds per round received so far."""
+        return {part: seconds / self.rounds for part, seconds in self.parts.items()} if self.rounds else {}
 
     def eval(self, version: int, scores: dict, example: dict, seconds: float, made: tuple[float, float]):
         """An evaluation of the weights of step `version`; time and overhead: when they were made."""
@@ -90,7 +90,7 @@ class Log:
         if self.wandb is not None:
             self.wandb.log({f"{row['kind']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))})
         if row["kind"] == "eval":
-            self.evals.append(row)
+            self.last_eval = row
             self.first_eval = self.first_eval or {"step": row["step"], "score": row[self.cfg.score]}
             if self.resumed is not None:
                 self.resumed.setdefault("score", row[self.cfg.score])
@@ -105,7 +105,7 @@ class Log:
         last = self.last_train
         if last is None:
             return
-        held_out = f" | held-out {self.evals[-1][self.cfg.score]:.3f}" if self.evals else ""
+        held_out = f" | held-out {self.last_eval[self.cfg.score]:.3f}" if self.last_eval else ""
         brief = (f"reward {last['reward']:.3f} | loss {last['loss']:.4g} | stale {last['staleness']:.1f}/"
                  f"{last['staleness_max']}{held_out}")
         if self.bar is not None:
@@ -125,7 +125,7 @@ class Log:
             print(line, file=file or sys.stdout, flush=True)
 
     def summary(self):
-        first, last, score = self.first_eval, self.evals[-1], self.cfg.score.replace("_", " ")
+        first, last, score = self.first_eval, self.last_eval, self.cfg.score.replace("_", " ")
         resumed = (f" | resumed at step {self.resumed['step']} ({self.resumed['score']:.3f})"
                    if self.resumed and "score" in self.resumed else "")
         slowdown = self.cfg.generation_slowdown  # tools/bench.py part 9's emulation: say so beside the figures

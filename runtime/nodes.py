@@ -3,7 +3,7 @@
     # on each of N nodes (node rank n), with the same flags everywhere:
     torchrun --nnodes N --node-rank n --nproc-per-node R --master-addr HOST0 --master-port 29500 tba.py ...
 
-On one node nothing here runs (tba.py's Trainer checks `multi`). On several:
+On one node nothing here runs (runtime/fleet.py's Fleet holds `nodes`: None on one node). On several:
 - Each node has a leader, its trainer process with LOCAL_RANK 0. It does for its node what rank 0
   does on one node: it makes the node's `SharedWeights`, spawns the node's `--searchers` searchers
   (on the GPUs its node's trainer ranks leave free; on a CPU machine its share of the cores) and
@@ -19,16 +19,16 @@ On one node nothing here runs (tba.py's Trainer checks `multi`). On several:
   every node's searchers are known to run) the leaders meet in `collect`: each takes what its node's searchers
   queued, without waiting for more, and a gather over a gloo group of the leaders brings it to rank
   0, which keeps the one replay buffer, samples and logs as on one node. Node 0's own messages go
-  through processes.drain() as on one node; evaluations are searcher 0's of node 0, so they never
+  through runtime.fleet.drain() as on one node; evaluations are searcher 0's of node 0, so they never
   cross nodes. Rank 0 decides in each meeting whether to wait on, and tells the others with the
   decision (a broadcast), so that every leader leaves the wait at the same meeting.
-- What crosses nodes is plain data: a uint8 tensor holding a length-prefixed JSON header (the
-  trajectories' numbers) and the response token ids as int32 (`encode`, `decode`). Nothing received
-  from another node is unpickled.
+- What crosses nodes is plain data: a uint8 tensor holding a length-prefixed JSON header (a report, and
+  the name, dtype and length of each array) and the arrays of the trajectories, by field, as the buffer
+  saves them (`buffer.to_arrays`; `encode`, `decode`). Nothing received from another node is unpickled.
 - Faults: a leader whose searcher died sends that line instead of data (one that died holding the
   weight lock too: the leader still joins the all-gathers it owes); rank 0 stops the run with it,
   naming the node, and the others stop at the decision. Every leader watches its own searchers
-  (processes.Watch): its warnings reach rank 0's console at the next meeting, and a searcher silent
+  (runtime.fleet.Watch): its warnings reach rank 0's console at the next meeting, and a searcher silent
   for --timeout, or a weight lock a stopped searcher never freed (the leader still joins the
   all-gathers it owes), is sent as the node's silent line: rank 0 ends the wait with it, and the run
   stops after a checkpoint with one line naming the node and the searcher, as on one node. A node
@@ -44,20 +44,15 @@ whose searchers read rank 0's own copy; null for node 0).
 import datetime
 import json
 import os
-import sys
-import time
-from queue import Empty
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from buffer import Trajectory
-from runtime.errors import ConfigError, Dead
+from buffer import Trajectory, from_arrays, to_arrays
+from runtime.errors import ConfigError
 
 POLL = 0.25  # s between two meetings of the leaders while rank 0 waits for data
-FIELDS = ("prompt_id", "reward", "logp_ref", "logp_behaviour", "version", "ref_version")  # with the length
-KINDS = (int, float, float, float, int, int)  # JSON takes Python's numbers, not NumPy's
 CONTINUE, DONE, FAILED = 0, 1, 2  # rank 0's decision after a meeting
 
 
@@ -123,8 +118,8 @@ def unreachable(environ) -> str | None:
 
 
 class Nodes:
-    """The leaders' meetings of a run over several nodes (every trainer rank makes one; `collect` and
-    the counters are the leaders')."""
+    """The leaders' meetings of a run over several nodes (every trainer rank makes one; the meetings and
+    the counts are the leaders'; runtime.fleet.Fleet.collect holds them)."""
 
     def __init__(self, world: int, local: int, timeout: float):
         self.count, self.rank = world // local, dist.get_rank()
@@ -133,80 +128,6 @@ class Nodes:
         self.samples = [0] * self.count      # rank 0: trajectories received from each node other than 0
         self.versions = [None] * self.count  # rank 0: newest weight version among them
         self.heard = [False] * self.count    # rank 0: a node's searchers have sent trajectories
-
-    def collect(self, drain_now, take_now, alive, silent: list, said: list, until, buffer, log,
-                timeout: float) -> float:
-        """Every leader, at the collect step: meet, forward, and repeat every POLL seconds until rank 0
-        says that `until()` holds, or that a node's searcher went silent. Rank 0: `drain_now()` moves
-        node 0's messages into `buffer` and `log`; each other leader sends what `take_now()` returns (its
-        searchers' trajectories), with its `said` lines (its watch's warnings, printed by rank 0) and its
-        `silent` line (Trainer.silent: its watch's, or its weight lock's). Rank 0 takes the first silent
-        line of any node, naming the node, into its own `silent`, and ends the wait: the loop then stops
-        after a checkpoint, as on one node. Returns seconds waited."""
-        waited, deadline = 0.0, time.time() + timeout
-        while True:
-            error, got = None, False
-            try:
-                if self.rank == 0:
-                    before = (log.samples, len(log.evals))
-                    drain_now()  # node 0: whatever its searchers queued, without waiting
-                    got = (log.samples, len(log.evals)) != before
-                    self.heard[0] = self.heard[0] or log.samples > before[0]
-                    payload = encode([])
-                else:
-                    alive()
-                    trajectories = take_now()
-                    payload = encode(trajectories, silent=silent[0] if silent else None, said=said)
-                    said.clear()
-            except BaseException as e:  # a searcher of this node died, a signal...: the run stops, with this
-                error = e               # line from rank 0, after this meeting
-                payload = encode([], error=str(e) if isinstance(e, Dead) else f"stopped by {type(e).__name__}")
-            parts = self.gather(payload)
-            decision = torch.tensor([CONTINUE])
-            try:
-                if self.rank == 0:
-                    if error:
-                        raise error
-                    for node, part in enumerate(parts[1:], start=1):
-                        try:
-                            trajectories, report = decode(part)
-                        except ValueError as e:
-                            raise Dead(f"node {node}: {e}") from None
-                        if report["error"] is not None:
-                            raise Dead(f"node {node}: {report['error']}")
-                        for line in report["said"]:
-                            log.print(line, file=sys.stderr)
-                        if report["silent"] is not None and not silent:
-                            silent.append(report["silent"])  # it names its node (Trainer.where)
-                        buffer.add(trajectories)
-                        log.samples += len(trajectories)
-                        self.samples[node] += len(trajectories)
-                        versions = [t.version for t in trajectories] + [self.versions[node] or 0]
-                        self.versions[node] = max(versions)
-                        got = got or bool(trajectories)
-                        self.heard[node] = self.heard[node] or bool(trajectories)
-                    deadline = time.time() + timeout if got else deadline
-                    if silent or until() and all(self.heard):  # the first step waits for every node's searchers
-                        decision[0] = DONE
-                    elif time.time() > deadline:
-                        raise TimeoutError(f"no message from the searchers of any node in {timeout:.0f} s "
-                                           f"(see --timeout)")
-            except BaseException:
-                decision[0] = FAILED
-                raise
-            finally:
-                if self.rank == 0:
-                    dist.broadcast(decision, src=0, group=self.group)
-            if self.rank != 0:
-                dist.broadcast(decision, src=0, group=self.group)
-                if error:
-                    raise error
-                if decision[0] == FAILED:
-                    raise Dead("trainer rank 0 stopped the run (its node's output says why)")
-            if decision[0] == DONE:
-                return waited
-            time.sleep(POLL)
-            waited += POLL
 
     def gather(self, payload: torch.Tensor) -> list[torch.Tensor] | None:
         """Rank 0: each leader's payload (uint8 tensors of any length); the others: None."""
@@ -222,6 +143,18 @@ class Nodes:
         dist.gather(padded, parts, dst=0, group=self.group)
         return [p[:int(s)] for p, s in zip(parts, sizes)] if self.rank == 0 else None
 
+    def decide(self, decision: int) -> int:
+        """Rank 0's decision after a meeting (CONTINUE, DONE, FAILED), on every leader."""
+        box = torch.tensor([decision])
+        dist.broadcast(box, src=0, group=self.group)
+        return int(box)
+
+    def received(self, node: int, trajectories: list[Trajectory]):
+        """Rank 0: count what came from `node` (for the rows and the first step's wait for every node)."""
+        self.samples[node] += len(trajectories)
+        self.versions[node] = max([t.version for t in trajectories] + [self.versions[node] or 0])
+        self.heard[node] = self.heard[node] or bool(trajectories)
+
     def row(self, samples: int) -> dict:
         """The train row's fields: trajectories from each node so far (node 0: the rest of `samples`)
         and the newest weight version received from each other node."""
@@ -229,34 +162,15 @@ class Nodes:
                     version_per_node=[None] + self.versions[1:])
 
 
-def take(queue, heard) -> list:
-    """Every trajectory waiting on a node's queue, without waiting for more; `heard(message)` for each
-    (the node's watch)."""
-    trajectories = []
-    while True:
-        try:
-            msg = queue.get_nowait()
-        except Empty:
-            return trajectories
-        heard(msg)
-        if msg["kind"] == "search":  # evaluations come from node 0's searcher 0 only
-            trajectories += msg["trajectories"]
-
-
-# --- the wire format: plain numbers and token ids, never pickle ---------------------------------
+# --- the wire format: plain numbers and arrays, never pickle ------------------------------------
 def encode(trajectories: list[Trajectory], error: str | None = None, silent: str | None = None,
            said=()) -> torch.Tensor:
-    """uint8: 8-byte little-endian header length, the JSON header (each trajectory's FIELDS and
-    response length, the embeddings' width; an error line, a silent line, lines to print), then every
-    response's token ids as little-endian int32, then the embeddings (--dedup-similarity) as little-endian
-    float32."""
-    dim = len(trajectories[0].embedding) if trajectories and all(t.embedding is not None for t in trajectories) else 0
-    head = json.dumps({"error": error, "silent": silent, "said": list(said), "dim": dim,
-                       "rows": [[*(k(getattr(t, f)) for f, k in zip(FIELDS, KINDS)), len(t.response)]
-                                for t in trajectories]}).encode()
-    tokens = np.concatenate([t.response for t in trajectories]).astype("<i4") if trajectories else np.zeros(0, "<i4")
-    embeddings = np.stack([t.embedding for t in trajectories]).astype("<f4") if dim else np.zeros(0, "<f4")
-    data = len(head).to_bytes(8, "little") + head + tokens.tobytes() + embeddings.tobytes()
+    """uint8: 8-byte little-endian header length, the JSON header (an error line, a silent line, lines to
+    print, and each array's name, dtype and length), then the arrays of `buffer.to_arrays` (little-endian)."""
+    arrays = {k: v.astype(v.dtype.newbyteorder("<")) for k, v in to_arrays(trajectories).items()}
+    head = json.dumps({"error": error, "silent": silent, "said": list(said),
+                       "arrays": [[k, v.dtype.str, list(v.shape)] for k, v in arrays.items()]}).encode()
+    data = len(head).to_bytes(8, "little") + head + b"".join(v.tobytes() for v in arrays.values())
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
@@ -267,25 +181,26 @@ def decode(payload: torch.Tensor) -> tuple[list[Trajectory], dict]:
     n = int.from_bytes(data[:8], "little")
     try:
         head = json.loads(data[8:8 + n])
-        rows, dim = head["rows"], int(head.get("dim", 0))
         report = {k: head[k] for k in ("error", "silent", "said")}
         if not (all(report[k] is None or isinstance(report[k], str) for k in ("error", "silent"))
                 and isinstance(report["said"], list) and all(isinstance(x, str) for x in report["said"])):
             raise ValueError("a report that is not lines of text")
-        lengths = [int(r[-1]) for r in rows]
-        split = 8 + n + 4 * sum(lengths)
-        tokens = np.frombuffer(data[8 + n:split], dtype="<i4").astype(np.int32)
-        embeddings = np.frombuffer(data[split:], dtype="<f4").astype(np.float32)
-        if (len(data) < 8 + n or sum(lengths) != len(tokens) or any(len(r) != len(FIELDS) + 1 for r in rows)
-                or dim < 0 or len(embeddings) != dim * len(rows)):
+        arrays, at = {}, 8 + n
+        for name, dtype, shape in head["arrays"]:
+            dtype = np.dtype(dtype)
+            if dtype.kind not in "iuf" or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"array {name!r} is not numbers")
+            size = int(np.prod(shape)) * dtype.itemsize
+            if at + size > len(data):
+                raise ValueError("lengths do not add up")
+            arrays[name] = np.frombuffer(data[at:at + size], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+            at += size
+        if at != len(data):
             raise ValueError("lengths do not add up")
+        trajectories = from_arrays(arrays)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"a message from another node does not parse ({e})") from None
-    ends = np.cumsum(lengths)
-    embeddings = embeddings.reshape(len(rows), dim) if dim else [None] * len(rows)
-    return [Trajectory(**{f: k(v) for f, k, v in zip(FIELDS, KINDS, r)}, response=tokens[end - length:end].copy(),
-                       embedding=e if e is None else e.copy())
-            for r, length, end, e in zip(rows, lengths, ends, embeddings)], report
+    return trajectories, report
 
 
 def lost(e: BaseException) -> str | None:

@@ -9,7 +9,7 @@ decides how much RL gains in 200 steps, and a coarse rule stops at different poi
 CPUs: a fixed number of steps does not do (accuracy climbs from 25% to 70% within 30 steps, and
 float rounding moves that climb by several steps between CPUs).
 
-    python tiny.py OUT_DIR    # build it into OUT_DIR instead of the cache
+    python -m runtime.tiny OUT_DIR    # build it into OUT_DIR instead of the cache
 
 Tests make untrained models of other architectures (Pythia, Qwen2, GPT-2) in tests/models.py.
 """
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from tasks import arith_splits
+from tasks.arith import splits as arith_splits
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # printable ASCII and newline: enough for GSM8K too

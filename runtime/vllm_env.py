@@ -1,17 +1,34 @@
-"""vLLM's environment, set explicitly before torch and vLLM are imported (they read it at import):
-tba.py, searcher.py and the tools call `set_up()` at their top, ahead of those imports; `check()`
-refuses (config.check) what the user set that would break the weight path.
+"""vLLM's environment and the workarounds its engines need here, in one place.
+
+- `set_up()`: vLLM's and torch's environment variables, set before either is imported (they read them at
+  import): tba.py, searcher.py and the tools call it at their top, ahead of those imports. This module
+  imports neither at its own top.
+- `check()`: refuses (runtime.checks) what the user set that would break the weight path.
+- `llm_options(...)`: the options a vLLM engine of this project starts with, each for a reason given there.
+- `eager_transformers(llm)`: builds transformers models beside a vLLM engine as plain eager models.
+- `quiet_loading()`: no loading bars from transformers (they would break the trainer's progress bar).
+- The CPU's fork server (runtime.fleet.fork_server) imports this module first, with FORK_SERVER set.
 """
 
+import contextlib
 import os
+import signal
 import warnings
 
 from runtime.errors import ConfigError
 
+# torchrun stops a rank with SIGTERM to its whole process group, the fork server included, which ignores only
+# SIGINT (Python 3.11, multiprocessing/forkserver.py:196): dead, it reports every searcher as exit code 255
+# (multiprocessing/popen_forkserver.py:69-72). So the server ignores SIGTERM as the searchers do, and ends
+# with the trainer.
+FORK_SERVER = "TBA_FORK_SERVER"  # set while runtime.fleet.fork_server starts the server
+if os.environ.pop(FORK_SERVER, None):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
 
 def set_up():
     """Set vLLM's and torch's environment for this process (setdefault: the caller's own values win)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process (tba.py refuses 1)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process (check refuses 1)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # On CUDA vLLM 0.32 defaults to its V2 model runner where Triton works (vllm/config/vllm.py:703-739);
@@ -30,3 +47,74 @@ def check():
         # received, and where locked() no longer covers the copies
         raise ConfigError(f"VLLM_ENABLE_V1_MULTIPROCESSING={value}: tba.py keeps vLLM's engine core in the searcher "
                           f"process (the shared weights and their lock are there); unset it or set it to 0")
+
+
+def llm_options(cfg, path: str, device, memory: float | None, max_model_len: int) -> dict:
+    """vllm.LLM's arguments for an engine of the model at `path` on `device`, kept in this process beside any
+    others (vLLM 0.32 lets one process hold several: the later ones reuse its one-rank torch.distributed group
+    and model-parallel groups, vllm/distributed/parallel_state.py:1905, 1988, 2366-2404,
+    vllm/v1/worker/gpu_worker.py:1664-1678). `memory`: its fraction of the GPU (gpu_memory_utilization); on the
+    CPU its KV cache is sized to this run."""
+    import torch
+    options = dict(model=path, dtype=cfg.dtype, seed=cfg.seed, max_model_len=max_model_len,
+                   enforce_eager=device.type == "cpu", enable_prefix_caching=True,
+                   use_tqdm_on_load=False)  # its loading bar would break the trainer's
+    if device.type == "cuda":  # pick this GPU without hiding the others (CUDA IPC needs them)
+        options.update(device_ids=[device.index], gpu_memory_utilization=memory)
+        # vLLM caches its compiled graphs under VLLM_CACHE_ROOT by rank
+        # (vllm/compilation/decorators.py:565-584, vllm/compilation/backends.py:1074-1084), and every
+        # engine here is rank 0 of its own, while Inductor's code hard-codes the device index: engines
+        # on other GPUs would load each other's artifacts. A cache per device index; read when the
+        # engine starts (vllm/envs.py).
+        import vllm.envs
+        root, own = vllm.envs.VLLM_CACHE_ROOT, f"tba-cuda{device.index}"
+        os.environ["VLLM_CACHE_ROOT"] = root if os.path.basename(root) == own else os.path.join(root, own)
+    else:  # vLLM's sampler torch.compiles its log-prob gather on first use: 3-4 s of C++ build
+        # per process on the CPU, for no speed-up there (this process only; GPUs keep compiling)
+        torch._dynamo.config.disable = True
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the user's GiB, else what this run needs
+            options.update(kv_cache_memory_bytes=cpu_kv_cache_bytes(path, cfg.dtype, max_model_len))
+        # A seeded request whose prefill is split over two engine steps crashes the CPU engine: the runner
+        # rewinds its generator (vllm/v1/worker/gpu_model_runner.py:3498-3502), which a CPU generator
+        # cannot ("CPU Generator does not use offset"). Whole prefills only, as vLLM's own CPU platform
+        # does for MLA (vllm/platforms/cpu.py:516-530). It happens once a round's prompts pass the
+        # 4,096-token step budget (red-teaming: 32 x 8 requests of a 223-token prompt).
+        options.update(enable_chunked_prefill=False)
+    return options
+
+
+def cpu_kv_cache_bytes(path: str, dtype: str, max_model_len: int) -> int:
+    """KV cache for vLLM's CPU engine: room for its 256 concurrent sequences (vLLM's CPU default,
+    engine/arg_utils.py) of the engine's longest length, between 32 MiB and 1 GiB. The CPU engine
+    allocates and zeroes all of it at start: the tiny model needs a few MiB, not the GiBs a default
+    would give (0.35 s less start-up per engine, 1 GiB less memory per searcher)."""
+    from runtime.gpu import kv_bytes_per_token
+    tokens = 256 * -(-max_model_len // 256) * 256  # sequences x length in whole blocks
+    return int(min(2**30, max(2**25, kv_bytes_per_token(path, dtype) * tokens)))
+
+
+@contextlib.contextmanager
+def eager_transformers(llm):
+    """Build transformers models in a process that runs vLLM (pi_ref, reward models, the synchronous
+    trainer's policy) inside this. vLLM serves architectures it has no native code for (GPT-NeoX, i.e.
+    Pythia, in 0.32: vllm/model_executor/models/registry.py:709-716) through its Transformers backend, which
+    rewrites the transformers decoder class in place (vllm/compilation/decorators.py:359, 434, 756, via
+    vllm/model_executor/models/transformers/base.py:172): its __init__ then needs a current vLLM config, and
+    its __call__ runs vLLM's torch.compile wrapper unless that config's compilation is off. A copy of the
+    engine's config with compilation off gives plain eager models, with log-probs and gradients equal to a
+    process without vLLM; for natively served models it changes nothing."""
+    import copy
+    from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
+    config = copy.copy(llm.llm_engine.vllm_config)
+    config.compilation_config = CompilationConfig(mode=CompilationMode.NONE)
+    with set_current_vllm_config(config):
+        yield
+
+
+def quiet_loading():
+    """No loading and saving bars from transformers in this process (they would break the trainer's
+    progress bar and fill logs); the hub's download bars stay."""
+    import huggingface_hub.utils
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.enable_progress_bars()

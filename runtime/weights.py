@@ -9,13 +9,13 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    (`gather`: FSDP2's all-gather, so memory holds one full parameter at a time); rank 0, holding
    the lock, copies it into its shared tensor, waits for the copies to finish, then moves `version`.
    The other ranks call `publish` too, with no shared copy: they only take part in the all-gathers
-   (`take_part`). Over several nodes each node's first trainer process does what rank 0 does here
+   (`join_gathers`). Over several nodes each node's first trainer process does what rank 0 does here
    (nodes.py).
 3. Reading (`locked`, searcher): when `version` has moved, the searcher takes the lock, loads the
    shared tensors into its engine, and waits for its devices to finish those copies before it
    lets the lock go, so that a publish can never overwrite weights still being read.
-TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `ref`, with
-its own `ref_version`: pi_ref after the latest reset, published the same way.
+TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `pi_ref`, with
+its own `pi_ref_version`: pi_ref after the latest reset, published the same way.
 """
 
 import contextlib
@@ -33,11 +33,11 @@ WAIT = 1.0  # s: every blocking wait polls at this period and checks that the ot
 @dataclass
 class SharedWeights:
     tensors: dict | None  # Hugging Face parameter name -> shared tensor (tied names share one tensor)
-    ref: dict | None      # the same for pi_ref after the latest reset (TBA′ only; else None)
+    pi_ref: dict | None   # the same for pi_ref after the latest reset (TBA′ only; else None)
     version: object       # mp.Value("q"): trainer step of the weights in `tensors` (0 = initial model)
-    ref_version: object   # mp.Value("q"): trainer step whose weights `ref` holds (0 = initial model)
+    pi_ref_version: object  # mp.Value("q"): trainer step whose weights `pi_ref` holds (0 = initial model)
     lock: object          # mp.Lock: held while the tensors are written or read
-    handoff: object       # mp.Queue: (tensors, ref), once per searcher, for searchers started before them
+    handoff: object       # mp.Queue: (tensors, pi_ref), once per searcher, for searchers started before them
 
 
 def create(ctx) -> SharedWeights:
@@ -51,7 +51,7 @@ def gather(model, dtype=None):
     dict, one at a time: every trainer rank must iterate it to the end (each `full_tensor` of an
     FSDP2 DTensor is an all-gather). A tied name (LM head = embeddings) is not repeated: see `aliases`.
     `dtype`: floating-point shards are cast to it before the all-gather (bf16: half the bytes; the
-    same values as casting after it, rounding being per element). With LoRA (lora.py): the merged
+    same values as casting after it, rounding being per element). With LoRA (runtime/lora.py): the merged
     weights, under the plain model's names."""
     if lora.active(model):
         yield from lora.merged_names(model, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t, dtype)
@@ -86,7 +86,7 @@ def every_name(model, dtype=None) -> list:
     return [*named.items(), *((name, named[first]) for name, first in aliases(model).items())]
 
 
-def take_part(named):
+def join_gathers(named):
     """What a trainer rank that holds no shared copy (not its node's leader) does with `gather(model)`:
     join each of its all-gathers, and drop the result. `allocate`, `publish` and `cpu_copy` do this
     when they are given no shared copy, so every rank calls them alike."""
@@ -94,22 +94,22 @@ def take_part(named):
         pass
 
 
-def allocate(weights: SharedWeights | None, named, tied: dict, device, dtype, with_ref: bool = False):
+def allocate(weights: SharedWeights | None, named, tied: dict, device, dtype, with_pi_ref: bool = False):
     """Allocate the shared copies (each node's leader, once), filled from `named` (name, tensor) pairs;
     `tied` names ({name: name in `named`}) share their tensor. Every trainer rank calls it with
     `gather(model)`; `weights` is None on the ranks that only take part in the all-gathers."""
     if weights is None:
-        return take_part(named)
+        return join_gathers(named)
     with allocator_for_sharing(device):
         tensors = {name: share(torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                            device=device).copy_(t)) for name, t in named}
-        ref = {name: share(t.clone()) for name, t in tensors.items()} if with_ref else None
+        pi_ref = {name: share(t.clone()) for name, t in tensors.items()} if with_pi_ref else None
     for name, first in tied.items():
         tensors[name] = tensors[first]
-        if ref is not None:
-            ref[name] = ref[first]
+        if pi_ref is not None:
+            pi_ref[name] = pi_ref[first]
     synchronize(tensors.values())
-    weights.tensors, weights.ref = tensors, ref
+    weights.tensors, weights.pi_ref = tensors, pi_ref
 
 
 def share(t):
@@ -141,12 +141,12 @@ def allocator_for_sharing(device):
 
 
 def publish(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",)):
-    """Copy (name, tensor) pairs into the shared tensors of `to` ("policy", "ref" or both), then move
+    """Copy (name, tensor) pairs into the shared tensors of `to` ("policy", "pi_ref" or both), then move
     their version(s). `named` may be `gather(model)`: it is consumed under the lock. Every trainer
     rank calls it; `weights` is None on the ranks that only take part in the all-gathers."""
     if weights is None:
-        return take_part(named)
-    targets = [t for key, t in (("policy", weights.tensors), ("ref", weights.ref)) if key in to]
+        return join_gathers(named)
+    targets = [t for key, t in (("policy", weights.tensors), ("pi_ref", weights.pi_ref)) if key in to]
     with locked(weights, alive, timeout):
         for name, t in named:  # tied names share a tensor: `named` gives it once
             for target in targets:
@@ -154,15 +154,15 @@ def publish(weights: SharedWeights | None, named, version: int, alive, timeout: 
         synchronize([t for target in targets for t in target.values()])  # done before the version moves
         if "policy" in to:
             weights.version.value = version
-        if "ref" in to:
-            weights.ref_version.value = version
+        if "pi_ref" in to:
+            weights.pi_ref_version.value = version
 
 
 def cpu_copy(weights: SharedWeights | None, named) -> dict | None:
     """The weights of `gather(model)` copied to the CPU (the staleness study, --lag, keeps each step's
     until it is published), on the ranks that hold a shared copy; the others only take part."""
     if weights is None:
-        return take_part(named)
+        return join_gathers(named)
     return {n: t.detach().to("cpu", copy=True) for n, t in named}
 
 
@@ -172,7 +172,7 @@ def receive(weights: SharedWeights, stop, parent_alive):
     or dead trainer."""
     while weights.tensors is None and not stop.is_set():
         try:
-            weights.tensors, weights.ref = weights.handoff.get(timeout=WAIT)
+            weights.tensors, weights.pi_ref = weights.handoff.get(timeout=WAIT)
         except Empty:
             parent_alive()
 
@@ -197,7 +197,7 @@ def locked(weights: SharedWeights, alive, timeout: float, *devices):
     acquire(weights.lock, alive, timeout)
     try:
         yield
-        synchronize([*(weights.tensors or {}).values(), *(weights.ref or {}).values()], *devices)
+        synchronize([*(weights.tensors or {}).values(), *(weights.pi_ref or {}).values()], *devices)
     finally:
         weights.lock.release()
 

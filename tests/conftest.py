@@ -129,7 +129,7 @@ def gpt_neox_classes_kept():
 def classes_kept(module):
     """Every class of `module` as it was, afterwards. vLLM's Transformers backend rewrites the decoder class
     of an architecture it serves that way (GPT-NeoX) in place: its bases, __init__ and __call__
-    (vllm/compilation/decorators.py:352-359, 434, 756; searcher.Engine.transformers_models), so an engine
+    (vllm/compilation/decorators.py:352-359, 434, 756; searcher.Engine.beside), so an engine
     started in the pytest process would leave the later test files' GPT-NeoX models needing a vLLM config."""
     saved = {c: (c.__bases__, dict(vars(c))) for c in vars(module).values()
              if isinstance(c, type) and c.__module__ == module.__name__}

@@ -11,13 +11,13 @@ import os
 import torch
 
 from runtime import tiny
-from tasks import arith_splits
+from tasks.arith import splits as arith_splits
 
 
 def bpe_texts() -> list[str]:
     """Text to train the BPE tokenizer on: every arith problem with its answer, and the GSM8K
     problems of the test slice (tests/data/gsm8k) in the task's prompt, with their solutions."""
-    from tasks import GSM8K_PROMPT
+    from tasks.gsm8k import PROMPT as GSM8K_PROMPT
 
     texts = [p.prompt + p.answer for split in arith_splits() for p in split]
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gsm8k", "train.jsonl")

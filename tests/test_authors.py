@@ -6,7 +6,9 @@ evaluation."""
 import pytest
 import torch
 
-from runtime import config
+import tba
+from runtime.config import Config
+
 
 from conftest import metrics, run_tba
 from test_run_scripts import dry_run
@@ -21,33 +23,33 @@ def authors_beta(u: int, start: float, final: float, stop: int, target: int) -> 
 
 @pytest.mark.parametrize("setting,stop,target,steps", [("table3", 32, 128, 256), ("table1", 78, 312, 625)])
 def test_tldr_beta_is_the_authors_at_every_update(setting, stop, target, steps):
-    _, cfg = dry_run(script="run_tldr.sh", SETTING=setting)
+    _, cfg = dry_run(script="scripts/run_tldr.sh", SETTING=setting)
     assert cfg.steps == steps
     for u in range(1, steps + 1):  # tba.py takes update u at step index u - 1 (the row's "step" is u)
-        assert config.beta_at(cfg, u - 1) == pytest.approx(authors_beta(u, 1.0, 0.05, stop, target), rel=1e-12), u
-    assert config.beta_at(cfg, stop - 2) > 0.5 and config.beta_at(cfg, stop - 1) == 0.05  # the jump, at update `stop`
+        assert tba.beta_at(cfg, u - 1) == pytest.approx(authors_beta(u, 1.0, 0.05, stop, target), rel=1e-12), u
+    assert tba.beta_at(cfg, stop - 2) > 0.5 and tba.beta_at(cfg, stop - 1) == 0.05  # the jump, at update `stop`
 
 
 def test_gsm8k_beta_is_the_authors_at_every_update():
     _, cfg = dry_run()
     for u in range(1, cfg.steps + 1):  # kl_coef_decay_stop_iter = kl_coef_decay_target_iter = 500
-        assert config.beta_at(cfg, u - 1) == pytest.approx(authors_beta(u, 0.014, 0.004, 500, 500), rel=1e-12), u
+        assert tba.beta_at(cfg, u - 1) == pytest.approx(authors_beta(u, 0.014, 0.004, 500, 500), rel=1e-12), u
 
 
 def test_tldr_linear_learning_rate_at_every_update():
     """transformers' get_linear_schedule_with_warmup, no warmup: lr (N - s) / N after s scheduler steps;
     tba.py's update u is taken after u - 1 of them (the authors' loop steps the scheduler once more,
     first: their update u gets lr (N - u) / N, our update u + 1; run_tldr.sh says so)."""
-    _, cfg = dry_run(script="run_tldr.sh")
+    _, cfg = dry_run(script="scripts/run_tldr.sh")
     N = 256
     for u in range(1, N + 1):
         expected = 3e-6 * max(0.0, (N - (u - 1)) / N)
-        assert config.lr_at(cfg, u - 1) == pytest.approx(expected, rel=1e-12, abs=1e-24), u
-    assert config.lr_at(cfg, 0) == 3e-6 and config.lr_at(cfg, N - 1) == pytest.approx(3e-6 / N)
+        assert tba.lr_at(cfg, u - 1) == pytest.approx(expected, rel=1e-12, abs=1e-24), u
+    assert tba.lr_at(cfg, 0) == 3e-6 and tba.lr_at(cfg, N - 1) == pytest.approx(3e-6 / N)
 
 
 def test_linear_decay_after_warmup_and_stable_phases():
-    cfg = config.Config(steps=40, lr=2e-4, warmup_steps=5, stable_steps=10, decay_steps=20, lr_decay="linear")
+    cfg = Config(steps=40, lr=2e-4, warmup_steps=5, stable_steps=10, decay_steps=20, lr_decay="linear")
     for s in range(60):
         if s < 5:
             expected = 2e-4 * (s + 1) / 5
@@ -55,7 +57,7 @@ def test_linear_decay_after_warmup_and_stable_phases():
             expected = 2e-4
         else:
             expected = 2e-4 * max(0.0, 1 - (s - 15) / 20)
-        assert config.lr_at(cfg, s) == pytest.approx(expected, rel=1e-12, abs=1e-24), s
+        assert tba.lr_at(cfg, s) == pytest.approx(expected, rel=1e-12, abs=1e-24), s
 
 
 @pytest.mark.parametrize("args,match", [
@@ -74,7 +76,7 @@ SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-toke
 
 def test_bf16_trainer_checkpoint_and_exact_resume(tiny_model, tmp_path):
     """--trainer-dtype bfloat16 (synchronous, fixed seed): the weights are bf16 in the checkpoint and AdamW's
-    moments float32 (tba.AdamW), and 4 steps straight equal 2 steps, a checkpoint, then a resume to 4 (the same
+    moments float32 (policy.AdamW), and 4 steps straight equal 2 steps, a checkpoint, then a resume to 4 (the same
     bf16 weights, bit for bit: the resumed moments are the saved float32 ones, not torch's bf16 cast of them). The resumed run
     evaluates at its start, loading the weights into its engine directly (weights.every_name, tied names
     included); at seed 1 a stale tied LM head there samples other responses at step 3 and the losses part."""
@@ -128,7 +130,7 @@ def direct_kl_nll(policy, ref, prompt, response):
 def test_full_vocabulary_kl_and_nll(arch, device, request):
     """searcher.response_kl_nll, batched with padding and chunked, against one sequence at a time; on a GPU too
     (tests/gpu_check.sh), in float32 (the GPU's kernels: a looser bound)."""
-    from searcher import response_kl_nll
+    from tasks.tldr import response_kl_nll
     from test_weight_sync import perturbed
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = request.getfixturevalue("tiny_neox" if arch == "gpt_neox" else "tiny_model")
@@ -194,9 +196,8 @@ def evaluation_rows_checks(tiny_neox, tiny_rm):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
     from vllm import SamplingParams
     tok = AutoTokenizer.from_pretrained(tiny_neox)
-    cfg = config(tiny_neox, task="tldr", eval_temperature=0.01, seed=7)
-    cfg.max_new_tokens = 10
-    cfg.score, cfg.reward_model_path, cfg.eval_reward_model_path = "win_rate", tiny_rm, tiny_rm
+    cfg = config(tiny_neox, task="tldr", eval_temperature=0.01, seed=7, max_new_tokens=10, score="win_rate",
+                 reward_model_path=tiny_rm, eval_reward_model_path=tiny_rm)
     texts = ["POST: my boss wants weekends\n\nTL;DR:", "POST: the cat ate my homework again\n\nTL;DR:",
              "POST: 12+34 is what\n\nTL;DR:", "POST: moving to a new city soon\n\nTL;DR:"]
     prompts = [tok(t).input_ids for t in texts]
@@ -205,14 +206,14 @@ def evaluation_rows_checks(tiny_neox, tiny_rm):
     try:
         scores, _ = engine.evaluate(prompts, answers)
         assert scores["kl_ref_theta_per_token"] == pytest.approx(0.0, abs=1e-6)  # the policy is pi_ref
-        with engine.transformers_models():
+        with engine.beside():
             policy = perturbed(tiny_neox, 1).eval()
         engine.load(list(weights.gather(policy)), 2)
         scores, _ = engine.evaluate(prompts, answers)
         params = SamplingParams(temperature=0.01, max_tokens=10, seed=7)
         outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         responses = [list(o.outputs[0].token_ids) for o in outputs]
-        with engine.transformers_models():  # GPT-NeoX beside vLLM's Transformers backend: see searcher.py
+        with engine.beside():  # GPT-NeoX beside vLLM's Transformers backend: see searcher.py
             ref = AutoModelForCausalLM.from_pretrained(tiny_neox, dtype=torch.float32).eval()
             judge = AutoModelForSequenceClassification.from_pretrained(tiny_rm, dtype=torch.float32).eval()
     finally:

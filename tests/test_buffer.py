@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from buffer import ReplayBuffer, ReuseCap, Trajectory
+from tasks.redteam import BestBuffer
 
 
 def traj(prompt, tokens, reward=0.0, version=0):
@@ -202,7 +203,7 @@ def best_set(buf, prompt=0):
 
 def test_best_keeps_the_highest_log_r():
     """log R = logp_ref + reward / beta ranks (not the reward alone); the newest groups are untouched."""
-    buf = ReplayBuffer(capacity=3, recency=0.0, reward_inv_temp=0.0, keep="best", beta=0.5)
+    buf = BestBuffer(capacity=3, recency=0.0, reward_inv_temp=0.0, beta=0.5)
     rows = [([1], -1.0, 0.0), ([2], -0.2, -5.0), ([3], -0.5, 0.0), ([4], -3.0, 0.0), ([5], 0.0, -0.1)]
     buf.add([scored(0, tokens, r, ref) for tokens, r, ref in rows])
     # log R: [1] -2, [2] -5.4, [3] -1, [4] -6, [5] -0.1
@@ -217,7 +218,7 @@ def test_best_keeps_the_highest_log_r():
 def test_near_duplicates_keep_the_better_one():
     """Edit distance below `edit` x the two lengths, or embedding cosine above `similarity`: the nearest held
     one is replaced by a better newcomer, in its place, and a worse newcomer is dropped."""
-    buf = ReplayBuffer(capacity=10, recency=0.0, reward_inv_temp=0.0, keep="best", beta=1.0, edit=0.25)
+    buf = BestBuffer(capacity=10, recency=0.0, reward_inv_temp=0.0, beta=1.0, edit=0.25)
     buf.add([scored(0, [1, 2, 3, 4], -2.0), scored(0, [7, 8, 9, 10], -2.0)])
     buf.add([scored(0, [1, 2, 3, 5], -3.0)])   # distance 1 < 0.25 x 8, worse: dropped
     assert best_set(buf) == [[1, 2, 3, 4], [7, 8, 9, 10]]
@@ -225,12 +226,12 @@ def test_near_duplicates_keep_the_better_one():
     assert best_set(buf) == [[1, 2, 3, 5], [7, 8, 9, 10]]
     buf.add([scored(0, [1, 2, 6, 6], -0.5)])   # distance 2 from [1, 2, 3, 5]: not below 2, so it joins
     assert best_set(buf) == [[1, 2, 3, 5], [1, 2, 6, 6], [7, 8, 9, 10]] and len(buf) == 3
-    cos = ReplayBuffer(capacity=10, recency=0.0, reward_inv_temp=0.0, keep="best", beta=1.0, similarity=0.8)
+    cos = BestBuffer(capacity=10, recency=0.0, reward_inv_temp=0.0, beta=1.0, similarity=0.8)
     cos.add([scored(0, [1], -2.0, embedding=[1, 0]), scored(0, [2], -2.0, embedding=[0, 1])])
     cos.add([scored(0, [3], -1.0, embedding=[0.6, 0.8])])   # cosine 0.8 with [2]: not above, joins
     cos.add([scored(0, [4], -1.0, embedding=[0.96, 0.28])])  # cosine 0.96 with [1]: better, replaces it
     assert best_set(cos) == [[2], [3], [4]]
-    plain = ReplayBuffer(capacity=10, recency=0.0, reward_inv_temp=0.0, keep="best", beta=1.0)
+    plain = BestBuffer(capacity=10, recency=0.0, reward_inv_temp=0.0, beta=1.0)
     plain.add([scored(0, [1, 2, 3, 4], -2.0), scored(0, [1, 2, 3, 5], -3.0)])  # no rule: only exact duplicates
     assert len(plain) == 2
 
@@ -238,7 +239,7 @@ def test_near_duplicates_keep_the_better_one():
 def test_copies_share_a_best_set_and_recent_draws_stay_fresh():
     """B copies of one prompt share one best set; a recent draw takes the data since the last sync, also
     the attacks too poor to enter the best set (TB needs them), a whole-buffer draw the best set by reward."""
-    buf = ReplayBuffer(capacity=2, recency=1.0, reward_inv_temp=0.0, keep="best", beta=1.0, group_of=[0, 0, 0])
+    buf = BestBuffer(capacity=2, recency=1.0, reward_inv_temp=0.0, beta=1.0, group_of=[0, 0, 0])
     buf.add([scored(p, [p, 10 + p], 0.0) for p in range(3)])
     buf.mark_sync()
     poor = [scored(p, [p, 20 + p], -50.0) for p in range(3)]
@@ -251,10 +252,10 @@ def test_copies_share_a_best_set_and_recent_draws_stay_fresh():
 
 
 def test_best_buffer_checkpoint_round_trip():
-    """state() / from_state(): plain arrays (embeddings included) that give back the same buffer and the same
-    draws; an older state (three settings, no pools) is a newest buffer."""
-    buf = ReplayBuffer(capacity=3, recency=0.5, reward_inv_temp=1.0, keep="best", beta=0.1, similarity=0.9,
-                       edit=0.2, group_of=[0, 0, 2])
+    """state() / from_state(): plain arrays (embeddings included), the settings by name, that give back the same
+    buffer and the same draws; a state is read back as its own kind of buffer only."""
+    buf = BestBuffer(capacity=3, recency=0.5, reward_inv_temp=1.0, beta=0.1, similarity=0.9, edit=0.2,
+                     group_of=[0, 0, 2])
     rng = np.random.default_rng(5)
     for round_ in range(6):
         buf.add([scored(int(rng.integers(3)), rng.integers(0, 9, 4).tolist(), float(rng.normal()), float(rng.normal()),
@@ -262,9 +263,9 @@ def test_best_buffer_checkpoint_round_trip():
         buf.mark_sync()
     s = buf.state()
     assert all(isinstance(v, np.ndarray) and v.dtype != object for v in s.values())
-    back = ReplayBuffer.from_state(s)
-    for name in ("capacity", "recency", "reward_inv_temp", "keep", "beta", "similarity", "edit", "group_of", "window",
-                 "newest", "prompts", "size", "best_size"):
+    back = BestBuffer.from_state(s)
+    for name in ("capacity", "recency", "reward_inv_temp", "beta", "similarity", "edit", "group_of", "window",
+                 "last_window", "prompts", "size", "best_size", "pi_ref_version"):
         assert getattr(back, name) == getattr(buf, name), name
     for a, b in [(buf.groups, back.groups), (buf.best, back.best)]:
         assert list(a) == list(b)
@@ -274,13 +275,15 @@ def test_best_buffer_checkpoint_round_trip():
                        for (x, w), (y, v) in zip(a[p].values(), b[p].values()))
     draw = lambda b: [[t.response.tolist() for t in g] for g in b.sample(3, 2, np.random.default_rng(9))]
     assert draw(buf) == draw(back)
-    old = {k: v for k, v in ReplayBuffer(4, 0.5, 0.0).state().items() if k not in ("pool", "group_of", "embedding")}
-    old["settings"] = old["settings"][:3]
-    assert ReplayBuffer.from_state(old).keep == "newest"
+    with pytest.raises(ValueError, match="a BestBuffer's state, not a ReplayBuffer's"):
+        ReplayBuffer.from_state(s)
+    plain = ReplayBuffer(4, 0.5, 0.0)
+    plain.add([scored(1, [1, 2], 0.5)])
+    assert [t.response.tolist() for t, _ in ReplayBuffer.from_state(plain.state()).groups[1].values()] == [[1, 2]]
 
 
 def test_edit_distances_match_a_plain_levenshtein():
-    from buffer import edit_distances
+    from tasks.redteam import edit_distances
 
     def levenshtein(a, b):
         d = list(range(len(b) + 1))

@@ -10,9 +10,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from runtime import config
-from runtime import processes
+from runtime import checks
+from runtime import gpu
+from runtime import ranks
+from runtime import policy
+import buffer
 import tba
+from runtime.config import Config
 from buffer import ReplayBuffer
 from conftest import free_port, metrics, report_of, run_tba
 from runtime.errors import ConfigError
@@ -29,15 +33,15 @@ def recompute_rank(path, port, results):
         torch.set_num_threads(1)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg = config.Config(model=path, prompts_per_step=2, samples_per_prompt=4, micro_batch=8, timeout=60)
-        processes.init_distributed(cfg)
+        cfg = Config(model=path, prompts_per_step=2, samples_per_prompt=4, micro_batch=8, timeout=60)
+        ranks.init_distributed(cfg.timeout)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(4, 90, size=int(n)).tolist() for n in rng.integers(5, 12, size=4)]
         batch = [[Trajectory(p, rng.integers(4, 90, size=int(rng.integers(2, 7))).astype(np.int32),
                              float(rng.integers(2)), -5.0, -5.0, 0) for _ in range(4)] for p in (0, 2)]
         out = {}
         for recompute in (False, True):
-            model = tba.load_policy(path, torch.device("cpu"), "float32", recompute=recompute)
+            model = policy.load_policy(path, torch.device("cpu"), "float32", recompute=recompute)
             saved = []
 
             def pack(t):
@@ -148,8 +152,17 @@ def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, c
     assert p.stdout.strip().splitlines() == [
         "tba.py: error: --resume: --temperature 0.5 (was 1.0) cannot change mid-run (the checkpoint's buffer was "
         "searched, scored and kept with the old value)"]
-    p = run_tba([*flags, "--buffer-keep", "best", "--out", str(tmp_path / "d")], tmp_path)
-    assert p.returncode == 2 and "--buffer-keep best (was newest) cannot change mid-run" in p.stdout, p.stdout[-3000:]
+    p = run_tba([*flags, "--buffer-capacity", "50", "--out", str(tmp_path / "d")], tmp_path)
+    assert p.returncode == 2 and "--buffer-capacity 50 (was 100) cannot change mid-run" in p.stdout, p.stdout[-3000:]
+    # --buffer-keep belongs to the redteam task (refused with arith): its change is refused the same way
+    import dataclasses
+    import json
+    from runtime.checkpoint import check_resumed_flags
+    saved = json.load(open(checkpoint / "config.json"))
+    same = Config(**{f.name: saved[f.name] for f in dataclasses.fields(Config)})
+    check_resumed_flags(same, str(checkpoint))  # nothing differs: no refusal
+    with pytest.raises(ConfigError, match=r"--buffer-keep best \(was newest\) cannot change mid-run"):
+        check_resumed_flags(dataclasses.replace(same, buffer_keep="best"), str(checkpoint))
     p = run_tba([*flags, "--steps", "3", "--prompts-per-step", "2", "--recency", "0.5", "--reward-inv-temp", "2",
                  "--save-every", "1", "--out", str(tmp_path / "c")], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:]
@@ -164,7 +177,7 @@ def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, c
 def test_run_tldr_recomputes_activations_for_2_8b_only():
     from test_run_scripts import dry_run
     for size, on in (("410m", False), ("1b", False), ("2.8b", True)):
-        assert dry_run(script="run_tldr.sh", SIZE=size)[1].activation_checkpointing is on
+        assert dry_run(script="scripts/run_tldr.sh", SIZE=size)[1].activation_checkpointing is on
 
 
 def test_run_gsm8k_header_examples_are_accepted():
@@ -199,7 +212,7 @@ def test_compute_mode_is_unknown_when_nvml_does_not_know_the_device(monkeypatch)
                                  nvmlDeviceGetComputeMode=lambda handle: 0)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid="MIG-1234"))
-    assert processes.compute_mode(0) is None
+    assert gpu.compute_mode(0) is None
     assert calls == ["init", "shutdown"]
 
 
@@ -209,9 +222,9 @@ def refusal_rank(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        none = processes.first_refusal(None)
-        one = processes.first_refusal("--model: é not found" if rank == 1 else None)  # non-ASCII survives
-        both = processes.first_refusal(f"rank {rank} refuses")
+        none = ranks.first_refusal(None)
+        one = ranks.first_refusal("--model: é not found" if rank == 1 else None)  # non-ASCII survives
+        both = ranks.first_refusal(f"rank {rank} refuses")
         results.put((rank, none, one, both))
     finally:
         dist.destroy_process_group()
@@ -231,9 +244,9 @@ def test_only_rank_0_looks_into_out(tiny_model, tmp_path, monkeypatch):
     out = tmp_path / "run"
     out.mkdir()
     (out / ".write-test-1").write_text("ok")
-    cfg = config.parse(["--model", tiny_model, *SMALL, "--out", str(out)])
+    cfg = checks.parse(Config, ["--model", tiny_model, *SMALL, "--out", str(out)])
     monkeypatch.setenv("RANK", "1")
-    assert config.check(cfg, 1)[0].out == str(out)
+    assert checks.check(cfg, 1)[0].out == str(out)
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="exists and is not empty"):
-        config.check(config.parse(["--model", tiny_model, *SMALL, "--out", str(out)]), 1)
+        checks.check(checks.parse(Config, ["--model", tiny_model, *SMALL, "--out", str(out)]), 1)

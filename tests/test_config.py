@@ -8,8 +8,9 @@ import sys
 import pytest
 
 import tasks
-from runtime import config
+from runtime import checks
 import tba
+from runtime.config import Config
 from conftest import DATA, ROOT, env
 from runtime.errors import ConfigError
 
@@ -119,9 +120,9 @@ def test_a_node_needs_gpus_for_its_own_ranks_and_searchers(tiny_model, monkeypat
     """Over several nodes the GPU split is per node: this node's trainer ranks plus its searchers."""
     monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    cfg = config.Config(model=tiny_model, searchers=3, prompts_per_step=4)
+    cfg = Config(model=tiny_model, searchers=3, prompts_per_step=4)
     with pytest.raises(ConfigError, match="--searchers: 3 searcher.* 2 trainer rank.* on this node need 5 GPUs on it, 4 visible"):
-        config.check(cfg, world=4)  # 4 ranks in all over two nodes; 2 + 3 on this one
+        checks.check(cfg, world=4)  # 4 ranks in all over two nodes; 2 + 3 on this one
 
 
 def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):
@@ -138,14 +139,14 @@ def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):
 
 def test_more_searchers_than_gpus(tiny_model, monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
-    cfg = config.Config(model=tiny_model, searchers=2)
+    cfg = Config(model=tiny_model, searchers=2)
     with pytest.raises(ConfigError, match="--searchers: 2 searcher"):
-        config.check(cfg, world=1)
+        checks.check(cfg, world=1)
 
 
 def test_synchronous_mode_needs_one_trainer_process(tiny_model):
     with pytest.raises(ConfigError, match="--searchers"):
-        config.check(config.Config(model=tiny_model, searchers=0, prompts_per_step=4), world=2)
+        checks.check(Config(model=tiny_model, searchers=0, prompts_per_step=4), world=2)
 
 
 def test_bad_data_files(tmp_path):
@@ -155,28 +156,28 @@ def test_bad_data_files(tmp_path):
     (d / "test.jsonl").write_text("\n".join(good) + "\n")
     (d / "train.jsonl").write_text("\n".join(good[:2] + ["{not json"]) + "\n")
     with pytest.raises(ConfigError, match=r"train\.jsonl line 3: not valid JSON"):
-        tasks.TASKS["gsm8k"].load(str(d))
+        tasks.get("gsm8k").load(str(d))
     (d / "train.jsonl").write_text(good[0] + "\n" + json.dumps({"question": "q?"}) + "\n")
     with pytest.raises(ConfigError, match=r"line 2: missing or non-text field 'answer'"):
-        tasks.TASKS["gsm8k"].load(str(d))
+        tasks.get("gsm8k").load(str(d))
     (d / "train.jsonl").write_text(json.dumps({"question": "q?", "answer": "no marker"}) + "\n")
     with pytest.raises(ConfigError, match=r"line 1: .*####"):
-        tasks.TASKS["gsm8k"].load(str(d))
+        tasks.get("gsm8k").load(str(d))
     (d / "train.jsonl").write_text("\n")
     with pytest.raises(ConfigError, match="holds no problems"):
-        tasks.TASKS["gsm8k"].load(str(d))
+        tasks.get("gsm8k").load(str(d))
     with pytest.raises(ConfigError, match="--data"):
-        tasks.TASKS["gsm8k"].load(str(tmp_path / "nowhere"))
+        tasks.get("gsm8k").load(str(tmp_path / "nowhere"))
 
 
 def test_gsm8k_without_data_names_the_flag(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="--data"):
-        tasks.TASKS["gsm8k"].load(None)
+        tasks.get("gsm8k").load(None)
 
 
 def test_gsm8k_prompt_format():
-    train, test = tasks.TASKS["gsm8k"].load(DATA)
+    train, test = tasks.get("gsm8k").load(DATA)
     first = json.loads(open(os.path.join(DATA, "train.jsonl")).readline())
     assert train[0].prompt == f"[MATH TASK] Problem:\n{first['question']}\n\nSolution:\n"
     assert train[0].answer == first["answer"] and len(test) > 0
@@ -184,7 +185,7 @@ def test_gsm8k_prompt_format():
 
 def test_loss_is_saved_with_the_run(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
-    cfg, *_ = config.check(config.parse(["--model", tiny_model, "--loss", "grpo", "--clip", "0.3",
+    cfg, *_ = checks.check(checks.parse(Config, ["--model", tiny_model, "--loss", "grpo", "--clip", "0.3",
                                    "--out", str(tmp_path / "run")]), world=1)
     assert not (tmp_path / "run").exists()  # checked, then removed: the run makes it
     from runtime.log import Log
@@ -194,13 +195,13 @@ def test_loss_is_saved_with_the_run(tiny_model, tmp_path, monkeypatch):
 
 
 def test_reuse_cap_and_round_defaults(tiny_model, tmp_path, monkeypatch):
-    """--max-reuse defaults to config.MAX_REUSE with searchers and to no cap without; a round is B / N prompts,
+    """--max-reuse defaults to checks.MAX_REUSE with searchers and to no cap without; a round is B / N prompts,
     rounded up, so that the N searchers' rounds make one batch."""
     monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
-    check = lambda *args: config.check(config.parse(["--model", tiny_model, "--out", str(tmp_path / "run"), *args]),
+    check = lambda *args: checks.check(checks.parse(Config, ["--model", tiny_model, "--out", str(tmp_path / "run"), *args]),
                                        world=1)[0]
     cfg = check()
-    assert (cfg.max_reuse, cfg.round_prompts) == (config.MAX_REUSE, cfg.prompts_per_step) and config.MAX_REUSE > 0
+    assert (cfg.max_reuse, cfg.round_prompts) == (checks.MAX_REUSE, cfg.prompts_per_step) and checks.MAX_REUSE > 0
     assert check("--searchers", "0").max_reuse == 0
     assert (check("--searchers", "4").round_prompts, check("--searchers", "3", "--prompts-per-step", "7").round_prompts) == (8, 3)
     cfg = check("--max-reuse", "0", "--round-prompts", "8")
@@ -229,11 +230,11 @@ def test_command_line_exit_status_and_one_line(tiny_model, tmp_path):
 def test_lee_et_al_schedules():
     """T_R 2 -> 1 over 500 steps, gamma 1 -> 1.2 over 2,000 (trainers/gfn_trainer.py:253-264); their GPT-2 learning
     rate: warmup 100, then linear to 0 at 8 x 5,000 scheduler steps, i.e. still 0.88 x 1e-4 at step 5,000."""
-    cfg = config.Config(steps=5000, reward_temp=2.0, reward_temp_anneal_steps=500, gamma_final=1.2,
+    cfg = Config(steps=5000, reward_temp=2.0, reward_temp_anneal_steps=500, gamma_final=1.2,
                         gamma_anneal_steps=2000, lr=1e-4, warmup_steps=100, decay_steps=39900, lr_decay="linear")
-    assert [config.reward_temp_at(cfg, s) for s in (0, 250, 500, 4999)] == pytest.approx([2.0, 1.5, 1.0, 1.0])
-    assert [config.gamma_at(cfg, s) for s in (0, 1000, 2000, 4999)] == pytest.approx([1.0, 1.1, 1.2, 1.2])
-    assert config.lr_at(cfg, 99) == pytest.approx(1e-4) and config.lr_at(cfg, 100) == pytest.approx(1e-4)
-    assert config.lr_at(cfg, 4999) == pytest.approx(1e-4 * (40000 - 5000) / 39900, rel=1e-3)  # 0.877e-4
-    off = config.Config()
-    assert config.reward_temp_at(off, 7) == config.gamma_at(off, 7) == 1.0
+    assert [tba.reward_temp_at(cfg, s) for s in (0, 250, 500, 4999)] == pytest.approx([2.0, 1.5, 1.0, 1.0])
+    assert [tba.gamma_at(cfg, s) for s in (0, 1000, 2000, 4999)] == pytest.approx([1.0, 1.1, 1.2, 1.2])
+    assert tba.lr_at(cfg, 99) == pytest.approx(1e-4) and tba.lr_at(cfg, 100) == pytest.approx(1e-4)
+    assert tba.lr_at(cfg, 4999) == pytest.approx(1e-4 * (40000 - 5000) / 39900, rel=1e-3)  # 0.877e-4
+    off = Config()
+    assert tba.reward_temp_at(off, 7) == tba.gamma_at(off, 7) == 1.0

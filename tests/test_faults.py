@@ -11,6 +11,7 @@ import psutil
 import pytest
 import torch
 
+from runtime.config import Config
 from runtime import checkpoint
 from conftest import ROOT, env, metrics, run_tba
 
@@ -263,29 +264,21 @@ def test_checkpoint_swap_is_atomic(tmp_path):
 
 
 def save_twice(path, out, port, results):
-    """One trainer rank checkpoints step 2 twice, as when a signal comes right after a --save-every save
-    or finish() runs after the last one. Reports whether the first checkpoint (marked) is still the
-    linked one, untouched."""
+    """One trainer rank (synchronous: no searcher process) checkpoints step 2 twice, as when a signal comes right
+    after a --save-every save or finish() runs after the last one. Reports whether the first checkpoint (marked)
+    is still the linked one, untouched."""
     import traceback
     import types
-    from runtime import config
     import tba
     import torch.distributed as dist
-    from runtime import weights
-    from buffer import ReplayBuffer, ReuseCap
+    from runtime import checks
     try:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg, data, _ = config.check(
-            config.parse(["--model", path, *SMALL, "--out", out]), 1)
+        cfg, data, _ = checks.check(checks.parse(Config, ["--model", path, *SMALL, "--searchers", "0",
+                                                              "--out", out]), 1)
         t = tba.Trainer(cfg, data, None, types.SimpleNamespace(first=None, training=True), time.time())
         try:
-            t.model = tba.load_policy(cfg.model_path, t.device, "float32")
-            t.opt = torch.optim.AdamW(t.model.parameters(), lr=1e-3)
-            t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
-            t.cap = ReuseCap(cfg.max_reuse, cfg.prompts_per_step * cfg.samples_per_prompt)
-            t.shared = weights.create(torch.multiprocessing.get_context("spawn"))
-            weights.allocate(t.shared, weights.gather(t.model), weights.aliases(t.model), t.device, torch.float32)
             t.step = 2
             t.checkpoint()
             first = os.path.realpath(os.path.join(out, "checkpoint"))
@@ -295,7 +288,7 @@ def save_twice(path, out, port, results):
                          "untouched": os.path.exists(os.path.join(first, "marker")),
                          "folders": sorted(os.listdir(out))})
         finally:
-            t.log.close()
+            t.close()
     except BaseException:
         results.put({"error": traceback.format_exc()})
     finally:

@@ -1,10 +1,10 @@
 """The GPU path without vLLM: FSDP2 over NCCL in bf16 (float32 or bf16 weights, with or without activation
 checkpointing), the on-device gather into shared CUDA tensors, their CUDA IPC handoff, the leaders' gloo
 group beside NCCL, AdamW's float32 moments under bf16 weights, chunked log-probs on the GPU, the GPU
-refusals of `processes.check_gpus`, a searcher GPU's memory split, and `weights.allocator_for_sharing` under
+refusals of `gpu.check_gpus`, a searcher GPU's memory split, and `weights.allocator_for_sharing` under
 expandable segments.
 
-Tests marked `gpu` (and the "cuda" cases of the others) are skipped when no CUDA device is visible;
+Tests marked `needs_gpu` (and the "cuda" cases of the others) are skipped when no CUDA device is visible;
 they need PyTorch with CUDA, transformers where a model is built, and never vLLM. The rest runs on
 the CPU too, in CI: the refusals of `check_gpus`, the memory split and the allocator-settings rewrite
 (CUDA queries faked), and the "cpu" cases of the handoff, FSDP2 (one gloo rank), the leaders' group
@@ -33,15 +33,18 @@ import torch
 import torch.multiprocessing as mp
 
 from runtime import checkpoint
-from runtime import config
-from runtime import processes
+from runtime import checks
+from runtime import gpu
+from runtime import ranks
+from runtime import policy
 import tba
+from runtime.config import Config
 from runtime import weights
 from runtime.errors import ConfigError, Dead
 from loss import collate, sequence_logprobs
 from conftest import get_report
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
 TIMEOUT = 120.0  # s: any wait on a spawned process (first CUDA/NCCL start-up included)
 
 
@@ -69,10 +72,10 @@ def reader_device(kind="cuda") -> str:
     return "cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0"
 
 
-KINDS = ["cpu", pytest.param("cuda", marks=gpu)]
+KINDS = ["cpu", pytest.param("cuda", marks=needs_gpu)]
 
 
-# ===== processes.check_gpus: refusals (CUDA queries faked: runs anywhere) ==============================
+# ===== gpu.check_gpus: refusals (CUDA queries faked: runs anywhere) ==============================
 def fake_gpus(monkeypatch, capabilities, mode=0):
     """torch sees len(capabilities) GPUs with these compute capabilities; NVML says GPU 0 is in
     compute mode `mode`. Returns the indices compute_mode was asked about."""
@@ -80,7 +83,7 @@ def fake_gpus(monkeypatch, capabilities, mode=0):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capabilities))
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda device=None: capabilities[0 if device is None else int(device)])
-    monkeypatch.setattr(processes, "compute_mode", lambda index: asked.append(index) or mode)
+    monkeypatch.setattr(gpu, "compute_mode", lambda index: asked.append(index) or mode)
     return asked
 
 
@@ -88,46 +91,42 @@ def test_bfloat16_is_refused_below_compute_capability_8(monkeypatch):
     fake_gpus(monkeypatch, [(7, 0), (7, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"--dtype: bfloat16 needs compute capability 8\.0 .*GPU 0 has 7\.0"):
-        processes.check_gpus(cfg, local=1)
+        gpu.check_gpus(cfg, local=1)
 
 
 def test_auto_dtype_follows_the_oldest_gpu_used(monkeypatch):
     fake_gpus(monkeypatch, [(7, 0), (7, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    processes.check_gpus(cfg, local=1)
-    assert cfg.dtype == "float16"
+    assert gpu.check_gpus(cfg, local=1) == "float16"
     fake_gpus(monkeypatch, [(9, 0), (7, 5), (9, 0)])  # the searcher's GPU 1 is the old one
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    processes.check_gpus(cfg, local=1)
-    assert cfg.dtype == "float16"
+    assert gpu.check_gpus(cfg, local=1) == "float16"
     with pytest.raises(ConfigError, match=r"GPU 1 has 7\.5"):
-        processes.check_gpus(types.SimpleNamespace(searchers=1, dtype="bfloat16"), local=1)
+        gpu.check_gpus(types.SimpleNamespace(searchers=1, dtype="bfloat16"), local=1)
     fake_gpus(monkeypatch, [(9, 0), (8, 0)])
     cfg = types.SimpleNamespace(searchers=1, dtype="auto")
-    processes.check_gpus(cfg, local=1)
-    assert cfg.dtype == "bfloat16"
+    assert gpu.check_gpus(cfg, local=1) == "bfloat16"
 
 
 def test_exclusive_process_gpu0_is_refused_with_searchers(monkeypatch):
     asked = fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=3)  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
     with pytest.raises(ConfigError, match="EXCLUSIVE_PROCESS"):
-        processes.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
+        gpu.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
     assert asked == [0]  # the trainer's GPU, where the searchers open the shared weights
     asked.clear()
     cfg = types.SimpleNamespace(searchers=0, dtype="auto")  # the trainer alone on GPU 0: allowed
-    processes.check_gpus(cfg, local=1)
-    assert asked == [] and cfg.dtype == "bfloat16"
+    assert gpu.check_gpus(cfg, local=1) == "bfloat16" and asked == []
     fake_gpus(monkeypatch, [(9, 0), (9, 0)], mode=None)  # no NVML: nothing to refuse
-    processes.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
+    gpu.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=1)
 
 
 def test_too_few_gpus_are_refused(monkeypatch):
     fake_gpus(monkeypatch, [(9, 0), (9, 0)])
     with pytest.raises(ConfigError, match=r"1 searcher\(s\) \+ 2 trainer rank\(s\) on this node need 3 GPUs on it, 2 visible"):
-        processes.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=2)
+        gpu.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=2)
 
 
-@gpu
+@needs_gpu
 def test_compute_mode_finds_the_gpu_by_uuid():
     """compute_mode maps a torch ordinal to NVML by UUID, prefixing torch's bare UUID with "GPU-":
     the result must be one of nvidia-smi's UUIDs, and (with nvidia-ml-py installed, never importing
@@ -142,7 +141,7 @@ def test_compute_mode_finds_the_gpu_by_uuid():
     modes = {u.strip(): m.strip() for u, m in (row.split(",") for row in rows if row.strip())}
     for i in range(torch.cuda.device_count()):
         uuid = str(torch.cuda.get_device_properties(i).uuid)
-        uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid  # as processes.compute_mode does
+        uuid = uuid if uuid.startswith("GPU-") else "GPU-" + uuid  # as gpu.compute_mode does
         assert uuid in modes, f"torch device {i}: {uuid} is not among nvidia-smi's {sorted(modes)}"
     try:
         import pynvml  # noqa: F401  (compute_mode would fall back to vllm.third_party.pynvml: not here)
@@ -150,7 +149,7 @@ def test_compute_mode_finds_the_gpu_by_uuid():
         return
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     mode = modes[uuid if uuid.startswith("GPU-") else "GPU-" + uuid]
-    assert processes.compute_mode(0) == {"Default": 0, "Prohibited": 2, "Exclusive_Process": 3}[mode]
+    assert gpu.compute_mode(0) == {"Default": 0, "Prohibited": 2, "Exclusive_Process": 3}[mode]
 
 
 # ===== weights.allocator_for_sharing ===========================================================
@@ -240,7 +239,7 @@ def expandable_consumer(tensors, report, device):
         report.put({"error": traceback.format_exc()})
 
 
-@gpu
+@needs_gpu
 def test_tensors_allocated_for_sharing_avoid_expandable_segments(monkeypatch):
     ctx = mp.get_context("spawn")
     tensors, done, report = ctx.Queue(), ctx.Event(), ctx.Queue()
@@ -284,20 +283,20 @@ def handoff_reader(shared, stop, out, device):
         assert shared.tensors is not None, "stopped before the handoff"
         last, deadline = None, time.monotonic() + TIMEOUT
         for _ in range(3):
-            while (shared.version.value, shared.ref_version.value) == last:
+            while (shared.version.value, shared.pi_ref_version.value) == last:
                 if stop.is_set():
                     return
                 parent_alive()
                 assert time.monotonic() < deadline, "no new version"
                 time.sleep(0.01)
             with weights.locked(shared, parent_alive, TIMEOUT, device):
-                last = (shared.version.value, shared.ref_version.value)
+                last = (shared.version.value, shared.pi_ref_version.value)
                 read = lambda ts: {n: t.to(device).float().cpu().tolist() for n, t in ts.items()}  # noqa: E731
                 # tied names: pickled once, and a handle already open maps to the same storage
                 # (torch/multiprocessing/reductions.py:173-196): one tensor, as in the trainer
                 tied = shared.tensors["lm_head.weight"].data_ptr() == shared.tensors["embed.weight"].data_ptr()
-                out.put(dict(version=last[0], ref_version=last[1], values=read(shared.tensors), ref=read(shared.ref),
-                             devices=sorted({str(t.device) for t in [*shared.tensors.values(), *shared.ref.values()]}),
+                out.put(dict(version=last[0], pi_ref_version=last[1], values=read(shared.tensors), ref=read(shared.pi_ref),
+                             devices=sorted({str(t.device) for t in [*shared.tensors.values(), *shared.pi_ref.values()]}),
                              dtypes=sorted({str(t.dtype) for t in shared.tensors.values()}), tied=tied))
         while not stop.wait(timeout=1.0):
             parent_alive()
@@ -328,26 +327,26 @@ def test_handoff_of_shared_tensors_to_a_spawned_reader(kind):
     try:
         first = [("embed.weight", exact((16, 8), 0)), ("norm.weight", exact((8,), 1))]
         weights.allocate(shared, [(n, t.to(device)) for n, t in first], {"lm_head.weight": "embed.weight"},
-                         device, torch.bfloat16, with_ref=True)
-        shared.handoff.put((shared.tensors, shared.ref))
+                         device, torch.bfloat16, with_pi_ref=True)
+        shared.handoff.put((shared.tensors, shared.pi_ref))
         r = get_report(out, [proc], TIMEOUT)
-        assert (r["version"], r["ref_version"]) == (0, 0)
+        assert (r["version"], r["pi_ref_version"]) == (0, 0)
         assert r["values"] == expected(first) and r["ref"] == expected(first)
         assert r["devices"] == [str(device)] and r["dtypes"] == ["torch.bfloat16"] and r["tied"]
 
         second = [("embed.weight", exact((16, 8), 2)), ("norm.weight", exact((8,), 3))]
         weights.publish(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT)
         r = get_report(out, [proc], TIMEOUT)
-        assert (r["version"], r["ref_version"]) == (5, 0)
+        assert (r["version"], r["pi_ref_version"]) == (5, 0)
         assert r["values"] == expected(second) and r["ref"] == expected(first)  # the tied name moved with its tensor
 
-        weights.publish(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT, to=("ref",))
+        weights.publish(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT, to=("pi_ref",))
         r = get_report(out, [proc], TIMEOUT)
-        assert (r["version"], r["ref_version"]) == (5, 5) and r["ref"] == expected(second)
+        assert (r["version"], r["pi_ref_version"]) == (5, 5) and r["ref"] == expected(second)
     finally:
         finish([proc], stop)  # the consumer first; only then may the shared tensors go
         shared.handoff.cancel_join_thread()
-        shared.tensors = shared.ref = None
+        shared.tensors = shared.pi_ref = None
 
 
 # ===== FSDP2 in bf16 (NCCL on GPUs), and the on-device gather into the shared tensors ===========
@@ -370,7 +369,7 @@ def compare(shared: weights.SharedWeights, full: dict, dtype, device) -> list[st
 
 def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", recompute=False):
     """One trainer rank: tba's own init, load_policy (FSDP2, bf16 compute; `weights_dtype` weights, activation
-    checkpointing if `recompute`), one backward/clip/tba.AdamW step on a batch of trajectories, and the
+    checkpointing if `recompute`), one backward/clip/policy.AdamW step on a batch of trajectories, and the
     gather into shared tensors on rank 0 (float32 and bf16), compared with checkpoint.full_state_dict before
     and after the step; the AdamW moments' dtype and kind."""
     import torch.distributed as dist
@@ -379,14 +378,14 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
         torch.set_num_threads(1)  # a tiny model: OpenMP threads only spin on a shared CPU
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg = config.Config(model=path, prompts_per_step=2 * world, samples_per_prompt=4, temperature=0.7,
+        cfg = Config(model=path, prompts_per_step=2 * world, samples_per_prompt=4, temperature=0.7,
                          micro_batch=4, timeout=TIMEOUT)
-        got = processes.init_distributed(cfg)
+        got = ranks.init_distributed(cfg.timeout)
         assert got == (rank, world, rank), got
         device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)  # as tba.run, after init_distributed
-        model = tba.load_policy(path, device, "bfloat16", weights_dtype, recompute)
+        model = policy.load_policy(path, device, "bfloat16", weights_dtype, recompute)
         out = {"rank": rank}
 
         ctx = mp.get_context("spawn")
@@ -416,7 +415,7 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
         # group's parameters, embeddings and final norm, unchanged by the following AdamW step.)
         seen = []
         hook = model.lm_head.register_forward_hook(lambda module, args, output: seen.append(str(output.dtype)))
-        opt = tba.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # 1e-2: bf16 norm weights of 1 move
+        opt = policy.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # 1e-2: bf16 norm weights of 1 move
         sums = tba.backward(model, mine, B / world, prompts, 0, device, cfg, cfg.beta)
         hook.remove()
         out["logits_dtype"] = sorted(set(seen))
@@ -502,12 +501,12 @@ def node_rank(kind, rank, port, path, results):
         torch.set_num_threads(1)
         os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="1",
                           GROUP_RANK=str(rank), GROUP_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg = config.Config(model=path, timeout=TIMEOUT)
-        processes.init_distributed(cfg)
+        cfg = Config(model=path, timeout=TIMEOUT)
+        ranks.init_distributed(cfg.timeout)
         device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        model = tba.load_policy(path, device, "bfloat16")
+        model = policy.load_policy(path, device, "bfloat16")
         multi = nodes.Nodes(2, 1, TIMEOUT)
         out = {"rank": rank, "backend": str(dist.get_backend()), "leaders": str(dist.get_backend(multi.group)),
                "gathered": [], "said": [], "refusals": []}
@@ -518,7 +517,7 @@ def node_rank(kind, rank, port, path, results):
             parts = multi.gather(nodes.encode(mine, said=[f"node {rank} turn {turn}"]))
             if rank == 0:
                 out["said"].append([nodes.decode(p)[1]["said"] for p in parts])
-            out["refusals"].append(processes.first_refusal(f"rank {rank} refuses" if turn else None))
+            out["refusals"].append(ranks.first_refusal(f"rank {rank} refuses" if turn else None))
         results.put(out)
     except BaseException:
         results.put({"rank": rank, "error": traceback.format_exc()})
@@ -557,7 +556,7 @@ def test_the_leaders_gloo_group_beside_nccl(kind, tmp_path):
 # ===== AdamW's moments under bf16 weights (--trainer-dtype bfloat16) ================================
 @pytest.mark.parametrize("device", KINDS)
 def test_adamw_moments_decay_as_in_float32_under_bf16_weights(device):
-    """tba.AdamW on bf16 weights keeps float32 moments: after 100 steps of gradients and 600 ten times smaller,
+    """policy.AdamW on bf16 weights keeps float32 moments: after 100 steps of gradients and 600 ten times smaller,
     its v is a float32 AdamW's (torch's, on float32 weights fed the same gradients), and its first update is
     that AdamW's rounded to bf16. torch's AdamW on the bf16 weights keeps v in bf16, where v x 0.999 rounds back
     to v: its v stays far above."""
@@ -565,7 +564,7 @@ def test_adamw_moments_decay_as_in_float32_under_bf16_weights(device):
     start = (torch.randn(4096, generator=gen) * 0.02).bfloat16().float()  # the same start in either dtype
     grads = [(torch.randn(4096, generator=gen) * (1.0 if i < 100 else 0.1)).bfloat16().to(device) for i in range(700)]
     runs = {}
-    for name, dtype, cls in (("float32", torch.float32, torch.optim.AdamW), ("ours", torch.bfloat16, tba.AdamW),
+    for name, dtype, cls in (("float32", torch.float32, torch.optim.AdamW), ("ours", torch.bfloat16, policy.AdamW),
                              ("bf16", torch.bfloat16, torch.optim.AdamW)):
         w = torch.nn.Parameter(start.to(device, dtype, copy=True))
         opt = cls([w], lr=1e-3, weight_decay=0.01, foreach=False)
@@ -670,13 +669,13 @@ def pythia(folder, size: str, head: str = "causal") -> str:
     return path
 
 
-def tldr_searcher(folder, size: str) -> types.SimpleNamespace:
+def tldr_searcher(folder, size: str):
     """run_tldr.sh's searcher 0 at SIZE: policy and reward model of that size, the 6.9B judge, bf16, 512-token
     prompts and 128 new tokens, 8 x 20 a step, 20 sequences a pass."""
-    return types.SimpleNamespace(task="tldr", victim_path=None, dtype="bfloat16", model_path=pythia(folder, size),
-                                 max_model_len=640, prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, ref_reset_every=0,
-                                 reward_model_path=pythia(folder, size, "reward"), searchers=3, searcher_memory=None,
-                                 eval_reward_model_path=pythia(folder, "6.9b", "reward"))
+    return Config(task="tldr", dtype="bfloat16", model_path=pythia(folder, size), max_model_len=640,
+                      prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, ref_reset_every=0,
+                      reward_model_path=pythia(folder, size, "reward"), searchers=3, searcher_memory=None,
+                      eval_reward_model_path=pythia(folder, "6.9b", "reward"))
 
 
 def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monkeypatch):
@@ -686,27 +685,28 @@ def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monke
     cards, and on a 40 GB one it is refused in one line naming the models."""
     gpus = lambda total: monkeypatch.setattr(torch.cuda, "get_device_properties",
                                              lambda i: types.SimpleNamespace(total_memory=total))
-    import searcher
+    import dataclasses
+    import tasks
+    tldr = tasks.get("tldr")
     for size, card, share in (("410m", 40e9, 0.51), ("1b", 40e9, 0.42), ("2.8b", 48e9, 0.29), ("2.8b", 80e9, 0.57)):
         cfg = tldr_searcher(tmp_path, size)
-        engines, beside = searcher.memory_needs(cfg)
+        engines, beside = gpu.memory_needs(cfg, tldr)
         assert beside["the judge"] == 2 * (6_857_302_016 - 50432 * 4096 + 4096)  # Pythia 6.9B, a one-output head
         assert beside["pi_ref"] == beside["the evaluation's policy copy"] == 2 * {
             "410m": 405_334_016, "1b": 1_011_781_632, "2.8b": 2_775_208_960}[size]  # the published totals
         gpus(int(card))
-        processes.check_memory(cfg, 1)
-        assert cfg.searcher_memory == share, (size, card, cfg.searcher_memory)
+        got = gpu.check_memory(cfg, tldr, 1)
+        assert got == share, (size, card, got)
         assert sum(beside.values()) <= (1 - share) * card and sum(engines["policy"][:2]) <= share * card
-        if card == 40e9:
-            cfg.searcher_memory = 0.7  # run_tldr.sh's old setting
+        if card == 40e9:  # run_tldr.sh's old setting
             with pytest.raises(ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 37.3 GiB leaves less than "
                                                   r"the [\d.]+ GiB of the models beside the engines \(pi_ref .*the "
                                                   r"judge 12.4, the CUDA context 1.0\); give the engines at most 0.[45]\d$"):
-                processes.check_memory(cfg, 1)
+                gpu.check_memory(dataclasses.replace(cfg, searcher_memory=0.7), tldr, 1)
     cfg = tldr_searcher(tmp_path, "2.8b")
     gpus(int(40e9))
     with pytest.raises(ConfigError) as e:
-        processes.check_memory(cfg, 1)
+        gpu.check_memory(cfg, tldr, 1)
     line = str(e.value)
     assert line.startswith("--searcher-memory: the policy engine's ") and line.endswith("need more than this GPU's 37.3 GiB")
     assert "pi_ref 5.2, its logits 2.4, a float32 chunk 0.2, the reward model 4.9, the evaluation's policy copy 5.2, " \
@@ -720,11 +720,11 @@ def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tiny_model, tmp_path, mo
     sizes = [80 * 2**30, 80 * 2**30, 4 * 2**30]  # trainer on GPU 0, searchers on GPUs 1 and 2
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=sizes[i]))
     monkeypatch.chdir(tmp_path)
-    check = lambda *args: config.check(config.parse(["--model", tiny_model, "--searchers", "2", *args]), 1)[0]
-    import searcher
+    check = lambda *args: checks.check(checks.parse(Config, ["--model", tiny_model, "--searchers", "2", *args]), 1)[0]
+    import tasks
     cfg = check("--out", "a")
-    beside = searcher.memory_needs(cfg)[1]  # pi_ref's pass: 256 sequences' logits; the CUDA context
-    assert cfg.searcher_memory == searcher.memory_share(4 * 2**30, beside) < 0.9 == searcher.memory_share(80 * 2**30, beside)
+    beside = gpu.memory_needs(cfg, tasks.get("arith"))[1]  # pi_ref's pass: 256 sequences' logits; the CUDA context
+    assert cfg.searcher_memory == gpu.memory_share(4 * 2**30, beside) < 0.9 == gpu.memory_share(80 * 2**30, beside)
     assert check("--searcher-memory", "0.5", "--out", "b").searcher_memory == 0.5
     sizes[2] = 2**30
     with pytest.raises(ConfigError, match=r"^--searcher-memory: the policy engine's [\d.]+ GiB and the models beside "

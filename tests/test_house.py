@@ -96,3 +96,24 @@ def test_the_random_streams_have_distinct_tags():
     from runtime import seeds
     tags = {name: value for name, value in vars(seeds).items() if name.isupper()}
     assert len(tags) >= 7 and len(set(tags.values())) == len(tags), tags
+
+
+def test_the_top_level_is_the_algorithm():
+    """The brief's five files at the top, and nothing else of Python: the machinery is in runtime/, the tasks
+    in tasks/; a reader meets the searcher's loop first in its file."""
+    top = sorted(os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "*.py")))
+    assert top == ["buffer.py", "loss.py", "rewards.py", "searcher.py", "tba.py"], top
+    lines = open(os.path.join(ROOT, "searcher.py")).read().splitlines()
+    assert next(i for i, line in enumerate(lines) if line.startswith("def run(")) < 100
+
+
+TASK_WORDS = re.compile(r"redteam|red.team|victim|judge|classifier|win.rate|toxicity|reward.model", re.I)
+
+
+def test_the_algorithm_names_no_task():
+    """No code of the trainer, the searcher or the buffer names a task, or tests a task's property by proxy:
+    they ask the task's entry (tasks/task.py)."""
+    for name in ("tba.py", "searcher.py", "buffer.py"):
+        found = [f"{name}:{i}: {line.strip()}" for i, line in enumerate(open(os.path.join(ROOT, name)), 1)
+                 if TASK_WORDS.search(line)]
+        assert not found, found

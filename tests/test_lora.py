@@ -12,7 +12,7 @@ import models
 from runtime import tiny
 from runtime import weights
 from conftest import metrics, run_tba
-from tasks import arith_splits
+from tasks.arith import splits as arith_splits
 
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-2",
          "--lora-rank", "4", "--lora-alpha", "8", "--weight-decay", "0.01"]

@@ -8,14 +8,17 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import psutil
 import pytest
 import torch
 
-from runtime import nodes
-from buffer import Trajectory
+import buffer
+from buffer import ReplayBuffer, Trajectory
+from runtime.config import Config
+from runtime import nodes, weights
 from conftest import ROOT, env, free_port, get_report, metrics
 from test_faults import assert_all_gone, assert_checkpoint, searcher_pids, wait_for_steps
 
@@ -187,7 +190,7 @@ def test_trajectories_cross_nodes_as_plain_data():
     back, report = nodes.decode(payload)
     assert len(back) == 2
     for a, b in zip(ts, back):
-        for f in nodes.FIELDS:
+        for f in buffer.SCALARS:
             assert getattr(a, f) == getattr(b, f) or np.isnan(getattr(a, f)) and np.isnan(getattr(b, f))
         assert b.response.dtype == np.int32 and np.array_equal(a.response, b.response)
     assert report == {"error": None, "silent": None, "said": []}
@@ -317,48 +320,56 @@ def lock_on_node_1(rank, died, path, out, port, results):
     publishes meanwhile), and at the next meeting rank 0 gets the node's silent line and ends the wait
     with it, or the node's line saying which searcher died, and stops with it."""
     import traceback
-    import types
     import torch.distributed as dist
-    from runtime import config
-    import tba
-    from runtime import weights
-    from buffer import ReplayBuffer
     from runtime.errors import Dead
     try:
         as_node(rank, port)
-        cfg, data, _ = config.check(
-            config.parse(["--model", path, *SMALL, "--timeout", "2", "--out", out]), 2)
-        t = tba.Trainer(cfg, data, None, types.SimpleNamespace(first=None, training=True), time.time())
+        fleet, model = searcherless_fleet(path, out, 2)
         try:
-            t.model = tba.load_policy(cfg.model_path, t.device, "float32")
-            t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
-            ctx = torch.multiprocessing.get_context("spawn")
-            t.shared = weights.create(ctx)
-            weights.allocate(t.shared, weights.gather(t.model), weights.aliases(t.model), t.device, torch.float32)
             if rank == 1:
-                t.shared.lock.acquire()  # the stopped searcher's
+                fleet.shared.lock.acquire()  # the stopped searcher's
                 if died:  # a real process, killed (this daemon cannot have multiprocessing children)
                     searcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
                     searcher.kill()
-                    t.procs = [types.SimpleNamespace(pid=searcher.pid, exitcode=searcher.wait())]
-            t.step = 2
+                    fleet.procs = [types.SimpleNamespace(pid=searcher.pid, exitcode=searcher.wait())]
             t0 = time.time()
-            t.sync_weights()
+            fleet.publish(weights.gather(model), 2)
             synced = time.time() - t0
-            report = {"rank": rank, "version": t.shared.version.value, "seconds": synced, "stopped": None}
+            report = {"rank": rank, "version": fleet.shared.version.value, "seconds": synced, "stopped": None}
             try:
-                t.multi.collect(lambda: None, lambda: [], t.alive, t.silent, t.said, lambda: False, t.buffer,
-                                t.log, cfg.timeout)
+                fleet.meet(ReplayBuffer(4, 0.5, 0.0), lambda: False)
             except Dead as e:
                 report["stopped"] = str(e)
-            results.put({**report, "silent": t.silent})
+            results.put({**report, "silent": [fleet.silent] if fleet.silent else []})
         finally:
-            t.log.close()
+            fleet.log.close()
     except BaseException:
         results.put({"rank": rank, "error": traceback.format_exc()})
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def searcherless_fleet(path, out, world):
+    """This rank's Fleet of a run of the tiny model with --timeout 2 on `world` ranks, built without spawning its
+    searcher (this daemon cannot have children): an empty queue and a watch that hears nothing; its weights
+    shared from a freshly loaded model. Returns (fleet, model)."""
+    import dataclasses
+    import queue as queue_module
+    import tba
+    from runtime import checks, policy
+    from runtime.fleet import Fleet
+    from runtime.log import Log
+    cfg, data, _ = checks.check(checks.parse(Config, ["--model", path, *SMALL, "--timeout", "2", "--out", out]),
+                                world)
+    log = Log(cfg, int(os.environ["RANK"]), time.time())
+    signals = types.SimpleNamespace(first=None, training=True)
+    fleet = Fleet(dataclasses.replace(cfg, searchers=0), data, int(os.environ["RANK"]), world, log, signals)
+    fleet.channels = types.SimpleNamespace(queue=queue_module.Queue())
+    fleet.watch = types.SimpleNamespace(heard=lambda msg: None, check=lambda: None)
+    model = policy.load_policy(cfg.model_path, torch.device("cpu"), "float32")
+    fleet.share(model, 0)
+    return fleet, model
 
 
 def test_a_weight_lock_never_freed_on_node_1_stops_the_run_like_a_silent_searcher(tiny_model, tmp_path):
@@ -380,17 +391,17 @@ def test_a_searcher_of_node_1_killed_holding_the_weight_lock_is_named_to_rank_0(
     assert (node0["version"], node1["version"]) == (2, 0) and node1["seconds"] < 2  # no wait for the dead
 
 
-def test_only_node_0s_first_searcher_evaluates():
+def test_only_node_0s_first_searcher_evaluates(monkeypatch):
     """Every node spawns its searchers alike, numbered from node x searchers, but the evaluation channel
     goes to node 0's first only: the others build no evaluation models (a TL;DR policy copy)."""
     import types
-    from runtime import processes
-    from tasks import Data
+    from runtime.fleet import Fleet
+    from tasks.task import Data
     spawned = []
 
     class Process:
         def __init__(self, target, name, daemon, args):
-            spawned.append((name, args[0], args[5]))
+            spawned.append((name, args[0], args[3].evals))
 
         def start(self):
             pass
@@ -401,20 +412,29 @@ def test_only_node_0s_first_searcher_evaluates():
     for rank, expected in ((0, [("searcher-0", 0, True), ("searcher-1", 1, False)]),
                            (2, [("searcher-2", 2, False), ("searcher-3", 3, False)])):  # nodes of 2 ranks
         spawned.clear()
-        _, channels = processes.start_searchers(ctx, cfg, rank, 2, None, Data([], [], [], []))
-        evals = channels.evals
+        fleet = Fleet.__new__(Fleet)
+        fleet.cfg, fleet.rank, fleet.world, fleet.first, fleet.shared, fleet.procs = cfg, rank, 4, rank, None, []
+        fleet.data = Data([], [], [], [])
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        fleet.spawn(ctx)
+        evals = fleet.channels.evals
         assert [(name, index, channel is evals) for name, index, channel in spawned] == expected
         assert all(channel is None for name, index, channel in spawned if channel is not evals)
 
 
 def test_take_hears_every_message():
-    """A leader's take: the trajectories of search messages, and every message (beats too) heard."""
+    """A leader's take (Fleet.queued): the trajectories of search messages, and every message (beats too) heard."""
     import queue as queue_module
+    import types
+    from runtime.fleet import Fleet
     q, heard = queue_module.Queue(), []
     t = Trajectory(3, np.array([5, 1], dtype=np.int32), 0.5, -1.0, -2.0, 4, 0)
     for msg in ({"kind": "search", "searcher": 2, "trajectories": [t]}, {"kind": "beat", "searcher": 2, "done": 8}):
         q.put(msg)
-    assert nodes.take(q, heard.append) == [t] and [m["kind"] for m in heard] == ["search", "beat"]
+    fleet = Fleet.__new__(Fleet)
+    fleet.channels, fleet.silent = types.SimpleNamespace(queue=q), None
+    fleet.watch = types.SimpleNamespace(heard=heard.append, check=lambda: None)
+    assert fleet.queued() == [t] and [m["kind"] for m in heard] == ["search", "beat"]
 
 
 def test_a_host_name_on_loopback_is_refused_when_the_master_is_another_machine(monkeypatch, capsys):

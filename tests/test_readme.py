@@ -1,22 +1,49 @@
-"""The README's file map matches the tree: every file it names exists, and every top-level Python
-file, run script and tool is named (a newcomer finds each file's purpose there)."""
+"""The README keeps to the tree: its map of the house names every file that exists and no file that does
+not, its reading order names functions that exist where it says, and it stays short enough to read."""
 
+import ast
 import glob
 import os
 import re
 
 from conftest import ROOT
 
+README = open(os.path.join(ROOT, "README.md")).read()
 
-def test_file_map_matches_the_tree():
-    text = open(os.path.join(ROOT, "README.md")).read()
-    table = text[text.index("## Files"):text.index("\n## ", text.index("## Files") + 1)]
-    named = {name for row in table.splitlines() if row.startswith("| `")
-             for name in re.findall(r"`([^`]+)`", row.split(" | ")[0])}
-    assert named, "no file map in the README"
+
+def section(title: str) -> str:
+    start = README.index(f"## {title}")
+    return README[start:README.index("\n## ", start + 1)]
+
+
+def test_the_house_map_matches_the_tree():
+    table = section("The house")
+    rows = [row.split(" | ") for row in table.splitlines() if row.startswith("| `")]
+    named = {name for row in rows for name in re.findall(r"`([^`]+)`", row[0])}
+    assert named, "no map of the house in the README"
     for name in named:
         assert os.path.exists(os.path.join(ROOT, name)), f"the README names {name}, which does not exist"
-    files = [os.path.relpath(f, ROOT) for pattern in ("*.py", "*.sh", "tools/*.py", "requirements*.txt")
-             for f in glob.glob(os.path.join(ROOT, pattern))]
-    missing = sorted(f for f in files if f not in named)
-    assert not missing, f"not in the README's file map: {missing}"
+    # a folder's files are named, by name, in the row that names the folder
+    in_row = {folder.rstrip("/"): " ".join(row) for row in rows for folder in re.findall(r"`([^`]+/)`", row[0])}
+    files = [os.path.relpath(f, ROOT) for pattern in ("*.py", "*.sh", "requirements*.txt", "runtime/*.py", "tools/*.py",
+                                                     "tasks/*.py", "scripts/*.sh") for f in glob.glob(os.path.join(ROOT, pattern))]
+    named_in = lambda f: re.search(rf"`{re.escape(os.path.basename(f))}`|`{re.escape(os.path.basename(f)[:-3])}`",
+                                   in_row.get(os.path.dirname(f), ""))
+    missing = [f for f in files if f not in named and os.path.basename(f) != "__init__.py" and not named_in(f)]
+    assert not missing, f"not in the README's map of the house: {missing}"
+
+
+def test_the_reading_order_names_what_exists():
+    """Each stop of "Read the code in this order" names a file and what to read in it: they exist."""
+    stops = re.findall(r"^\d+\. (.*(?:\n   .*)*)", section("Read the code in this order"), re.M)
+    assert len(stops) == 8
+    for stop in stops:
+        for path, names in re.findall(r"`([\w/]+\.py)`(?:, |'s )((?:`[\w.]+`(?:,| and| )*)*)", stop):
+            defined = {n.name for n in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read()))
+                       if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            for name in re.findall(r"`([\w.]+)`", names):
+                assert name.split(".")[-1] in defined, f"{path} has no {name}"
+
+
+def test_the_readme_is_short():
+    assert len(README.splitlines()) <= 300

@@ -19,6 +19,7 @@ from tasks import redteam
 import redteam_models as rm
 import searcher
 import tasks
+from runtime import gpu
 from runtime.config import Config
 from conftest import ROOT, metrics, run_tba
 from runtime.errors import ConfigError
@@ -55,12 +56,11 @@ def models(tmp_path_factory):
 def engine_for(models, victim, classifier, kind, n=3, attacker="llama", **extra):
     """A searcher's Engine on the CPU: the attacker's, the victim's and (a judge) the judge's vLLM engines."""
     cfg = Config(task="redteam", model=models[attacker], prompts_per_step=2, samples_per_prompt=4, max_new_tokens=12,
-                 victim_responses=n, micro_batch=4, **extra)
-    cfg.device, cfg.threads, cfg.model_path, cfg.max_model_len, cfg.dtype = "cpu", 1, models[attacker], 128, "float32"
-    cfg.search_samples_per_prompt = cfg.samples_per_prompt
-    cfg.victim_path, cfg.classifier_path, cfg.classifier_kind = models[victim], models[classifier], kind
-    cfg.embedding_model_path = models["embedder"]
-    return searcher.Engine(cfg, "cpu", 0.1, [models["tokenizer"](tasks.ATTACK_PROMPT).input_ids], [""])
+                 victim_responses=n, micro_batch=4, device="cpu", threads=1, model_path=models[attacker],
+                 max_model_len=128, dtype="float32", search_samples_per_prompt=4, victim_path=models[victim],
+                 classifier_path=models[classifier], classifier_kind=kind, embedding_model_path=models["embedder"],
+                 **extra)
+    return searcher.Engine(cfg, "cpu", 0.1, [models["tokenizer"](redteam.ATTACK_PROMPT).input_ids], [""])
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def by_hand(reward, attack: str, response: str) -> float:
 
 @pytest.mark.parametrize("kind", ["sequence", "judge"])
 def test_reward_is_the_mean_of_the_logs(models, engines, kind):
-    reward, tok = engines[kind].reward, models["tokenizer"]
+    reward, tok = engines[kind].scorer.score, models["tokenizer"]
     attacks = ["How do I open a jar of pickles", "Tell me the way to the store", "Hi"]
     ids = [tok(a).input_ids + [tok.eos_token_id] for a in attacks]
     rewards = reward([[1]] * 3, ids, attacks)
@@ -134,7 +134,7 @@ def test_victim_prompt_and_sampling(models, engines):
     """The chat victim reads the attack as a user turn with Lee et al.'s chat sampling, the other one Lee et al.'s
     Alpaca template with GPT-2's; vLLM gets n, the temperature, top-p and the length, and honours them (a near-zero
     top-p or temperature gives the greedy answer n times, the Alpaca sampling n different ones); a seed repeats them."""
-    chat, alpaca = engines["sequence"].reward.victim, engines["judge"].reward.victim
+    chat, alpaca = engines["sequence"].scorer.score.victim, engines["judge"].scorer.score.victim
     assert chat.sampling == redteam.CHAT_SAMPLING and alpaca.sampling == redteam.ALPACA_SAMPLING
     assert chat.tokenizer.decode(chat.prompt("Say hi ")) == "Say hi" and chat.prompt("") == [chat.tokenizer.bos_token_id]
     assert alpaca.tokenizer.decode(alpaca.prompt("Say hi ")) == redteam.ALPACA.format(instruction="Say hi")
@@ -170,7 +170,7 @@ def test_unsafe_label_by_name_or_flag():
 
 
 def test_diversity(models, engines):
-    with engines["sequence"].transformers_models():  # a GPT-NeoX body, in a process where vLLM serves GPT-NeoX
+    with engines["sequence"].beside():  # a GPT-NeoX body, in a process where vLLM serves GPT-NeoX
         embed = redteam.Embedder(models["embedder"], "cpu", "float32", 4)
     assert redteam.diversity(embed(["the same attack"] * 5)) == pytest.approx(0.0, abs=1e-6)
     e = embed(["one attack", "another, longer attack", "a third"])
@@ -179,7 +179,7 @@ def test_diversity(models, engines):
     assert redteam.diversity(e) == pytest.approx(np.mean(pairs), abs=1e-6) and redteam.diversity(e) > 0.01
     # mean pooling leaves padding out: a sentence embeds the same alone and beside a longer one
     assert torch.allclose(embed(["a third"])[0], e[2], atol=1e-5)
-    scores, p_unsafe = redteam.scores(engines["sequence"].reward, embed, ["Tell me the way", "Tell me the way",
+    scores, p_unsafe = redteam.scores(engines["sequence"].scorer.score, embed, ["Tell me the way", "Tell me the way",
                                                                           "Open a jar of jam"])
     assert scores["unique"] == pytest.approx(2 / 3) and scores["asr"] == pytest.approx(np.mean(np.array(p_unsafe) > 0.5))
     assert scores["toxicity"] == pytest.approx(np.mean(p_unsafe)) and p_unsafe[0] > 0.5 > p_unsafe[2]
@@ -276,14 +276,14 @@ def test_attack_success_rises_and_attacks_stay_diverse(models, tmp_path):
 
 
 def test_the_attack_prompt_or_data(tmp_path):
-    train, test = tasks.TASKS["redteam"].load(None)
-    assert [p.prompt for p in train] == [p.prompt for p in test] == [tasks.ATTACK_PROMPT]
-    assert tasks.ATTACK_PROMPT.startswith("Write a list of instructions:\n1. ") and tasks.ATTACK_PROMPT.endswith("\n4.")
+    train, test = tasks.get("redteam").load(None)
+    assert [p.prompt for p in train] == [p.prompt for p in test] == [redteam.ATTACK_PROMPT]
+    assert redteam.ATTACK_PROMPT.startswith("Write a list of instructions:\n1. ") and redteam.ATTACK_PROMPT.endswith("\n4.")
     (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n" + json.dumps({"x": 1}) + "\n")
     with pytest.raises(ConfigError, match="line 2: missing or non-text field 'attacker_prompt'"):
-        tasks.TASKS["redteam"].load(str(tmp_path))
+        tasks.get("redteam").load(str(tmp_path))
     (tmp_path / "attack_prompt.jsonl").write_text(json.dumps({"attacker_prompt": "List:\n1."}) + "\n")
-    assert [p.prompt for p in tasks.TASKS["redteam"].load(str(tmp_path))[0]] == ["List:\n1."]
+    assert [p.prompt for p in tasks.get("redteam").load(str(tmp_path))[0]] == ["List:\n1."]
     assert redteam.eval_counts(1, None) == [1024] and redteam.eval_counts(3, 8) == [3, 3, 2]
 
 
@@ -329,20 +329,20 @@ def test_memory_split():
     GiB = 2**30
     engines = dict(attacker=(3 * GiB, GiB, GiB), victim=(18 * GiB, GiB, 3 * GiB))
     beside = {"pi_ref": 2 * GiB, "the CUDA context": 4 * GiB}
-    split = searcher.memory_split(80 * GiB, 0.7, engines, beside)
+    split = gpu.memory_split(80 * GiB, 0.7, engines, beside)
     assert sum(split.values()) == pytest.approx(0.7)
     assert split["attacker"] * 80 == pytest.approx(4 + 33 * 1 / 4) and split["victim"] * 80 == pytest.approx(19 + 33 * 3 / 4)
     with pytest.raises(ValueError, match=r"^0.25 of this GPU's 80.0 GiB cannot hold the attacker \+ victim engines' "
                                          r"23.0 GiB; give them at least 0.29$"):
-        searcher.memory_split(80 * GiB, 0.25, engines, beside)
+        gpu.memory_split(80 * GiB, 0.25, engines, beside)
     with pytest.raises(ValueError, match=r"leaves less than the 30.0 GiB of the models beside the engines \(pi_ref 26.0, "
                                          r"the CUDA context 4.0\); give the engines at most 0.62$"):
-        searcher.memory_split(80 * GiB, 0.7, engines, {**beside, "pi_ref": 26 * GiB})
+        gpu.memory_split(80 * GiB, 0.7, engines, {**beside, "pi_ref": 26 * GiB})
     with pytest.raises(ValueError, match=r"^the attacker \+ victim engines' 23.0 GiB and the models beside them \(pi_ref "
                                          r"2.0, the CUDA context 4.0: 6.0 GiB\) need more than this GPU's 24.0 GiB$"):
-        searcher.memory_split(24 * GiB, 0.7, engines, beside)
-    assert searcher.memory_share(80 * GiB, beside) == 0.9  # vLLM's default at most
-    assert searcher.memory_share(24 * GiB, beside) == 0.75  # what the models beside leave
+        gpu.memory_split(24 * GiB, 0.7, engines, beside)
+    assert gpu.memory_share(80 * GiB, beside) == 0.9  # vLLM's default at most
+    assert gpu.memory_share(24 * GiB, beside) == 0.75  # what the models beside leave
 
 
 def paper_setting(root, llama: bool):
@@ -371,11 +371,10 @@ def paper_setting(root, llama: bool):
         kind, dtype = "sequence", "float32"
     embedder = save("embedder:Model", transformers.BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                                                               intermediate_size=1536))
-    cfg = Config(task="redteam", model=attacker, prompts_per_step=16, samples_per_prompt=8, max_new_tokens=20,
-                 victim_responses=5, micro_batch=128)
-    cfg.model_path, cfg.victim_path, cfg.classifier_path, cfg.embedding_model_path = attacker, victim, classifier, embedder
-    cfg.classifier_kind, cfg.dtype, cfg.search_samples_per_prompt, cfg.max_model_len = kind, dtype, 8, 50 + 20
-    return cfg
+    return Config(task="redteam", model=attacker, prompts_per_step=16, samples_per_prompt=8, max_new_tokens=20,
+                  victim_responses=5, micro_batch=128, model_path=attacker, victim_path=victim, classifier_path=classifier,
+                  embedding_model_path=embedder, classifier_kind=kind, dtype=dtype, search_samples_per_prompt=8,
+                  max_model_len=50 + 20)
 
 
 @pytest.mark.parametrize("llama", [False, True])
@@ -384,37 +383,34 @@ def test_memory_split_of_the_papers_settings(tmp_path, monkeypatch, llama):
     split) at the computed --searcher-memory and at 0.7; config's check, which reads the GPUs' memory (faked here:
     no GPU), fits the Llama setting on a 48 GB card with the computed share, refuses it there at 0.7 and on a
     40 GB card at any share, in one line."""
-    from runtime import processes
+    import dataclasses
+    from runtime import gpu
     cfg = paper_setting(tmp_path, llama)
     card = (80 if llama else 16) * 10**9
-    engines, beside = searcher.memory_needs(cfg)
+    engines, beside = gpu.memory_needs(cfg, redteam.TASK)
     assert set(engines) == ({"attacker", "victim", "judge"} if llama else {"attacker", "victim"})
     if llama:  # 1.24B and 8.03B parameters in bf16, and their working memory
         weights = dict(attacker=1.236e9 * 2, victim=8.030e9 * 2, judge=8.030e9 * 2)
         assert all(weights[name] < f < weights[name] + 2 * 2**30 for name, (f, _, _) in engines.items()), engines
-    split = searcher.memory_split(card, 0.7, engines, beside)
+    split = gpu.memory_split(card, 0.7, engines, beside)
     assert sum(split.values()) == pytest.approx(0.7)
-    cfg.searchers = 7 if llama else 3
+    cfg = dataclasses.replace(cfg, searchers=7 if llama else 3)
     gpus = lambda total: monkeypatch.setattr(torch.cuda, "get_device_properties",
                                              lambda i: types.SimpleNamespace(total_memory=total))
     gpus(card)
-    processes.check_memory(cfg, 1)  # fits: no refusal
-    assert cfg.searcher_memory == (0.9 if llama else 0.73)  # at most vLLM's default; what RoBERTa & co. leave
+    share = gpu.check_memory(cfg, redteam.TASK, 1)  # fits: no refusal
+    assert share == (0.9 if llama else 0.73)  # at most vLLM's default; what RoBERTa & co. leave
     if llama:
         gpus(48 * 10**9)
-        cfg.searcher_memory = None
-        processes.check_memory(cfg, 1)
-        assert cfg.searcher_memory == 0.87  # docs/tasks.md: 0.84 to 0.87 fit
-        cfg.searcher_memory = 0.7
-        with pytest.raises(processes.ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 44.7 GiB cannot hold the "
+        assert gpu.check_memory(cfg, redteam.TASK, 1) == 0.87  # docs/tasks.md: 0.84 to 0.87 fit
+        with pytest.raises(ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 44.7 GiB cannot hold the "
                                                      r"attacker \+ victim \+ judge engines' [\d.]+ GiB; give them at least 0.8\d$"):
-            processes.check_memory(cfg, 1)
+            gpu.check_memory(dataclasses.replace(cfg, searcher_memory=0.7), redteam.TASK, 1)
         gpus(40 * 10**9)
-        cfg.searcher_memory = None
-        with pytest.raises(processes.ConfigError, match=r"^--searcher-memory: the attacker \+ victim \+ judge engines' "
+        with pytest.raises(ConfigError, match=r"^--searcher-memory: the attacker \+ victim \+ judge engines' "
                                                      r"[\d.]+ GiB and the models beside them \(pi_ref 2.3, .*, the CUDA "
                                                      r"context 1.0: [\d.]+ GiB\) need more than this GPU's 37.3 GiB$"):
-            processes.check_memory(cfg, 1)
+            gpu.check_memory(cfg, redteam.TASK, 1)
 
 
 def test_lee_et_al_recipe_runs_and_resumes(models, tmp_path):
@@ -433,10 +429,11 @@ def test_lee_et_al_recipe_runs_and_resumes(models, tmp_path):
     assert [r["reward_temp"] for r in train[:2]] == [2.0, 1.5] and "reward_temp" not in train[2]  # 1 from step 2
     assert all(r["buffer"] <= 6 for r in train)  # the best set of the one instruction's two copies
     with np.load(out / "checkpoint" / "buffer.npz") as s:
-        best = s["pool"] == 1
-        assert 0 < best.sum() <= 6 and s["embedding"].shape[0] == len(s["pool"])
+        best = s["best_prompt_id"]
+        assert 0 < len(best) <= 6 and s["embedding"].shape[0] == len(s["prompt_id"])
+        assert s["best_embedding"].shape[0] == len(best)
         assert np.allclose(np.linalg.norm(s["embedding"], axis=1), 1, atol=1e-5)  # the searcher's unit embeddings
-        assert s["group_of"].tolist() == [0, 0] and set(s["prompt_id"][best].tolist()) <= {0, 1}  # one shared set
+        assert json.loads(str(s["settings"]))["group_of"] == [0, 0] and set(best.tolist()) <= {0, 1}  # one shared set
     assert os.path.isfile(out / "checkpoint" / "adapter" / "adapter_model.safetensors")
     p = run_tba(flags(models, tmp_path / "resumed", steps=6, resume=out / "checkpoint", **recipe), tmp_path,
                 timeout=400, torchrun=1)

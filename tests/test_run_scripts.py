@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 
-from runtime import config
+from runtime import checks
+import tba
+from runtime.config import Config
 from conftest import ROOT
 
 
@@ -16,7 +18,7 @@ def dry_run(*args, script="run_gsm8k.sh", **environ):
                        text=True, timeout=30, env=dict(os.environ, **environ))
     assert p.returncode == 0, p.stderr
     command = shlex.split(p.stdout.strip().splitlines()[-1])
-    return command, config.parse(command[command.index("tba.py") + 1:])
+    return command, checks.parse(Config, command[command.index("tba.py") + 1:])
 
 
 def test_run_gsm8k_dry_run_has_the_papers_settings(tmp_path):
@@ -36,7 +38,7 @@ def test_run_gsm8k_dry_run_has_the_papers_settings(tmp_path):
 
 
 def test_run_tldr_dry_run_has_the_authors_settings():
-    command, cfg = dry_run(script="run_tldr.sh")
+    command, cfg = dry_run(script="scripts/run_tldr.sh")
     assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"]
     assert (cfg.model, cfg.reward_model, cfg.task) == ("mnoukhov/pythia410m-sft-tldr", "mnoukhov/pythia410m-rm-tldr6.9b", "tldr")
     assert (cfg.searchers, cfg.steps, cfg.prompts_per_step, cfg.samples_per_prompt) == (3, 256, 8, 20)
@@ -49,17 +51,17 @@ def test_run_tldr_dry_run_has_the_authors_settings():
     assert cfg.eval_reward_model == "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr"  # the gold judge
     assert cfg.trainer_dtype == "float32"  # theirs: fp16 mixed precision, fp32 master weights
     assert (cfg.round_prompts, cfg.max_reuse) == (2, 13.3)  # their barrier's bound: 10 x 8 x 20 / (3 x 2 x 20)
-    command, cfg = dry_run(script="run_tldr.sh", SETTING="table1", GOLD="/gold")
+    command, cfg = dry_run(script="scripts/run_tldr.sh", SETTING="table1", GOLD="/gold")
     assert (cfg.steps, cfg.searchers, cfg.beta_stop_step, cfg.beta_anneal_steps, cfg.decay_steps) == (625, 2, 78, 312, 625)
     assert cfg.steps * cfg.prompts_per_step * cfg.samples_per_prompt == 100000 and cfg.eval_reward_model == "/gold"
     assert cfg.max_reuse == 20  # 2 searchers: 1,600 / (2 x 2 x 20)
-    command, cfg = dry_run("--steps", "3", script="run_tldr.sh", SIZE="2.8b")
+    command, cfg = dry_run("--steps", "3", script="scripts/run_tldr.sh", SIZE="2.8b")
     assert (cfg.model, cfg.steps, cfg.searcher_memory) == ("mnoukhov/pythia2.8b-sft-tldr", 3, None)  # computed
     assert (cfg.round_prompts, cfg.max_reuse) == (1, 26.7)  # 10 x 8 x 20 / (3 x 1 x 20)
-    p = subprocess.run(["bash", os.path.join(ROOT, "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env=dict(os.environ, SIZE="3b"))
     assert p.returncode == 2 and p.stderr.strip() == "run_tldr.sh: SIZE must be 410m, 1b or 2.8b, got 3b"
-    p = subprocess.run(["bash", os.path.join(ROOT, "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env=dict(os.environ, SETTING="table2"))
     assert p.returncode == 2 and p.stderr.strip() == "run_tldr.sh: SETTING must be table3 or table1, got table2"
 
@@ -71,25 +73,25 @@ def test_run_gsm8k_passes_arguments_through_and_splits_gpus():
 
 
 def test_schedules():
-    cfg = config.Config(steps=700, beta=0.014, beta_final=0.004, beta_anneal_steps=500, lr=1e-5,
+    cfg = Config(steps=700, beta=0.014, beta_final=0.004, beta_anneal_steps=500, lr=1e-5,
                      warmup_steps=50, stable_steps=350, decay_steps=600)
-    assert config.beta_at(cfg, 0) == pytest.approx(0.014)
-    assert config.beta_at(cfg, 250) == pytest.approx(0.009)
-    assert config.beta_at(cfg, 500) == config.beta_at(cfg, 699) == pytest.approx(0.004)
-    assert config.lr_at(cfg, 0) == pytest.approx(1e-5 / 50)  # linear warmup
-    assert config.lr_at(cfg, 49) == config.lr_at(cfg, 50) == config.lr_at(cfg, 399) == pytest.approx(1e-5)
-    assert config.lr_at(cfg, 700) == pytest.approx(1e-5 * 0.5 * (1 + math.cos(math.pi * 300 / 600)))  # cosine decay
-    assert config.lr_at(cfg, 1000) == pytest.approx(0.0, abs=1e-20)
-    constant = config.Config(steps=10, lr=3e-4, beta=0.05, beta_final=0.05, decay_steps=0)
-    assert {config.lr_at(constant, s) for s in range(10)} == {3e-4}
-    assert {config.beta_at(constant, s) for s in range(10)} == {constant.beta}
+    assert tba.beta_at(cfg, 0) == pytest.approx(0.014)
+    assert tba.beta_at(cfg, 250) == pytest.approx(0.009)
+    assert tba.beta_at(cfg, 500) == tba.beta_at(cfg, 699) == pytest.approx(0.004)
+    assert tba.lr_at(cfg, 0) == pytest.approx(1e-5 / 50)  # linear warmup
+    assert tba.lr_at(cfg, 49) == tba.lr_at(cfg, 50) == tba.lr_at(cfg, 399) == pytest.approx(1e-5)
+    assert tba.lr_at(cfg, 700) == pytest.approx(1e-5 * 0.5 * (1 + math.cos(math.pi * 300 / 600)))  # cosine decay
+    assert tba.lr_at(cfg, 1000) == pytest.approx(0.0, abs=1e-20)
+    constant = Config(steps=10, lr=3e-4, beta=0.05, beta_final=0.05, decay_steps=0)
+    assert {tba.lr_at(constant, s) for s in range(10)} == {3e-4}
+    assert {tba.beta_at(constant, s) for s in range(10)} == {constant.beta}
 
 
 def test_run_redteam_dry_run_has_the_papers_settings():
-    p = subprocess.run(["bash", os.path.join(ROOT, "run_redteam.sh"), "--dry-run"], capture_output=True, text=True,
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_redteam.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env={k: v for k, v in os.environ.items() if k != "ATTACKER"})
     assert p.returncode == 2 and "tools/sft_attacker.py" in p.stderr  # the SFT attacker is required
-    command, cfg = dry_run(script="run_redteam.sh", ATTACKER="save/gpt2-sft")
+    command, cfg = dry_run(script="scripts/run_redteam.sh", ATTACKER="save/gpt2-sft")
     assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"]
     assert (cfg.model, cfg.task, cfg.victim) == ("save/gpt2-sft", "redteam", "vicgalle/gpt2-alpaca")
     assert cfg.classifier == "facebook/roberta-hate-speech-dynabench-r4-target"
@@ -103,15 +105,15 @@ def test_run_redteam_dry_run_has_the_papers_settings():
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.weight_decay) == (32, 16, 0.01)
     assert (cfg.reward_temp, cfg.reward_temp_anneal_steps, cfg.gamma_final) == (2.0, 500, 1.0)
     assert (cfg.explore_temp_min, cfg.explore_temp_max) == (0.5, 2.0)
-    assert config.lr_at(cfg, 4999) == pytest.approx(0.877e-4, rel=1e-3) and config.lr_at(cfg, 0) == pytest.approx(1e-6)
-    command, cfg = dry_run("--steps", "7", script="run_redteam.sh", ATTACKER="/some/attacker", SEARCHERS="2")
+    assert tba.lr_at(cfg, 4999) == pytest.approx(0.877e-4, rel=1e-3) and tba.lr_at(cfg, 0) == pytest.approx(1e-6)
+    command, cfg = dry_run("--steps", "7", script="scripts/run_redteam.sh", ATTACKER="/some/attacker", SEARCHERS="2")
     assert (cfg.model, cfg.steps, cfg.searchers) == ("/some/attacker", 7, 2)
 
 
 def test_run_redteam_llama_dry_run_has_the_papers_settings():
     """The paper's Llama run: Llama 3.2 1B against Llama 3.1 8B Instruct, Llama Guard 3 8B judging, bf16, on 1 + 7
     GPUs, with Lee et al.'s Llama settings; models by hub id or local folder."""
-    command, cfg = dry_run(script="run_redteam_llama.sh")
+    command, cfg = dry_run(script="scripts/run_redteam_llama.sh")
     assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"] and cfg.searchers == 7
     assert (cfg.model, cfg.victim, cfg.classifier) == ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B-Instruct",
                                                        "meta-llama/Llama-Guard-3-8B")
@@ -122,7 +124,7 @@ def test_run_redteam_llama_dry_run_has_the_papers_settings():
     # Lee et al.'s recipe, as run_redteam.sh, with their Llama buffer and gamma
     assert (cfg.buffer_keep, cfg.dedup_similarity, cfg.gamma_final, cfg.gamma_anneal_steps) == ("best", 0.4, 1.2, 2000)
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.weight_decay, cfg.reward_temp) == (32, 16, 0.01, 2)
-    command, cfg = dry_run("--steps", "7", script="run_redteam_llama.sh", ATTACKER="/a", VICTIM="/v", JUDGE="/j",
+    command, cfg = dry_run("--steps", "7", script="scripts/run_redteam_llama.sh", ATTACKER="/a", VICTIM="/v", JUDGE="/j",
                            EMBEDDER="/e", TRAINERS="2", SEARCHERS="6")
     assert (cfg.model, cfg.victim, cfg.classifier, cfg.embedding_model) == ("/a", "/v", "/j", "/e")
     assert (cfg.steps, cfg.searchers, command[2]) == (7, 6, "--nproc_per_node=2")

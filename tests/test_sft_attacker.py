@@ -49,7 +49,7 @@ def test_weight_decay_spares_biases_and_layer_norms(tmp_path):
 
 def nll(path, instructions):
     """Mean NLL per learned token of the instructions after redteam.py's prompt, under the model at `path`."""
-    from tasks import ATTACK_PROMPT
+    from tasks.redteam import ATTACK_PROMPT
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     rows = [sft.example(tok, ATTACK_PROMPT, x["instruction"]) for x in instructions]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import metrics
-from searcher import slow_down
+from runtime.slowdown import slow_down
 from test_e2e import run_small
 
 

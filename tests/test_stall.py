@@ -210,16 +210,16 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
     5 x the longest gap (10 s at least), once; Silent at --timeout; a message resets it all."""
     import types
     import pytest
-    from runtime import processes
+    from runtime import fleet
     now, lines = [1000.0], []
-    monkeypatch.setattr(processes.time, "time", lambda: now[0])
-    watch = processes.Watch([types.SimpleNamespace(pid=42)], 100.0, lines.append, newest=-1)
+    monkeypatch.setattr(fleet.time, "time", lambda: now[0])
+    watch = fleet.Watch([types.SimpleNamespace(pid=42)], 100.0, lines.append)
     now[0] += 90
     watch.check()  # start-up: silent 90 s, no warning (no usual gap yet), under --timeout
     watch.heard({"kind": "search", "searcher": 0, "version": 3})
     now[0] += 4
     watch.heard({"kind": "search", "searcher": 0, "version": 5})  # gap 4 s: warn after 20 s
-    assert watch.newest == 5 and lines == []
+    assert lines == []
     now[0] += 19
     watch.check()
     assert lines == []
@@ -228,10 +228,37 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
     watch.check()
     assert len(lines) == 1 and lines[0].startswith("tba.py: warning: searcher 0 (pid 42) has sent nothing for 21 s")
     watch.heard({"kind": "eval", "searcher": 0, "version": 4})
-    assert lines[-1] == "tba.py: searcher 0 sends again, after 21 s" and watch.newest == 5
+    assert lines[-1] == "tba.py: searcher 0 sends again, after 21 s"
     now[0] += 100.5
     with pytest.raises(Silent, match=r"searcher 0 \(pid 42\) has sent nothing for 100 s \(--timeout 100\)"):
         watch.check()
+
+
+def test_take_counts_what_arrives_and_the_newest_version():
+    """Fleet.take: each search message's trajectories into the buffer (received, and kept: not those scored
+    under an older pi_ref), the newest weight version that sampled data; evaluations into the log."""
+    import queue as queue_module
+    import types
+    import numpy as np
+    from buffer import ReplayBuffer, Trajectory
+    from runtime.fleet import Fleet
+    q, rows, heard = queue_module.Queue(), [], []
+    traj = lambda p, version, pi_ref=0: Trajectory(p, np.array([p], np.int32), 0.0, 0.0, 0.0, version, pi_ref)
+    for msg in ({"kind": "search", "searcher": 0, "version": 3, "trajectories": [traj(0, 3), traj(1, 3, pi_ref=2)]},
+                {"kind": "search", "searcher": 0, "version": 5, "trajectories": [traj(2, 5)]},
+                {"kind": "search", "searcher": 0, "version": 4, "trajectories": [traj(3, 4)]},
+                {"kind": "eval", "searcher": 0, "version": 4, "scores": {"accuracy": 0.5}, "example": {}, "seconds": 1.0}):
+        q.put(dict(msg, generate=0.0, slept=0.0, charged=0.0, parts={}, per_token=None))
+    fleet = Fleet.__new__(Fleet)
+    fleet.channels, fleet.procs, fleet.cfg = types.SimpleNamespace(queue=q), [], types.SimpleNamespace(timeout=60)
+    fleet.watch = types.SimpleNamespace(heard=heard.append, check=lambda: None)
+    fleet.log = types.SimpleNamespace(eval=lambda *row: rows.append(row), searched=lambda msg: None)
+    fleet.received = fleet.kept = 0
+    fleet.newest, fleet.published, fleet.evaluated = -1, {4: (1.0, 0.0)}, []
+    buffer = ReplayBuffer(10, 0.5, 0.0)
+    assert fleet.take(buffer, lambda: True) == 0.0 and q.empty() and len(heard) == 4
+    assert (fleet.received, fleet.kept, len(buffer), fleet.newest) == (4, 3, 3, 5)
+    assert fleet.evaluated == [4] and rows == [(4, {"accuracy": 0.5}, {}, 1.0, (1.0, 0.0))]
 
 
 def test_watch_hears_an_evaluations_beats_and_names_the_node(monkeypatch):
@@ -241,11 +268,11 @@ def test_watch_hears_an_evaluations_beats_and_names_the_node(monkeypatch):
     from 2 there) the lines name the node and the node's own searcher."""
     import types
     import pytest
-    from runtime import processes
+    from runtime import fleet
     now, lines = [1000.0], []
-    monkeypatch.setattr(processes.time, "time", lambda: now[0])
-    watch = processes.Watch([types.SimpleNamespace(pid=7), types.SimpleNamespace(pid=8)], 100.0, lines.append,
-                            newest=-1, first=2, where="node 1: ")
+    monkeypatch.setattr(fleet.time, "time", lambda: now[0])
+    watch = fleet.Watch([types.SimpleNamespace(pid=7), types.SimpleNamespace(pid=8)], 100.0, lines.append,
+                        first=2, where="node 1: ")
     for _ in range(3):  # rounds every 4 s
         now[0] += 4
         for i in (2, 3):
@@ -285,33 +312,21 @@ def lock_rank(path, out, port, results):
     stops the run with a checkpoint at the next batch, as a silent searcher does."""
     import time
     import traceback
-    import types
-    import torch
     import torch.distributed as dist
-    from runtime import config
-    import tba
     from runtime import weights
-    from buffer import ReplayBuffer
+    from test_nodes import searcherless_fleet
     try:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cfg, data, _ = config.check(
-            config.parse(["--model", path, *SMALL, "--timeout", "2", "--out", out]), 1)
-        signals = types.SimpleNamespace(first=None, training=True)
-        t = tba.Trainer(cfg, data, None, signals, time.time())
+        fleet, model = searcherless_fleet(path, out, 1)
         try:
-            t.model = tba.load_policy(cfg.model_path, t.device, "float32")
-            t.buffer = ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
-            t.shared = weights.create(torch.multiprocessing.get_context("spawn"))
-            weights.allocate(t.shared, weights.gather(t.model), weights.aliases(t.model), t.device, torch.float32)
-            t.shared.lock.acquire()  # the stopped searcher's
-            t.step = 1
+            fleet.shared.lock.acquire()  # the stopped searcher's
             t0 = time.time()
-            t.sync_weights()
-            results.put({"silent": t.silent, "reason": t.reason(), "version": t.shared.version.value,
-                         "seconds": time.time() - t0})
+            fleet.publish(weights.gather(model), 1)
+            results.put({"silent": [fleet.silent] if fleet.silent else [], "reason": fleet.stop_reason(),
+                         "version": fleet.shared.version.value, "seconds": time.time() - t0})
         finally:
-            t.log.close()
+            fleet.log.close()
     except BaseException:
         results.put({"error": traceback.format_exc()})
     finally:

@@ -6,7 +6,7 @@ import os
 import torch
 
 from runtime import tiny
-from tasks import arith_splits
+from tasks.arith import splits as arith_splits
 
 
 def test_warm_start_stops_at_target(tiny_model):

@@ -20,7 +20,7 @@ def test_greedy_accuracy_is_the_searchers(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import trl_grpo
     from searcher import Engine
-    from tasks import arith_splits
+    from tasks.arith import splits as arith_splits
     from test_weight_sync import config
 
     _, test = arith_splits()
@@ -35,8 +35,7 @@ def test_greedy_accuracy_is_the_searchers(tiny_model, tmp_path):
     tok.save_pretrained(noisy)
     prompts = [tok(p.prompt).input_ids for p in test]
     for path in (tiny_model, noisy):
-        cfg = config(path)
-        cfg.max_new_tokens = 8
+        cfg = config(path, max_new_tokens=8)
         engine = Engine(cfg, "cpu", 0.1, prompts, [p.answer for p in test])
         expected = engine.evaluate(prompts, [p.answer for p in test])[0]["accuracy"]
         engine.close()

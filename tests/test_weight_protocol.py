@@ -159,7 +159,7 @@ def run_protocol(kind: str, mode: str) -> dict:
     try:
         named = [(n, torch.zeros(size, device=device)) for n, size in SHAPES[kind]]
         weights.allocate(shared, named, {}, device, torch.float32)  # version 0: all zeros
-        shared.handoff.put((shared.tensors, shared.ref))
+        shared.handoff.put((shared.tensors, shared.pi_ref))
         deadline = time.monotonic() + TIMEOUT
         while not ready.wait(timeout=0.5):  # the reader holds the tensors before the first publish
             alive()
@@ -190,7 +190,7 @@ def run_protocol(kind: str, mode: str) -> dict:
         shared.handoff.cancel_join_thread()
         torch.set_num_threads(threads)
         # only now may the shared tensors go: the consumer is gone (CUDA IPC: the producer keeps them alive)
-        shared.tensors = shared.ref = None
+        shared.tensors = shared.pi_ref = None
 
 
 KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]

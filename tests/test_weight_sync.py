@@ -16,14 +16,13 @@ from rewards import arith_reward
 from runtime import weights
 from loss import collate
 from searcher import Engine
-from tasks import Data
+from tasks.task import Data
 
 
 def config(model, **kw):
-    cfg = Config(model=model, prompts_per_step=3, samples_per_prompt=4, temperature=0.7, max_new_tokens=6, **kw)
-    cfg.device, cfg.threads, cfg.model_path, cfg.max_model_len, cfg.dtype = "cpu", 1, model, 512, "float32"
-    cfg.search_samples_per_prompt, cfg.round_prompts = cfg.samples_per_prompt, cfg.prompts_per_step
-    return cfg
+    return Config(**{**dict(model=model, prompts_per_step=3, samples_per_prompt=4, temperature=0.7, max_new_tokens=6,
+                            device="cpu", threads=1, model_path=model, max_model_len=512, dtype="float32",
+                            search_samples_per_prompt=4, round_prompts=3), **kw})
 
 
 def share(model, ctx, with_ref=False):
@@ -51,7 +50,7 @@ def trainer_logprobs(model, pairs, temperature):
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_engine_matches_trainer_after_sync(arch, request):
     """Llama (character tokens, vLLM's native code) and GPT-NeoX (BPE tokens, vLLM's Transformers
-    backend, pi_ref built beside it: Engine.transformers_models)."""
+    backend, pi_ref built beside it: Engine.beside)."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     tiny_model = request.getfixturevalue("tiny_model" if arch == "llama" else "tiny_neox")
@@ -65,7 +64,7 @@ def test_engine_matches_trainer_after_sync(arch, request):
     sample = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True, logprobs=0)
     before = engine.llm.generate([{"prompt_token_ids": prompt}], sample, use_tqdm=False)[0].outputs[0]
     for version, seed in ((2, 1), (4, 2)):
-        with engine.transformers_models():  # the trainer's side, in this process beside the engine
+        with engine.beside():  # the trainer's side, in this process beside the engine
             model = perturbed(tiny_model, seed)
         weights.publish(shared, weights.gather(model), version, lambda: None, 10)
         assert engine.sync(shared, lambda: None, 10) and engine.version == version
@@ -78,9 +77,9 @@ def test_engine_matches_trainer_after_sync(arch, request):
         assert abs(after.cumulative_logprob - expected) < 1e-4
         assert abs(after.cumulative_logprob - before.cumulative_logprob) > 1e-3
     # pi_ref in the same process (the patched class, for GPT-NeoX) gives the trainer's log-probs
-    with engine.transformers_models():
+    with engine.beside():
         initial = load(tiny_model)
-    assert abs(engine.logprobs(engine.reference(), [(prompt, response)], 0.7)[0]
+    assert abs(engine.logprobs(engine.pi_ref(), [(prompt, response)], 0.7)[0]
                - trainer_logprobs(initial, [(prompt, response)], 0.7)[0]) < 1e-4
     engine.close()
 
@@ -100,7 +99,7 @@ def test_engine_loads_a_model_directly_with_its_tied_names(arch, request):
     engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"])
     try:
         for version, seed in ((2, 1), (4, 2)):
-            with engine.transformers_models():
+            with engine.beside():
                 model = perturbed(tiny_model, seed)
             engine.load(weights.every_name(model, torch.float32), version)
             assert abs(engine.logprob(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
@@ -124,15 +123,15 @@ def test_reference_reset_reaches_the_searcher(tiny_model):
     prompt, response = tok("47+85=").input_ids, tok("132").input_ids + [tok.eos_token_id]
     shared = share(load(tiny_model), mp.get_context("spawn"), with_ref=True)
     engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"])
-    before = engine.logprobs(engine.reference(), [(prompt, response)], 0.7)[0]
+    before = engine.logprobs(engine.pi_ref(), [(prompt, response)], 0.7)[0]
     model = perturbed(tiny_model, 5)
-    weights.publish(shared, weights.gather(model), 6, lambda: None, 10, to=("policy", "ref"))
-    assert engine.sync(shared, lambda: None, 10) and (engine.version, engine.ref_version) == (6, 6)
-    after = engine.logprobs(engine.reference(), [(prompt, response)], 0.7)[0]
+    weights.publish(shared, weights.gather(model), 6, lambda: None, 10, to=("policy", "pi_ref"))
+    assert engine.sync(shared, lambda: None, 10) and (engine.version, engine.pi_ref_version) == (6, 6)
+    after = engine.logprobs(engine.pi_ref(), [(prompt, response)], 0.7)[0]
     assert abs(after - trainer_logprobs(model, [(prompt, response)], 0.7)[0]) < 1e-4
     assert abs(after - before) > 1e-3
     trajectories, _ = engine.search([0], 4, (0, 0, 0))
-    assert {t.ref_version for t in trajectories} == {6}
+    assert {t.pi_ref_version for t in trajectories} == {6}
     for t in trajectories:
         assert abs(t.logp_ref - trainer_logprobs(model, [(prompt, t.response.tolist())], 0.7)[0]) < 1e-4
     engine.close()

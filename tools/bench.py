@@ -59,6 +59,7 @@ on the devices a run would use: on a GPU node the trainer's GPU 0 and the first 
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -78,12 +79,14 @@ import numpy as np
 import torch
 
 import plot  # reads run folders (matplotlib only when drawing)
-from runtime import config
-from runtime import processes
+from runtime import checks
+from runtime import ranks
+from runtime import policy
 import tba
+from runtime.config import Config
 from runtime import weights
 from buffer import Trajectory
-from loss import collate
+from loss import LOSSES, collate
 from searcher import Engine
 
 
@@ -203,8 +206,8 @@ STUDY = ["--searchers", "0", "--sync-every", "1", "--recency", "1", "--eval-ever
 
 
 def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dict:
-    """tba.py runs for each loss x staleness x seed (synchronous, --lag L: every batch L steps stale)."""
-    losses, lags = ["tb", "rloo", "grpo"], ([0, 2] if quick else [0, 4, 15])
+    """tba.py runs for each loss of loss.LOSSES x staleness x seed (synchronous, --lag L: every batch L steps stale)."""
+    losses, lags = list(LOSSES), ([0, 2] if quick else [0, 4, 15])
     extra = ["--steps", "6", "--eval-every", "2"] if quick else []
     rows = []
     for loss in losses:
@@ -493,7 +496,7 @@ def sync_cost(model_path: str, cfg, repeat: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(trainer)
     shared = weights.create(torch.multiprocessing.get_context("spawn"))
     weights.allocate(shared, weights.gather(model), weights.aliases(model), trainer, getattr(torch, cfg.dtype))
-    engine = Engine(dataclass_replace(cfg, model_path=model_path), searcher_device, 0.2, [[1, 2, 3]], ["0"])
+    engine = Engine(dataclasses.replace(cfg, model_path=model_path), searcher_device, 0.2, [[1, 2, 3]], ["0"])
     version = [0]
 
     def publish_once():  # the trainer's side: gather (a no-op on one rank) and copy into the shared tensors
@@ -519,14 +522,6 @@ def sync_cost(model_path: str, cfg, repeat: int) -> dict:
     out["ratio"] = (out["publish"] + out["reload"]) / out["plain_copy"]
     engine.close()
     return out
-
-
-def dataclass_replace(cfg, **changes):
-    """A copy of `cfg` with `changes` (dataclasses.replace would reset the derived, init=False fields)."""
-    import copy
-    new = copy.copy(cfg)
-    new.__dict__.update(changes)
-    return new
 
 
 # --- 4: searcher overhead -------------------------------------------------------------------------
@@ -558,7 +553,7 @@ def searcher_overhead(cfg, prompts, answers, repeat: int) -> dict:
 # --- 5: trainer overhead ----------------------------------------------------------------------------
 def trainer_overhead(cfg, prompts, repeat: int) -> dict:
     device = devices(cfg)[0]
-    model = tba.load_policy(cfg.model_path, device, cfg.dtype)
+    model = policy.load_policy(cfg.model_path, device, cfg.dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rng = np.random.default_rng(0)
     B, K = cfg.prompts_per_step, cfg.samples_per_prompt
@@ -615,7 +610,7 @@ def main():
     repeat = 3 if args.quick else 10
 
     # the embedded default's config, as tba.py resolves it (this builds the tiny model if needed)
-    cfg, data, _ = config.check(config.parse(flags), world=1)
+    cfg, data, _ = checks.check(checks.parse(Config, flags), world=1)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 2)  # what the trainer and the searcher each get in a run with one searcher
     torch.set_num_threads(threads)  # before any vLLM engine starts in this process
@@ -650,7 +645,7 @@ def main():
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
-    processes.init_distributed(cfg)
+    ranks.init_distributed(cfg.timeout)
     if 5 in args.parts:
         result["trainer_overhead"] = trainer_overhead(cfg, data.prompts, repeat)
     if 4 in args.parts:

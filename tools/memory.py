@@ -3,7 +3,7 @@
     python tools/memory.py                 # rho-math-1b's layer shape, scaled down to a few layers, on the CPU
     python tools/memory.py --layers 2 4    # the layer counts measured
 
-The trainer step (tba.load_policy with bf16 compute, tba.backward, AdamW) runs on the CPU under
+The trainer step (policy.load_policy with bf16 compute, tba.backward, AdamW) runs on the CPU under
 PyTorch's MemTracker (torch/distributed/_tools/mem_tracker.py), which attributes every live tensor
 to parameters, gradients, optimizer state or activations and records the peak. The models have
 rho-math-1b's layer shape (hidden 2048, MLP 5632, 32 heads with 4 key/value heads, vocabulary
@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import numpy as np
 import torch
 
-from runtime import config
-from runtime import processes
+from runtime import ranks
+from runtime import policy
 import tba
+from runtime.config import Config
 from buffer import Trajectory
 
 RHO = dict(hidden=2048, ffn=5632, heads=32, kv_heads=4, vocab=32000, layers=22, tie=False)  # realtreetune/rho-1b-sft-GSM8K
@@ -49,8 +50,8 @@ def measure(path, K, prompt, response, recompute) -> dict:
     storage once; FSDP2's gathered bf16 weights aside: they are freed after the forward and gathered
     again), and the parameter count."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    cfg = config.Config(model=path, prompts_per_step=1, samples_per_prompt=K, micro_batch=K, timeout=60)
-    model = tba.load_policy(path, torch.device("cpu"), "bfloat16", recompute=recompute)
+    cfg = Config(model=path, prompts_per_step=1, samples_per_prompt=K, micro_batch=K, timeout=60)
+    model = policy.load_policy(path, torch.device("cpu"), "bfloat16", recompute=recompute)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
     rng = np.random.default_rng(0)
     lengths = np.linspace(response // 4, response, K).astype(int)  # responses of different lengths: padding
@@ -82,7 +83,7 @@ def init():
         s.bind(("127.0.0.1", 0))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(s.getsockname()[1]))
-    processes.init_distributed(config.Config(timeout=600))
+    ranks.init_distributed(600)
 
 
 def model_bytes(params) -> int:

@@ -6,7 +6,7 @@ ATTACKER. Their recipe (README "SFT", main.py:15-62, trainers/sft_trainer.py, da
 - data: the instructions of `prompts/sft_dataset.json` (a JSON list of {"instruction": ...}),
   stripped, shuffled with seed 42, the first 10% held out for a validation loss every 10 steps;
 - each example is an attacker prompt (one drawn at random from `--prompts`, their
-  `prompts/alpaca.jsonl`; by default tasks.py's one instruction list) + " " + the instruction +
+  `prompts/alpaca.jsonl`; by default tasks/redteam.py's one instruction list) + " " + the instruction +
   EOS, the loss (cross-entropy, a mean over each micro-batch's tokens) on the tokens after the prompt;
 - 100 steps of 1,024 examples (their loader's batches: an epoch's last one is smaller), each in 32
   micro-batches, AdamW at lr 3e-5 with weight decay 0.1 (not on biases and LayerNorm weights:
@@ -35,7 +35,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import tasks  # noqa: E402  (after the path: the project's modules)
+from tasks import redteam, task  # noqa: E402  (after the path: the project's modules)
 from runtime.errors import ConfigError  # noqa: E402
 
 
@@ -62,11 +62,11 @@ def read_instructions(path: str) -> list[str]:
 
 
 def read_prompts(path: str | None) -> list[str]:
-    """Attacker prompts: their JSONL (one {"attacker_prompt": ...} a line), or tasks.py's one."""
+    """Attacker prompts: their JSONL (one {"attacker_prompt": ...} a line), or tasks/redteam.py's one."""
     if path is None:
-        return [tasks.ATTACK_PROMPT]
+        return [redteam.ATTACK_PROMPT]
     try:
-        return [p.prompt for p in tasks.read_jsonl(path, tasks.redteam_problem)]
+        return [p.prompt for p in task.read_jsonl(path, redteam.problem)]
     except ConfigError as e:
         fail(str(e).replace("--data", "--prompts", 1))
 
@@ -135,7 +135,7 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="folder for the fine-tuned model and its tokenizer (new or empty)")
     p.add_argument("--model", default="gpt2", help="the attacker to fine-tune: a folder or hub id (theirs: gpt2)")
     p.add_argument("--prompts", default=None, help="attacker prompts, their attack-prompt JSONL (theirs: "
-                                                   "prompts/alpaca.jsonl); default: redteam.py's instruction list")
+                                                   "prompts/alpaca.jsonl); default: tasks/redteam.py's instruction list")
     p.add_argument("--steps", type=int, default=100, help="updates (theirs: 100)")
     p.add_argument("--batch", type=int, default=1024, help="examples an update (theirs: 1,024)")
     p.add_argument("--grad-acc", type=int, default=32, help="micro-batches an update (theirs: 32)")

@@ -15,12 +15,12 @@ It needs torch, transformers, tokenizers and datasets, not vLLM: this file impor
 `tasks`, `rewards` and `tiny` from the project.
 
 Setup, as `tba.py`'s defaults (`--model tiny`, task `arith`): the cached `tiny` model (built if
-missing), the 7,700 training prompts and 400 held-out problems of `tasks.arith_splits()`, the
+missing), the 7,700 training prompts and 400 held-out problems of `arith.splits()`, the
 reward `rewards.arith_reward` (exact match after strip), B = 32 prompts x K = 8 samples per step,
 temperature 1.0, at most 8 new tokens (generation stops at EOS), 200 steps, float32 on the CPU,
 AdamW (weight decay 0) with gradient-norm clip 1.0, and the same learning-rate shape: constant,
 then a cosine decay to 0 over the last 100 steps (`tba.py --decay-steps 100`; here transformers'
-`warmup_stable_decay`, whose formula is `config.lr_at`'s). Evaluation: greedy pass@1 on the 400
+`warmup_stable_decay`, whose formula is `tba.lr_at`'s). Evaluation: greedy pass@1 on the 400
 held-out problems, at most 8 new tokens, stopping at EOS, the same reward, at step 0 and every
 10 steps, in a callback (batched: the arith prompts all have the same token length).
 
@@ -68,7 +68,7 @@ import torch
 
 from runtime import tiny
 from rewards import arith_reward
-from tasks import arith_splits
+from tasks.arith import splits as arith_splits
 
 
 def parse(argv=None):

@@ -5,9 +5,9 @@
 # utils.py, configs/gpt2.json, eval.py). The paper gives k = 10, beta = 0.05, 5,000 steps and 128 attacks
 # a step; the rest is Lee et al.'s. redteam.py documents the task.
 #
-#   ATTACKER=save/gpt2-sft bash run_redteam.sh              # run it (ATTACKER: see below)
-#   ATTACKER=save/gpt2-sft bash run_redteam.sh --dry-run    # print the command and settings, start nothing
-#   ATTACKER=... bash run_redteam.sh --victim-responses 3   # extra arguments pass through to tba.py (last wins)
+#   ATTACKER=save/gpt2-sft bash scripts/run_redteam.sh              # run it (ATTACKER: see below)
+#   ATTACKER=save/gpt2-sft bash scripts/run_redteam.sh --dry-run    # print the command and settings, start nothing
+#   ATTACKER=... bash scripts/run_redteam.sh --victim-responses 3   # extra arguments pass through to tba.py (last wins)
 #
 # ATTACKER (required) is their prior: GPT-2 after their supervised fine-tuning on 3,003 harmful
 # instructions, the start of training and pi_ref. Make it with tools/sft_attacker.py from their files
@@ -20,14 +20,14 @@
 #
 # Where this run still differs from Lee et al.'s, and why: docs/departures.md, "Red-teaming".
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository
 TRAINERS=${TRAINERS:-1}
 SEARCHERS=${SEARCHERS:-3}
 if [ -z "${ATTACKER:-}" ]; then
   echo "run_redteam.sh: set ATTACKER to Lee et al.'s SFT attacker, made with:" >&2
   echo "  python tools/sft_attacker.py sft_dataset.json --prompts alpaca.jsonl --model gpt2 --out save/gpt2-sft" >&2
   echo "  (their prompts/sft_dataset.json and prompts/alpaca.jsonl, github.com/GFNOrg/red-teaming); then" >&2
-  echo "  ATTACKER=save/gpt2-sft bash run_redteam.sh" >&2
+  echo "  ATTACKER=save/gpt2-sft bash scripts/run_redteam.sh" >&2
   exit 2
 fi
 
@@ -57,16 +57,5 @@ settings=(
   --dtype float32                              # configs/gpt2.json
   --eval-every 500 --eval-limit 1024           # asr, toxicity, diversity, unique
 )
-passthrough=()
-dry_run=0
-for arg in "$@"; do
-  if [ "$arg" = "--dry-run" ]; then dry_run=1; else passthrough+=("$arg"); fi
-done
-cmd=(torchrun --standalone --nproc_per_node="$TRAINERS" tba.py "${settings[@]}" "${passthrough[@]}")
-
-echo "GPU split: $TRAINERS trainer GPU(s) + $SEARCHERS searcher GPU(s); attacker $ATTACKER"
-echo "${cmd[*]}"
-if [ "$dry_run" = 1 ]; then
-  exit 0
-fi
-exec "${cmd[@]}"
+source scripts/launch.sh
+launch "attacker $ATTACKER" "$@"

@@ -4,12 +4,12 @@
 # TBA fine-tunes a Pythia SFT model to summarise Reddit posts against a learned reward model, on
 # one 4-GPU node.
 #
-#   bash run_tldr.sh                          # run it (Pythia 410M, Table 3's 256 steps)
-#   bash run_tldr.sh --dry-run                # print the command and settings, start nothing
-#   SIZE=1b bash run_tldr.sh                  # 410m (default), 1b or 2.8b, as the authors publish
-#   SETTING=table1 bash run_tldr.sh           # Table 1's run: 625 steps, 2 searchers (default: table3)
-#   bash run_tldr.sh --data ../tldr           # extra arguments pass through to tba.py (last wins)
-#   GOLD=../gold bash run_tldr.sh             # the evaluation's judge from a local folder
+#   bash scripts/run_tldr.sh                          # run it (Pythia 410M, Table 3's 256 steps)
+#   bash scripts/run_tldr.sh --dry-run                # print the command and settings, start nothing
+#   SIZE=1b bash scripts/run_tldr.sh                  # 410m (default), 1b or 2.8b, as the authors publish
+#   SETTING=table1 bash scripts/run_tldr.sh           # Table 1's run: 625 steps, 2 searchers (default: table3)
+#   bash scripts/run_tldr.sh --data ../tldr           # extra arguments pass through to tba.py (last wins)
+#   GOLD=../gold bash scripts/run_tldr.sh             # the evaluation's judge from a local folder
 #
 # GPU split as in run_gsm8k.sh: TRAINERS GPUs train, the next SEARCHERS GPUs each run one searcher.
 # Without --data the prompts come from the hub (the `datasets` package); --data DIR takes
@@ -26,7 +26,7 @@
 # Where this run still differs from the authors' (precision, the learning rate, the initial buffer,
 # the evaluation), and why: docs/departures.md, "The TL;DR run".
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository
 TRAINERS=${TRAINERS:-1}
 SIZE=${SIZE:-410m}
 SETTING=${SETTING:-table3}
@@ -81,16 +81,5 @@ settings=(
 if [ "$SIZE" = 2.8b ]; then  # 44.5 GB of float32 weights, gradients and AdamW state before any activation
   settings+=(--activation-checkpointing)
 fi
-passthrough=()
-dry_run=0
-for arg in "$@"; do
-  if [ "$arg" = "--dry-run" ]; then dry_run=1; else passthrough+=("$arg"); fi
-done
-cmd=(torchrun --standalone --nproc_per_node="$TRAINERS" tba.py "${settings[@]}" "${passthrough[@]}")
-
-echo "GPU split: $TRAINERS trainer GPU(s) + $SEARCHERS searcher GPU(s); Pythia $SIZE; $SETTING"
-echo "${cmd[*]}"
-if [ "$dry_run" = 1 ]; then
-  exit 0
-fi
-exec "${cmd[@]}"
+source scripts/launch.sh
+launch "Pythia $SIZE; $SETTING" "$@"

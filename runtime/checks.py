@@ -1,0 +1,241 @@
+"""The command line: `parse` builds tba.Config from it, and `check` refuses bad input and computes the
+derived values, once, before anything is spawned or written.
+
+`check` refuses in one line naming the flag (ConfigError; tba.py exits with status 2): values out of
+range, flags of another task, a model folder without weights or tokenizer, a reward model with more
+than one output, a batch the data cannot fill, a context too short for prompt + response, GPU settings
+a spawned process would fail on (runtime/gpu.py), an --out that exists or cannot be written, and a
+--resume whose checkpoint is incomplete or whose run used other values of the flags that cannot change
+mid-run. It returns a new Config with the derived values filled in (paths, device, dtype, threads, the
+longest sequence, the defaults that depend on other flags); Config is frozen, so nothing writes to it
+after the checks.
+"""
+
+import argparse
+import dataclasses
+import os
+import time
+import typing
+
+import torch
+
+import tasks
+from loss import LOSSES
+from runtime import nodes, vllm_env
+from runtime.checkpoint import check_resumed_flags, load_checkpoint
+from runtime.errors import ConfigError
+from runtime.hub import load_tokenizer, resolve_model
+from runtime.log import check_out
+from rewards import check_reward_model
+from tasks.task import Data
+
+MAX_REUSE = 1.0  # --max-reuse's default with searchers (docs/performance.md, part 9)
+
+
+def parse(config_class, argv, description: str = ""):
+    """The Config of a command line: one flag per field that is not derived, its help the field's."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(config_class):
+        if f.metadata.get("derived"):
+            continue
+        name, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        help += "" if "default" in help else f" (default: {f.default})"  # said once
+        if f.type is bool:
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+            continue
+        kind = next(t for t in (int, float, str) if f.type is t or t in typing.get_args(f.type))
+        p.add_argument(name, type=kind, default=f.default, help=help)
+    return config_class(**vars(p.parse_args(argv)))
+
+
+def choices(cfg, name: str) -> tuple:
+    """The values a field of the Config allows (its metadata's), where the Config lists them."""
+    return next(f for f in dataclasses.fields(cfg) if f.name == name).metadata["choices"]
+
+
+def need(ok, flag: str, msg: str):
+    """Refuse in one line naming the flag unless `ok`."""
+    if not ok:
+        raise ConfigError(f"--{flag}: {msg}")
+
+
+def check(cfg, world: int):
+    """Validate flags and data; compute the derived values. Returns (a new Config, Data, checkpoint or None)."""
+    need(0 <= cfg.recency <= 1, "recency", f"must be in [0, 1], got {cfg.recency}")
+    need(cfg.samples_per_prompt >= 2, "samples-per-prompt", f"K must be at least 2 (log Z is a mean over K), got {cfg.samples_per_prompt}")
+    if cfg.search_samples_per_prompt is None:  # not given: K (an explicit 0 is refused below, not taken as K)
+        cfg = dataclasses.replace(cfg, search_samples_per_prompt=cfg.samples_per_prompt)
+    need(cfg.search_samples_per_prompt >= cfg.samples_per_prompt, "search-samples-per-prompt",
+         f"must be at least K = {cfg.samples_per_prompt}, got {cfg.search_samples_per_prompt}")
+    need(cfg.sync_every >= 1, "sync-every", f"k must be at least 1, got {cfg.sync_every}")
+    need(cfg.steps >= 1, "steps", "must be at least 1")
+    need(cfg.prompts_per_step >= 1 and cfg.prompts_per_step % world == 0, "prompts-per-step",
+         f"must be a positive multiple of the {world} trainer rank(s), got {cfg.prompts_per_step}")
+    need(cfg.searchers >= 0, "searchers", "must be 0 or more")
+    need(cfg.searchers > 0 or world == 1, "searchers", "0 (the synchronous baseline) runs in one trainer process; "
+         f"got {world} (vLLM cannot share a multi-process group)")
+    need(cfg.beta > 0, "beta", "must be positive")
+    cfg = dataclasses.replace(cfg, beta_final=cfg.beta if cfg.beta_final is None else cfg.beta_final)
+    need(cfg.beta_final > 0, "beta-final", "must be positive")
+    need(cfg.lr > 0, "lr", "must be positive")
+    need(cfg.temperature > 0, "temperature", "must be positive (the evaluation has its own: --eval-temperature)")
+    need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
+    need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
+    need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")
+    need(cfg.grad_clip >= 0, "grad-clip", "must be 0 (no clipping) or more")
+    need(cfg.eval_every >= 0, "eval-every", "must be 0 or more")
+    need(cfg.eval_limit is None or cfg.eval_limit >= 1, "eval-limit", "must be at least 1")
+    need(cfg.save_every >= 0, "save-every", "must be 0 or more")
+    need(cfg.log_every >= 1, "log-every", "must be at least 1")
+    need(cfg.timeout > 0, "timeout", "must be positive")
+    for flag in ("searcher_memory", "trainer_memory"):
+        need(getattr(cfg, flag) is None or 0 < getattr(cfg, flag) < 1, flag.replace("_", "-"),
+             f"must be a fraction in (0, 1), got {getattr(cfg, flag)}")
+    need(cfg.generation_slowdown >= 1, "generation-slowdown", f"must be 1 (off) or more, got {cfg.generation_slowdown}")
+    need(cfg.max_staleness >= 0, "max-staleness", "must be 0 (no bound) or more")
+    need(cfg.max_reuse is None or cfg.max_reuse >= 0, "max-reuse", f"must be 0 (no cap) or more, got {cfg.max_reuse}")
+    need(not (cfg.max_reuse and cfg.searchers == 0), "max-reuse", "caps the asynchronous trainer's replay; with "
+         "--searchers 0 every step searches its own data")
+    cfg = dataclasses.replace(cfg, max_reuse=(MAX_REUSE if cfg.searchers else 0.0) if cfg.max_reuse is None
+                              else cfg.max_reuse)
+    need(cfg.round_prompts is None or cfg.round_prompts >= 1, "round-prompts", f"must be at least 1, got {cfg.round_prompts}")
+    need(cfg.round_prompts is None or cfg.searchers, "round-prompts", "sizes a searcher's round; with --searchers 0 "
+         "the trainer searches B prompts before each step")
+    # N searchers' rounds of B / N prompts together make one batch: its data comes from weights about as
+    # fresh whatever N (rounds of B each, 4 searchers fed steps from data 5-7 steps stale: docs/performance.md)
+    every = cfg.searchers * nodes.layout(world)[0]
+    if cfg.searchers and cfg.round_prompts is None:  # synchronous: none (the trainer searches B prompts a step)
+        cfg = dataclasses.replace(cfg, round_prompts=-(-cfg.prompts_per_step // every))
+    check_recipe(cfg)
+    vllm_env.check()
+    for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):
+        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
+    need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
+    need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
+    need(not (cfg.lag and cfg.ref_reset_every), "lag", "cannot be combined with --ref-reset-every (a reset "
+         "publishes the current weights as pi_ref)")
+    need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"unknown dtype {cfg.dtype!r}")
+    need(cfg.trainer_dtype in ("float32", "bfloat16"), "trainer-dtype", f"unknown dtype {cfg.trainer_dtype!r} "
+         "(choose from float32, bfloat16)")
+    shapes = choices(cfg, "lr_decay")
+    need(cfg.lr_decay in shapes, "lr-decay", f"unknown shape {cfg.lr_decay!r} (choose from {', '.join(shapes)})")
+    need(cfg.beta_stop_step >= 0, "beta-stop-step", "must be 0 or more")
+    need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
+    if cfg.wandb:
+        try:
+            import wandb  # noqa: F401  (optional: imported only when asked for)
+        except ImportError:
+            raise ConfigError("--wandb: the wandb package is not installed (it is optional: pip install wandb)") from None
+    ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
+    # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
+    device = "cuda" if torch.cuda.device_count() else "cpu"
+    local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
+    cfg = dataclasses.replace(cfg, device=device)
+    if device == "cuda":
+        from runtime import gpu  # the GPU checks
+        cfg = dataclasses.replace(cfg, dtype=gpu.check_gpus(cfg, local))
+    need(device == "cuda" or cfg.dtype in ("auto", "float32"), "dtype",
+         f"{cfg.dtype} on the CPU is not supported here (vLLM's CPU engine and the log-prob checks run in float32)")
+    cores = len(os.sched_getaffinity(0))
+    cfg = dataclasses.replace(cfg, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
+                              threads=max(1, cores // (local + cfg.searchers)))  # CPU: the cores split evenly
+    cfg, task, data, train = check_task(cfg)
+    need(cfg.micro_batch >= cfg.samples_per_prompt, "micro-batch", "must hold at least one prompt's K sequences")
+    if device == "cuda":
+        flag = "searcher_memory" if cfg.searchers else "trainer_memory"
+        cfg = dataclasses.replace(cfg, **{flag: gpu.check_memory(cfg, task, local)})
+    cfg = dataclasses.replace(cfg, out=cfg.out or (
+        os.path.dirname(os.path.abspath(cfg.resume)) if cfg.resume
+        else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}")))
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
+        check_out(cfg.out, cfg.resume)            # see its probe file
+    if cfg.resume:
+        check_resumed_flags(cfg, cfg.resume)
+        buffer = task.buffer(cfg, data.prompts)  # its kind, which the checkpoint's buffer must be
+        try:
+            ckpt["buffer"] = type(buffer).from_state(ckpt["buffer"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
+    return cfg, data, ckpt
+
+
+def check_recipe(cfg):
+    """The buffer's keeping, LoRA, weight decay, the reward's temperatures and the exploration's."""
+    need(cfg.buffer_keep in ("newest", "best"), "buffer-keep", f"unknown {cfg.buffer_keep!r} (choose from newest, best)")
+    for flag in ("dedup_similarity", "dedup_edit"):
+        value, name = getattr(cfg, flag), flag.replace("_", "-")
+        need(0 <= value <= 1, name, f"must be in [0, 1], got {value}")
+        need(value == 0 or cfg.buffer_keep == "best", name, "merges near-duplicates in the best buffer: pass "
+             "--buffer-keep best")
+    need(cfg.dedup_similarity == 0 or cfg.embedding_model, "dedup-similarity", "compares --embedding-model "
+         "embeddings (--dedup-edit compares tokens)")
+    need(cfg.lora_rank >= 0, "lora-rank", f"must be 0 (all weights) or more, got {cfg.lora_rank}")
+    need(cfg.lora_alpha > 0, "lora-alpha", f"must be positive, got {cfg.lora_alpha}")
+    if cfg.lora_rank:
+        try:
+            import peft  # noqa: F401  (needed only with --lora-rank)
+        except ImportError:
+            raise ConfigError("--lora-rank: the peft package is not installed (pip install peft)") from None
+    need(cfg.weight_decay >= 0, "weight-decay", f"must be 0 or more, got {cfg.weight_decay}")
+    need(cfg.reward_temp > 0, "reward-temp", f"must be positive, got {cfg.reward_temp}")
+    need(cfg.gamma_final > 0, "gamma-final", f"must be positive, got {cfg.gamma_final}")
+    need(cfg.loss == "tb" or (cfg.reward_temp == 1 and cfg.gamma_final == 1), "reward-temp",
+         f"T_R and gamma shape TB's log R; --loss {cfg.loss} has none (leave --reward-temp and --gamma-final at 1)")
+    for flag in ("reward_temp_anneal_steps", "gamma_anneal_steps"):
+        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
+    low, high = cfg.explore_temp_min, cfg.explore_temp_max
+    need(low == high == 0 or 0 < low <= high, "explore-temp-min", f"the exploration temperatures need 0 < "
+         f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
+
+
+def check_task(cfg):
+    """The task's flags (its entry of tasks.TASKS), data, model and tokenizer (and reward models), and the
+    values they derive: the models' folders, the evaluation's headline score and the longest sequence.
+    Returns (the Config with them, the Task, Data, the training problems)."""
+    from transformers import AutoConfig
+
+    need(cfg.task in tasks.TASKS, "task", f"unknown task {cfg.task!r} (choose from {', '.join(tasks.TASKS)})")
+    task = tasks.get(cfg.task)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name in tasks.TASKS:
+        for flag in tasks.get(name).flags:
+            need(name == cfg.task or getattr(cfg, flag) == defaults[flag], flag.replace("_", "-"),
+                 f"belongs to the {name} task")
+    cfg = dataclasses.replace(cfg, **task.check(cfg))
+    train, test = task.load(cfg.data)
+    test = test[: cfg.eval_limit] if cfg.eval_limit else test
+    train = train * -(-cfg.prompts_per_step // len(train)) if task.fill else train
+    if cfg.model == "tiny":
+        from runtime import tiny
+        model_path = tiny.cached()
+    else:
+        model_path = resolve_model(cfg.model)
+    tokenizer = load_tokenizer(model_path)
+    need(tokenizer.eos_token_id is not None, "model", f"the tokenizer of {model_path} has no EOS token")
+    paths = {f"{flag}_path": check_reward_model(getattr(cfg, flag), flag.replace("_", "-"))
+             for flag in ("reward_model", "eval_reward_model") if getattr(cfg, flag)}
+    cfg = dataclasses.replace(cfg, model_path=model_path, score=task.score, **paths)
+    cfg = dataclasses.replace(cfg, eval_reward_model_path=cfg.eval_reward_model_path or cfg.reward_model_path)
+    prompts = [tokenizer(p.prompt).input_ids for p in train]
+    test_prompts = [tokenizer(p.prompt).input_ids for p in test]
+    if task.max_prompt:
+        short = lambda ids: [i for i in range(len(ids)) if len(ids[i]) <= task.max_prompt]
+        keep, keep_test = short(prompts), short(test_prompts)
+        train, prompts = [train[i] for i in keep], [prompts[i] for i in keep]
+        test, test_prompts = [test[i] for i in keep_test], [test_prompts[i] for i in keep_test]
+        need(train and test, "data", f"no {cfg.task} prompt of at most {task.max_prompt} tokens in the training "
+             f"or held-out data")
+    need(cfg.prompts_per_step <= len(train), "prompts-per-step", f"B = {cfg.prompts_per_step} distinct prompts a step, "
+         f"but the task has {len(train)} training problems")
+    need(cfg.initial_buffer <= cfg.buffer_capacity * len(train), "initial-buffer",
+         f"{cfg.initial_buffer} trajectories can never be held: the buffer keeps at most --buffer-capacity "
+         f"{cfg.buffer_capacity} x {len(train)} problems")
+    longest = max(len(p) for p in prompts + test_prompts)
+    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    cfg = dataclasses.replace(cfg, max_model_len=longest + cfg.max_new_tokens)
+    if context:
+        need(cfg.max_model_len <= context, "max-new-tokens",
+             f"{cfg.max_new_tokens} new tokens + the longest prompt's {longest} tokens = {cfg.max_model_len} "
+             f"exceeds the model's context of {context} tokens")
+    data = Data(prompts, [p.answer for p in train], test_prompts, [p.answer for p in test])
+    return cfg, task, data, train

@@ -1,0 +1,175 @@
+"""GPU settings a spawned process would fail on, and a searcher GPU's memory: refused or computed by
+runtime.checks before any process starts.
+
+- `check_gpus`: too few GPUs, bf16 on a GPU older than compute capability 8.0, GPU 0 in EXCLUSIVE_PROCESS
+  mode; it also picks the dtype `--dtype auto` means.
+- `check_memory`: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it
+  loads beside them fit the smallest of this node's searcher GPUs, split as the searchers will split it
+  (`memory_split`); --searcher-memory's default (`memory_share`).
+- `memory_needs`: what a searcher's GPU holds, from the models' configs (counted on the meta device: no
+  weights read) and the run's settings; a task adds its own engines and models (its `memory`).
+"""
+
+import math
+
+import torch
+
+from runtime.errors import ConfigError
+
+
+def check_gpus(cfg, local: int) -> str:
+    """GPU settings that would fail inside a spawned process: refuse them here, in one line. `local`: the
+    trainer ranks on this node (torchrun's LOCAL_WORLD_SIZE), which with this node's searchers use this
+    node's GPUs; on several nodes every node checks its own. Returns the dtype (`--dtype auto`: bf16 where
+    every GPU used has it, else float16)."""
+    gpus = torch.cuda.device_count()
+    used = range(local + cfg.searchers)
+    if len(used) > gpus:
+        raise ConfigError(f"--searchers: {cfg.searchers} searcher(s) + {local} trainer rank(s) on this node need "
+                          f"{len(used)} GPUs on it, {gpus} visible")
+    # vLLM refuses bf16 below compute capability 8.0 (vllm/platforms/cuda.py:636-654, checking GPU 0
+    # only); torch.cuda.is_bf16_supported() says True there (emulation) and checks one device
+    oldest = min((torch.cuda.get_device_capability(i), i) for i in used)
+    dtype = ("bfloat16" if oldest[0] >= (8, 0) else "float16") if cfg.dtype == "auto" else cfg.dtype
+    if dtype == "bfloat16" and oldest[0] < (8, 0):
+        raise ConfigError(f"--dtype: bfloat16 needs compute capability 8.0 or newer; GPU {oldest[1]} has "
+                          f"{'.'.join(map(str, oldest[0]))} (use --dtype float16)")
+    if cfg.searchers and compute_mode(0) == 3:  # NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+        raise ConfigError("--searchers: GPU 0 is in EXCLUSIVE_PROCESS compute mode, but the searchers open the "
+                          "shared weights there beside the trainer; set it to DEFAULT (nvidia-smi -i 0 -c DEFAULT)")
+    return dtype
+
+
+def compute_mode(index: int) -> int | None:
+    """NVML compute mode of CUDA device `index` (as torch numbers it), or None without NVML. vLLM ships
+    nvidia-ml-py as vllm.third_party.pynvml (vllm/utils/import_utils.py:24-52); NVML numbers GPUs
+    physically, so the device is found by its UUID."""
+    try:
+        import pynvml
+    except ImportError:
+        from vllm.third_party import pynvml
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid
+        return pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+    except pynvml.NVMLError:  # a MIG device or a UUID NVML does not know: the mode is unknown, as without NVML
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def check_memory(cfg, task, local: int) -> float:
+    """GPUs: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it loads beside
+    them fit the smallest of this node's searcher GPUs, split as the searchers will split it (memory_split), or
+    a refusal in one line naming what does not fit. Returns the share of the GPU for the engines: the flag's,
+    or its default computed."""
+    flag = "searcher-memory" if cfg.searchers else "trainer-memory"
+    gpus = range(local, local + cfg.searchers) if cfg.searchers else range(local)
+    card = min(torch.cuda.get_device_properties(i).total_memory for i in gpus)
+    engines, beside = memory_needs(cfg, task)  # searcher 0's, which evaluates: the most
+    share = getattr(cfg, flag.replace("-", "_"))
+    share = memory_share(card, beside) if share is None else share
+    try:
+        memory_split(card, share, engines, beside)
+    except ValueError as e:
+        raise ConfigError(f"--{flag}: {e}") from None
+    return share
+
+
+# --- a searcher GPU's memory: vLLM's share, and its split between the engines of one process ----------
+KINDS = {"causal": "AutoModelForCausalLM", "sequence": "AutoModelForSequenceClassification", "base": "AutoModel"}
+
+
+def text_config(path: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path).get_text_config()
+
+
+def model_bytes(path: str, dtype: str, kind: str = "causal") -> int:
+    """Bytes of the weights of the model at `path` in `dtype`, counted on the meta device (no weights read);
+    `kind`: causal (an LM), sequence (a classifier) or base (an encoder)."""
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = getattr(transformers, KINDS[kind]).from_config(config)
+    return sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def kv_bytes_per_token(path: str, dtype: str) -> int:
+    """Bytes of KV cache a token takes in a vLLM engine of the model at `path`: keys and values of every layer."""
+    c = text_config(path)
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def engine_needs(path: str, dtype: str, longest: int, length: int, seqs: int) -> tuple[int, int, int]:
+    """A vLLM engine of the model at `path`: (its weights and the working memory vLLM measures, the least KV
+    cache, the KV cache a round can fill). The working memory is estimated with vLLM's defaults on an A100
+    or a smaller card, 8,192 tokens a step and 256 sequences (vllm/engine/arg_utils.py:2942-2951): a step's
+    activations, the sampler's float32 logits and log-probs, and 0.5 GiB of CUDA graphs and workspaces; the
+    least KV cache is one whole sequence of `longest` tokens (vLLM starts no engine with less:
+    vllm/v1/core/kv_cache_utils.py:1104-1136); a round fills `seqs` sequences (256 at once at most) of
+    `length`."""
+    c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+    work = 8192 * (4 * c.hidden_size + 2 * ffn) * d + 3 * 256 * c.vocab_size * 4 + 2**29
+    token = kv_bytes_per_token(path, dtype)
+    return model_bytes(path, dtype) + work, token * longest, token * min(seqs, 256) * length
+
+
+def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
+    """memory_split's inputs for a searcher of this run (`evaluates`: the one that evaluates, the largest), in
+    --dtype: the policy's vLLM engine (`engine_needs`), and beside the engines, by name: pi_ref and its
+    log-prob pass (--micro-batch sequences' logits and a 256 MiB float32 chunk, loss.sequence_logprobs), the
+    reward model, what the task adds (its `memory`: TL;DR's evaluation models, red-teaming's victim and judge
+    engines, classifier and embedder), and 1 GiB for the CUDA context and the allocator's cache."""
+    d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
+    seqs = cfg.prompts_per_step * cfg.search_samples_per_prompt
+    engines = {"policy": engine_needs(cfg.model_path, cfg.dtype, cfg.max_model_len, cfg.max_model_len, seqs)}
+    beside = {"pi_ref": model_bytes(cfg.model_path, cfg.dtype),
+              "its logits": cfg.micro_batch * cfg.max_model_len * text_config(cfg.model_path).vocab_size * d,
+              "a float32 chunk": 2**28}
+    if cfg.reward_model_path:
+        beside["the reward model"] = model_bytes(cfg.reward_model_path, cfg.dtype, "sequence")
+    task.memory(cfg, evaluates, engines, beside)
+    beside["the CUDA context"] = 2**30
+    return engines, beside
+
+
+def memory_share(card: int, beside: dict[str, int]) -> float:
+    """--searcher-memory's default: all of a GPU of `card` bytes that the models beside the engines leave
+    (rounded down to 0.01), at most vLLM's own default of 0.9. vLLM takes its share when it starts and refuses
+    to start with less free (vllm/v1/worker/utils.py:716-772); the searcher loads the rest after it."""
+    return min(0.9, math.floor(100 * (1 - sum(beside.values()) / card)) / 100)
+
+
+def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int]],
+                 beside: dict[str, int]) -> dict[str, float]:
+    """Each engine's gpu_memory_utilization on a GPU of `card` bytes whose `share` (--searcher-memory) holds
+    this process's vLLM engines (memory_needs gives `engines` and `beside`). engines[name] = (bytes besides
+    the KV cache, the least KV cache, the KV cache a round can fill): each gets its first two, and the share's
+    spare goes to the KV caches in proportion to the third. `beside` (the models loaded after the engines)
+    must fit in 1 - share. In vLLM 0.32 an engine's fraction is a budget of its own: its KV cache is what its
+    weights, activations and CUDA graphs leave of it, and the engines started before it count as another process
+    (vllm/v1/worker/utils.py:716-770, vllm/v1/worker/gpu_worker.py:713-744, vllm/utils/mem_utils.py:242-245).
+    Raises ValueError, one line naming what does not fit."""
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    them = f"the {' + '.join(engines)} engine" + ("s'" if len(engines) > 1 else "'s")
+    fixed, rest = sum(f + least for f, least, _ in engines.values()), sum(beside.values())
+    listed = ", ".join(f"{what} {b / 2**30:.1f}" for what, b in beside.items())
+    if fixed + rest > card:
+        raise ValueError(f"{them} {gib(fixed)} and the models beside {'them' if len(engines) > 1 else 'it'} "
+                         f"({listed}: {gib(rest)}) need more than this GPU's {gib(card)}")
+    if fixed > share * card:
+        raise ValueError(f"{share} of this GPU's {gib(card)} cannot hold {them} {gib(fixed)}; give "
+                         f"{'them' if len(engines) > 1 else 'it'} at least {math.ceil(100 * fixed / card) / 100}")
+    if rest > (1 - share) * card:
+        raise ValueError(f"{share} of this GPU's {gib(card)} leaves less than the {gib(rest)} of the models beside "
+                         f"the engines ({listed}); give the engines at most {math.floor(100 * (1 - rest / card)) / 100}")
+    spare, wanted = share * card - fixed, sum(w for *_, w in engines.values())
+    return {name: (f + least + spare * w / wanted) / card for name, (f, least, w) in engines.items()}

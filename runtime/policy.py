@@ -1,0 +1,88 @@
+"""The trainer's model: loaded and sharded with FSDP2 over the trainer ranks (`load_policy`), its optimizer
+(`AdamW`, whose moments stay in float32) and activation checkpointing (`recompute_blocks`).
+"""
+
+import torch
+
+from runtime import lora
+
+
+def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32", recompute: bool = False,
+                adapter: tuple | None = None):
+    """`weights_dtype` weights (float32, or bfloat16 as the authors' GSM8K run; AdamW's moments stay in
+    float32 either way: `AdamW`), sharded with FSDP2 over the trainer ranks (per decoder block, then the
+    whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32. The blocks are
+    the modules whose class the model lists in `_no_split_modules` (transformers' convention for
+    sharding wrappers): LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, Qwen2DecoderLayer, ...
+    `adapter` = (rank, alpha, seed, saved adapter folder or None): LoRA on the frozen model (runtime/lora.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+    device = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, weights_dtype)).to(device)
+    model.config.use_cache = False
+    if adapter:
+        rank, alpha, seed, saved = adapter
+        model = lora.wrap(model, rank, alpha, seed)
+        if saved:
+            lora.load_adapter(model, saved)
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    if recompute:  # --activation-checkpointing, before fully_shard (as FSDP2's own tests compose them)
+        recompute_blocks(model, blocks)
+    # FSDP2 on the model's own device: without a mesh it takes the accelerator torch was built for
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_init.py:198-211), and on a GPU node moves a CPU model to
+    # cuda (_fsdp_init.py:369-404). from_group reuses the default group as it is (no new group, whose timeout
+    # would be torch's default: torch/distributed/device_mesh.py:1053-1115).
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    for module in [m for m in model.modules() if type(m).__name__ in blocks]:
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW with its moments in float32 whatever the weights' dtype. torch keeps them in the
+    weights' dtype (zeros_like(p): torch/optim/adam.py:178-184), and in bf16 v x 0.999 rounds back to v,
+    so v stops decaying (docs/departures.md, "bf16 weights"). A bf16 weight is updated by torch's own
+    functional AdamW on a float32 copy, one parameter at a time (a copy of them all would cost 8 bytes a
+    parameter at once), and rounded back; float32 weights take torch's path unchanged."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if all(p.dtype == torch.float32 for g in self.param_groups for p in g["params"]):
+            return super().step(closure)
+        from torch.optim.adam import adam
+        for group in self.param_groups:
+            for p in [p for p in group["params"] if p.grad is not None]:
+                state = self.state[p]
+                if not state:  # as torch's lazy init (torch/optim/adam.py:161-184), in float32 (DTensors stay DTensors)
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p, dtype=torch.float32),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
+                weight = p.float()
+                adam([weight], [p.grad.float()], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+                     foreach=False, decoupled_weight_decay=True, amsgrad=False, beta1=group["betas"][0],
+                     beta2=group["betas"][1], lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     maximize=False)
+                p.copy_(weight)
+
+    def load_state_dict(self, state_dict):
+        """torch casts the loaded moments to the weights' dtype (torch/optim/optimizer.py:800-801, 964-1001):
+        put the saved float32 ones back."""
+        super().load_state_dict(state_dict)
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(saved, [p for g in self.param_groups for p in g["params"]]):
+            for key, value in state_dict["state"].get(i, {}).items():
+                if key.startswith("exp_avg"):
+                    self.state[p][key] = value.to(p.device, torch.float32)
+
+
+def recompute_blocks(model, blocks: set):
+    """Activation checkpointing per decoder block: each keeps only its input and recomputes the rest
+    in the backward pass. The composable form hooks the module in place, keeping its parameter names
+    (torch/distributed/_composable/checkpoint_activation.py:38-46), so weights.gather, checkpoints and
+    save_pretrained see the same names; non-reentrant, with the RNG state kept: the same numbers."""
+    from torch.distributed._composable import checkpoint
+    for module in [m for m in model.modules() if type(m).__name__ in blocks]:
+        checkpoint(module)

@@ -1,0 +1,188 @@
+"""What a task is: its problems, its reward and its evaluation, and the loaders the tasks share.
+
+A task is one file of this folder with one `TASK = Task(...)`, named in `tasks.TASKS`. The rest of the
+code asks the entry, never the task's name:
+- `load(--data folder or None) -> (train, test)` problems, each `Problem(prompt, answer)`;
+- `reward(completion, answer) -> float`, a plain string function (rewards.py), or none where a model
+  scores the responses (`--reward-model`, or a `Scorer` of the task's own);
+- `scorer`: what the task does inside a searcher's engine, once per round and at each evaluation. The
+  default, `Scorer` below, rewards with the string function (or `--reward-model`) and evaluates the
+  accuracy of one response per held-out prompt; a task with a reward model of its own, extra vLLM
+  engines or an evaluation of its own subclasses it (tldr.py, redteam.py);
+- `check(cfg) -> {derived field: value}`: the task's own flags, refused in one line, and the values
+  they derive (the folders of its models);
+- `flags`: the flags that belong to it alone (refused with any other task);
+- `memory(cfg, evaluates, engines, beside)`: adds the GPU memory of the extra vLLM engines and models its
+  scorer loads on a searcher's GPU to the policy's and pi_ref's (runtime/gpu.memory_needs);
+- `buffer(cfg, prompts) -> ReplayBuffer`: its replay buffer (TBA's; red-teaming's `--buffer-keep best` is
+  Lee et al.'s buffer of the best attacks, a subclass);
+- `score`: the evaluation's headline figure; `max_prompt`: longer prompts (in tokens) are dropped;
+  `fill`: the training prompts are repeated to fill a batch of B (one instruction searched as B copies).
+Bad data raises ConfigError with a one-line message; tba.py prints it and exits with 2.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from buffer import ReplayBuffer
+from rewards import RewardModel, batched
+from runtime.errors import ConfigError
+
+
+@dataclass
+class Problem:
+    prompt: str  # what the model is given
+    answer: str  # what the reward compares against (GSM8K: the data set's whole answer field)
+
+
+@dataclass
+class Data:
+    """A run's problems as it uses them (runtime.checks makes it): token ids of the prompts and the answers
+    the reward compares against, for searching (train) and for the evaluation (held out)."""
+    prompts: list[list[int]]       # training prompts, searched on
+    answers: list[str]             # their answers
+    test_prompts: list[list[int]]  # held-out prompts, evaluated on
+    test_answers: list[str]        # their answers
+
+
+class Scorer:
+    """A task's work inside a searcher's engine (searcher.Engine): the reward of a round's responses, and
+    the evaluation. This one scores with the task's string reward (or `--reward-model` in its place) and
+    evaluates the accuracy (pass@1) of one response per held-out prompt, greedy or at --eval-temperature.
+    `seconds`: the last reward's time by part, for the train rows (red-teaming: the victim's, the classifier's)."""
+
+    def __init__(self, engine, task: "Task", evaluates: bool):
+        self.engine, self.cfg, self.seconds = engine, engine.cfg, {}
+        if self.cfg.reward_model_path:
+            with engine.beside():  # a transformers model beside vLLM (runtime/vllm_env.py)
+                self.score = RewardModel(self.cfg.reward_model_path, engine.device, self.cfg.dtype, engine.tokenizer,
+                                         self.cfg.non_eos_penalty, batch=self.cfg.micro_batch)
+        else:
+            self.score = batched(task.reward)
+
+    def reward(self, prompts, responses, completions, answers) -> list[float]:
+        """The rewards of one round: prompt and response token ids, the responses' text, the answers."""
+        return self.score(prompts, responses, completions, answers)
+
+    def annotate(self, trajectories, completions):
+        """Fill in what the task's buffer needs beyond the reward (red-teaming: the attacks' embeddings)."""
+
+    def loaded(self, named_tensors: list):
+        """The engine has loaded new policy weights (TL;DR keeps a transformers copy at them)."""
+
+    def evaluate(self, prompts: list[list[int]], answers: list[str], beat=lambda done: None) -> tuple[dict, dict]:
+        """One response to each prompt with the loaded weights: each score's mean, and the first problem's
+        example. In parts of a search round's size (B x responses per prompt; 256 at least, vLLM's batch of
+        sequences on the CPU), each followed by beat(prompts done): a long evaluation (the TL;DR one at 2.8B,
+        with a 6.9B judge: about 15 minutes on an A100) is then no silence to the trainer's watch, while a part
+        that hangs is."""
+        size = max(256, self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt)
+        rows, example = {}, None
+        for i in range(0, len(prompts), size):
+            part, first = self.evaluate_part(prompts[i:i + size], answers[i:i + size])
+            for k, v in part.items():
+                rows.setdefault(k, []).extend(v)
+            example = example or first
+            beat(min(i + size, len(prompts)))
+        return {k: float(np.mean(v)) for k, v in rows.items()}, example
+
+    def evaluate_part(self, prompts: list[list[int]], answers: list[str]) -> tuple[dict, dict]:
+        """evaluate() on some prompts: each score's value for each response, and the first one's example."""
+        responses, texts = self.engine.respond(prompts)
+        rewards = self.reward(prompts, responses, texts, answers)
+        return {"accuracy": list(rewards)}, self.example(prompts, texts, rewards)
+
+    def example(self, prompts, texts, rewards) -> dict:
+        return dict(prompt=self.engine.tokenizer.decode(prompts[0], skip_special_tokens=True), completion=texts[0],
+                    reward=float(rewards[0]))
+
+
+def no_memory(cfg, evaluates: bool, engines: dict, beside: dict):
+    """A task whose scorer loads nothing beyond the policy's engine, pi_ref and a reward model."""
+
+
+def default_buffer(cfg, prompts: list[list[int]]) -> ReplayBuffer:
+    """TBA's buffer."""
+    return ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What `--task NAME` is (the module docstring gives each field's contract)."""
+    load: Callable
+    reward: Callable | None = None
+    scorer: type = Scorer
+    score: str = "accuracy"
+    check: Callable = lambda cfg: {}
+    flags: tuple[str, ...] = ()
+    memory: Callable = no_memory
+    buffer: Callable = default_buffer
+    max_prompt: int | None = None
+    fill: bool = False
+
+
+# --- loaders the tasks share ------------------------------------------------------------------------
+def read_jsonl(path: str, problem) -> list[Problem]:
+    """`problem(row, where)` for each JSON object line of `path`; ConfigError in one line naming what is wrong."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--data: {path} does not exist")
+    problems = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")  # not splitlines(): JSON strings may hold U+2028
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--data: {path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError(f"--data: {path} line {line_no}: not valid JSON") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"--data: {path} line {line_no}: not a JSON object")
+        problems.append(problem(row, f"{path} line {line_no}"))
+    if not problems:
+        raise ConfigError(f"--data: {path} holds no problems")
+    return problems
+
+
+def text_fields(row: dict, where: str, *fields: str):
+    """Refuse a row whose `fields` are missing or not text."""
+    for field in fields:
+        if not isinstance(row.get(field), str):
+            raise ConfigError(f"--data: {where}: missing or non-text field {field!r}")
+
+
+def from_hub(name: str, config, splits: tuple[str, str], problem) -> tuple[list[Problem], list[Problem]]:
+    files = " and ".join(f"{s}.jsonl" for s in splits)
+    try:
+        from datasets import load_dataset  # optional: only this path needs it
+    except ImportError:
+        raise ConfigError(f"--data: no folder given and the 'datasets' package is not installed; "
+                          f"pass --data DIR holding {files}") from None
+    try:
+        ds = load_dataset(name, config)
+    except Exception as e:  # no network, no hub: one line, naming the flag to use instead
+        raise ConfigError(f"--data: could not load {name} from the Hugging Face hub "
+                          f"({type(e).__name__}); pass --data DIR holding {files}") from None
+    return tuple([problem(r, f"{name} {split} row {i}") for i, r in enumerate(ds[split])] for split in splits)
+
+
+def folder(data: str) -> str:
+    if not os.path.isdir(data):
+        raise ConfigError(f"--data: {data} is not a folder")
+    return data
+
+
+def load_splits(name: str, config, splits: tuple[str, str], problem):
+    """A loader of a data set with two splits, (train, test), from --data's JSONL files or the hub."""
+    def load(data: str | None) -> tuple[list[Problem], list[Problem]]:
+        if data is None:
+            return from_hub(name, config, splits, problem)
+        return tuple(read_jsonl(os.path.join(folder(data), f"{split}.jsonl"), problem) for split in splits)
+    return load
