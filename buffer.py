@@ -19,6 +19,9 @@ Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
 - TBA′ (reference-policy resetting): every trajectory records the pi_ref that scored it; at a
   reset the buffer is emptied and only data scored under the new pi_ref is kept, so that no TB
   group mixes log-probs under two references (recomputing them would need pi_ref in the trainer).
+- --lag L (an exact lag): the searchers' rounds for step n, all sampled by the weights of step n - L,
+  are kept apart (`rounds`) and make step n's batch alone (`sample_round`), each trajectory once;
+  each group is one round's, scored under one pi_ref, so a TBA′ reset drops none of them.
 - Checkpoints: `state` / `from_state` as plain NumPy arrays, the settings by name (no pickle, no code).
   A trajectory's arrays come from its dataclass's fields (`to_arrays`), as on the wire between nodes.
 - `ReuseCap` (--max-reuse R): the trainer learns only as fast as data arrives. It draws at most R
@@ -57,9 +60,12 @@ class Trajectory:
     reward: float            # r(y, x)
     logp_ref: float          # log pi_ref(y|x), summed over response tokens, from logits / temperature
     logp_behaviour: float    # log-prob under the searcher's policy that sampled y (vLLM's, same temperature)
-    version: int             # trainer step whose weights sampled y (0 = the initial model)
+    version: int             # trainer step whose weights sampled y (0 = the initial model; in flight: the first)
     pi_ref_version: int = 0  # trainer step whose weights were pi_ref when logp_ref was computed (TBA′)
     embedding: np.ndarray | None = vector("float32")  # (H,) unit sentence embedding (--dedup-similarity)
+    version_last: int = -1   # the last weights that sampled a token of y (in-flight updates); -1: `version`'s
+    for_step: int = -1       # --lag: the trainer step whose batch this round is for; -1: streamed
+    behaviour_logps: np.ndarray | None = per_token("float32")  # (T,) each token's log-prob when sampled
 
 
 FIELDS = dataclasses.fields(Trajectory)
@@ -111,6 +117,7 @@ class ReplayBuffer:
         self.capacity, self.recency, self.reward_inv_temp = capacity, recency, reward_inv_temp
         self.window = 0          # number of weight syncs so far
         self.pi_ref_version = 0  # the pi_ref of the data kept (TBA′)
+        self.rounds: dict[int, list[Trajectory]] = {}  # --lag: step -> the trajectories of its rounds
         self.clear()
 
     def clear(self):
@@ -121,7 +128,10 @@ class ReplayBuffer:
 
     def add(self, trajectories: list[Trajectory]) -> list[Trajectory]:
         """Add the trajectories; returns those kept (TBA′: not those scored under an older pi_ref)."""
-        kept = [t for t in trajectories if t.pi_ref_version == self.pi_ref_version]
+        rounds = [t for t in trajectories if t.for_step >= 0]
+        for t in rounds:
+            self.rounds.setdefault(t.for_step, []).append(t)
+        kept = [t for t in trajectories if t.for_step < 0 and t.pi_ref_version == self.pi_ref_version]
         for t in kept:
             if t.prompt_id not in self.groups:
                 self.groups[t.prompt_id] = OrderedDict()
@@ -136,7 +146,7 @@ class ReplayBuffer:
                 self.size -= 1
             self.last_window.pop(t.prompt_id, None)
             self.last_window[t.prompt_id] = self.window
-        return kept
+        return rounds + kept
 
     def mark_sync(self):
         """Called at every weight sync: data added after this is 'recent'."""
@@ -167,8 +177,23 @@ class ReplayBuffer:
         return [t for t, _ in self.groups[prompt].values()]
 
     def __len__(self):
-        """Trajectories held for the whole-buffer draws."""
-        return self.size
+        """Trajectories held: for the whole-buffer draws, and the rounds of the steps to come (--lag)."""
+        return self.size + self.waiting()
+
+    def waiting(self, step: int | None = None) -> int:
+        """--lag: trajectories of the rounds for `step` (None: for every step to come)."""
+        return len(self.rounds.get(step, ())) if step is not None else sum(map(len, self.rounds.values()))
+
+    def sample_round(self, step: int, B: int, K: int, rng: np.random.Generator) -> list[list[Trajectory]]:
+        """--lag: B groups of K trajectories from the rounds for `step`, each used once: B distinct prompts while
+        they have as many (in prompt order, whatever order the searchers' rounds came in), K distinct responses
+        of each while it has as many."""
+        by_prompt = {}
+        for t in sorted(self.rounds.pop(step), key=lambda t: (t.prompt_id, t.response.tobytes())):
+            by_prompt.setdefault(t.prompt_id, []).append(t)
+        groups = list(by_prompt.values())
+        chosen = rng.choice(len(groups), size=B, replace=len(groups) < B)
+        return [[groups[j][i] for i in rng.choice(len(groups[j]), size=K, replace=len(groups[j]) < K)] for j in chosen]
 
     def sample(self, B: int, K: int, rng: np.random.Generator) -> list[list[Trajectory]]:
         """B groups of K trajectories, each group from one prompt (see the module docstring)."""
@@ -200,7 +225,8 @@ class ReplayBuffer:
         """The whole buffer as NumPy arrays: its groups' trajectories in order of arrival, each oldest first,
         with their windows, and its settings and counters by name (a JSON text)."""
         rows = [(t, w) for p in self.prompts for t, w in self.groups[p].values()]
-        return dict(**to_arrays([t for t, _ in rows]), window=np.array([w for _, w in rows], np.int64),
+        rounds = {f"round_{k}": v for k, v in to_arrays([t for r in self.rounds.values() for t in r]).items()}
+        return dict(**to_arrays([t for t, _ in rows]), **rounds, window=np.array([w for _, w in rows], np.int64),
                     prompts=np.array(self.prompts, np.int64),
                     last_window=np.array([list(self.last_window), list(self.last_window.values())],
                                          np.int64).reshape(2, -1),
@@ -216,6 +242,8 @@ class ReplayBuffer:
         buf = cls(**settings)
         for t, w in zip(from_arrays(s), s["window"].tolist()):
             buf.groups.setdefault(t.prompt_id, OrderedDict())[t.response.tobytes()] = (t, w)
+        for t in from_arrays({k[len("round_"):]: v for k, v in s.items() if k.startswith("round_")}):
+            buf.rounds.setdefault(t.for_step, []).append(t)
         buf.prompts = s["prompts"].tolist()
         buf.last_window = dict(zip(*s["last_window"].tolist()))
         buf.window, buf.pi_ref_version = window, version

@@ -43,9 +43,11 @@ from runtime.weights import WAIT, SharedWeights, locked, receive
 
 
 # ===== the searcher's loop: its side of the paper's Algorithm 1 ==================================
-def run(index: int, cfg, weights: SharedWeights, channels, data, device: str):
+def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, first_round: int = 0):
     """Searcher process main: search, push, reload weights when they move, until told to stop.
-    Searcher 0 also answers evaluation requests (`channels.evals`) between rounds."""
+    Searcher 0 also answers evaluation requests (`channels.evals`) between rounds. With --lag L, round r
+    is step r's (a run resumed at step s begins at round s) and waits for the weights of step r - L
+    exactly; --inflight loads new weights between the decoding steps of a round."""
     become_searcher()
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
@@ -54,31 +56,50 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str):
                         evaluates=channels.evals is not None)
         if cfg.generation_slowdown != 1:
             slowdown.calibrate_alone(engine, *channels.calibration, cfg, parent_alive)
-        rng = np.random.default_rng([cfg.seed, index, seeds.SEARCH_PROMPTS])
         receive(weights, channels.stop, parent_alive)
-        for round_ in itertools.count():
+        me = index % cfg.searchers  # among this node's searchers (node n's are numbered from n x searchers)
+        beat = lambda **state: put(channels.queue, dict(kind="beat", searcher=index, **state), channels.stop)
+        in_flight = (lambda: engine.sync(weights, parent_alive, cfg.timeout, in_flight=True)) if cfg.inflight else None
+        asked = []  # the steps whose evaluation searcher 0 was asked for and has not made yet
+        for round_ in itertools.count(first_round):
             if channels.stop.is_set():
                 break
-            # ===== reload the weights if the trainer published new ones =========================
-            engine.sync(weights, parent_alive, cfg.timeout)
+            # ===== the weights: the newest published, or (--lag) exactly those of step round - L ===
+            lagged = cfg.lag is not None and round_ < cfg.steps  # no batch needs a round past --steps
+            if lagged:
+                weights.wants[me] = max(0, round_ - cfg.lag)
+                engine.sync(weights, parent_alive, cfg.timeout, version=weights.wants[me], beat=beat,
+                            stop=channels.stop)
+            else:
+                weights.wants[me] = -1
+                engine.sync(weights, parent_alive, cfg.timeout)
             # ===== search: sample, score, pi_ref's log-probs; push to the trainer =================
-            t0 = time.time()
-            ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
-            trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_))
-            put(channels.queue, dict(kind="search", searcher=index, version=engine.version, trajectories=trajectories,
-                                     seconds=time.time() - t0, **stats), channels.stop)
-            # ===== evaluate, if asked (after a round: the trainer gets its first data first) ======
-            requested = drain_requests(channels.evals)
-            if requested is not None:
-                if engine.version != requested:  # the weights asked for if it holds them (the initial
-                    engine.sync(weights, parent_alive, cfg.timeout)  # model's), else the newest
+            if lagged or cfg.lag is None:
                 t0 = time.time()
-                beat = lambda done: put(channels.queue, dict(kind="beat", searcher=index, done=done), channels.stop)
-                scores, example = engine.evaluate(data.test_prompts, data.test_answers, beat)
+                rng = np.random.default_rng([cfg.seed, index, round_, seeds.SEARCH_PROMPTS])  # a resumed run's too
+                ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
+                trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
+                                                    for_step=round_ if lagged else -1, between=in_flight)
+                put(channels.queue, dict(kind="search", searcher=index, version=engine.version,
+                                         trajectories=trajectories, seconds=time.time() - t0, **stats), channels.stop)
+            else:  # --lag, every round made: only evaluations are left to do
+                time.sleep(WAIT / 4)
+            # ===== evaluate, if asked (after a round: the trainer gets its first data first) ======
+            asked += drain_requests(channels.evals)
+            due = [step for step in asked if cfg.lag is None or step <= engine.version]  # --lag: once it holds them
+            if due:
+                if cfg.lag is None and engine.version != max(due):  # the weights asked for if it holds them (the
+                    engine.sync(weights, parent_alive, cfg.timeout)   # initial model's), else the newest
+                asked = [step for step in asked if step not in due]
+                t0 = time.time()
+                scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda done: beat(done=done))
                 put(channels.queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores,
                                          example=example, seconds=time.time() - t0), channels.stop)
     except Dead:
         sys.exit(3)
+    except TimeoutError as e:  # the trainer lives but sent no weights for --timeout: one line, not a traceback
+        print(f"searcher {index}: {e}", file=sys.stderr, flush=True)
+        sys.exit(4)
     except BaseException:
         traceback.print_exc()
         sys.exit(1)
@@ -104,6 +125,9 @@ class Engine:
         self.llms = []  # the vLLM engines in this process: the policy's first
         self.llm = self.start_llm(cfg.model_path, next(iter(self.split.values()), memory), cfg.max_model_len,
                                   logprobs_mode="processed_logprobs")  # behaviour log-probs after temperature
+        # vLLM labels each token with the weights' version that made it (CompletionOutput.weight_versions:
+        # vllm/outputs.py:42-48, 90; vllm/v1/engine/output_processor.py:484-500): a round in flight has several
+        self.llm.llm_engine.set_weight_version("0")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.version = 0          # trainer step of the weights loaded (0 = the initial model)
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
@@ -112,33 +136,64 @@ class Engine:
         self.scorer = task.scorer(self, task, evaluates)
 
     # --- searching -------------------------------------------------------------------------
-    def generate(self, prompt_ids, n: int, seed: tuple):
-        """vLLM's n samples of each prompt, and the seconds they took."""
+    def generate(self, prompt_ids, n: int, seed: tuple, between=None):
+        """vLLM's n samples of each prompt; the seconds they took, and the seconds slept after them
+        (--generation-slowdown). `between()` runs between two decoding steps (--inflight)."""
         from vllm import SamplingParams
 
         params = [SamplingParams(n=n, temperature=self.explore(seed, p), max_tokens=self.cfg.max_new_tokens,
                                  logprobs=0,  # the sampled token's log-prob: gives cumulative_logprob
                                  seed=int(np.random.SeedSequence([*seed, int(p)]).generate_state(1)[0]))
                   for p in prompt_ids]  # a seed per request: sampling is reproducible from the run's seed
-        t0 = time.time()
-        outputs = self.llm.generate([{"prompt_token_ids": self.prompts[p]} for p in prompt_ids], params,
-                                    use_tqdm=False)
-        return outputs, time.time() - t0
+        prompts = [{"prompt_token_ids": self.prompts[p]} for p in prompt_ids]
+        if between is None and self.cfg.generation_slowdown == 1:  # vLLM's own loop
+            t0 = time.time()
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            return outputs, time.time() - t0, 0.0
+        return self.step_through(prompts, params, between)
 
-    def search(self, prompt_ids, n: int, seed: tuple) -> tuple[list[Trajectory], dict]:
-        """n sampled responses to each prompt, scored, with reference and behaviour log-probs."""
-        outputs, generate = self.generate(prompt_ids, n, seed)
+    def step_through(self, prompts: list[dict], params: list, between):
+        """vLLM's loop, driven here step by step (LLM.generate is this loop: vllm/entrypoints/common/offline.py:
+        589-640), so that `between()` runs between two decoding steps and each step is slowed down. A prompt's
+        cached blocks are salted with the weights' version (vllm/v1/core/kv_cache_utils.py:647-651): a request
+        added after new weights arrived never reuses blocks the old weights computed, which the prefix cache
+        cannot drop while requests are in flight. Returns (outputs, seconds generating, seconds slept)."""
+        from vllm.sampling_params import RequestOutputKind
+        engine, done, generate, slept = self.llm.llm_engine, {}, 0.0, 0.0
+        for i, (p, s) in enumerate(zip(prompts, params)):
+            s.output_kind = RequestOutputKind.FINAL_ONLY  # one output a request, at its end: no per-step cost
+            engine.add_request(f"round-{i}", dict(p, cache_salt=f"v{self.version}"), s)  # ids no number: offline.py:640
+        while engine.has_unfinished_requests():
+            running = engine.get_num_unfinished_requests()  # sequences: each makes one token in this step
+            t0 = time.time()
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            seconds = time.time() - t0
+            generate += seconds
+            if self.per_token:  # --generation-slowdown: this step takes X times its cost alone
+                slept += slowdown.slow_down(seconds, running * self.per_token, self.cfg.generation_slowdown)
+            if between is not None and engine.has_unfinished_requests():
+                between()
+        return [done[f"round-{i}"] for i in range(len(prompts))], generate, slept
+
+    def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1, between=None) -> tuple[list[Trajectory], dict]:
+        """n sampled responses to each prompt, scored, with reference and behaviour log-probs, and the versions
+        of the weights that sampled them (several with --inflight); `for_step`: --lag's step."""
+        outputs, generate, slept = self.generate(prompt_ids, n, seed, between)
         tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         alone = tokens * self.per_token if self.per_token else generate  # the generation's cost alone
-        slept = slowdown.slow_down(generate, alone, self.cfg.generation_slowdown)
         done = [(int(p), c) for p, out in zip(prompt_ids, outputs) for c in out.outputs]
         texts = [c.text for _, c in done]
         rewards = self.scorer.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done], texts,
                                      [self.answers[p] for p, _ in done])
+        versions = [[int(span.version) for span in c.weight_versions] or [self.version] for _, c in done]
         trajectories = [Trajectory(prompt_id=p, response=np.asarray(c.token_ids, dtype=np.int32), reward=float(r),
-                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob), version=self.version,
-                                   pi_ref_version=self.pi_ref_version)
-                        for (p, c), r in zip(done, rewards)]
+                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob), version=v[0],
+                                   pi_ref_version=self.pi_ref_version, version_last=v[-1], for_step=for_step,
+                                   behaviour_logps=np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
+                                                            np.float32))
+                        for (p, c), r, v in zip(done, rewards, versions)]
         pairs, index = unique_pairs(trajectories, self.prompts)
         logp_ref = self.logprobs(self.pi_ref(), pairs, self.cfg.temperature)
         for t, i in zip(trajectories, index):
@@ -179,27 +234,52 @@ class Engine:
         return model.to(self.device).eval().requires_grad_(False)
 
     # --- weights ---------------------------------------------------------------------------
-    def load(self, named_tensors, version: int):
-        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache."""
+    def load(self, named_tensors, version: int, in_flight: bool = False):
+        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache; `in_flight`: between two
+        decoding steps of a round (--inflight), whose requests keep their KV cache (--inflight-kv keep) or
+        recompute it with the new weights (recompute)."""
         named_tensors = list(named_tensors)  # read twice where the scorer keeps a copy
         self.scorer.loaded(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV
-        # values. reset_prefix_cache() returns False when blocks are still in use
-        # (vllm/v1/core/block_pool.py:837-845); between two rounds none are, so False is a bug to stop on.
-        if not self.llm.reset_prefix_cache():
+        self.llm.llm_engine.set_weight_version(str(version))
+        if in_flight and self.cfg.inflight_kv == "keep":  # PipelineRL's choice; new requests are salted (step_through)
+            self.version = version
+            return
+        # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV values.
+        # reset_prefix_cache() returns False when blocks are still in use (vllm/v1/core/block_pool.py:837-845):
+        # between two rounds none are, so False is a bug to stop on; in flight, reset_running_requests preempts
+        # the requests, whose prompt and tokens so far are computed again, their seeded generators kept
+        # (vllm/v1/core/sched/scheduler.py:2850-2868)
+        if not self.llm.reset_prefix_cache(reset_running_requests=in_flight):
             raise RuntimeError(f"vLLM could not reset its prefix cache after loading the weights of step {version}")
         self.version = version
 
-    def sync(self, weights: SharedWeights, alive, timeout: float) -> bool:
-        """Load the published weights if their version moved, and pi_ref if it was reset (TBA′);
-        True if anything moved. Read under the lock: the trainer cannot overwrite them half-way."""
-        if weights.version.value == self.version and weights.pi_ref_version.value == self.pi_ref_version:
+    def sync(self, weights: SharedWeights, alive, timeout: float, version: int | None = None, beat=None,
+             stop=None, in_flight: bool = False) -> bool:
+        """Load the published weights if their version moved, and pi_ref if it was reset (TBA′); True if
+        anything moved. Read under the lock: the trainer cannot overwrite them half-way. `version` (--lag):
+        wait, beating, for exactly those weights (the trainer publishes them once no searcher needs older
+        ones); `in_flight`: the policy only, between two decoding steps."""
+        if version is not None:
+            deadline, last_beat = time.time() + timeout, time.time()
+            while weights.version.value != version and not (stop is not None and stop.is_set()):
+                if weights.version.value > version:
+                    raise RuntimeError(f"the weights of step {weights.version.value} were published while this "
+                                       f"searcher needed those of step {version}")
+                alive()
+                if time.time() > deadline:
+                    raise TimeoutError(f"the weights of step {version} did not come in {timeout:g} s (--timeout)")
+                if beat is not None and time.time() - last_beat > 5:  # alive to the trainer's watch
+                    beat()
+                    last_beat = time.time()
+                time.sleep(0.01)
+        moved = weights.version.value != self.version
+        if not moved and (in_flight or weights.pi_ref_version.value == self.pi_ref_version):
             return False
         with locked(weights, alive, timeout, self.device):
             if weights.version.value != self.version:
-                self.load(list(weights.tensors.items()), weights.version.value)
-            if weights.pi_ref_version.value != self.pi_ref_version:
+                self.load(list(weights.tensors.items()), weights.version.value, in_flight)
+            if not in_flight and weights.pi_ref_version.value != self.pi_ref_version:
                 self.pi_ref().load_state_dict(weights.pi_ref, strict=False)
                 self.pi_ref_version = weights.pi_ref_version.value
         return True
@@ -286,13 +366,12 @@ def put(queue, message, stop):
             parent_alive()
 
 
-def drain_requests(evals) -> int | None:
-    """The newest step whose evaluation was requested since the last call (requests coalesce), or None."""
-    requested = None
+def drain_requests(evals) -> list[int]:
+    """The steps whose evaluation was requested since the last call."""
+    requested = []
     while evals is not None:
         try:
-            step = evals.get_nowait()
-            requested = step if requested is None else max(requested, step)
+            requested.append(evals.get_nowait())
         except Empty:
             return requested
     return requested

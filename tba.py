@@ -119,6 +119,8 @@ def train(t: "Trainer"):
                     reward=float(np.mean([traj.reward for g in batch for traj in g])), beta=beta, lr=lr,
                     **({k: v for k, v in tempering.items() if v != 1.0}),
                     staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait, sync=sync,
+                    **({"staleness_last": float(np.mean([t.step - 1 - traj.version_last for g in batch for traj in g]))}
+                       if cfg.inflight else {}),
                     search=search, seconds=time.time() - t_step, samples=fleet.received,
                     reuse=t.cap.drawn / max(1, fleet.received), generate=log.generate, slept=log.slept,
                     charged=log.charged, buffer=len(t.buffer), reference=t.buffer.pi_ref_version,
@@ -149,8 +151,8 @@ class Trainer:
                        resumed={"step": self.step} if ckpt else None)
         try:
             # the searchers first: their vLLM engines start while the trainer loads its model
-            self.fleet = (Fleet(cfg, data, self.rank, self.world, self.log, signals) if cfg.searchers
-                          else LocalFleet(cfg, data, self.rank, self.world, self.log, signals, self.device))
+            self.fleet = (Fleet(cfg, data, self.rank, self.world, self.log, signals, self.step) if cfg.searchers
+                          else LocalFleet(cfg, data, self.rank, self.world, self.log, signals, self.device, self.step))
             self.tokenizer = load_tokenizer(cfg.model_path)  # for padding and the final model's folder
             pad = self.tokenizer.pad_token_id
             self.pad = pad if pad is not None else self.tokenizer.eos_token_id
@@ -192,11 +194,15 @@ class Trainer:
         """What the next step still lacks (rank 0), or None: the initial buffer, B prompts, data no more than
         --max-staleness steps old (the newest; replayed draws are old by design), or --max-reuse's credit."""
         cfg, fleet = self.cfg, self.fleet
+        if cfg.lag is not None:  # --lag: this step's rounds, all of them
+            got, want = self.buffer.waiting(self.step), fleet.round_size()
+            return None if got >= want else (f"the rounds of step {self.step}, sampled by the weights of step "
+                                             f"{max(0, self.step - cfg.lag)} ({got} of {want} trajectories)")
         if fleet.received < initial:
             return f"the initial buffer ({fleet.received} of {initial} trajectories)"
         if len(self.buffer.prompts) < cfg.prompts_per_step:
             return f"data for {cfg.prompts_per_step} prompts ({len(self.buffer.prompts)} so far)"
-        if cfg.max_staleness and self.step - fleet.newest > cfg.max_staleness + cfg.lag:
+        if cfg.max_staleness and self.step - fleet.newest > cfg.max_staleness:
             return (f"fresher data: the newest was sampled by the weights of step {fleet.newest}, "
                     f"{self.step - fleet.newest} steps ago (--max-staleness {cfg.max_staleness})")
         self.cap.receive(fleet.kept)
@@ -206,13 +212,14 @@ class Trainer:
         return None
 
     def sample(self):
-        """B prompts x K responses from the buffer, drawn by rank 0 and sent to every rank; None on
-        every rank when rank 0 stops the run."""
-        batch = None
+        """B prompts x K responses from the buffer (--lag: from this step's rounds), drawn by rank 0 and sent to
+        every rank; None on every rank when rank 0 stops the run."""
+        batch, cfg = None, self.cfg
         if self.rank == 0 and not self.fleet.stop_reason():
-            batch = self.buffer.sample(self.cfg.prompts_per_step, self.cfg.samples_per_prompt,
-                                       np.random.default_rng([self.cfg.seed, self.step, seeds.BATCH]))
-            self.cap.draw(self.cfg.prompts_per_step * self.cfg.samples_per_prompt)
+            rng = np.random.default_rng([cfg.seed, self.step, seeds.BATCH])
+            batch = (self.buffer.sample_round(self.step, cfg.prompts_per_step, cfg.samples_per_prompt, rng)
+                     if cfg.lag is not None else self.buffer.sample(cfg.prompts_per_step, cfg.samples_per_prompt, rng))
+            self.cap.draw(cfg.prompts_per_step * cfg.samples_per_prompt)
         return broadcast_batch(batch, self.rank)
 
     def stop(self, saved: bool):
@@ -223,10 +230,11 @@ class Trainer:
         raise_stop(why, saved, self.cfg.out)
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
-    def sync_weights(self, pi_ref: bool = False, lag: int | None = None):
-        """Publish the trainer's weights (with --lag: those of step - lag); searchers reload them before their
-        next round, and the buffer's data since then is recent. `pi_ref`: they also become pi_ref (TBA′)."""
-        if self.fleet.publish(gather(self.model, getattr(torch, self.cfg.dtype)), self.step, pi_ref, lag):
+    def sync_weights(self, pi_ref: bool = False, final: bool = False):
+        """Publish the trainer's weights (--lag: to be served when the rounds L steps ahead need them); searchers
+        reload them before their next round, and the buffer's data since then is recent. `pi_ref`: they also
+        become pi_ref at once (TBA′); `final`: the last step's, for the final evaluation."""
+        if self.fleet.publish(gather(self.model, getattr(torch, self.cfg.dtype)), self.step, pi_ref, final):
             self.buffer.mark_sync()
 
     def reset_reference(self):
@@ -262,8 +270,8 @@ class Trainer:
     def finish(self):
         """The final weights to the searchers, the final evaluation, the final model (OUT/final)."""
         cfg = self.cfg
-        if cfg.lag or self.step % cfg.sync_every:
-            self.sync_weights(lag=0)  # the final evaluation is of the final weights
+        if cfg.lag is not None or self.step % cfg.sync_every:
+            self.sync_weights(final=True)  # the final evaluation is of the final weights
         self.evaluate()
         if cfg.searchers:
             self.fleet.wait_for_eval(self.buffer, cfg.steps)

@@ -96,8 +96,10 @@ def check(cfg, world: int):
     need(cfg.max_reuse is None or cfg.max_reuse >= 0, "max-reuse", f"must be 0 (no cap) or more, got {cfg.max_reuse}")
     need(not (cfg.max_reuse and cfg.searchers == 0), "max-reuse", "caps the asynchronous trainer's replay; with "
          "--searchers 0 every step searches its own data")
-    cfg = dataclasses.replace(cfg, max_reuse=(MAX_REUSE if cfg.searchers else 0.0) if cfg.max_reuse is None
-                              else cfg.max_reuse)
+    need(not (cfg.max_reuse and cfg.lag is not None), "max-reuse", "caps the streaming trainer's replay; with --lag "
+         "every batch is its step's rounds, each trajectory used once")
+    cfg = dataclasses.replace(cfg, max_reuse=(MAX_REUSE if cfg.searchers and cfg.lag is None else 0.0)
+                              if cfg.max_reuse is None else cfg.max_reuse)
     need(cfg.round_prompts is None or cfg.round_prompts >= 1, "round-prompts", f"must be at least 1, got {cfg.round_prompts}")
     need(cfg.round_prompts is None or cfg.searchers, "round-prompts", "sizes a searcher's round; with --searchers 0 "
          "the trainer searches B prompts before each step")
@@ -108,12 +110,11 @@ def check(cfg, world: int):
         cfg = dataclasses.replace(cfg, round_prompts=-(-cfg.prompts_per_step // every))
     check_recipe(cfg)
     vllm_env.check()
-    for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "lag", "ref_reset_every"):
+    for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "ref_reset_every"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
+    check_lag(cfg, every or 1)
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
     need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
-    need(not (cfg.lag and cfg.ref_reset_every), "lag", "cannot be combined with --ref-reset-every (a reset "
-         "publishes the current weights as pi_ref)")
     need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"unknown dtype {cfg.dtype!r}")
     need(cfg.trainer_dtype in ("float32", "bfloat16"), "trainer-dtype", f"unknown dtype {cfg.trainer_dtype!r} "
          "(choose from float32, bfloat16)")
@@ -157,6 +158,24 @@ def check(cfg, world: int):
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
     return cfg, data, ckpt
+
+
+def check_lag(cfg, searchers: int):
+    """--lag L (every batch sampled by the weights of exactly L steps before) and --inflight (streaming)."""
+    need(cfg.lag is None or cfg.lag >= 0, "lag", f"must be 0 (synchronous) or more, got {cfg.lag}")
+    need(cfg.inflight_kv in choices(cfg, "inflight_kv"), "inflight-kv", f"unknown {cfg.inflight_kv!r} (choose from "
+         f"{', '.join(choices(cfg, 'inflight_kv'))})")
+    need(not cfg.inflight or cfg.searchers, "inflight", "loads weights into the searchers' rounds in flight; with "
+         "--searchers 0 the trainer searches between its steps")
+    if cfg.lag is None:
+        return
+    need(not cfg.inflight, "inflight", "streams weights into rounds in flight; with --lag each round is sampled by "
+         "the weights of one step")
+    need(cfg.sync_every == 1, "sync-every", f"--lag publishes every step's weights (k = 1), got {cfg.sync_every}")
+    need(cfg.initial_buffer == 0, "initial-buffer", "with --lag each step waits for its own rounds")
+    rounds = searchers * cfg.round_prompts if cfg.searchers else cfg.prompts_per_step
+    need(rounds >= cfg.prompts_per_step, "round-prompts", f"{searchers} searcher(s) x {cfg.round_prompts} prompts a "
+         f"round cannot make a batch of B = {cfg.prompts_per_step} prompts")
 
 
 def check_recipe(cfg):

@@ -36,7 +36,7 @@ class Config:
     initial_buffer: int = arg(0, "trajectories that must have arrived before the first training step")
     max_reuse: float | None = arg(None, "R: draws for training at most R times the trajectories kept, over the run; "
                                         "0 = no cap; default: 1 with searchers, 0 without")
-    max_staleness: int = arg(100, "S: wait while the newest data was sampled more than S (+ --lag) steps ago; 0 = never")
+    max_staleness: int = arg(100, "S: wait while the newest data was sampled more than S steps ago; 0 = never")
     beta: float = arg(0.05, "KL coefficient: the target is pi_ref * exp(reward / beta)")
     beta_final: float | None = arg(None, "beta at the end of its anneal (default: --beta, no anneal)")
     beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
@@ -44,7 +44,11 @@ class Config:
     ref_reset_every: int = arg(0, "TBA′: every N steps pi_ref becomes the current policy; 0 = never")
     loss: str = arg("tb", "tb (trajectory balance: the method) | rloo | grpo (baselines for the off-policy study)")
     clip: float = arg(0.2, "grpo: clip range of the importance ratio")
-    lag: int = arg(0, "staleness study: the searchers get the weights of step t - LAG instead of step t")
+    lag: int | None = arg(None, "L: every batch of step n is sampled by the weights of step n - L exactly (0: "
+                                "synchronous, the searchers waiting for each step's weights); default: stream")
+    inflight: bool = arg(False, "streaming: searchers load new weights between the decoding steps of a round in flight")
+    inflight_kv: str = arg("keep", "--inflight: the KV cache of the tokens already made stays (keep) or is "
+                                   "recomputed with the new weights (recompute)", choices=("keep", "recompute"))
     lr: float = arg(5e-5, "peak learning rate (AdamW)")
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
     stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until the decay)")
@@ -102,7 +106,7 @@ class Config:
     trainer_memory: float = arg(0.2, "GPU, --searchers 0: share of the trainer GPU for its vLLM engine")
     micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
     activation_checkpointing: bool = arg(False, "recompute each decoder block in the backward pass (less memory)")
-    generation_slowdown: float = arg(1.0, "experiment knob: each round's generation takes X times its cost alone "
+    generation_slowdown: float = arg(1.0, "experiment knob: each decoding step takes X times its cost alone "
                                           "(emulated by sleeping); 1 = off")
     # ===== derived by runtime.checks.check, saved with the run; not flags ==============================
     device: str = derived("")                         # cuda | cpu

@@ -7,7 +7,9 @@ to stop. The trainer (tba.py) calls it through a few verbs:
 - `share(model, ...)`: the shared copy of the weights, made from the model and handed to the searchers;
 - `collect(buffer, step, waiting_for)`: the searchers' trajectories into the buffer, waiting while
   `waiting_for()` says what the next step still lacks;
-- `publish(named, version)`: new weights for the searchers (TBA′: `pi_ref` too; --lag: an older step's);
+- `publish(named, version)`: new weights for the searchers (TBA′: `pi_ref` too); with --lag L they are kept
+  (`history`, on the CPU) and each version is published once no searcher needs the one before (`serve`):
+  round r of every searcher is sampled by the weights of step r - L exactly;
 - `request_eval(step)`, `wait_for_eval(step)`: an evaluation by searcher 0, and the wait for the last;
 - `stop_reason()`: why the run must stop (a silent searcher, a signal), or None; `close()`.
 `LocalFleet` is the same for `--searchers 0` (the synchronous baseline): the trainer's process searches
@@ -72,8 +74,9 @@ class Fleet:
     """This node's searchers and every wait on them (the module docstring gives the verbs). On several nodes
     each node's leader (LOCAL_RANK 0) does for its node what rank 0 does on one; rank 0 holds the buffer."""
 
-    def __init__(self, cfg, data, rank: int, world: int, log, signals):
+    def __init__(self, cfg, data, rank: int, world: int, log, signals, step: int = 0):
         self.cfg, self.data, self.rank, self.world, self.log, self.signals = cfg, data, rank, world, log, signals
+        self.step = step  # the trainer's: where a resumed run's searchers begin (--lag: round r is step r's)
         local = nodes.layout(world)[1]
         self.leader = rank % local == 0  # its node's shared weights, searchers and queue (rank 0 on one node)
         self.nodes = nodes.Nodes(world, local, cfg.timeout) if world > local else None
@@ -86,10 +89,10 @@ class Fleet:
         self.evaluated = []    # versions whose evaluation came
         self.silent = None     # a line, once a searcher of this node has sent nothing for --timeout
         self.said = []         # a leader of node >= 1: its watch's lines, for rank 0 to print
-        self.history = {}      # --lag: step -> the weights of that step (the leaders, CPU), until published
+        self.history = {}      # --lag: step -> the weights of that step (the leaders, CPU), L steps back
         self.procs, self.channels, self.watch = [], None, None
         ctx = torch.multiprocessing.get_context("spawn")
-        self.shared = create(ctx) if self.leader else None
+        self.shared = create(ctx, cfg.searchers) if self.leader else None
         if self.leader and cfg.searchers:  # first: their vLLM engines start while the trainer loads its model
             self.spawn(ctx)
 
@@ -108,7 +111,7 @@ class Fleet:
             own = self.channels._replace(evals=self.channels.evals if i == 0 and self.rank == 0 else None)
             dev = f"cuda:{local + i}" if cfg.device == "cuda" else "cpu"
             p = start.Process(target=searcher.run, name=f"searcher-{self.first + i}", daemon=True,
-                              args=(self.first + i, cfg, self.shared, own, self.data, dev))
+                              args=(self.first + i, cfg, self.shared, own, self.data, dev, self.step))
             p.start()
             self.procs.append(p)
 
@@ -127,7 +130,13 @@ class Fleet:
         if not self.leader:
             return
         self.shared.version.value = version
-        if held and held["synced"] is not None:  # the searchers held older weights
+        if cfg.lag is not None:  # the weights the next rounds need: the checkpoint's L steps, and these
+            self.history = {int(v): w for v, w in (held or {}).get("history", {}).items()}
+            self.history[version] = {n: t.cpu().clone() for n, t in self.shared.tensors.items() if n not in aliases(model)}
+            first = max(0, version - cfg.lag)  # round `version`'s, where the searchers begin
+            if first != version:
+                publish(self.shared, self.history[first].items(), first, lambda: None, cfg.timeout)
+        elif held and held["synced"] is not None:  # the searchers held older weights
             publish(self.shared, held["synced"].items(), held["synced_version"], lambda: None, cfg.timeout)
         if held and held["pi_ref"] is not None:  # TBA′: pi_ref of the latest reset
             publish(self.shared, held["pi_ref"].items(), held["pi_ref_version"], lambda: None, cfg.timeout,
@@ -143,9 +152,10 @@ class Fleet:
         """What a checkpoint keeps of the shared weights (rank 0): those the searchers hold if older than step
         `step`'s, and TBA′'s pi_ref."""
         cpu = lambda tensors: {n: t.cpu() for n, t in tensors.items()}
-        s = self.shared
+        s, lag = self.shared, self.cfg.lag
         return dict(synced=cpu(s.tensors) if s.version.value != step else None, synced_version=s.version.value,
-                    pi_ref=cpu(s.pi_ref) if s.pi_ref is not None else None, pi_ref_version=s.pi_ref_version.value)
+                    pi_ref=cpu(s.pi_ref) if s.pi_ref is not None else None, pi_ref_version=s.pi_ref_version.value,
+                    history={v: w for v, w in self.history.items() if v >= step - lag} if lag is not None else {})
 
     # --- collect ------------------------------------------------------------------------------
     def collect(self, buffer, step: int, waiting_for) -> tuple[float, float]:
@@ -185,6 +195,7 @@ class Fleet:
             except Empty:
                 self.alive()
                 self.watch.check()
+                self.serve()
                 if not block:
                     return waited
                 waited += time.time() - t0
@@ -195,6 +206,7 @@ class Fleet:
                 waited += time.time() - t0
             deadline = time.time() + timeout
             self.watch.heard(msg)
+            self.serve()
             if msg["kind"] == "eval":
                 self.log.eval(msg["version"], msg["scores"], msg["example"], msg["seconds"],
                               self.published[msg["version"]])
@@ -219,6 +231,7 @@ class Fleet:
         while True:
             error, got = None, False
             try:
+                self.serve()
                 if self.rank == 0:
                     before = (self.received, len(self.evaluated))
                     try:
@@ -296,29 +309,46 @@ class Fleet:
             self.silent = self.silent or str(e)
         return trajectories
 
+    def round_size(self) -> int:
+        """--lag: the trajectories of one step's rounds, every node's searchers' (one round each)."""
+        cfg = self.cfg
+        return (cfg.searchers * nodes.layout(self.world)[0] * min(cfg.round_prompts, len(self.data.prompts))
+                * cfg.search_samples_per_prompt)
+
     def alive(self):
         for i, p in enumerate(self.procs):
             if p.exitcode is not None:
                 raise Dead(f"searcher {i} (pid {p.pid}) died with exit code {p.exitcode}")
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
-    def publish(self, named, version: int, pi_ref: bool = False, lag: int | None = None) -> bool:
-        """Publish `named` (weights.gather's pairs of the weights of step `version`), or with --lag those of
-        step version - lag; searchers reload them before their next round. `pi_ref`: they also become pi_ref
-        (TBA′). Every rank calls it. True where weights were published (a leader), so that the buffer's
-        window moves."""
-        lag = self.cfg.lag if lag is None else lag
-        if lag:  # the staleness study: keep each step's weights (CPU) until it is published
-            copy = cpu_copy(self.shared, named)
-            if copy is not None:
-                self.history[version] = copy
-            due = [v for v in self.history if v <= version - lag]
-            if not due:  # nothing old enough yet (and always on the other ranks): the searchers keep step 0's
+    def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
+        """Publish `named` (weights.gather's pairs of the weights of step `version`); searchers reload them before
+        their next round. `pi_ref`: they also become pi_ref (TBA′), at once. With --lag they are kept on the CPU
+        and served when the searchers' rounds need them (`serve`), unless `final` (the last step's: every
+        round is made). Every rank calls it. True where weights were published (a leader), so that the
+        buffer's window moves."""
+        lag = self.cfg.lag
+        if lag is not None and not final:
+            copy = cpu_copy(self.shared, named)  # every rank joins the all-gathers; the leaders keep a copy
+            if copy is None:
                 return False
-            version, named = max(due), self.history[max(due)].items()
+            self.history[version] = copy
+            self.published[version] = self.log.clock()
+            self.step = version
+            if pi_ref:  # TBA′: pi_ref is the current weights at once, while the policy stays L steps behind
+                self.put(copy.items(), version, ("pi_ref",))
+            self.serve()
+            return True
+        if final:
+            self.history = {}
+        return self.put(named, version, ("policy", "pi_ref") if pi_ref else ("policy",))
+
+    def put(self, named, version: int, to: tuple) -> bool:
+        """weights.publish under this node's lock, and its faults: a lock a stopped searcher never freed stops
+        the run like a silent searcher; a searcher that died holding it, at once (several nodes: at the next
+        meeting). True where published (a leader)."""
         try:
-            publish(self.shared, named, version, self.alive, self.cfg.timeout,
-                    to=("policy", "pi_ref") if pi_ref else ("policy",))
+            publish(self.shared, named, version, self.alive, self.cfg.timeout, to=to)
         except TimeoutError:  # the lock stayed taken: a searcher of this node stopped while it read the weights
             join_gathers(named)  # every other rank waits in these all-gathers; then all stop at the next batch
             self.silent = self.silent or (  # rank 0's, or sent to it at the next meeting (`meet`)
@@ -332,11 +362,24 @@ class Fleet:
             # meeting's alive() names the searcher to rank 0 (`meet`)
             join_gathers(named)
             return False
-        for v in [v for v in self.history if v <= version]:
-            del self.history[v]
-        if self.leader:
-            self.published[version] = self.log.clock()
+        if self.leader and "policy" in to:
+            self.published.setdefault(version, self.log.clock())
         return self.leader
+
+    def serve(self):
+        """--lag, each leader: publish the next version the searchers' rounds need, once none needs the one
+        published (each searcher says which it needs next in `wants`, -1 when it needs none); then keep only
+        the last L steps' weights and those still to serve (a checkpoint saves them: a resumed run's searchers
+        begin at its step's round)."""
+        if self.cfg.lag is None or not self.leader or not self.history:
+            return
+        held, wants = self.shared.version.value, [w for w in self.shared.wants[:len(self.procs) or 1]]
+        needed = [w for w in wants if w >= 0]
+        if needed and min(needed) > held and min(needed) in self.history:
+            self.put(self.history[min(needed)].items(), min(needed), ("policy",))
+        floor = min(self.shared.version.value, self.step - self.cfg.lag)
+        for v in [v for v in self.history if v < floor]:
+            del self.history[v]
 
     # --- evaluation, stopping --------------------------------------------------------------------------
     def request_eval(self, step: int):
@@ -377,8 +420,8 @@ class LocalFleet(Fleet):
     """--searchers 0, the synchronous baseline: a vLLM engine inside the trainer's one process (runtime.checks
     refuses more ranks), which generates with the current weights before each step and evaluates."""
 
-    def __init__(self, cfg, data, rank: int, world: int, log, signals, device):
-        super().__init__(cfg, data, rank, world, log, signals)
+    def __init__(self, cfg, data, rank: int, world: int, log, signals, device, step: int = 0):
+        super().__init__(cfg, data, rank, world, log, signals, step)
         self.engine = searcher.Engine(cfg, str(device), cfg.trainer_memory, data.prompts, data.answers)
         if cfg.generation_slowdown != 1:
             for timed in (False, True):
@@ -393,23 +436,29 @@ class LocalFleet(Fleet):
         self.model = model  # evaluated as it is (request_eval)
 
     def collect(self, buffer, step: int, waiting_for) -> tuple[float, float]:
-        """One search round of B prompts with the current weights (more while `waiting_for()` names something:
-        the initial buffer). Returns (0, seconds searched)."""
+        """One search round of B prompts with the current weights, or with --lag L those of step `step` - L (more
+        while `waiting_for()` names something: the initial buffer). Returns (0, seconds searched)."""
         cfg, search = self.cfg, 0.0
         if self.signals.first:
             return 0.0, 0.0
+        if cfg.lag is not None and self.shared.version.value != max(0, step - cfg.lag):
+            self.put(self.history[max(0, step - cfg.lag)].items(), max(0, step - cfg.lag), ("policy",))
         self.engine.sync(self.shared, self.alive, cfg.timeout)
         for round_ in range(10**9):
             ids = np.random.default_rng([cfg.seed, step, seeds.SYNC_PROMPTS, round_]).choice(
                 len(self.data.prompts), cfg.prompts_per_step, replace=False)
             t_search = time.time()
-            trajectories, made = self.engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, step))
+            trajectories, made = self.engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, step),
+                                                    for_step=step if cfg.lag is not None else -1)
             search += time.time() - t_search
             self.add(buffer, trajectories)
             self.newest = max(self.newest, self.engine.version)
             self.log.searched(made)
             if waiting_for() is None or self.signals.first:
                 return 0.0, search
+
+    def round_size(self) -> int:
+        return self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt
 
     def request_eval(self, step: int):
         """Evaluate now, on the held-out problems, the weights of step `step` as a sync sends them (its dtype,
@@ -424,6 +473,11 @@ class LocalFleet(Fleet):
 
     def wait_for_eval(self, buffer, step: int):
         return 0.0
+
+    def serve(self):
+        """--lag: this process searches with the weights it needs itself (`collect`); only the history is kept short."""
+        for v in [v for v in self.history if v < self.step - self.cfg.lag]:
+            del self.history[v]
 
     def close(self):
         self.engine.close()

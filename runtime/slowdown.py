@@ -35,7 +35,7 @@ def calibrate(engine, count: int, n: int, timed: bool = True):
     rng = np.random.default_rng([cfg.seed, seeds.CALIBRATION])
     ids = rng.choice(len(engine.prompts), min(count, len(engine.prompts)), replace=False)
     engine.llm.reset_prefix_cache()
-    outputs, seconds = engine.generate(ids, n, (cfg.seed, seeds.CALIBRATION, seeds.CALIBRATION, int(timed)))
+    outputs, seconds, _ = engine.generate(ids, n, (cfg.seed, seeds.CALIBRATION, seeds.CALIBRATION, int(timed)))
     engine.llm.reset_prefix_cache()
     if timed:
         engine.per_token = seconds / max(1, sum(len(c.token_ids) for o in outputs for c in o.outputs))

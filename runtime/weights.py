@@ -16,6 +16,8 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    lets the lock go, so that a publish can never overwrite weights still being read.
 TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `pi_ref`, with
 its own `pi_ref_version`: pi_ref after the latest reset, published the same way.
+With --lag each searcher says in `wants` which version its next round needs (runtime.fleet.Fleet.serve
+publishes a version once no searcher needs the one before).
 """
 
 import contextlib
@@ -38,11 +40,13 @@ class SharedWeights:
     pi_ref_version: object  # mp.Value("q"): trainer step whose weights `pi_ref` holds (0 = initial model)
     lock: object          # mp.Lock: held while the tensors are written or read
     handoff: object       # mp.Queue: (tensors, pi_ref), once per searcher, for searchers started before them
+    wants: object = None  # mp.Array("q"): --lag, the version each of this node's searchers needs next (-1: none)
 
 
-def create(ctx) -> SharedWeights:
+def create(ctx, searchers: int = 0) -> SharedWeights:
     """The counters, lock and handoff queue, made before the searchers are spawned."""
-    return SharedWeights(None, None, ctx.Value("q", 0), ctx.Value("q", 0), ctx.Lock(), ctx.Queue())
+    return SharedWeights(None, None, ctx.Value("q", 0), ctx.Value("q", 0), ctx.Lock(), ctx.Queue(),
+                         ctx.Array("q", [0] * max(1, searchers)))
 
 
 # --- trainer side ------------------------------------------------------------------------------------

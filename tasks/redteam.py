@@ -470,14 +470,15 @@ class BestBuffer(ReplayBuffer):
     def add(self, trajectories: list[Trajectory]) -> list[Trajectory]:
         kept = super().add(trajectories)
         for t in kept:
-            self.keep_best(t)
+            if t.for_step < 0:  # not the rounds of an exact lag, which make their step's batch alone
+                self.keep_best(t)
         return kept
 
     def whole(self, prompt: int) -> list[Trajectory]:
         return [t for t, _ in self.best_of(prompt).values()]
 
     def __len__(self):
-        return self.best_size
+        return self.best_size + self.waiting()
 
     def log_r(self, t: Trajectory) -> float:
         return t.logp_ref + t.reward / self.beta

@@ -1,0 +1,166 @@
+"""--lag L, the exact lag: the batch of step n is made of rounds sampled by the weights of step n - L, split
+across the searchers, whatever their number, the trainer ranks' and a resume; L = 0 is the synchronous
+baseline on the searchers' hardware. A killed or stopped searcher ends the run in one line."""
+
+import os
+import re
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import metrics, run_tba
+from test_faults import assert_all_gone, assert_checkpoint, searcher_pids, start, wait_for_steps
+
+SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
+
+
+def train_rows(out):
+    return [r for r in metrics(out) if r["kind"] == "train"]
+
+
+def assert_exact(rows, lag):
+    """Every trajectory of step n's batch (row step n + 1) was sampled by the weights of step n - L (0 before)."""
+    for r in rows:
+        expected = min(r["step"] - 1, lag)
+        assert r["staleness"] == expected and r["staleness_max"] == expected, (lag, r["step"], r["staleness"],
+                                                                              r["staleness_max"])
+
+
+@pytest.mark.parametrize("searchers,lag", [(1, 0), (1, 2), (2, 1), (2, 3)])
+def test_staleness_is_exactly_the_lag(tiny_model, tmp_path, searchers, lag):
+    """With L = 0 the trainer waits for each step's rounds (a wait in every step) and the searchers wait for
+    each step's weights (staleness 0); with L >= 1 exactly L. The evaluations come, of the weights asked for."""
+    out = tmp_path / "run"
+    p = run_tba(["--model", tiny_model, *SMALL, "--searchers", str(searchers), "--lag", str(lag), "--steps", "8",
+                 "--eval-every", "4", "--out", str(out)], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert_exact(rows, lag)
+    assert rows[-1]["samples"] >= 8 * 4 * 4 and rows[-1]["reuse"] <= 1.0 + 1e-9  # each trajectory used once
+    if lag == 0:
+        assert all(r["wait"] > 0 for r in rows), [r["wait"] for r in rows]
+    assert [r["version"] for r in metrics(out) if r["kind"] == "eval"] == [0, 4, 8]
+
+
+def test_two_trainer_ranks(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "1", "--lag", "1", "--steps", "6", "--eval-every", "0",
+                 "--out", str(out)], tmp_path, torchrun=2)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert_exact(train_rows(out), 1)
+
+
+def test_a_resumed_run_keeps_the_lag_and_learns_the_same(tiny_model, tmp_path):
+    """6 steps straight and 3 + 3 resumed at L = 2 with one searcher: the same staleness, and the same weights
+    (the checkpoint keeps the last L steps' weights, from which the resumed searcher's rounds are sampled,
+    each from the same prompts and seeds)."""
+    from safetensors.torch import load_file
+    flags = ["--model", tiny_model, *SMALL, "--searchers", "1", "--lag", "2", "--eval-every", "0"]
+    p = run_tba([*flags, "--steps", "6", "--out", str(tmp_path / "straight")], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    p = run_tba([*flags, "--steps", "3", "--save-every", "3", "--out", str(tmp_path / "a")], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    state = torch.load(tmp_path / "a" / "checkpoint" / "trainer.pt", weights_only=True)
+    assert sorted(state["history"]) == [1, 2, 3]  # the weights the rounds of steps 3, 4, 5 need, and step 3's
+    p = run_tba([*flags, "--steps", "6", "--resume", str(tmp_path / "a" / "checkpoint")], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert_exact(train_rows(tmp_path / "a"), 2)
+    straight = load_file(tmp_path / "straight" / "final" / "model.safetensors")
+    resumed = load_file(tmp_path / "a" / "final" / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_a_reset_publishes_the_lagged_policy_and_the_current_pi_ref(tiny_model, tmp_path):
+    """TBA′ with --lag: at a reset (every 3 steps) pi_ref becomes the current weights at once, while the policy
+    the searchers sample with stays L behind; no round is lost to the reset (each group is one round's)."""
+    out = tmp_path / "run"
+    p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "1", "--lag", "2", "--ref-reset-every", "3",
+                 "--steps", "4", "--save-every", "4", "--eval-every", "0", "--out", str(out)], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    rows = train_rows(out)
+    assert_exact(rows, 2)
+    assert [r["reference"] for r in rows] == [0, 0, 3, 3]
+    state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)
+    assert state["pi_ref_version"] == 3 and state["synced_version"] <= 4 - 2 + 1  # pi_ref: now; policy: L behind
+    assert sorted(state["history"]) == [2, 3, 4]
+
+
+def test_the_synchronous_baseline_in_one_process_has_the_lag_too(tiny_model, tmp_path):
+    out = tmp_path / "run"
+    p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "0", "--lag", "3", "--steps", "6", "--eval-every", "0",
+                 "--out", str(out)], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert_exact(train_rows(out), 3)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_killed_or_stopped_searcher_ends_the_run_in_one_line(tiny_model, tmp_path, how):
+    """Killed: the run stops within seconds naming it; stopped (SIGSTOP): once it has sent nothing for
+    --timeout, after a checkpoint. No hang either way, nothing left behind."""
+    out = tmp_path / "run"
+    proc = start(["--model", tiny_model, *SMALL, "--searchers", "1", "--lag", "1", "--steps", "100000",
+                  "--eval-every", "0", "--timeout", "20", "--out", str(out)], tmp_path)
+    try:
+        wait_for_steps(proc, out, 3)
+        pids = searcher_pids(proc.pid)
+        os.kill(pids[0], signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in output.splitlines() if line.startswith("tba.py: error")]
+    assert proc.returncode == 1 and len(lines) == 1, output[-3000:]
+    if how == "killed":
+        assert re.fullmatch(r"tba.py: error: searcher 0 \(pid \d+\) died with exit code -9", lines[0]), lines
+    else:
+        assert "has sent nothing for" in lines[0] and "checkpoint in" in lines[0], lines
+        assert_checkpoint(out)
+        os.kill(pids[0], signal.SIGCONT)
+    assert_all_gone(pids)
+
+
+# --- in-flight updates: a round in flight receives new weights ------------------------------------------
+def test_a_round_in_flight_receives_new_weights(tiny_model):
+    """The real engine, stepped: the trainer publishes new weights while a round is being generated, and the
+    searcher loads them between two decoding steps. The versions recorded within the round differ, each token
+    is labelled with one version, all sequences change version at the same step (no decoding step mixes two
+    versions), and the per-token log-probs add up to the behaviour log-prob."""
+    import dataclasses
+    import multiprocessing as mp
+    from runtime import weights
+    from searcher import Engine
+    from tasks.arith import splits
+    from test_weight_sync import config, load, perturbed, share
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = [tok(p.prompt).input_ids for p in splits()[0][:4]]
+    cfg = dataclasses.replace(config(tiny_model, inflight=True, max_new_tokens=8, temperature=1.0),
+                              max_model_len=64)
+    engine = Engine(cfg, "cpu", 0.1, prompts, ["0"] * 4)
+    shared = share(load(tiny_model), mp.get_context("spawn"))
+    steps = [0]
+
+    def between():  # the trainer publishes at the 3rd decoding step; the searcher loads in flight
+        steps[0] += 1
+        if steps[0] == 3:
+            weights.publish(shared, weights.gather(perturbed(tiny_model, 1)), 1, lambda: None, 10)
+        engine.sync(shared, lambda: None, 10, in_flight=True)
+
+    trajectories, _ = engine.search(np.arange(4), 4, (0, 1, 2), between=between)
+    assert engine.version == 1
+    weights.publish(shared, weights.gather(perturbed(tiny_model, 2)), 2, lambda: None, 10)
+    steps[0] = 0
+    outputs, _, _ = engine.generate(np.arange(4), 4, (0, 1, 3), between=lambda: (
+        steps.__setitem__(0, steps[0] + 1), steps[0] == 2 and engine.sync(shared, lambda: None, 10, in_flight=True)))
+    spans = [[(s.version, s.start, s.end) for s in c.weight_versions] for o in outputs for c in o.outputs]
+    changed = [s for s in spans if len(s) > 1]
+    assert changed and all(s[0][0] == "1" and s[1][0] == "2" for s in changed), spans
+    assert len({s[0][2] for s in changed}) == 1, spans  # every sequence switched at the same decoding step
+    long = [t for t in trajectories if len(t.response) > 3]
+    assert long and all((t.version, t.version_last) == (0, 1) for t in long)
+    assert all(np.isclose(t.behaviour_logps.sum(), t.logp_behaviour, atol=1e-4) for t in trajectories)
+    engine.close()
