@@ -8,7 +8,8 @@ Tests marked `needs_gpu` (and the "cuda" cases of the others) are skipped when n
 they need PyTorch with CUDA, transformers where a model is built, and never vLLM. The rest runs on
 the CPU too, in CI: the refusals of `check_gpus`, the memory split and the allocator-settings rewrite
 (CUDA queries faked), and the "cpu" cases of the handoff, FSDP2 (one gloo rank), the leaders' group
-(two gloo ranks), AdamW and chunked log-prob tests.
+(two gloo ranks), AdamW and chunked log-prob tests, and a CPU run where CUDA looks present (it stays on the
+CPU: gloo, FSDP2's mesh on the CPU).
 Run them all on a GPU machine with `bash tests/gpu_check.sh`.
 
 Every spawned process reports through a queue and every wait has a deadline; the processes that
@@ -380,7 +381,7 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cfg = Config(model=path, prompts_per_step=2 * world, samples_per_prompt=4, temperature=0.7,
                          micro_batch=4, timeout=TIMEOUT)
-        got = ranks.init_distributed(cfg.timeout)
+        got = ranks.init_distributed(cfg.timeout, kind)  # "cpu": gloo, even on a GPU node
         assert got == (rank, world, rank), got
         device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
         if device.type == "cuda":
@@ -488,6 +489,92 @@ def test_fsdp2_bf16_step_and_gather_into_shared_tensors(kind, weights_dtype, rec
     assert [p.exitcode for p in procs] == [0] * world
 
 
+# ===== a CPU run on a GPU node stays on the CPU ======================================================
+def look_like_a_gpu_node():
+    """What a CUDA build on a GPU node tells this process: CUDA is the accelerator torch was built for, and it
+    is available (one device). fully_shard without a mesh takes that accelerator and moves a CPU model to
+    cuda (runtime/policy.py cites the lines); letting FSDP2 choose its own mesh at all fails here."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+    torch._C._get_accelerator = lambda check=False: torch.device("cuda")
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+
+    def chose(*args, **kwargs):
+        raise AssertionError("fully_shard was given no mesh: it would take the accelerator's")
+    _fully_shard._init_default_mesh = chose
+
+
+def cpu_rank_on_a_gpu_node(port, path, results):
+    """One rank of a CPU run where CUDA looks present: its group's backend, where load_policy leaves the
+    model (bf16 compute), and where a training forward and backward run."""
+    import torch.distributed as dist
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        look_like_a_gpu_node()  # before anything of torch.distributed starts, as a spawned rank there would be
+        assert torch._C._get_accelerator().type == "cuda" and torch.cuda.is_available()
+        ranks.init_distributed(TIMEOUT, "cpu")
+        model = policy.load_policy(path, torch.device("cpu"), "bfloat16", recompute=True)
+        logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+        logits.float().sum().backward()
+        results.put(dict(backend=str(dist.get_backend()), mesh=str(model.parameters().__next__().device_mesh.device_type),
+                         params=sorted({p.to_local().device.type for p in model.parameters()}),
+                         grads=sorted({p.grad.to_local().device.type for p in model.parameters()}),
+                         logits=(str(logits.device), str(logits.dtype))))
+    except BaseException:
+        results.put({"error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_cpu_run_stays_on_the_cpu_where_cuda_is_the_accelerator(tmp_path):
+    """On a GPU node the "cpu" cases of these tests (and tools/memory.py) ran on cuda:0: fully_shard without a
+    mesh took CUDA, torch's accelerator there, and the backend came from torch.cuda.is_available(). Faked
+    here in the spawned rank: the group is gloo, FSDP2's mesh is the CPU's, and the model, its gradients and
+    its logits stay on the CPU."""
+    from runtime import tiny
+    path = str(tmp_path / "model")
+    tiny.make_model(path, hidden=64, layers=2, heads=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=cpu_rank_on_a_gpu_node, args=(port, path, results), daemon=True)
+    proc.start()
+    try:
+        out = get_report(results, [proc], 300)
+    finally:
+        finish([proc])
+    assert out == dict(backend="gloo", mesh="cpu", params=["cpu"], grads=["cpu"], logits=("cpu", "torch.bfloat16"))
+    assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-machine", "gpu-node"])
+def test_the_backend_follows_the_runs_device_not_the_machine(monkeypatch, cuda):
+    """init_distributed's backend is the run's device's: gloo for "cpu" even where torch.cuda.is_available()
+    says True, NCCL beside gloo for "cuda"; a device it does not know is refused."""
+    import torch.distributed as dist
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(cuda))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: asked.append(backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout", lambda timeout: None)
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(name, value)
+    assert ranks.init_distributed(60, "cpu") == (0, 1, 0)
+    assert ranks.init_distributed(60, "cuda") == (0, 1, 0)
+    assert asked == ["gloo", "cpu:gloo,cuda:nccl"]
+    assert ranks.machine_device() == ("cuda" if cuda else "cpu")
+    with pytest.raises(ValueError, match="device 'cuda:0'"):
+        ranks.init_distributed(60, "cuda:0")
+
+
 # ===== several nodes: the leaders' gloo group beside the default group's NCCL ======================
 def node_rank(kind, rank, port, path, results):
     """A node of one trainer rank (two on this machine: GPU `rank` each): tba's init ("cpu:gloo,cuda:nccl"),
@@ -502,7 +589,7 @@ def node_rank(kind, rank, port, path, results):
         os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="1",
                           GROUP_RANK=str(rank), GROUP_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cfg = Config(model=path, timeout=TIMEOUT)
-        ranks.init_distributed(cfg.timeout)
+        ranks.init_distributed(cfg.timeout, kind)
         device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
