@@ -107,19 +107,35 @@ def kv_bytes_per_token(path: str, dtype: str) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
+# A GPU engine's step budget, passed to every vLLM engine on a GPU (runtime/vllm_env.llm_options) and assumed
+# by engine_needs, so that the estimate describes the engine that starts. Left to vLLM it would follow visible
+# GPU 0 (vllm/engine/arg_utils.py:2913-2914, vllm/platforms/cuda.py:788-804): 8,192 tokens and 256 sequences
+# on an A100 or a smaller card, 16,384 and 1,024 on other cards of 70 GiB or more, H100 and H200
+# (vllm/engine/arg_utils.py:2923-2951); values given are taken as they are, neither doubled nor clipped
+# (vllm/engine/arg_utils.py:3112-3170). Its profile runs a step of that many tokens over that many sequences
+# (vllm/v1/worker/gpu_model_runner.py:516-517, 5604-5607, 6193-6195).
+BATCH_TOKENS = 8192
+BATCH_SEQS = 256
+
+
+def batch_tokens(max_model_len: int) -> int:
+    """The tokens a step of an engine whose longest sequence is `max_model_len`: BATCH_TOKENS, or a whole
+    sequence if longer (vLLM refuses less where a prefill is not chunked: vllm/config/scheduler.py:314-326)."""
+    return max(BATCH_TOKENS, max_model_len)
+
+
 def engine_needs(path: str, dtype: str, longest: int, length: int, seqs: int) -> tuple[int, int, int]:
-    """A vLLM engine of the model at `path`: (its weights and the working memory vLLM measures, the least KV
-    cache, the KV cache a round can fill). The working memory is estimated with vLLM's defaults on an A100
-    or a smaller card, 8,192 tokens a step and 256 sequences (vllm/engine/arg_utils.py:2942-2951): a step's
-    activations, the sampler's float32 logits and log-probs, and 0.5 GiB of CUDA graphs and workspaces; the
-    least KV cache is one whole sequence of `longest` tokens (vLLM starts no engine with less:
-    vllm/v1/core/kv_cache_utils.py:1104-1136); a round fills `seqs` sequences (256 at once at most) of
-    `length`."""
+    """A vLLM engine of the model at `path` whose longest sequence is `longest`: (its weights and the working
+    memory vLLM measures, the least KV cache, the KV cache a round can fill). The working memory is estimated
+    for the step budget it is given (`batch_tokens`, BATCH_SEQS): a step's activations, the sampler's float32
+    logits and log-probs, and 0.5 GiB of CUDA graphs and workspaces; the least KV cache is one whole sequence
+    (vLLM starts no engine with less: vllm/v1/core/kv_cache_utils.py:1104-1136); a round fills `seqs`
+    sequences (BATCH_SEQS at once at most) of `length`."""
     c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
-    work = 8192 * (4 * c.hidden_size + 2 * ffn) * d + 3 * 256 * c.vocab_size * 4 + 2**29
+    work = batch_tokens(longest) * (4 * c.hidden_size + 2 * ffn) * d + 3 * BATCH_SEQS * c.vocab_size * 4 + 2**29
     token = kv_bytes_per_token(path, dtype)
-    return model_bytes(path, dtype) + work, token * longest, token * min(seqs, 256) * length
+    return model_bytes(path, dtype) + work, token * longest, token * min(seqs, BATCH_SEQS) * length
 
 
 def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:

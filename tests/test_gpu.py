@@ -518,7 +518,7 @@ def cpu_rank_on_a_gpu_node(port, path, results):
         model = policy.load_policy(path, torch.device("cpu"), "bfloat16", recompute=True)
         logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
         logits.float().sum().backward()
-        results.put(dict(backend=str(dist.get_backend()), mesh=str(model.parameters().__next__().device_mesh.device_type),
+        results.put(dict(backend=str(dist.get_backend()), mesh=next(model.parameters()).device_mesh.device_type,
                          params=sorted({p.to_local().device.type for p in model.parameters()}),
                          grads=sorted({p.grad.to_local().device.type for p in model.parameters()}),
                          logits=(str(logits.device), str(logits.dtype))))
@@ -819,3 +819,41 @@ def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tiny_model, tmp_path, mo
         check("--out", "c")
     with pytest.raises(ConfigError, match=r"^--searcher-memory: must be a fraction in \(0, 1\), got 1.5$"):
         check("--searcher-memory", "1.5", "--out", "d")
+
+
+# ===== a GPU engine's step budget: passed to vLLM, and the one the memory estimate assumes ========================
+def test_gpu_engines_get_the_step_budget_the_estimate_assumes(tmp_path, monkeypatch):
+    """vLLM would pick its step budget by card (8,192 tokens and 256 sequences on an A100, 16,384 and 1,024 on an
+    H100 or H200): on a GPU llm_options passes gpu.BATCH_TOKENS and gpu.BATCH_SEQS (a whole sequence if longer),
+    and engine_needs' working memory is computed from the same constants; vLLM's CPU engine keeps its own."""
+    import sys
+    from runtime import vllm_env
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))  # llm_options sets its own under it
+    fake = types.ModuleType("vllm")  # all llm_options reads of vLLM on a GPU: runs where vLLM is not installed
+    fake.envs = types.SimpleNamespace(VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.envs", fake.envs)
+    monkeypatch.setattr(torch._dynamo.config, "disable", torch._dynamo.config.disable)  # the CPU branch sets it
+    path = pythia(tmp_path, "1b")
+    c = gpu.text_config(path)
+    cfg = types.SimpleNamespace(dtype="bfloat16", seed=0)
+
+    def budget(max_model_len, device="cuda:1"):
+        options = vllm_env.llm_options(cfg, path, torch.device(device), 0.5, max_model_len)
+        return options.get("max_num_batched_tokens"), options.get("max_num_seqs")
+
+    def work(longest):  # engine_needs' first part less the weights
+        return gpu.engine_needs(path, "bfloat16", longest, longest, 1)[0] - gpu.model_bytes(path, "bfloat16")
+
+    assert (gpu.BATCH_TOKENS, gpu.BATCH_SEQS) == (8192, 256)  # the A100's defaults, as before
+    assert budget(640) == (8192, 256) and budget(10_000) == (10_000, 256)
+    assert work(640) == 8192 * (4 * 2048 + 2 * 8192) * 2 + 3 * 256 * 50304 * 4 + 2**29
+    before = work(640)
+    monkeypatch.setattr(gpu, "BATCH_TOKENS", 16384)  # an H100's: both sides follow
+    monkeypatch.setattr(gpu, "BATCH_SEQS", 1024)
+    assert budget(640) == (16384, 1024)
+    assert work(640) - before == 8192 * (4 * 2048 + 2 * 8192) * 2 + 3 * 768 * 50304 * 4
+    token = gpu.kv_bytes_per_token(path, "bfloat16")
+    assert gpu.engine_needs(path, "bfloat16", 640, 600, 5000)[2] == token * 1024 * 600  # at once: BATCH_SEQS
+    assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache" / "tba-cuda1")
+    assert budget(640, "cpu") == (None, None)  # the CPU engine: vLLM's CPU defaults, unchanged
