@@ -7,7 +7,8 @@ runtime.checks before any process starts.
   loads beside them fit the smallest of this node's searcher GPUs, split as the searchers will split it
   (`memory_split`); --searcher-memory's default (`memory_share`).
 - `memory_needs`: what a searcher's GPU holds, from the models' configs (counted on the meta device: no
-  weights read) and the run's settings; a task adds its own engines and models (its `memory`).
+  weights read) and the run's settings; a task adds its own engines and models (its `memory`); with
+  --searchers 0 the trainer's own weights, gradients, AdamW state and shared copy too (`trainer_bytes`).
 """
 
 import math
@@ -143,7 +144,8 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
     --dtype: the policy's vLLM engine (`engine_needs`), and beside the engines, by name: pi_ref and its
     log-prob pass (--micro-batch sequences' logits and a 256 MiB float32 chunk, loss.sequence_logprobs), the
     reward model, what the task adds (its `memory`: TL;DR's evaluation models, red-teaming's victim and judge
-    engines, classifier and embedder), and 1 GiB for the CUDA context and the allocator's cache."""
+    engines, classifier and embedder), with --searchers 0 the trainer's own state and the shared copy of the
+    weights (the trainer's GPU holds the engine), and 1 GiB for the CUDA context and the allocator's cache."""
     d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     seqs = cfg.prompts_per_step * cfg.search_samples_per_prompt
     engines = {"policy": engine_needs(cfg.model_path, cfg.dtype, cfg.max_model_len, cfg.max_model_len, seqs)}
@@ -153,8 +155,36 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
     if cfg.reward_model_path:
         beside["the reward model"] = model_bytes(cfg.reward_model_path, cfg.dtype, "sequence")
     task.memory(cfg, evaluates, engines, beside)
+    if not cfg.searchers:  # the trainer's own process runs the engine (runtime/fleet.LocalFleet), on its one GPU
+        params, trained = trainer_parameters(cfg)
+        beside["the trainer's weights, gradients and AdamW state"] = trainer_bytes(params, trained, cfg.trainer_dtype)
+        beside["the shared copy"] = model_bytes(cfg.model_path, cfg.dtype) * (2 if cfg.ref_reset_every else 1)
     beside["the CUDA context"] = 2**30
     return engines, beside
+
+
+def trainer_bytes(params: int, trained: int, trainer_dtype: str, gradients: bool = True) -> int:
+    """The trainer's own bytes on one rank (nothing sharded) for `params` parameters of which `trained` learn (all,
+    or LoRA's adapter): the weights in --trainer-dtype, the gradients in it too (FSDP2 casts the float32 reduction
+    back: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:696), and AdamW's two moments in float32 whatever
+    the weights (runtime/policy.AdamW). 16 bytes a parameter with float32 weights, 12 with bf16; `gradients`
+    False: at the start of a backward pass, before they exist. What a pass keeps for its backward is not in it
+    (tools/memory.py measures that)."""
+    w = torch.empty(0, dtype=getattr(torch, trainer_dtype)).element_size()
+    return w * params + ((w if gradients else 0) + 8) * trained
+
+
+def trainer_parameters(cfg) -> tuple[int, int]:
+    """(the trainer's parameters, those that learn) for this run's model, counted on the meta device."""
+    import transformers
+    from runtime import lora
+    config = transformers.AutoConfig.from_pretrained(cfg.model_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if cfg.lora_rank:
+            model = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+    params = sum(p.numel() for p in model.parameters())
+    return params, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def memory_share(card: int, beside: dict[str, int]) -> float:

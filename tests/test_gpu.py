@@ -857,3 +857,38 @@ def test_gpu_engines_get_the_step_budget_the_estimate_assumes(tmp_path, monkeypa
     assert gpu.engine_needs(path, "bfloat16", 640, 600, 5000)[2] == token * 1024 * 600  # at once: BATCH_SEQS
     assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache" / "tba-cuda1")
     assert budget(640, "cpu") == (None, None)  # the CPU engine: vLLM's CPU defaults, unchanged
+
+
+# ===== --searchers 0: the trainer's own state on the GPU that holds the engine (card sizes faked) ===============
+def test_the_synchronous_trainer_counts_its_own_state_beside_the_engine(tmp_path, monkeypatch):
+    """With --searchers 0 the trainer's GPU holds the engine, pi_ref and the trainer itself: its weights,
+    gradients and AdamW moments (16 bytes a parameter with float32 weights, 12 with bf16; LoRA: the frozen
+    weights and the adapter's state) and the shared copy in --dtype (two with TBA′'s pi_ref). Pythia 1B, the
+    engine at --trainer-memory 0.2: refused on a 24 GB card with float32 weights (it passed before, the trainer
+    uncounted), held with bf16 weights or LoRA."""
+    import dataclasses
+    import tasks
+    gsm8k = tasks.get("gsm8k")
+    P = 1_011_781_632  # Pythia 1B's published total
+    cfg = Config(task="gsm8k", dtype="bfloat16", model_path=pythia(tmp_path, "1b"), max_model_len=640,
+                 prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, searchers=0, trainer_memory=0.2,
+                 trainer_dtype="float32", ref_reset_every=0)
+    state = "the trainer's weights, gradients and AdamW state"
+    beside = gpu.memory_needs(cfg, gsm8k)[1]
+    assert beside[state] == 16 * P and beside["the shared copy"] == 2 * P == beside["pi_ref"]
+    assert gpu.memory_needs(dataclasses.replace(cfg, trainer_dtype="bfloat16"), gsm8k)[1][state] == 12 * P
+    assert gpu.memory_needs(dataclasses.replace(cfg, ref_reset_every=50), gsm8k)[1]["the shared copy"] == 4 * P
+    adapter = 16 * 32 * (2048 + 3 * 2048)  # r 32 on each layer's query_key_value (peft's default for GPT-NeoX)
+    lora = dataclasses.replace(cfg, lora_rank=32, lora_alpha=16, seed=0)
+    assert gpu.trainer_parameters(lora) == (P + adapter, adapter)
+    assert gpu.memory_needs(lora, gsm8k)[1][state] == 4 * (P + adapter) + 12 * adapter
+    assert state not in gpu.memory_needs(dataclasses.replace(cfg, searchers=1), gsm8k)[1]  # searchers: their GPUs
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=int(24e9)))
+    with pytest.raises(ConfigError, match=r"^--trainer-memory: the policy engine's [\d.]+ GiB and the models beside it "
+                                          r"\(pi_ref 1.9, .*the trainer's weights, gradients and AdamW state 15.1, "
+                                          r"the shared copy 1.9, the CUDA context 1.0: 21.3 GiB\) need more than "
+                                          r"this GPU's 22.4 GiB$"):
+        gpu.check_memory(cfg, gsm8k, 1)
+    assert gpu.check_memory(dataclasses.replace(cfg, trainer_dtype="bfloat16"), gsm8k, 1) == 0.2
+    assert gpu.check_memory(lora, gsm8k, 1) == 0.2
