@@ -835,7 +835,6 @@ def test_gpu_engines_get_the_step_budget_the_estimate_assumes(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "vllm.envs", fake.envs)
     monkeypatch.setattr(torch._dynamo.config, "disable", torch._dynamo.config.disable)  # the CPU branch sets it
     path = pythia(tmp_path, "1b")
-    c = gpu.text_config(path)
     cfg = types.SimpleNamespace(dtype="bfloat16", seed=0)
 
     def budget(max_model_len, device="cuda:1"):
