@@ -800,14 +800,18 @@ def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monke
            "the judge 12.4, the CUDA context 1.0: 31.3 GiB" in line and "\n" not in line
 
 
-def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tiny_model, tmp_path, monkeypatch):
+def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tmp_path, monkeypatch):
     """Through config.check on faked GPUs: the share is computed for this node's searcher GPUs (the smallest),
     unless --searcher-memory is given; a card too small is refused in one line; a share outside (0, 1) too."""
     fake_gpus(monkeypatch, [(9, 0)] * 3)
     sizes = [80 * 2**30, 80 * 2**30, 4 * 2**30]  # trainer on GPU 0, searchers on GPUs 1 and 2
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=sizes[i]))
     monkeypatch.chdir(tmp_path)
-    check = lambda *args: checks.check(checks.parse(Config, ["--model", tiny_model, "--searchers", "2", *args]), 1)[0]
+    from runtime import tiny
+    model = str(tmp_path / "model")
+    tiny.make_model(model, max_len=1024)  # untrained: only its config and tokenizer are read (the warm-started
+    # fixture's CPU minutes would count against tests/gpu_check.sh's time limit)
+    check = lambda *args: checks.check(checks.parse(Config, ["--model", model, "--searchers", "2", *args]), 1)[0]
     import tasks
     cfg = check("--out", "a")
     beside = gpu.memory_needs(cfg, tasks.get("arith"))[1]  # pi_ref's pass: 256 sequences' logits; the CUDA context
