@@ -63,7 +63,8 @@ from runtime.fleet import Fleet, LocalFleet, Signals
 from runtime.hub import load_tokenizer
 from runtime.log import Log
 from runtime.policy import AdamW, load_policy
-from runtime.ranks import broadcast, broadcast_batch, fail, first_refusal, init_distributed, raise_stop
+from runtime.ranks import (broadcast, broadcast_batch, fail, first_refusal, init_distributed, machine_device,
+                           raise_stop)
 from runtime.weights import gather
 
 
@@ -377,8 +378,8 @@ def main(argv=None):
         nodes.check(cfg, world)  # the launch's layout and network, before the ranks join
     except ConfigError as e:  # said on each node: what one node sees, another may not
         fail(f"tba.py: error: {e}", 2, int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1:  # the ranks join, then decide together whether the configuration holds
-        init_distributed(cfg.timeout)
+    if world > 1:  # the ranks join (on the device check() will give cfg), then decide together whether it holds
+        init_distributed(cfg.timeout, machine_device())
     try:
         cfg, data, ckpt = check(cfg, world)
         refusal = None

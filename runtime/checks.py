@@ -17,11 +17,9 @@ import os
 import time
 import typing
 
-import torch
-
 import tasks
 from loss import LOSSES
-from runtime import nodes, vllm_env
+from runtime import nodes, ranks, vllm_env
 from runtime.checkpoint import check_resumed_flags, load_checkpoint
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
@@ -129,7 +127,7 @@ def check(cfg, world: int):
             raise ConfigError("--wandb: the wandb package is not installed (it is optional: pip install wandb)") from None
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
     # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
-    device = "cuda" if torch.cuda.device_count() else "cpu"
+    device = ranks.machine_device()
     local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
     cfg = dataclasses.replace(cfg, device=device)
     if device == "cuda":

@@ -7,7 +7,8 @@ runtime.checks before any process starts.
   loads beside them fit the smallest of this node's searcher GPUs, split as the searchers will split it
   (`memory_split`); --searcher-memory's default (`memory_share`).
 - `memory_needs`: what a searcher's GPU holds, from the models' configs (counted on the meta device: no
-  weights read) and the run's settings; a task adds its own engines and models (its `memory`).
+  weights read) and the run's settings; a task adds its own engines and models (its `memory`); with
+  --searchers 0 the trainer's own weights, gradients, AdamW state and shared copy too (`trainer_bytes`).
 """
 
 import math
@@ -107,19 +108,35 @@ def kv_bytes_per_token(path: str, dtype: str) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
+# A GPU engine's step budget, passed to every vLLM engine on a GPU (runtime/vllm_env.llm_options) and assumed
+# by engine_needs, so that the estimate describes the engine that starts. Left to vLLM it would follow visible
+# GPU 0 (vllm/engine/arg_utils.py:2913-2914, vllm/platforms/cuda.py:788-804): 8,192 tokens and 256 sequences
+# on an A100 or a smaller card, 16,384 and 1,024 on other cards of 70 GiB or more, H100 and H200
+# (vllm/engine/arg_utils.py:2923-2951); values given are taken as they are, neither doubled nor clipped
+# (vllm/engine/arg_utils.py:3112-3170). Its profile runs a step of that many tokens over that many sequences
+# (vllm/v1/worker/gpu_model_runner.py:516-517, 5604-5607, 6193-6195).
+BATCH_TOKENS = 8192
+BATCH_SEQS = 256
+
+
+def batch_tokens(max_model_len: int) -> int:
+    """The tokens a step of an engine whose longest sequence is `max_model_len`: BATCH_TOKENS, or a whole
+    sequence if longer (vLLM refuses less where a prefill is not chunked: vllm/config/scheduler.py:314-326)."""
+    return max(BATCH_TOKENS, max_model_len)
+
+
 def engine_needs(path: str, dtype: str, longest: int, length: int, seqs: int) -> tuple[int, int, int]:
-    """A vLLM engine of the model at `path`: (its weights and the working memory vLLM measures, the least KV
-    cache, the KV cache a round can fill). The working memory is estimated with vLLM's defaults on an A100
-    or a smaller card, 8,192 tokens a step and 256 sequences (vllm/engine/arg_utils.py:2942-2951): a step's
-    activations, the sampler's float32 logits and log-probs, and 0.5 GiB of CUDA graphs and workspaces; the
-    least KV cache is one whole sequence of `longest` tokens (vLLM starts no engine with less:
-    vllm/v1/core/kv_cache_utils.py:1104-1136); a round fills `seqs` sequences (256 at once at most) of
-    `length`."""
+    """A vLLM engine of the model at `path` whose longest sequence is `longest`: (its weights and the working
+    memory vLLM measures, the least KV cache, the KV cache a round can fill). The working memory is estimated
+    for the step budget it is given (`batch_tokens`, BATCH_SEQS): a step's activations, the sampler's float32
+    logits and log-probs, and 0.5 GiB of CUDA graphs and workspaces; the least KV cache is one whole sequence
+    (vLLM starts no engine with less: vllm/v1/core/kv_cache_utils.py:1104-1136); a round fills `seqs`
+    sequences (BATCH_SEQS at once at most) of `length`."""
     c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
-    work = 8192 * (4 * c.hidden_size + 2 * ffn) * d + 3 * 256 * c.vocab_size * 4 + 2**29
+    work = batch_tokens(longest) * (4 * c.hidden_size + 2 * ffn) * d + 3 * BATCH_SEQS * c.vocab_size * 4 + 2**29
     token = kv_bytes_per_token(path, dtype)
-    return model_bytes(path, dtype) + work, token * longest, token * min(seqs, 256) * length
+    return model_bytes(path, dtype) + work, token * longest, token * min(seqs, BATCH_SEQS) * length
 
 
 def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
@@ -127,7 +144,8 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
     --dtype: the policy's vLLM engine (`engine_needs`), and beside the engines, by name: pi_ref and its
     log-prob pass (--micro-batch sequences' logits and a 256 MiB float32 chunk, loss.sequence_logprobs), the
     reward model, what the task adds (its `memory`: TL;DR's evaluation models, red-teaming's victim and judge
-    engines, classifier and embedder), and 1 GiB for the CUDA context and the allocator's cache."""
+    engines, classifier and embedder), with --searchers 0 the trainer's own state and the shared copy of the
+    weights (the trainer's GPU holds the engine), and 1 GiB for the CUDA context and the allocator's cache."""
     d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     seqs = cfg.prompts_per_step * cfg.search_samples_per_prompt
     engines = {"policy": engine_needs(cfg.model_path, cfg.dtype, cfg.max_model_len, cfg.max_model_len, seqs)}
@@ -137,8 +155,36 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
     if cfg.reward_model_path:
         beside["the reward model"] = model_bytes(cfg.reward_model_path, cfg.dtype, "sequence")
     task.memory(cfg, evaluates, engines, beside)
+    if not cfg.searchers:  # the trainer's own process runs the engine (runtime/fleet.LocalFleet), on its one GPU
+        params, trained = trainer_parameters(cfg)
+        beside["the trainer's weights, gradients and AdamW state"] = trainer_bytes(params, trained, cfg.trainer_dtype)
+        beside["the shared copy"] = model_bytes(cfg.model_path, cfg.dtype) * (2 if cfg.ref_reset_every else 1)
     beside["the CUDA context"] = 2**30
     return engines, beside
+
+
+def trainer_bytes(params: int, trained: int, trainer_dtype: str, gradients: bool = True) -> int:
+    """The trainer's own bytes on one rank (nothing sharded) for `params` parameters of which `trained` learn (all,
+    or LoRA's adapter): the weights in --trainer-dtype, the gradients in it too (FSDP2 casts the float32 reduction
+    back: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:696), and AdamW's two moments in float32 whatever
+    the weights (runtime/policy.AdamW). 16 bytes a parameter with float32 weights, 12 with bf16; `gradients`
+    False: at the start of a backward pass, before they exist. What a pass keeps for its backward is not in it
+    (tools/memory.py measures that)."""
+    w = torch.empty(0, dtype=getattr(torch, trainer_dtype)).element_size()
+    return w * params + ((w if gradients else 0) + 8) * trained
+
+
+def trainer_parameters(cfg) -> tuple[int, int]:
+    """(the trainer's parameters, those that learn) for this run's model, counted on the meta device."""
+    import transformers
+    from runtime import lora
+    config = transformers.AutoConfig.from_pretrained(cfg.model_path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if cfg.lora_rank:
+            model = lora.wrap(model, cfg.lora_rank, cfg.lora_alpha, cfg.seed)
+    params = sum(p.numel() for p in model.parameters())
+    return params, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def memory_share(card: int, beside: dict[str, int]) -> float:

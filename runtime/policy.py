@@ -36,6 +36,9 @@ def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32", r
     # cuda (_fsdp_init.py:369-404). from_group reuses the default group as it is (no new group, whose timeout
     # would be torch's default: torch/distributed/device_mesh.py:1053-1115).
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+        # a cuda mesh shards onto the current device (torch/distributed/fsdp/_fully_shard/_fsdp_init.py:219-223)
+        raise ValueError(f"load_policy on {device}: make it the current device first (torch.cuda.set_device)")
     for module in [m for m in model.modules() if type(m).__name__ in blocks]:
         fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -43,10 +43,18 @@ def machine_device() -> str:
     return "cuda" if torch.cuda.device_count() else "cpu"
 
 
-def init_distributed(timeout: float, device: str | None = None) -> tuple[int, int, int]:
-    """The process group (rank, world size, local rank). Its backend follows `device`, the run's (default:
-    this machine's): gloo for a CPU run, even where CUDA exists, and NCCL for CUDA tensors beside gloo for CPU
-    ones on GPUs. Called again (run() after main() under torchrun), it returns the group's ranks."""
+def backend_for(device: str) -> str:
+    """The default group's backend for a run on `device`: NCCL only where the model's tensors are CUDA ones
+    (FSDP2's all-gathers and reduce-scatters of them), gloo for CPU tensors either way."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: cpu or cuda")
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
+def init_distributed(timeout: float, device: str) -> tuple[int, int, int]:
+    """The process group (rank, world size, local rank). Its backend follows `device`, the run's ("cpu" or
+    "cuda", never guessed here): gloo for a CPU run, even where CUDA exists, and NCCL for CUDA tensors beside
+    gloo for CPU ones on GPUs. Called again (run() after main() under torchrun), it returns the group's ranks."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
     if "RANK" not in os.environ:  # plain `python tba.py`: a group of one
@@ -54,7 +62,7 @@ def init_distributed(timeout: float, device: str | None = None) -> tuple[int, in
             s.bind(("127.0.0.1", 0))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(s.getsockname()[1]))
-    backend = "cpu:gloo,cuda:nccl" if (device or machine_device()) == "cuda" else "gloo"
+    backend = backend_for(device)
     # joining waits at most --timeout: a rank that failed before it joined never comes
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 1)))
     # every later collective (torch/distributed/distributed_c10d.py:1616): see nodes.allowance

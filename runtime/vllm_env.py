@@ -60,7 +60,10 @@ def llm_options(cfg, path: str, device, memory: float | None, max_model_len: int
                    enforce_eager=device.type == "cpu", enable_prefix_caching=True,
                    use_tqdm_on_load=False)  # its loading bar would break the trainer's
     if device.type == "cuda":  # pick this GPU without hiding the others (CUDA IPC needs them)
-        options.update(device_ids=[device.index], gpu_memory_utilization=memory)
+        from runtime import gpu
+        options.update(device_ids=[device.index], gpu_memory_utilization=memory,
+                       # the step budget runtime.gpu's memory estimate assumes, not vLLM's, which varies by card
+                       max_num_batched_tokens=gpu.batch_tokens(max_model_len), max_num_seqs=gpu.BATCH_SEQS)
         # vLLM caches its compiled graphs under VLLM_CACHE_ROOT by rank
         # (vllm/compilation/decorators.py:565-584, vllm/compilation/backends.py:1074-1084), and every
         # engine here is rank 0 of its own, while Inductor's code hard-codes the device index: engines

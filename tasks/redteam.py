@@ -109,6 +109,7 @@ def check(cfg) -> dict:
     if classifier_kind(config) != "judge":  # i.e. a causal LM
         raise ConfigError(f"--victim: {victim} is not a causal LM (architectures: {', '.join(kinds) or 'none'})")
     load_tokenizer(victim, "victim")
+    one_workspace(cfg, "victim", victim)
     classifier = resolve_model(cfg.classifier, "classifier")
     config = AutoConfig.from_pretrained(classifier)
     kind = classifier_kind(config)
@@ -122,14 +123,63 @@ def check(cfg) -> dict:
             raise ConfigError(f"--{'unsafe-label' if cfg.unsafe_label else 'classifier'}: {classifier} has {e}") from None
     elif cfg.unsafe_label:
         raise ConfigError(f"--unsafe-label: {classifier} is a causal LM judge; its verdict is the token \"unsafe\"")
+    else:
+        one_workspace(cfg, "classifier", classifier)  # a judge: an engine of its own
     load_tokenizer(classifier, "classifier")
     embedder = resolve_model(cfg.embedding_model, "embedding-model")
     load_tokenizer(embedder, "embedding-model")
+    if cfg.model != "tiny":  # the attacker's engine shares the process with the victim's (tiny: a dense Llama)
+        one_workspace(cfg, "model", resolve_model(cfg.model))
     if cfg.victim_responses < 1:
         raise ConfigError("--victim-responses: must be at least 1")
     if cfg.victim_max_new_tokens is not None and cfg.victim_max_new_tokens < 1:
         raise ConfigError("--victim-max-new-tokens: must be at least 1")
     return dict(victim_path=victim, classifier_path=classifier, classifier_kind=kind, embedding_model_path=embedder)
+
+
+# --- several vLLM engines in one process on a GPU ------------------------------------------------------
+# vLLM 0.32 keeps one WorkspaceManager a process (vllm/v1/worker/workspace.py:33): each GPU engine's worker
+# replaces it (vllm/v1/worker/gpu_worker.py:547-557, vllm/v1/worker/workspace.py:325-333) and locks it after its
+# own warm-up (vllm/v1/worker/gpu_model_runner.py:6575), so the attacker's, the victim's and a judge's engines
+# all draw on the last one's scratch, sized for that model alone. Dense unquantized models never ask for it;
+# mixture-of-experts layers (vllm/model_executor/layers/fused_moe/modular_kernel.py:1141), Marlin-quantized
+# linears (vllm/model_executor/layers/quantization/utils/marlin_utils.py:425-432) and MLA attention
+# (vllm/v1/attention/backends/mla/triton_mla.py:90) do. vLLM's CPU worker makes none
+# (vllm/v1/worker/cpu_worker.py:107-177): the CPU runs any model.
+def workspace_user(path: str) -> str | None:
+    """Why an engine of the model at `path` would use vLLM's workspace: 'quantized (FIELD)', 'a mixture of
+    experts (FIELD)' or 'multi-head latent attention (kv_lora_rank)', from its config (with the class's defaults,
+    nested configs included), or None for a dense unquantized model."""
+    from transformers import AutoConfig
+
+    def fields(d):
+        for k, v in d.items():
+            if isinstance(v, dict) and k != "quantization_config":
+                yield from fields(v)
+            else:
+                yield str(k), v
+    if os.path.isfile(os.path.join(path, "quantize_config.json")):  # GPTQ's own file, which vLLM reads too
+        return "quantized (quantize_config.json)"
+    for key, value in fields(AutoConfig.from_pretrained(path).to_dict()):
+        if not value:
+            continue
+        if key == "quantization_config":
+            return f"quantized ({key})"
+        if "expert" in key.lower() or "moe" in key.lower():
+            return f"a mixture of experts ({key})"
+        if key == "kv_lora_rank":
+            return f"multi-head latent attention ({key})"
+    return None
+
+
+def one_workspace(cfg, flag: str, path: str):
+    """On a GPU, refuse a model for an engine beside others in the searcher process (the attacker, the victim, a
+    judge) that would use vLLM's workspace (`workspace_user`), in one line."""
+    why = workspace_user(path) if cfg.device == "cuda" else None
+    if why:
+        raise ConfigError(f"--{flag}: {path} is {why}; on a GPU the redteam task runs the attacker's, the victim's "
+                          f"and a judge's vLLM engines in one process, where vLLM 0.32 gives them one workspace, "
+                          f"sized by the last engine started: use dense, unquantized models")
 
 
 # --- the kinds of model, from their configs (config.check() refuses anything else) ------------------

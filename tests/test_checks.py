@@ -14,7 +14,6 @@ from runtime import checks
 from runtime import gpu
 from runtime import ranks
 from runtime import policy
-import buffer
 import tba
 from runtime.config import Config
 from buffer import ReplayBuffer
@@ -34,7 +33,7 @@ def recompute_rank(path, port, results):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cfg = Config(model=path, prompts_per_step=2, samples_per_prompt=4, micro_batch=8, timeout=60)
-        ranks.init_distributed(cfg.timeout)
+        ranks.init_distributed(cfg.timeout, "cpu")
         rng = np.random.default_rng(0)
         prompts = [rng.integers(4, 90, size=int(n)).tolist() for n in rng.integers(5, 12, size=4)]
         batch = [[Trajectory(p, rng.integers(4, 90, size=int(rng.integers(2, 7))).astype(np.int32),

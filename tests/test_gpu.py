@@ -8,7 +8,8 @@ Tests marked `needs_gpu` (and the "cuda" cases of the others) are skipped when n
 they need PyTorch with CUDA, transformers where a model is built, and never vLLM. The rest runs on
 the CPU too, in CI: the refusals of `check_gpus`, the memory split and the allocator-settings rewrite
 (CUDA queries faked), and the "cpu" cases of the handoff, FSDP2 (one gloo rank), the leaders' group
-(two gloo ranks), AdamW and chunked log-prob tests.
+(two gloo ranks), AdamW and chunked log-prob tests, and a CPU run where CUDA looks present (it stays on the
+CPU: gloo, FSDP2's mesh on the CPU).
 Run them all on a GPU machine with `bash tests/gpu_check.sh`.
 
 Every spawned process reports through a queue and every wait has a deadline; the processes that
@@ -380,7 +381,7 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cfg = Config(model=path, prompts_per_step=2 * world, samples_per_prompt=4, temperature=0.7,
                          micro_batch=4, timeout=TIMEOUT)
-        got = ranks.init_distributed(cfg.timeout)
+        got = ranks.init_distributed(cfg.timeout, kind)  # "cpu": gloo, even on a GPU node
         assert got == (rank, world, rank), got
         device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
         if device.type == "cuda":
@@ -488,6 +489,92 @@ def test_fsdp2_bf16_step_and_gather_into_shared_tensors(kind, weights_dtype, rec
     assert [p.exitcode for p in procs] == [0] * world
 
 
+# ===== a CPU run on a GPU node stays on the CPU ======================================================
+def look_like_a_gpu_node():
+    """What a CUDA build on a GPU node tells this process: CUDA is the accelerator torch was built for, and it
+    is available (one device). fully_shard without a mesh takes that accelerator and moves a CPU model to
+    cuda (runtime/policy.py cites the lines); letting FSDP2 choose its own mesh at all fails here."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+    torch._C._get_accelerator = lambda check=False: torch.device("cuda")
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+
+    def chose(*args, **kwargs):
+        raise AssertionError("fully_shard was given no mesh: it would take the accelerator's")
+    _fully_shard._init_default_mesh = chose
+
+
+def cpu_rank_on_a_gpu_node(port, path, results):
+    """One rank of a CPU run where CUDA looks present: its group's backend, where load_policy leaves the
+    model (bf16 compute), and where a training forward and backward run."""
+    import torch.distributed as dist
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        look_like_a_gpu_node()  # before anything of torch.distributed starts, as a spawned rank there would be
+        assert torch._C._get_accelerator().type == "cuda" and torch.cuda.is_available()
+        ranks.init_distributed(TIMEOUT, "cpu")
+        model = policy.load_policy(path, torch.device("cpu"), "bfloat16", recompute=True)
+        logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
+        logits.float().sum().backward()
+        results.put(dict(backend=str(dist.get_backend()), mesh=next(model.parameters()).device_mesh.device_type,
+                         params=sorted({p.to_local().device.type for p in model.parameters()}),
+                         grads=sorted({p.grad.to_local().device.type for p in model.parameters()}),
+                         logits=(str(logits.device), str(logits.dtype))))
+    except BaseException:
+        results.put({"error": traceback.format_exc()})
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_cpu_run_stays_on_the_cpu_where_cuda_is_the_accelerator(tmp_path):
+    """On a GPU node the "cpu" cases of these tests (and tools/memory.py) ran on cuda:0: fully_shard without a
+    mesh took CUDA, torch's accelerator there, and the backend came from torch.cuda.is_available(). Faked
+    here in the spawned rank: the group is gloo, FSDP2's mesh is the CPU's, and the model, its gradients and
+    its logits stay on the CPU."""
+    from runtime import tiny
+    path = str(tmp_path / "model")
+    tiny.make_model(path, hidden=64, layers=2, heads=2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=cpu_rank_on_a_gpu_node, args=(port, path, results), daemon=True)
+    proc.start()
+    try:
+        out = get_report(results, [proc], 300)
+    finally:
+        finish([proc])
+    assert out == dict(backend="gloo", mesh="cpu", params=["cpu"], grads=["cpu"], logits=("cpu", "torch.bfloat16"))
+    assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-machine", "gpu-node"])
+def test_the_backend_follows_the_runs_device_not_the_machine(monkeypatch, cuda):
+    """init_distributed's backend is the run's device's: gloo for "cpu" even where torch.cuda.is_available()
+    says True, NCCL beside gloo for "cuda"; a device it does not know is refused."""
+    import torch.distributed as dist
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(cuda))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: asked.append(backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(dist.distributed_c10d, "_set_pg_timeout", lambda timeout: None)
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(name, value)
+    assert ranks.init_distributed(60, "cpu") == (0, 1, 0)
+    assert ranks.init_distributed(60, "cuda") == (0, 1, 0)
+    assert asked == ["gloo", "cpu:gloo,cuda:nccl"]
+    assert ranks.machine_device() == ("cuda" if cuda else "cpu")
+    with pytest.raises(ValueError, match="device 'cuda:0'"):
+        ranks.init_distributed(60, "cuda:0")
+
+
 # ===== several nodes: the leaders' gloo group beside the default group's NCCL ======================
 def node_rank(kind, rank, port, path, results):
     """A node of one trainer rank (two on this machine: GPU `rank` each): tba's init ("cpu:gloo,cuda:nccl"),
@@ -502,7 +589,7 @@ def node_rank(kind, rank, port, path, results):
         os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="1",
                           GROUP_RANK=str(rank), GROUP_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cfg = Config(model=path, timeout=TIMEOUT)
-        ranks.init_distributed(cfg.timeout)
+        ranks.init_distributed(cfg.timeout, kind)
         device = torch.device(f"cuda:{rank}" if kind == "cuda" else "cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -713,14 +800,18 @@ def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monke
            "the judge 12.4, the CUDA context 1.0: 31.3 GiB" in line and "\n" not in line
 
 
-def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tiny_model, tmp_path, monkeypatch):
+def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tmp_path, monkeypatch):
     """Through config.check on faked GPUs: the share is computed for this node's searcher GPUs (the smallest),
     unless --searcher-memory is given; a card too small is refused in one line; a share outside (0, 1) too."""
     fake_gpus(monkeypatch, [(9, 0)] * 3)
     sizes = [80 * 2**30, 80 * 2**30, 4 * 2**30]  # trainer on GPU 0, searchers on GPUs 1 and 2
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=sizes[i]))
     monkeypatch.chdir(tmp_path)
-    check = lambda *args: checks.check(checks.parse(Config, ["--model", tiny_model, "--searchers", "2", *args]), 1)[0]
+    from runtime import tiny
+    model = str(tmp_path / "model")
+    tiny.make_model(model, max_len=1024)  # untrained: only its config and tokenizer are read (the warm-started
+    # fixture's CPU minutes would count against tests/gpu_check.sh's time limit)
+    check = lambda *args: checks.check(checks.parse(Config, ["--model", model, "--searchers", "2", *args]), 1)[0]
     import tasks
     cfg = check("--out", "a")
     beside = gpu.memory_needs(cfg, tasks.get("arith"))[1]  # pi_ref's pass: 256 sequences' logits; the CUDA context
@@ -732,3 +823,75 @@ def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tiny_model, tmp_path, mo
         check("--out", "c")
     with pytest.raises(ConfigError, match=r"^--searcher-memory: must be a fraction in \(0, 1\), got 1.5$"):
         check("--searcher-memory", "1.5", "--out", "d")
+
+
+# ===== a GPU engine's step budget: passed to vLLM, and the one the memory estimate assumes ========================
+def test_gpu_engines_get_the_step_budget_the_estimate_assumes(tmp_path, monkeypatch):
+    """vLLM would pick its step budget by card (8,192 tokens and 256 sequences on an A100, 16,384 and 1,024 on an
+    H100 or H200): on a GPU llm_options passes gpu.BATCH_TOKENS and gpu.BATCH_SEQS (a whole sequence if longer),
+    and engine_needs' working memory is computed from the same constants; vLLM's CPU engine keeps its own."""
+    import sys
+    from runtime import vllm_env
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))  # llm_options sets its own under it
+    fake = types.ModuleType("vllm")  # all llm_options reads of vLLM on a GPU: runs where vLLM is not installed
+    fake.envs = types.SimpleNamespace(VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.envs", fake.envs)
+    monkeypatch.setattr(torch._dynamo.config, "disable", torch._dynamo.config.disable)  # the CPU branch sets it
+    path = pythia(tmp_path, "1b")
+    cfg = types.SimpleNamespace(dtype="bfloat16", seed=0)
+
+    def budget(max_model_len, device="cuda:1"):
+        options = vllm_env.llm_options(cfg, path, torch.device(device), 0.5, max_model_len)
+        return options.get("max_num_batched_tokens"), options.get("max_num_seqs")
+
+    def work(longest):  # engine_needs' first part less the weights
+        return gpu.engine_needs(path, "bfloat16", longest, longest, 1)[0] - gpu.model_bytes(path, "bfloat16")
+
+    assert (gpu.BATCH_TOKENS, gpu.BATCH_SEQS) == (8192, 256)  # the A100's defaults, as before
+    assert budget(640) == (8192, 256) and budget(10_000) == (10_000, 256)
+    assert work(640) == 8192 * (4 * 2048 + 2 * 8192) * 2 + 3 * 256 * 50304 * 4 + 2**29
+    before = work(640)
+    monkeypatch.setattr(gpu, "BATCH_TOKENS", 16384)  # an H100's: both sides follow
+    monkeypatch.setattr(gpu, "BATCH_SEQS", 1024)
+    assert budget(640) == (16384, 1024)
+    assert work(640) - before == 8192 * (4 * 2048 + 2 * 8192) * 2 + 3 * 768 * 50304 * 4
+    token = gpu.kv_bytes_per_token(path, "bfloat16")
+    assert gpu.engine_needs(path, "bfloat16", 640, 600, 5000)[2] == token * 1024 * 600  # at once: BATCH_SEQS
+    assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache" / "tba-cuda1")
+    assert budget(640, "cpu") == (None, None)  # the CPU engine: vLLM's CPU defaults, unchanged
+
+
+# ===== --searchers 0: the trainer's own state on the GPU that holds the engine (card sizes faked) ===============
+def test_the_synchronous_trainer_counts_its_own_state_beside_the_engine(tmp_path, monkeypatch):
+    """With --searchers 0 the trainer's GPU holds the engine, pi_ref and the trainer itself: its weights,
+    gradients and AdamW moments (16 bytes a parameter with float32 weights, 12 with bf16; LoRA: the frozen
+    weights and the adapter's state) and the shared copy in --dtype (two with TBA′'s pi_ref). Pythia 1B, the
+    engine at --trainer-memory 0.2: refused on a 24 GB card with float32 weights (it passed before, the trainer
+    uncounted), held with bf16 weights or LoRA."""
+    import dataclasses
+    import tasks
+    gsm8k = tasks.get("gsm8k")
+    P = 1_011_781_632  # Pythia 1B's published total
+    cfg = Config(task="gsm8k", dtype="bfloat16", model_path=pythia(tmp_path, "1b"), max_model_len=640,
+                 prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, searchers=0, trainer_memory=0.2,
+                 trainer_dtype="float32", ref_reset_every=0)
+    state = "the trainer's weights, gradients and AdamW state"
+    beside = gpu.memory_needs(cfg, gsm8k)[1]
+    assert beside[state] == 16 * P and beside["the shared copy"] == 2 * P == beside["pi_ref"]
+    assert gpu.memory_needs(dataclasses.replace(cfg, trainer_dtype="bfloat16"), gsm8k)[1][state] == 12 * P
+    assert gpu.memory_needs(dataclasses.replace(cfg, ref_reset_every=50), gsm8k)[1]["the shared copy"] == 4 * P
+    adapter = 16 * 32 * (2048 + 3 * 2048)  # r 32 on each layer's query_key_value (peft's default for GPT-NeoX)
+    lora = dataclasses.replace(cfg, lora_rank=32, lora_alpha=16, seed=0)
+    assert gpu.trainer_parameters(lora) == (P + adapter, adapter)
+    assert gpu.memory_needs(lora, gsm8k)[1][state] == 4 * (P + adapter) + 12 * adapter
+    assert state not in gpu.memory_needs(dataclasses.replace(cfg, searchers=1), gsm8k)[1]  # searchers: their GPUs
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(total_memory=int(24e9)))
+    with pytest.raises(ConfigError, match=r"^--trainer-memory: the policy engine's [\d.]+ GiB and the models beside it "
+                                          r"\(pi_ref 1.9, .*the trainer's weights, gradients and AdamW state 15.1, "
+                                          r"the shared copy 1.9, the CUDA context 1.0: 21.3 GiB\) need more than "
+                                          r"this GPU's 22.4 GiB$"):
+        gpu.check_memory(cfg, gsm8k, 1)
+    assert gpu.check_memory(dataclasses.replace(cfg, trainer_dtype="bfloat16"), gsm8k, 1) == 0.2
+    assert gpu.check_memory(lora, gsm8k, 1) == 0.2

@@ -275,6 +275,47 @@ def test_attack_success_rises_and_attacks_stay_diverse(models, tmp_path):
     assert last["diversity"] >= 0.5 * first["diversity"] and last["unique"] >= 0.5, (first, last)  # no collapse
 
 
+def test_models_that_would_share_vllms_workspace_are_refused_on_a_gpu(models, tmp_path):
+    """On a GPU the attacker's, the victim's and a judge's engines share vLLM 0.32's one workspace a process, which
+    MoE layers, Marlin-quantized linears and MLA attention draw on: such a victim, judge or attacker is refused in
+    one line naming the field; a sequence classifier (no engine) and the CPU (no workspace) are not concerned."""
+    import shutil
+
+    def variant(name, base, **fields):
+        path = str(tmp_path / name)
+        shutil.copytree(models[base], path)
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump({**config, **fields}, f)
+        return path
+    moe = variant("victim_moe", "victim", num_local_experts=4, num_experts_per_tok=2)
+    gptq = variant("judge_gptq", "judge", quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
+    mla = variant("attacker_mla", "llama", kv_lora_rank=64)
+    awq = variant("victim_awq", "victim")
+    with open(os.path.join(awq, "quantize_config.json"), "w") as f:
+        json.dump({"bits": 4}, f)
+
+    def check(device, victim="victim", classifier="classifier", attacker=models["llama"]):
+        cfg = Config(task="redteam", model=attacker, victim=models.get(victim, victim), embedding_model=models["embedder"],
+                     classifier=models.get(classifier, classifier), device=device)
+        return redteam.check(cfg)
+
+    assert check("cuda")["classifier_kind"] == "sequence" and check("cuda", classifier="judge")["classifier_kind"] == "judge"
+    for device, args, line in (
+            ("cuda", dict(victim=moe), f"--victim: {moe} is a mixture of experts (num_local_experts); "),
+            ("cuda", dict(victim=awq), f"--victim: {awq} is quantized (quantize_config.json); "),
+            ("cuda", dict(classifier=gptq), f"--classifier: {gptq} is quantized (quantization_config); "),
+            ("cuda", dict(attacker=mla), f"--model: {mla} is multi-head latent attention (kv_lora_rank); ")):
+        with pytest.raises(ConfigError) as e:
+            check(device, **args)
+        assert str(e.value).startswith(line) and "one workspace" in str(e.value) and "\n" not in str(e.value)
+    assert check("cpu", victim=moe, classifier=gptq, attacker=mla)["victim_path"] == moe  # the CPU runs them
+    assert redteam.workspace_user(models["victim"]) is redteam.workspace_user(models["judge"]) is None
+    setting = paper_setting(tmp_path / "paper", llama=True)  # Llama 3.2 1B, Llama 3.1 8B, Llama Guard 3 8B: dense
+    assert [redteam.workspace_user(p) for p in (setting.model_path, setting.victim_path, setting.classifier_path)] == [None] * 3
+
+
 def test_the_attack_prompt_or_data(tmp_path):
     train, test = tasks.get("redteam").load(None)
     assert [p.prompt for p in train] == [p.prompt for p in test] == [redteam.ATTACK_PROMPT]

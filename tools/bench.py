@@ -645,7 +645,7 @@ def main():
     if 6 in args.parts:
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
-    ranks.init_distributed(cfg.timeout)
+    ranks.init_distributed(cfg.timeout, cfg.device)
     if 5 in args.parts:
         result["trainer_overhead"] = trainer_overhead(cfg, data.prompts, repeat)
     if 4 in args.parts:

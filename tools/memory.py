@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import numpy as np
 import torch
 
+from runtime import gpu
 from runtime import ranks
 from runtime import policy
 import tba
@@ -83,13 +84,7 @@ def init():
         s.bind(("127.0.0.1", 0))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(s.getsockname()[1]))
-    ranks.init_distributed(600)
-
-
-def model_bytes(params) -> int:
-    """float32 weights, gradients and AdamW's two moments: 16 bytes a parameter (at the end of the
-    backward pass every gradient exists)."""
-    return 16 * params
+    ranks.init_distributed(600, "cpu")  # gloo and a CPU mesh even where CUDA exists: this measures the CPU
 
 
 def main(argv=None):
@@ -120,8 +115,10 @@ def main(argv=None):
         fixed = saved[a] - a * per_layer                 # embeddings' output, logits, the log-softmax chunks
         fits[recompute] = (per_layer / tokens, fixed / tokens)
         m = out[c, recompute]
-        predicted = 12 * m["params"] + fixed + c * per_layer  # at the backward pass's start: no gradient yet
-        predicted = max(predicted, 16 * m["params"])           # at its end: every gradient, no activation
+        # float32 weights and AdamW's moments (runtime/gpu.trainer_bytes, as its check with --searchers 0 counts
+        # them): at the backward pass's start no gradient yet, at its end every gradient and no activation
+        state = lambda gradients: gpu.trainer_bytes(m["params"], m["params"], "float32", gradients)  # noqa: E731
+        predicted = max(state(False) + fixed + c * per_layer, state(True))
         print(f"{how} activation checkpointing: kept for the backward pass {per_layer / tokens / 1024:.1f} KB a token "
               f"a layer and {fixed / tokens / 1024:.0f} KB a token besides; {c} layers: peak by the formula "
               f"{predicted / 2**20:.0f} MiB, measured {m['peak']['Total'] / 2**20:.0f} MiB "
@@ -132,9 +129,10 @@ def main(argv=None):
     for recompute in (False, True):
         per_token_layer, per_token = fits[recompute]
         kept = per_token_layer * T * RHO["layers"] + per_token * T
-        total = max(12 * P + kept, 16 * P) + shared + contexts
+        state = gpu.trainer_bytes(int(P), int(P), "float32", gradients=False)
+        total = max(state + kept, gpu.trainer_bytes(int(P), int(P), "float32")) + shared + contexts
         print(f"rho-math-1b, 20 x 750 tokens a pass, {'with' if recompute else 'without'} activation checkpointing: "
-              f"about {total / 1e9:.0f} GB on the trainer GPU (weights and AdamW {12 * P / 1e9:.1f}, kept for the "
+              f"about {total / 1e9:.0f} GB on the trainer GPU (weights and AdamW {state / 1e9:.1f}, kept for the "
               f"backward pass {kept / 1e9:.1f}, shared copy {shared / 1e9:.1f}, CUDA contexts {contexts / 1e9:.1f})")
     return out
 

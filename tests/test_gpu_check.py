@@ -1,0 +1,151 @@
+"""tests/gpu_check.sh on the CPU: the script runs with a stand-in for Python that fakes what torch says of
+CUDA (the GPU count, the torch version, a missing package) and runs a small file of tests in place of the
+script's selection, so that its setup refusals, its exit statuses and its summary (every failed, errored
+and skipped test named; "checked" only when all passed) are checked here. Not selected by the script
+itself (it would run itself)."""
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT
+
+SCRIPT = os.path.join(ROOT, "tests", "gpu_check.sh")
+
+# What a CUDA build on a GPU node says, before the script's own code runs (its setup check and its GPU count)
+PRELUDE = """
+import os, sys
+for name in filter(None, os.environ.get("FAKE_MISSING", "").split(",")):
+    sys.modules[name] = None  # import raises ImportError
+if "torch" not in os.environ.get("FAKE_MISSING", ""):
+    import torch
+    n = int(os.environ["FAKE_GPUS"])
+    torch.cuda.device_count = lambda: n
+    torch.version.cuda = "12.8" if n else None
+    torch.cuda.get_device_name = lambda i=0: "NVIDIA H200"
+    torch.cuda.get_device_capability = lambda i=0: (9, 0)
+    torch.__version__ = os.environ.get("FAKE_TORCH", torch.__version__)
+"""
+
+STUB = """#!{python}
+import os, sys
+real = {python!r}
+if sys.argv[1:2] == ["-"] or sys.argv[1:2] == ["-c"]:  # the setup check, the GPU count
+    code = sys.stdin.read() if sys.argv[1] == "-" else sys.argv[2]
+    prelude = open(os.environ["FAKE_PRELUDE"]).read()
+    sys.argv = ["-"]
+    sys.path.insert(0, os.getcwd())
+    exec(compile(prelude + code, "<gpu_check>", "exec"), {{"__name__": "__main__"}})
+    sys.exit(0)
+assert sys.argv[1:3] == ["-m", "pytest"], sys.argv
+args, skip = [], False
+for a in sys.argv[3:]:  # the script's options, with the stand-in tests in place of its selection
+    if skip or a == "-k":
+        skip = a == "-k"
+        continue
+    if not a.startswith("tests/"):
+        args.append(a)
+os.execv(real, [real, "-m", "pytest", *args, os.environ["FAKE_TESTS"]])
+"""
+
+TESTS = {
+    "mixed": """
+        import pytest
+
+        def test_passes():
+            pass
+
+        def test_fails():
+            assert False, "on purpose"
+
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("in setup")
+
+        def test_errors(broken):
+            pass
+
+        def test_needs_two_gpus():
+            pytest.skip("needs 2 GPUs")
+    """,
+    "passing": """
+        def test_passes():
+            pass
+    """,
+    "a package missing": """
+        import pytest
+
+        def test_passes():
+            pass
+
+        def test_wants_a_package():
+            pytest.importorskip("no_such_package_here")
+    """,
+}
+
+
+@pytest.fixture
+def run(tmp_path):
+    """Run the script with the stand-in Python: fake `gpus` GPUs, the `tests` of TESTS in place of its
+    selection. Returns (exit status, summary.txt, pytest.log or None)."""
+    stub = tmp_path / "python"
+    stub.write_text(STUB.format(python=sys.executable))
+    stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "prelude.py").write_text(PRELUDE)
+
+    def go(gpus=2, tests="passing", **fake):
+        folder = tmp_path / f"out-{gpus}-{tests.replace(' ', '-')}-{'-'.join(fake.values())}"
+        (tmp_path / "t").mkdir(exist_ok=True)
+        file = tmp_path / "t" / f"test_{tests.replace(' ', '_')}.py"
+        file.write_text(textwrap.dedent(TESTS[tests]))
+        env = dict(os.environ, FAKE_GPUS=str(gpus), FAKE_TESTS=str(file), FAKE_PRELUDE=str(tmp_path / "prelude.py"),
+                   GPU_CHECK_OUT=str(folder), **{f"FAKE_{k.upper()}": v for k, v in fake.items()})
+        env.pop("OUT", None)
+        p = subprocess.run(["bash", SCRIPT, str(stub)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+        summary = (folder / "summary.txt").read_text()
+        log = folder / "pytest.log"
+        assert p.stdout.strip().endswith(summary.strip().splitlines()[-1]), p.stdout + p.stderr
+        return p.returncode, summary, log.read_text() if log.exists() else None
+    return go
+
+
+def test_the_summary_names_each_failed_test_and_does_not_say_checked(run):
+    code, summary, log = run(gpus=2, tests="mixed")
+    assert code == 1
+    assert "vllm imported by tba and the tests: no" in summary  # the real import check ran, and passed
+    lines = summary.splitlines()
+    assert any(line.startswith("FAILED ") and "test_mixed.py::test_fails" in line for line in lines), summary
+    assert any(line.startswith("ERROR ") and "test_mixed.py::test_errors" in line for line in lines), summary
+    assert any(line.startswith("SKIPPED ") and "needs 2 GPUs" in line for line in lines), summary
+    assert "== ran, NOT all passed: on 2 GPUs" in summary and "== checked" not in summary
+
+
+def test_a_passing_run_says_what_it_checked_on_the_gpus_found(run):
+    code, summary, _ = run(gpus=1, tests="passing")
+    assert code == 0
+    assert "== pytest exit status 0" in summary and "1 passed" in summary
+    assert "== checked on 1 GPU: " in summary and "NOT covered (they need 2 GPUs)" in summary
+
+
+def test_a_skip_for_a_missing_package_fails_the_check(run):
+    code, summary, _ = run(gpus=2, tests="a package missing")
+    assert code == 10
+    assert "could not import 'no_such_package_here'" in summary
+    assert "the check is incomplete (exit status 10)" in summary and "== checked" not in summary
+
+
+@pytest.mark.parametrize("fake,code,said", [
+    (dict(missing="transformers"), 10, "missing packages: transformers"),
+    (dict(torch="2.12.1"), 12, "torch 2.12.1: the GPU path is written against torch 2.13"),
+    (dict(gpus=0), 11, "torch sees no CUDA device"),
+], ids=["no-transformers", "torch-2.12", "no-gpu"])
+def test_the_setup_refuses_before_anything_runs(run, fake, code, said):
+    got, summary, log = run(**{"gpus": 2, **fake})
+    assert got == code, summary
+    assert said in summary and f"setup check failed (exit status {code}): nothing was run" in summary
+    assert log is None  # pytest never started
