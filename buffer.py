@@ -66,6 +66,7 @@ class Trajectory:
     version_last: int = -1   # the last weights that sampled a token of y (in-flight updates); -1: `version`'s
     for_step: int = -1       # --lag: the trainer step whose batch this round is for; -1: streamed
     behaviour_logps: np.ndarray | None = per_token("float32")  # (T,) each token's log-prob when sampled
+    ref_logps: np.ndarray | None = per_token("float32")  # (T,) each token's log-prob under pi_ref (per-token losses)
 
 
 FIELDS = dataclasses.fields(Trajectory)

@@ -15,9 +15,10 @@ policy, which is what lets TBA train on stale, replayed data.
 
 Every loss (`LOSSES`, chosen with `--loss`) takes the same (B, K) tensors by keyword: `logp` (the
 trainer's, with gradient), `logp_ref`, `logp_behaviour` (of the policy that sampled the response),
-`reward`, `length` (response tokens), and the scalars `beta`, `clip`, `gamma` and `reward_temp`
-(TB's tempered log R: Lee et al.'s red-teaming); it returns the scalar
-loss (a mean over the B x K responses) and a dict of (B,) statistics that are logged. A new
+`reward`, `length` (response tokens) and every other number field of buffer.Trajectory, and the scalars
+`beta`, `clip`, `gamma` and `reward_temp` (TB's tempered log R: Lee et al.'s red-teaming); a loss marked
+`per_token` also gets (B, K, T) tensors of each response token (the per-token baselines below). It returns
+the scalar loss (a mean over the B x K responses) and a dict of (B,) statistics that are logged. A new
 objective is one more function of this shape, added to `LOSSES`.
 """
 
@@ -84,7 +85,52 @@ def grpo_loss(logp, logp_ref, logp_behaviour, reward, length, beta: float, clip:
     return loss, {"clip_frac": clipped.mean(dim=1), "kl": (-u * length).detach().mean(dim=1)}
 
 
-LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "grpo": grpo_loss}
+# ===== per-token baselines and TBA′'s update in the authors' MATH code (their tba-prime, loss.py, train.py) ==
+# These take per-token tensors (B, K, T), T the longest response, padded: `token_logp` (the trainer's, with
+# gradient), `behaviour_logps` (each token's log-prob when it was sampled: vLLM's, by the weights that made
+# it), `ref_logps` (pi_ref's, from the searcher) and `token_mask` (1 on response tokens).
+def drgrpo_loss(token_logp, behaviour_logps, token_mask, reward, length, is_cap: float = 8.0,
+                drgrpo_norm: str = "length", budget: int = 1, **_):
+    """Dr. GRPO as the authors ran it for MATH (their RatioConfig, loss.py:192-229): advantage r - mean r over
+    the K responses (no division by the standard deviation), the per-token truncated importance ratio
+    min(pi_theta / mu, c) (torch.clamp: no gradient above c, as theirs), no PPO clip, no KL; each response's
+    tokens summed and divided by its length (theirs), or by a constant, the generation budget (Liu et al.'s).
+
+        A_i = r_i - mean_j r_j
+        L   = -mean_i sum_t min(pi_theta(y_it) / mu(y_it), c) A_i / norm_i
+    """
+    advantage = reward - reward.mean(dim=1, keepdim=True)                         # (B, K)
+    ratio = torch.exp(token_logp - behaviour_logps).clamp(0, is_cap)              # (B, K, T)
+    norm = length if drgrpo_norm == "length" else torch.full_like(length, float(budget))  # (B, K)
+    loss = -((ratio * token_mask).sum(-1) * advantage / norm).mean()             # scalar
+    capped = ((torch.exp(token_logp - behaviour_logps) > is_cap).float() * token_mask).sum(-1) / length
+    return loss, {"capped": capped.detach().mean(dim=1)}                           # (B,) share of tokens capped
+
+
+def tbprime_loss(token_logp, behaviour_logps, ref_logps, token_mask, reward, length, beta: float,
+                 importance_weights: bool = True, is_cap: float = 8.0, **_):
+    """TBA′'s update as the authors wrote it for MATH (the gradient of their TB residual with log Z taken under
+    the behaviour policy mu): -w_t [A_i - beta (KL_i - mean_j KL^mu_j)] per token, each response's tokens
+    summed and divided by its length. KL is the detached sequence sum of clamp(log pi - log pi_ref, +-10);
+    w_t = min(pi_theta / mu, c) with importance weights (its gradient is w_t grad log pi), else the plain
+    log-prob's gradient. On on-policy data it is TB's gradient up to the scale 2 / beta and the length
+    normalisation (tests/test_loss.py); docs/departures.md says where it differs from theirs.
+
+        A_i  = r_i - mean_j r_j
+        KL_i = sum_t clamp(log pi_theta(y_it) - log pi_ref(y_it), -10, 10),  KL^mu_i the same with mu
+        L    = -mean_i sum_t w_t [A_i - beta (KL_i - mean_j KL^mu_j)] / |y_i|
+    """
+    kl = ((token_logp - ref_logps).clamp(-10, 10) * token_mask).sum(-1).detach()            # (B, K)
+    kl_mu = ((behaviour_logps - ref_logps).clamp(-10, 10) * token_mask).sum(-1)            # (B, K)
+    coef = (reward - reward.mean(dim=1, keepdim=True)) - beta * (kl - kl_mu.mean(dim=1, keepdim=True))  # (B, K)
+    surrogate = torch.exp(token_logp - behaviour_logps).clamp(0, is_cap) if importance_weights else token_logp
+    loss = -((surrogate * token_mask).sum(-1) * coef / length).mean()                     # scalar
+    return loss, {"kl": kl.mean(dim=1)}                                                     # (B,)
+
+
+drgrpo_loss.per_token = tbprime_loss.per_token = True  # backward computes per-token log-probs for them
+
+LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "grpo": grpo_loss, "drgrpo": drgrpo_loss, "tbprime": tbprime_loss}
 
 
 # ===== log-probs ====================================================================================
@@ -92,6 +138,28 @@ def token_logprobs(logits, targets, temperature: float):
     """log softmax(logits / temperature) at `targets`: (N, C, V), (N, C) -> (N, C), in float32."""
     x = logits.float() / temperature                                          # (N, C, V)
     return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - x.logsumexp(-1)  # (N, C)
+
+
+def response_logprobs(model, input_ids, attention_mask, response_mask, temperature: float, starts, lengths,
+                      chunk_bytes: int = 2**28):
+    """Each response token's log-prob, from logits / temperature: (N, R), R the longest response, 0 after each
+    response's end. `starts`: where each response begins in input_ids; `lengths`: its tokens. Chunked and
+    recomputed in the backward pass as sequence_logprobs."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (N, T-1, V)
+    targets = input_ids[:, 1:]                                                        # (N, T-1): token t+1
+    N, T1, V = logits.shape
+    C = max(1, chunk_bytes // (4 * N * V))                                            # positions per chunk
+    parts = []
+    for s in range(0, T1, C):
+        args = (logits[:, s:s + C], targets[:, s:s + C], temperature)
+        parts.append(torch.utils.checkpoint.checkpoint(token_logprobs, *args, use_reentrant=False)
+                     if torch.is_grad_enabled() else token_logprobs(*args))          # (N, C)
+    positions = torch.cat(parts, dim=1)                                               # (N, T-1)
+    R = int(max(lengths))
+    at = torch.arange(R, device=positions.device)                                     # (R,)
+    index = (torch.as_tensor(starts, device=positions.device)[:, None] - 1 + at).clamp(max=T1 - 1)  # (N, R)
+    mask = (at < torch.as_tensor(lengths, device=positions.device)[:, None]).float()  # (N, R)
+    return positions.gather(1, index) * mask                                          # (N, R)
 
 
 def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature: float,

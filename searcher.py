@@ -36,7 +36,7 @@ import torch
 
 import tasks
 from buffer import Trajectory
-from loss import collate, sequence_logprobs, unique_pairs
+from loss import LOSSES, collate, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import seeds, slowdown
 from runtime.errors import Dead
 from runtime.weights import WAIT, SharedWeights, locked, receive
@@ -195,7 +195,13 @@ class Engine:
                                                             np.float32))
                         for (p, c), r, v in zip(done, rewards, versions)]
         pairs, index = unique_pairs(trajectories, self.prompts)
-        logp_ref = self.logprobs(self.pi_ref(), pairs, self.cfg.temperature)
+        if getattr(LOSSES[self.cfg.loss], "per_token", False):  # the loss reads pi_ref's log-prob of each token
+            ref_logps = self.token_logprobs(self.pi_ref(), pairs, self.cfg.temperature)
+            logp_ref = [float(r.sum()) for r in ref_logps]
+            for t, i in zip(trajectories, index):
+                t.ref_logps = ref_logps[i]
+        else:
+            logp_ref = self.logprobs(self.pi_ref(), pairs, self.cfg.temperature)
         for t, i in zip(trajectories, index):
             t.logp_ref = logp_ref[i]
         self.scorer.annotate(trajectories, texts)
@@ -224,6 +230,17 @@ class Engine:
         for i in range(0, len(pairs), self.cfg.micro_batch):
             batch = collate(pairs[i:i + self.cfg.micro_batch], 0, self.device)
             out += sequence_logprobs(model, *batch, temperature).tolist()
+        return out
+
+    @torch.no_grad()
+    def token_logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]], temperature: float) -> list[np.ndarray]:
+        """Each response token's log-prob under a transformers model, in micro-batches: one (T,) array a pair."""
+        out = []
+        for i in range(0, len(pairs), self.cfg.micro_batch):
+            part = pairs[i:i + self.cfg.micro_batch]
+            per = response_logprobs(model, *collate(part, 0, self.device), temperature, [len(p) for p, _ in part],
+                                    [len(r) for _, r in part]).float().cpu().numpy()
+            out += [row[:len(r)].astype(np.float32) for row, (_, r) in zip(per, part)]
         return out
 
     def transformers_copy(self, path: str):

@@ -52,8 +52,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import tasks
-from buffer import SCALARS, ReuseCap
-from loss import LOSSES, collate, sequence_logprobs, unique_pairs
+from buffer import PER_TOKEN, SCALARS, ReuseCap
+from loss import LOSSES, collate, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import nodes, seeds
 from runtime.checkpoint import full_state_dict, linked, save_checkpoint, save_hf
 from runtime.checks import check, parse
@@ -165,7 +165,7 @@ class Trainer:
                 self.model = load_policy(path, self.device, cfg.dtype, cfg.trainer_dtype, cfg.activation_checkpointing,
                                          adapter if cfg.lora_rank else None)
             self.opt = AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
-                             weight_decay=cfg.weight_decay)
+                             weight_decay=cfg.weight_decay, betas=tuple(map(float, cfg.adam_betas.split(","))))
             self.buffer = ckpt["buffer"] if ckpt else tasks.get(cfg.task).buffer(cfg, data.prompts)
             # --max-reuse: credit banked up to k steps' draws, or one round of every searcher (of every node),
             # which can land at once
@@ -299,27 +299,72 @@ class Trainer:
 
 # --- the gradient ------------------------------------------------------------------------------------
 def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, beta: float, **tempering) -> dict:
-    """Accumulate the gradient of the loss (`--loss`) over this rank's groups (K trajectories of one
-    prompt each), in passes of whole prompts. The loss gets `logp` (the trainer's, with gradient) and each
-    number field of the Trajectory (buffer.SCALARS: logp_ref, reward, logp_behaviour, ...) as (b, K) tensors.
-    Returns sums over the groups: "loss" x prompts, "prompts", and each of the loss's (B,) statistics."""
-    per_pass = max(1, cfg.micro_batch // cfg.samples_per_prompt)
+    """Accumulate the gradient of the loss (`--loss`) over this rank's groups (K trajectories of one prompt
+    each). The loss gets `logp` (the trainer's, with gradient) and each number field of the Trajectory
+    (buffer.SCALARS: logp_ref, reward, logp_behaviour, ...) as (b, K) tensors; a per-token loss also its
+    tokens' (b, K, T) tensors. In passes of whole prompts, --micro-batch sequences a pass; with fewer than K,
+    a pass without gradient over the K responses gives the group's statistics (log Z, the advantages), then
+    each pass of --micro-batch sequences puts its log-probs, with gradient, among the others' detached ones:
+    the passes' gradients add up to the whole loss's. Returns sums over the groups: "loss" x prompts,
+    "prompts", and each of the loss's (B,) statistics."""
+    K, loss_fn = cfg.samples_per_prompt, LOSSES[cfg.loss]
+    per_token = getattr(loss_fn, "per_token", False)
+    options = dict(beta=beta, clip=cfg.clip, is_cap=cfg.is_cap, importance_weights=cfg.importance_weights,
+                   drgrpo_norm=cfg.drgrpo_norm, budget=cfg.max_new_tokens, **tempering)
     sums = {}
-    for i in range(0, len(groups), per_pass):
-        part = groups[i:i + per_pass]
+    for i in range(0, len(groups), max(1, cfg.micro_batch // K)):
+        part = groups[i:i + max(1, cfg.micro_batch // K)]
         pairs, index = unique_pairs([t for g in part for t in g], prompts)  # each distinct sequence once
-        logp = sequence_logprobs(model, *collate(pairs, pad, device), cfg.temperature)         # (distinct,)
-        logp = logp[torch.tensor(index, device=device)].view(len(part), cfg.samples_per_prompt)  # (b, K)
-        field_ = lambda f: torch.tensor([[float(f(t)) for t in g] for g in part], device=device)  # (b, K)
-        fields = {name: field_(lambda t, name=name: getattr(t, name)) for name in SCALARS}
-        loss, stats = LOSSES[cfg.loss](logp=logp, length=field_(lambda t: len(t.response)), beta=beta, clip=cfg.clip,
-                                       **fields, **tempering)
-        # the mean over all B prompts: FSDP averages gradients over the ranks, each holding B / ranks
-        (loss * len(part) / prompts_per_rank).backward()
+        index = torch.tensor(index, device=device)
+        inputs = loss_inputs(part, device, per_token)
+        R = inputs["token_mask"].shape[-1] if per_token else 0
+
+        def logps(rows):  # the log-probs of distinct sequences rows: (n,), or per token (n, R)
+            chosen = [pairs[j] for j in rows]
+            batch = collate(chosen, pad, device)
+            if not per_token:
+                return sequence_logprobs(model, *batch, cfg.temperature)
+            x = response_logprobs(model, *batch, cfg.temperature, [len(p) for p, _ in chosen], [len(r) for _, r in chosen])
+            return torch.nn.functional.pad(x, (0, R - x.shape[1]))
+
+        def loss_of(x):  # the loss of the part from its distinct sequences' log-probs
+            x = x[index].view(len(part), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
+            return loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}), **inputs,
+                           **options)
+
+        if cfg.micro_batch >= K * len(part):  # whole prompts in one pass
+            loss, stats = loss_of(logps(range(len(pairs))))
+            (loss * len(part) / prompts_per_rank).backward()  # the mean over all B prompts: FSDP averages ranks
+        else:  # fewer than K sequences a pass: the statistics without gradient, then the gradient by parts
+            with torch.no_grad():
+                full = logps(range(len(pairs)))
+                loss, stats = loss_of(full)
+            for s in range(0, len(pairs), cfg.micro_batch):
+                rows = range(s, min(s + cfg.micro_batch, len(pairs)))
+                live = full.clone()
+                live[rows.start:rows.stop] = logps(rows)
+                (loss_of(live)[0] * len(part) / prompts_per_rank).backward()
         for k, v in {"loss": loss.item() * len(part), "prompts": len(part),
                      **{k: v.sum().item() for k, v in stats.items()}}.items():
             sums[k] = sums.get(k, 0.0) + v
     return sums
+
+
+def loss_inputs(part, device, per_token: bool) -> dict:
+    """The loss's inputs from the trajectories of b groups: each number field (b, K), `length`, and for a
+    per-token loss each per-token field and `token_mask`, (b, K, T) padded to the longest response."""
+    field = lambda f: torch.tensor([[float(f(t)) for t in g] for g in part], device=device)  # (b, K)
+    inputs = {name: field(lambda t, name=name: getattr(t, name)) for name in SCALARS}
+    inputs["length"] = field(lambda t: len(t.response))
+    if per_token:
+        R = max(len(t.response) for g in part for t in g)
+        padded = lambda f: torch.tensor(np.array([[np.pad(np.asarray(f(t), np.float32), (0, R - len(t.response)))
+                                                    for t in g] for g in part]), device=device)  # (b, K, R)
+        inputs["token_mask"] = padded(lambda t: np.ones(len(t.response)))
+        for name in PER_TOKEN[1:]:  # not the response's token ids
+            if all(getattr(t, name) is not None for g in part for t in g):
+                inputs[name] = padded(lambda t, name=name: getattr(t, name))
+    return inputs
 
 
 # --- schedules (the authors': beta annealed linearly, lr warmup-stable-decay; Lee et al.'s T_R and gamma) ---

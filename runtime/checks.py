@@ -113,6 +113,15 @@ def check(cfg, world: int):
     check_lag(cfg, every or 1)
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
     need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
+    need(cfg.is_cap >= 1, "is-cap", f"truncates an importance ratio: at least 1, got {cfg.is_cap}")
+    need(cfg.drgrpo_norm in choices(cfg, "drgrpo_norm"), "drgrpo-norm", f"unknown {cfg.drgrpo_norm!r} (choose "
+         f"from {', '.join(choices(cfg, 'drgrpo_norm'))})")
+    try:
+        betas = tuple(float(b) for b in cfg.adam_betas.split(","))
+    except ValueError:
+        betas = ()
+    need(len(betas) == 2 and all(0 <= b < 1 for b in betas), "adam-betas", f"two numbers in [0, 1), beta1,beta2: "
+         f"got {cfg.adam_betas!r}")
     need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"unknown dtype {cfg.dtype!r}")
     need(cfg.trainer_dtype in ("float32", "bfloat16"), "trainer-dtype", f"unknown dtype {cfg.trainer_dtype!r} "
          "(choose from float32, bfloat16)")
@@ -139,7 +148,6 @@ def check(cfg, world: int):
     cfg = dataclasses.replace(cfg, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
                               threads=max(1, cores // (local + cfg.searchers)))  # CPU: the cores split evenly
     cfg, task, data, train = check_task(cfg)
-    need(cfg.micro_batch >= cfg.samples_per_prompt, "micro-batch", "must hold at least one prompt's K sequences")
     if device == "cuda":
         flag = "searcher_memory" if cfg.searchers else "trainer_memory"
         cfg = dataclasses.replace(cfg, **{flag: gpu.check_memory(cfg, task, local)})

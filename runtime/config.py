@@ -42,8 +42,13 @@ class Config:
     beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
     beta_stop_step: int = arg(0, "from this update on, beta is --beta-final at once; 0 = never")
     ref_reset_every: int = arg(0, "TBA′: every N steps pi_ref becomes the current policy; 0 = never")
-    loss: str = arg("tb", "tb (trajectory balance: the method) | rloo | grpo (baselines for the off-policy study)")
+    loss: str = arg("tb", "tb (trajectory balance: the method) | tbprime (TBA′'s update for MATH) | rloo | grpo | "
+                          "drgrpo (baselines)")
     clip: float = arg(0.2, "grpo: clip range of the importance ratio")
+    is_cap: float = arg(8.0, "drgrpo, tbprime: the truncation c of the per-token importance ratio min(pi / mu, c)")
+    importance_weights: bool = arg(True, "tbprime: weight each token by min(pi / mu, c) (off: the plain gradient)")
+    drgrpo_norm: str = arg("length", "drgrpo: divide each response's sum by its length | by a constant, "
+                                     "--max-new-tokens", choices=("length", "constant"))
     lag: int | None = arg(None, "L: every batch of step n is sampled by the weights of step n - L exactly (0: "
                                 "synchronous, the searchers waiting for each step's weights); default: stream")
     inflight: bool = arg(False, "streaming: searchers load new weights between the decoding steps of a round in flight")
@@ -56,6 +61,7 @@ class Config:
     lr_decay: str = arg("cosine", "shape of the decay: cosine | linear", choices=("cosine", "linear"))  # tba.LR_DECAYS
     grad_clip: float = arg(1.0, "gradient norm clip; 0 = none")
     weight_decay: float = arg(0.0, "AdamW's decoupled weight decay")
+    adam_betas: str = arg("0.9,0.999", "AdamW's betas: beta1,beta2")
     temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
     max_new_tokens: int = arg(8, "response length limit in tokens")
     eval_every: int = arg(10, "steps between evaluations on held-out problems; 0 = at the start and end only")
@@ -104,7 +110,7 @@ class Config:
     searcher_memory: float | None = arg(None, "GPU: share of a searcher GPU for its vLLM engines (default: what "
                                               "the models beside them leave, at most 0.9)")
     trainer_memory: float = arg(0.2, "GPU, --searchers 0: share of the trainer GPU for its vLLM engine")
-    micro_batch: int = arg(256, "sequences per forward/backward pass (whole prompts: at least K)")
+    micro_batch: int = arg(256, "sequences per forward/backward pass (fewer than K: a pass without gradient first)")
     activation_checkpointing: bool = arg(False, "recompute each decoder block in the backward pass (less memory)")
     generation_slowdown: float = arg(1.0, "experiment knob: each decoding step takes X times its cost alone "
                                           "(emulated by sleeping); 1 = off")

@@ -188,3 +188,117 @@ def test_chunked_logprobs_equal_the_plain_ones(tiny_model):
     logits = model(input_ids=batch[0], attention_mask=batch[1]).logits[:, :-1].float() / 0.7
     direct = (logits.log_softmax(-1).gather(-1, batch[0][:, 1:, None]).squeeze(-1) * batch[2][:, 1:]).sum(1)
     assert torch.allclose(direct, chunked, rtol=1e-6, atol=1e-5)
+
+
+# --- the per-token losses: Dr. GRPO and TBA′'s update as the authors ran them for MATH ------------------------
+def per_token_batch(B=3, K=4, T=6, seed=0):
+    """Random per-token tensors: responses of lengths 1..T, their mask, and float64 log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    length = torch.randint(1, T + 1, (B, K), generator=g).double()
+    mask = (torch.arange(T)[None, None, :] < length[..., None]).double()
+    lp = lambda: -torch.rand(B, K, T, generator=g, dtype=torch.float64) * 3 * mask
+    reward = (torch.rand(B, K, generator=g, dtype=torch.float64) > 0.5).double()
+    return dict(token_logp=lp().requires_grad_(True), behaviour_logps=lp(), ref_logps=lp(), token_mask=mask,
+                reward=reward, length=length)
+
+
+def test_drgrpo_on_policy_gradient_is_dr_grpos():
+    """On-policy (mu = pi_theta) the ratio is 1 and the gradient is Dr. GRPO's: -A_i / |y_i| on each token of
+    response i (the mean over B x K), or / the generation budget."""
+    from loss import drgrpo_loss
+    x = per_token_batch()
+    x["behaviour_logps"] = x["token_logp"].detach().clone()
+    B, K = x["reward"].shape
+    A = x["reward"] - x["reward"].mean(1, keepdim=True)
+    for norm, by in (("length", x["length"]), ("constant", torch.full_like(x["length"], 12.0))):
+        x["token_logp"].grad = None
+        drgrpo_loss(**x, drgrpo_norm=norm, budget=12)[0].backward()
+        expected = -(A / by)[..., None] * x["token_mask"] / (B * K)
+        assert torch.allclose(x["token_logp"].grad, expected, atol=1e-12), norm
+
+
+def test_drgrpo_truncates_the_ratio_at_c():
+    """A token whose ratio pi / mu is above c gets no gradient (torch.clamp, as theirs); below, ratio x A."""
+    from loss import drgrpo_loss
+    x = per_token_batch(seed=1)
+    x["behaviour_logps"] = x["token_logp"].detach() - torch.where(x["token_mask"] > 0, torch.randn_like(x["token_mask"]) * 3, 0.0)
+    drgrpo_loss(**x, is_cap=8.0)[0].backward()
+    ratio = torch.exp(x["token_logp"].detach() - x["behaviour_logps"])
+    B, K = x["reward"].shape
+    A = x["reward"] - x["reward"].mean(1, keepdim=True)
+    expected = torch.where(ratio < 8.0, -ratio * (A / x["length"])[..., None], 0.0) * x["token_mask"] / (B * K)
+    assert torch.allclose(x["token_logp"].grad, expected, atol=1e-12) and (ratio * x["token_mask"] > 8).any()
+
+
+def tbprime_reference(token_logp, behaviour_logps, ref_logps, token_mask, reward, length, beta, weights, cap=8.0):
+    """Their update transcribed term by term, with loops: -w_t [A_i - beta (KL_i - mean_K KL^mu)] / |y_i|, KL the
+    detached sum of clamp(log pi - log pi_ref, +-10), w_t = min(pi / mu, c) (with gradient) or log pi's gradient."""
+    B, K, T = token_logp.shape
+    total = 0.0
+    for b in range(B):
+        kl_mu = [sum(max(-10.0, min(10.0, float(behaviour_logps[b, j, t] - ref_logps[b, j, t])))
+                     for t in range(int(length[b, j]))) for j in range(K)]
+        mean_r = sum(float(reward[b, j]) for j in range(K)) / K
+        for i in range(K):
+            kl_i = sum(max(-10.0, min(10.0, float(token_logp[b, i, t] - ref_logps[b, i, t]))) for t in range(int(length[b, i])))
+            coef = (float(reward[b, i]) - mean_r) - beta * (kl_i - sum(kl_mu) / K)
+            for t in range(int(length[b, i])):
+                w = (torch.exp(token_logp[b, i, t] - behaviour_logps[b, i, t]).clamp(0, cap) if weights
+                     else token_logp[b, i, t])
+                total = total - w * coef / float(length[b, i])
+    return total / (B * K)
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_tbprime_matches_the_authors_formula(weights):
+    from loss import tbprime_loss
+    x = per_token_batch(seed=2)
+    loss = tbprime_loss(**x, beta=0.005, importance_weights=weights)[0]
+    (grad,) = torch.autograd.grad(loss, x["token_logp"])
+    ref = tbprime_reference(**x, beta=0.005, weights=weights)
+    (ref_grad,) = torch.autograd.grad(ref, x["token_logp"])
+    assert abs(loss.item() - ref.item()) < 1e-10 and torch.allclose(grad, ref_grad, atol=1e-12)
+
+
+def test_tbprime_on_policy_is_tbs_gradient_up_to_scale_and_length():
+    """mu = pi_theta, no KL clamp active: d tbprime / d log pi_theta(y_it) = beta / (2 |y_i|) x d TB / d log pi_theta(y_i)."""
+    from loss import tb_loss, tbprime_loss
+    x = per_token_batch(seed=3)
+    x["behaviour_logps"] = x["token_logp"].detach().clone()
+    beta = 0.05
+    tbprime_loss(**x, beta=beta, importance_weights=False)[0].backward()
+    logp = (x["token_logp"].detach() * x["token_mask"]).sum(-1).requires_grad_(True)
+    logp_ref = (x["ref_logps"] * x["token_mask"]).sum(-1)
+    tb_loss(logp, logp_ref, x["reward"], beta)[0].backward()
+    expected = (beta / (2 * x["length"]) * logp.grad)[..., None] * x["token_mask"]
+    assert torch.allclose(x["token_logp"].grad, expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss_name", ["tb", "drgrpo"])
+def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_name):
+    """tba.backward with --micro-batch 3 < K = 4 (a pass without gradient for the group's statistics, then passes
+    of 3 sequences) gives the gradient and the loss of one pass over whole prompts."""
+    import dataclasses
+    import numpy as np
+    import tba
+    from buffer import Trajectory
+    from runtime.config import Config
+    from transformers import AutoModelForCausalLM
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 60, 5).tolist() for _ in range(2)]
+    groups = [[Trajectory(p, rng.integers(4, 60, int(rng.integers(1, 6))).astype(np.int32), float(rng.integers(2)),
+                          float(-rng.random() * 10), 0.0, 0, behaviour_logps=None) for _ in range(4)] for p in range(2)]
+    for g in groups:
+        for t in g:
+            t.behaviour_logps = (-rng.random(len(t.response)) * 2).astype(np.float32)
+            t.ref_logps = (-rng.random(len(t.response)) * 2).astype(np.float32)
+            t.logp_behaviour = float(t.behaviour_logps.sum())
+    cfg = lambda mb: Config(samples_per_prompt=4, micro_batch=mb, loss=loss_name, temperature=1.0)
+    grads, losses = [], []
+    for mb in (8, 3):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
+        sums = tba.backward(model, groups, 2, prompts, 0, torch.device("cpu"), cfg(mb), 0.05)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        losses.append(sums["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)  # the log-softmax is float32: sums in another order
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-8) and grads[0].abs().max() > 1e-4
