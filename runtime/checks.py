@@ -145,7 +145,7 @@ def check(cfg, world: int):
         flag = "searcher_memory" if cfg.searchers else "trainer_memory"
         cfg = dataclasses.replace(cfg, **{flag: gpu.check_memory(cfg, task, local)})
     cfg = dataclasses.replace(cfg, out=cfg.out or (
-        os.path.dirname(os.path.abspath(cfg.resume)) if cfg.resume
+        os.path.dirname(os.path.realpath(cfg.resume)) if cfg.resume  # the checkpoint's run (runtime.log.check_out)
         else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}")))
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
         check_out(cfg.out, cfg.resume)            # see its probe file

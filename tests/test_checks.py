@@ -250,3 +250,26 @@ def test_only_rank_0_looks_into_out(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="exists and is not empty"):
         checks.check(checks.parse(Config, ["--model", tiny_model, *SMALL, "--out", str(out)]), 1)
+
+
+def test_resume_into_another_runs_folder_is_refused(tmp_path):
+    """--resume A/checkpoint --out B: B, holding another run's files, would be overwritten without a word;
+    only the checkpoint's own run (the parent of its real path), or a new or empty folder, takes the run."""
+    from runtime.log import check_out
+    run, other = tmp_path / "a", tmp_path / "b"
+    (run / "checkpoint-000004").mkdir(parents=True)
+    (run / "checkpoint").symlink_to("checkpoint-000004")
+    (run / "metrics.jsonl").write_text("{}\n")
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=rf"^--out: {other} exists and is not empty, and is not the run of the "
+                                          rf"checkpoint \({run}\)"):
+        check_out(str(other), str(run / "checkpoint"))
+    assert (other / "metrics.jsonl").read_text() == "{}\n"
+    check_out(str(run), str(run / "checkpoint"))                   # its own run, by the link
+    check_out(str(run), str(run / "checkpoint-000004"))            # or by the folder itself
+    check_out(str(tmp_path / "new"), str(run / "checkpoint"))      # a new folder
+    (tmp_path / "empty").mkdir()
+    check_out(str(tmp_path / "empty"), str(run / "checkpoint"))    # an empty one
+    with pytest.raises(ConfigError, match="pass --resume to continue a run"):
+        check_out(str(other), None)
