@@ -127,6 +127,11 @@ def check(cfg, world: int):
         except ImportError:
             raise ConfigError("--wandb: the wandb package is not installed (it is optional: pip install wandb)") from None
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
+    if ckpt:  # fewer steps would wait --timeout for an evaluation of weights that never come; as many, do nothing
+        done = ckpt["step"]
+        need(cfg.steps > done, "steps", f"{cfg.steps} {'is below' if cfg.steps < done else 'is'} the checkpoint's "
+             f"step {done}: {'nothing is left to do' if cfg.steps == done else 'a resumed run cannot go back'}; "
+             f"pass --steps above {done} to continue")
     # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
     device = "cuda" if torch.cuda.device_count() else "cpu"
     local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)

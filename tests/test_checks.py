@@ -273,3 +273,16 @@ def test_resume_into_another_runs_folder_is_refused(tmp_path):
     check_out(str(tmp_path / "empty"), str(run / "checkpoint"))    # an empty one
     with pytest.raises(ConfigError, match="pass --resume to continue a run"):
         check_out(str(other), None)
+
+
+@pytest.mark.parametrize("steps,match", [
+    ("1", "--steps: 1 is below the checkpoint's step 2: a resumed run cannot go back; pass --steps above 2"),
+    ("2", "--steps: 2 is the checkpoint's step 2: nothing is left to do; pass --steps above 2 to continue"),
+])
+def test_resume_with_no_steps_left_is_refused(steps, match, tiny_model, checkpoint, tmp_path):
+    """--steps at or below the checkpoint's step: one line at once, not a wait of --timeout for an evaluation of
+    weights that never come."""
+    cfg = checks.parse(Config, ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint),
+                                "--steps", steps, "--out", str(tmp_path / "b")])
+    with pytest.raises(ConfigError, match=f"^{match}"):
+        checks.check(cfg, 1)
