@@ -85,6 +85,8 @@ class Log:
     def row(self, **row):
         if self.rank != 0:
             return
+        if self.resumed is not None:  # a resumed process's rows: which branch of the run they belong to
+            row["resumed"] = self.resumed["step"]  # (tools/plot.py, `latest`, keeps the latest branch's)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:

@@ -180,6 +180,8 @@ def test_resume_gives_the_same_weights(extra, tiny_model, tmp_path):
     rows_a = [r for r in metrics(tmp_path / "a") if r["kind"] == "train"]
     rows_b = [r for r in metrics(tmp_path / "b2") if r["kind"] == "train"]
     assert [r["step"] for r in rows_b] == [4, 5, 6]
+    assert {r.get("resumed") for r in metrics(tmp_path / "b2")} == {3}  # its rows say which branch they are
+    assert not any("resumed" in r for r in metrics(tmp_path / "a"))
     assert [r["samples"] for r in rows_a[3:]] == [r["samples"] for r in rows_b]  # counters carried over
     assert [r["reference"] for r in rows_a[3:]] == [r["reference"] for r in rows_b] == ([4, 4, 6] if extra else [0] * 3)
     start = next(r for r in metrics(tmp_path / "a") if r["kind"] == "eval")["accuracy"]

@@ -142,3 +142,32 @@ def test_wandb_missing_is_one_line(tiny_model, tmp_path, monkeypatch, capsys):
     assert e.value.code == 2 and err == "tba.py: error: --wandb: the wandb package is not installed " \
                                        "(it is optional: pip install wandb)"
     assert not (tmp_path / "runs").exists()
+
+
+def test_resumed_rows_are_told_apart_and_the_latest_branch_is_read(tmp_path):
+    """Each resume evaluates the checkpoint's step again and redoes the steps after it: a resumed process marks its
+    rows `resumed: STEP`, and plot.read (bench.py's reader too) keeps, for each step, the latest branch's rows. Here
+    a run saved at 5 and died at 7; a resume from 5 died at 8; a second resume from 5 went to 10 (saved); a third,
+    from 10, to 12."""
+    import dataclasses
+    import plot
+    from runtime.config import Config
+    from runtime.log import Log
+    cfg = dataclasses.replace(Config(), out=str(tmp_path))
+    log = Log(cfg, 0, 0.0, 5, resumed={"step": 5})  # what tba.Trainer makes for --resume of a step-5 checkpoint
+    log.eval(5, {"accuracy": 0.5}, {}, 1.0, (0.0, 0.0))
+    log.close()
+    assert [r["resumed"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))] == [5]
+    train = lambda step, who, resumed=None: dict(kind="train", step=step, who=who, **({"resumed": resumed} if resumed else {}))
+    evals = lambda step, who, resumed=None: dict(train(step, who, resumed), kind="eval")
+    rows = [evals(0, "a"), *[train(s, "a") for s in range(1, 6)], evals(5, "a"), train(6, "a"), train(7, "a"),
+            train(6, "b", 5), evals(5, "b", 5), train(7, "b", 5), train(8, "b", 5),
+            evals(5, "c", 5), *[train(s, "c", 5) for s in range(6, 11)], evals(10, "c", 5),
+            train(11, "d", 10), evals(10, "d", 10), train(12, "d", 10), evals(12, "d", 10)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got_train, got_evals, _ = plot.read(str(tmp_path))
+    assert [(r["step"], r["who"]) for r in got_train] == [(s, "a") for s in range(1, 6)] + [
+        (s, "c") for s in range(6, 11)] + [(11, "d"), (12, "d")]
+    assert [(r["step"], r["who"]) for r in got_evals] == [(0, "a"), (5, "c"), (10, "d"), (12, "d")]
+    plain = [evals(0, "a"), train(1, "a"), evals(1, "a")]  # a run never resumed: as it is
+    assert plot.latest(plain) == plain

@@ -23,14 +23,33 @@ import sys
 
 
 def read(run: str) -> tuple[list[dict], list[dict], dict]:
-    """(train rows, eval rows, config) of a run folder."""
+    """(train rows, eval rows, config) of a run folder: its latest branch's rows (`latest`)."""
     with open(os.path.join(run, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        rows = latest([json.loads(line) for line in f if line.strip()])
     config = {}
     if os.path.isfile(os.path.join(run, "config.json")):
         with open(os.path.join(run, "config.json")) as f:
             config = json.load(f)
     return [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"], config
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """The rows of a run as its latest process left them. A process that resumed from step s marks its rows
+    `resumed: s` and redoes what came after the checkpoint: its rows replace the earlier ones' train rows after
+    s and eval rows from s on. A new process is a new `resumed` value, or the same one again (two resumes from
+    one checkpoint) once a train step or an evaluated step repeats: within one process both only increase."""
+    kept, branch, last, evaluated = [], None, -1, set()
+    for r in rows:
+        s = r.get("resumed")
+        if s is not None and (s != branch or (r["step"] <= last if r["kind"] == "train" else r["step"] in evaluated)):
+            kept = [k for k in kept if (k["step"] <= s if k["kind"] == "train" else k["step"] < s)]
+            branch, last, evaluated = s, -1, set()
+        if r["kind"] == "train":
+            last = r["step"]
+        else:
+            evaluated.add(r["step"])
+        kept.append(r)
+    return kept
 
 
 def label(run: str, config: dict) -> str:
