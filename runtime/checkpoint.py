@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from runtime import lora
+from runtime.hub import check_weights
 from runtime.errors import ConfigError
 
 
@@ -76,11 +77,9 @@ def load_checkpoint(folder: str) -> dict:
 def check_checkpoint_model(folder: str):
     """The checkpoint's model/ holds a config and weights (transformers would fail with a traceback)."""
     model = os.path.join(folder, "model")
-    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ConfigError(f"--resume: {folder} has no model/config.json (an incomplete checkpoint?)")
-    if not any(os.path.isfile(os.path.join(model, w)) for w in weights):
-        raise ConfigError(f"--resume: {model} holds no weights (none of {', '.join(weights)}; an incomplete checkpoint?)")
+    check_weights(model, "resume", "; an incomplete checkpoint?")
 
 
 def linked(out: str, step: int) -> bool:

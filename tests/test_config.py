@@ -13,6 +13,7 @@ import tba
 from runtime.config import Config
 from conftest import DATA, ROOT, env
 from runtime.errors import ConfigError
+from runtime.hub import resolve_model
 
 
 def refuse(args, tmp_path, monkeypatch, capsys, match):
@@ -81,6 +82,54 @@ def test_bad_models(tmp_path, monkeypatch, capsys):
     refuse(["--model", str(tmp_path / "empty")], tmp_path, monkeypatch, capsys, "no config.json")
     refuse(["--model", "nobody/no-such-model-xyz"], tmp_path, monkeypatch, capsys, "Hugging Face hub")
     refuse(["--model", "rho-math-1b"], tmp_path, monkeypatch, capsys, "'realtreetune/rho-1b-sft-GSM8K'")  # the alias
+
+
+def test_a_file_is_not_a_model_folder(tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes.txt").write_text("not a model")
+    refuse(["--model", str(tmp_path / "notes.txt")], tmp_path, monkeypatch, capsys,
+           f"--model: {tmp_path / 'notes.txt'} is a file, not a model folder")
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("some")
+    (tmp_path / "some" / "file.txt").write_text("x")  # relative, and shaped like a hub id: still the file
+    with pytest.raises(ConfigError, match="^--model: some/file.txt is a file, not a model folder"):
+        resolve_model("some/file.txt")
+
+
+def test_model_without_weights(tiny_model, tmp_path, monkeypatch, capsys):
+    """A config and a tokenizer but no weights: one line before anything starts (every process started, then
+    two tracebacks); the same check as a checkpoint's model/."""
+    import shutil
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny_model, folder)
+    os.remove(folder / "model.safetensors")
+    refuse(["--model", str(folder)], tmp_path, monkeypatch, capsys,
+           f"--model: {folder} holds no weights (none of model.safetensors, model.safetensors.index.json, "
+           f"pytorch_model.bin, pytorch_model.bin.index.json)")
+
+
+def test_an_unnamespaced_hub_id_resolves_from_the_cache(tmp_path):
+    """`gpt2` is a hub id (the hub takes ids without a namespace): found in the local Hugging Face cache, offline,
+    laid out as the hub lays it out (models--gpt2/snapshots/HASH/..., refs/main); `distilgpt2`, not cached, is a
+    hub id that could not be fetched; `./gpt2` cannot be a hub id, and does not exist."""
+    import models
+    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--gpt2" / "snapshots" / commit
+    models.make_model(str(snapshot), hidden=16, layers=1, heads=2)
+    (cache / "models--gpt2" / "refs").mkdir()
+    (cache / "models--gpt2" / "refs" / "main").write_text(commit)
+    code = ("import sys; from runtime.hub import resolve_model; from runtime.errors import ConfigError\n"
+            "for name in sys.argv[1:]:\n"
+            "    try: print(resolve_model(name))\n"
+            "    except ConfigError as e: print(e)")
+    p = subprocess.run([sys.executable, "-c", code, "gpt2", "distilgpt2", "./gpt2"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1",
+                                                        HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home")))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [
+        str(snapshot),
+        "--model: 'distilgpt2' is not a local folder and could not be fetched from the Hugging Face hub "
+        "(LocalEntryNotFoundError)",
+        "--model: './gpt2' does not exist (not 'tiny', an alias, a folder or a hub id)"], p.stdout
 
 
 def test_model_without_tokenizer(tiny_model, tmp_path, monkeypatch, capsys):
