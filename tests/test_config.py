@@ -219,6 +219,20 @@ def test_bad_data_files(tmp_path):
         tasks.get("gsm8k").load(str(tmp_path / "nowhere"))
 
 
+def test_data_that_is_not_utf8_is_refused(tmp_path):
+    """A Latin-1 file (or any bytes that are not UTF-8): one line naming the file and the first bad byte, not a
+    UnicodeDecodeError traceback."""
+    d = tmp_path / "data"
+    d.mkdir()
+    good = open(os.path.join(DATA, "train.jsonl")).read().splitlines()[:2]
+    (d / "test.jsonl").write_text("\n".join(good) + "\n")
+    (d / "train.jsonl").write_bytes((good[0] + "\n").encode() + json.dumps({"question": "caf\u00e9?", "answer": "#### 1"},
+                                                                          ensure_ascii=False).encode("latin-1"))
+    at = len(good[0]) + 1 + len('{"question": "caf')
+    with pytest.raises(ConfigError, match=rf"^--data: {d / 'train.jsonl'} is not UTF-8 text \(byte {at}: b'\\xe9'\)$"):
+        tasks.get("gsm8k").load(str(d))
+
+
 def test_gsm8k_without_data_names_the_flag(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="--data"):
