@@ -171,3 +171,39 @@ def test_resumed_rows_are_told_apart_and_the_latest_branch_is_read(tmp_path):
     assert [(r["step"], r["who"]) for r in got_evals] == [(0, "a"), (5, "c"), (10, "d"), (12, "d")]
     plain = [evals(0, "a"), train(1, "a"), evals(1, "a")]  # a run never resumed: as it is
     assert plot.latest(plain) == plain
+
+
+def test_plot_refuses_what_it_cannot_draw_in_one_line(tmp_path, capsys):
+    """A run being written (its last line half there): drawn without it, saying so; a bad line elsewhere and a
+    run with no rows yet: one line, status 2; -o into a folder that does not exist: the folder is made."""
+    pytest.importorskip("matplotlib")
+    import plot
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"kind": "eval", "step": 0, "accuracy": 0.3, "time": 1.0, "overhead": 0.0}]
+    rows += [{"kind": "train", "step": s, "time": 1.0 + s, "reward": 0.1, "loss": 0.01, "staleness": 0.0,
+              "staleness_max": 0, "wait": 0.0} for s in range(1, 4)]
+    whole = "".join(json.dumps(r) + "\n" for r in rows)
+    (run / "metrics.jsonl").write_text(whole + '{"kind": "train", "st')
+    png = tmp_path / "new" / "folder" / "run.png"
+    plot.main([str(run), "-o", str(png)])
+    out, err = capsys.readouterr()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.strip() == str(png)
+    assert err.strip() == f"plot.py: {run / 'metrics.jsonl'}: its last line is incomplete (still being written?); left out"
+
+    def refused(text, line):
+        (run / "metrics.jsonl").write_text(text)
+        with pytest.raises(SystemExit) as e:
+            plot.main([str(run), "-o", str(tmp_path / "x.png")])
+        assert e.value.code == 2 and capsys.readouterr().err.strip() == line
+        assert not (tmp_path / "x.png").exists()
+
+    refused(whole.replace("\n", "\n{oops\n", 1), f"plot.py: {run / 'metrics.jsonl'} line 2: not valid JSON")
+    refused(whole + "{oops\n", f"plot.py: {run / 'metrics.jsonl'} line 5: not valid JSON")  # complete, yet bad
+    refused("", f"plot.py: {run} has no rows yet (its metrics.jsonl is empty)")
+    (tmp_path / "file").write_text("")
+    (run / "metrics.jsonl").write_text(whole)
+    with pytest.raises(SystemExit) as e:
+        plot.main([str(run), "-o", str(tmp_path / "file" / "x.png")])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().startswith(
+        f"plot.py: cannot write {tmp_path / 'file' / 'x.png'} (")
