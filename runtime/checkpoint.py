@@ -134,7 +134,11 @@ def check_resumed_flags(cfg, folder: str):
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: {folder}/config.json does not read ({type(e).__name__})") from None
     flags = [f.name for f in dataclasses.fields(cfg) if not f.metadata.get("derived") and f.name not in ("resume", "out")]
-    differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n)]
+
+    def same_folder(n):  # --model tiny then --model FOLDER-IT-RESOLVED-TO: the same model, named two ways
+        path, was = getattr(cfg, f"{n}_path", None), saved.get(f"{n}_path")
+        return bool(path and was) and os.path.realpath(path) == os.path.realpath(was)
+    differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n) and not same_folder(n)]
     show = lambda n: f"--{n.replace('_', '-')} {getattr(cfg, n)} (was {saved[n]})"
     fixed = [n for n in differ if n in FIXED_ON_RESUME]
     if fixed:

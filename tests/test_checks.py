@@ -286,3 +286,39 @@ def test_resume_with_no_steps_left_is_refused(steps, match, tiny_model, checkpoi
                                 "--steps", steps, "--out", str(tmp_path / "b")])
     with pytest.raises(ConfigError, match=f"^{match}"):
         checks.check(cfg, 1)
+
+
+def test_resume_messages_say_what_is_there(tmp_path):
+    """--resume RUN (the run's folder, not its checkpoint) names the checkpoint inside; a missing path does not
+    exist; a folder with neither is not a checkpoint folder."""
+    from runtime.checkpoint import load_checkpoint
+    run = tmp_path / "runs" / "a"
+    (run / "checkpoint-000002").mkdir(parents=True)
+    (run / "checkpoint-000002" / "trainer.pt").write_bytes(b"")
+    (run / "checkpoint").symlink_to("checkpoint-000002")
+    with pytest.raises(ConfigError, match=rf"^--resume: {run} is not a checkpoint folder \(its run's checkpoint is "
+                                          rf"{run / 'checkpoint'}\)$"):
+        load_checkpoint(str(run))
+    with pytest.raises(ConfigError, match=rf"^--resume: {tmp_path / 'runs' / 'b'} does not exist$"):
+        load_checkpoint(str(tmp_path / "runs" / "b"))
+    with pytest.raises(ConfigError, match=rf"^--resume: {tmp_path / 'runs'} is not a checkpoint folder$"):
+        load_checkpoint(str(tmp_path / "runs"))
+
+
+def test_resume_compares_models_by_their_folders(tmp_path):
+    """A run of --model tiny resumed with --model set to the folder tiny resolved to (config.json's model_path) is
+    the same model, not a change of model; another folder is refused."""
+    import dataclasses
+    import json
+    from runtime.checkpoint import check_resumed_flags
+    folder, other = tmp_path / "tiny-abc", tmp_path / "other"
+    folder.mkdir()
+    other.mkdir()
+    (tmp_path / "link").symlink_to(folder)
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(dataclasses.asdict(Config(model="tiny", model_path=str(folder)))))
+    for name in (folder, tmp_path / "link"):
+        check_resumed_flags(Config(model=str(name), model_path=str(name)), str(ckpt))
+    with pytest.raises(ConfigError, match=rf"^--resume: --model {other} \(was tiny\) cannot change mid-run"):
+        check_resumed_flags(Config(model=str(other), model_path=str(other)), str(ckpt))
