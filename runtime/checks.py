@@ -21,7 +21,7 @@ import torch
 
 import tasks
 from loss import LOSSES
-from runtime import nodes, vllm_env
+from runtime import lora, nodes, vllm_env
 from runtime.checkpoint import check_resumed_flags, load_checkpoint
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
@@ -121,6 +121,7 @@ def check(cfg, world: int):
     need(cfg.lr_decay in shapes, "lr-decay", f"unknown shape {cfg.lr_decay!r} (choose from {', '.join(shapes)})")
     need(cfg.beta_stop_step >= 0, "beta-stop-step", "must be 0 or more")
     need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
+    check_unused(cfg)
     if cfg.wandb:
         try:
             import wandb  # noqa: F401  (optional: imported only when asked for)
@@ -193,6 +194,26 @@ def check_recipe(cfg):
          f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
 
 
+def check_unused(cfg):
+    """Flags that would change nothing, or make another flag change nothing, refused in one line: a schedule's
+    length without the value it goes to, a schedule's end without its length, LoRA's alpha without LoRA."""
+    final = cfg.beta if cfg.beta_final is None else cfg.beta_final  # None: --beta (check fills it in)
+    moves = final != cfg.beta
+    need(not cfg.beta_anneal_steps or moves, "beta-anneal-steps", f"anneals beta from --beta to --beta-final, which "
+         f"is --beta ({cfg.beta:g}) here: pass a --beta-final")
+    need(not cfg.beta_stop_step or moves, "beta-stop-step", f"sets beta to --beta-final, which is --beta ({cfg.beta:g}) "
+         f"here: pass a --beta-final")
+    need(not moves or cfg.beta_anneal_steps or cfg.beta_stop_step, "beta-final", f"without --beta-anneal-steps or "
+         f"--beta-stop-step beta would be {final:g} from step 0 and --beta {cfg.beta:g} unused: pass one "
+         f"of them, or --beta alone")
+    need(not cfg.reward_temp_anneal_steps or cfg.reward_temp != 1, "reward-temp-anneal-steps", "anneals T_R from "
+         "--reward-temp to 1, and --reward-temp is 1: pass a --reward-temp")
+    need(not cfg.gamma_anneal_steps or cfg.gamma_final != 1, "gamma-anneal-steps", "anneals gamma from 1 to "
+         "--gamma-final, and --gamma-final is 1: pass a --gamma-final")
+    alpha = next(f.default for f in dataclasses.fields(cfg) if f.name == "lora_alpha")
+    need(cfg.lora_rank or cfg.lora_alpha == alpha, "lora-alpha", "scales a LoRA adapter: pass --lora-rank too")
+
+
 def check_task(cfg):
     """The task's flags (its entry of tasks.TASKS), data, model and tokenizer (and reward models), and the
     values they derive: the models' folders, the evaluation's headline score and the longest sequence.
@@ -215,6 +236,8 @@ def check_task(cfg):
         model_path = tiny.cached()
     else:
         model_path = resolve_model(cfg.model)
+    if cfg.lora_rank:
+        lora.check_rank(model_path, cfg.lora_rank)
     tokenizer = load_tokenizer(model_path)
     need(tokenizer.eos_token_id is not None, "model", f"the tokenizer of {model_path} has no EOS token")
     paths = {f"{flag}_path": check_reward_model(getattr(cfg, flag), flag.replace("_", "-"))

@@ -64,6 +64,17 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--buffer-keep", "best", "--dedup-similarity", "0.4"], "--dedup-similarity: compares --embedding-model"),
     (["--lora-rank", "-1"], "--lora-rank: must be 0"),
     (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha: must be positive"),
+    (["--lora-rank", "129"], "--lora-rank: 129 is above the width of peft's targets (q_proj, v_proj) of "),  # 128 wide
+    # flags that would change nothing, or leave another unused
+    (["--lora-alpha", "32"], "--lora-alpha: scales a LoRA adapter: pass --lora-rank too"),
+    (["--beta-anneal-steps", "100"], "--beta-anneal-steps: anneals beta from --beta to --beta-final, which is --beta"),
+    (["--beta-final", "0.05", "--beta-anneal-steps", "100"], "--beta-anneal-steps: anneals beta"),  # = --beta
+    (["--beta-stop-step", "10"], "--beta-stop-step: sets beta to --beta-final, which is --beta (0.05) here"),
+    (["--beta-final", "0.01"], "--beta-final: without --beta-anneal-steps or --beta-stop-step beta would be 0.01 "
+                               "from step 0 and --beta 0.05 unused"),
+    (["--reward-temp-anneal-steps", "10"], "--reward-temp-anneal-steps: anneals T_R from --reward-temp to 1, and "
+                                           "--reward-temp is 1"),
+    (["--gamma-anneal-steps", "10"], "--gamma-anneal-steps: anneals gamma from 1 to --gamma-final, and --gamma-final is 1"),
     (["--weight-decay", "-0.01"], "--weight-decay"),
     (["--reward-temp", "0"], "--reward-temp: must be positive"),
     (["--reward-temp", "2", "--loss", "rloo"], "--reward-temp: T_R and gamma shape TB's log R"),
@@ -301,3 +312,6 @@ def test_lee_et_al_schedules():
     assert tba.lr_at(cfg, 4999) == pytest.approx(1e-4 * (40000 - 5000) / 39900, rel=1e-3)  # 0.877e-4
     off = Config()
     assert tba.reward_temp_at(off, 7) == tba.gamma_at(off, 7) == 1.0
+    held = Config(reward_temp=2.0, gamma_final=1.2)  # no anneal lengths: --reward-temp and --gamma-final throughout
+    assert [tba.reward_temp_at(held, s) for s in (0, 500, 4999)] == [2.0, 2.0, 2.0]
+    assert [tba.gamma_at(held, s) for s in (0, 4999)] == [1.2, 1.2]
