@@ -34,6 +34,11 @@ MAX_REUSE = 1.0  # --max-reuse's default with searchers (docs/performance.md, pa
 
 def parse(config_class, argv, description: str = ""):
     """The Config of a command line: one flag per field that is not derived, its help the field's."""
+    return config_class(**vars(parser(config_class, description).parse_args(argv)))
+
+
+def parser(config_class, description: str = "") -> argparse.ArgumentParser:
+    """The command line's parser: one flag per field of `config_class` that is not derived."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(config_class):
         if f.metadata.get("derived"):
@@ -45,7 +50,7 @@ def parse(config_class, argv, description: str = ""):
             continue
         kind = next(t for t in (int, float, str) if f.type is t or t in typing.get_args(f.type))
         p.add_argument(name, type=kind, default=f.default, help=help)
-    return config_class(**vars(p.parse_args(argv)))
+    return p
 
 
 def choices(cfg, name: str) -> tuple:

@@ -86,6 +86,15 @@ def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capsys):
     refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
 
 
+def test_help_says_each_default_once():
+    """A field's help that names its default itself gets no "(default: ...)" appended (checks.parser): each flag's
+    help says "default" at most once. Read from the parser's own help strings, not --help's wrapped lines."""
+    helps = {a.option_strings[0]: a.help for a in checks.parser(Config)._actions if a.option_strings[0] != "-h"}
+    assert len(helps) > 60 and all(helps.values())
+    assert {flag: h for flag, h in helps.items() if h.count("default") > 1} == {}
+    assert helps["--steps"].endswith("(default: 200)") and helps["--max-reuse"].count("default") == 1
+
+
 def test_bad_models(tmp_path, monkeypatch, capsys):
     refuse(["--model", str(tmp_path / "missing")], tmp_path, monkeypatch, capsys, "--model")
     refuse(["--model", "./missing"], tmp_path, monkeypatch, capsys, "does not exist")
