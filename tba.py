@@ -377,8 +377,11 @@ def beta_at(cfg, step: int) -> float:
 
 def reward_temp_at(cfg, step: int) -> float:
     """T_R: --reward-temp at step 0, then linearly to 1 (Lee et al.'s get_total_reward_temp,
-    trainers/gfn_trainer.py:253-258; their steps count from 1, ours from 0 like beta_at's)."""
-    frac = min(1.0, step / cfg.reward_temp_anneal_steps) if cfg.reward_temp_anneal_steps else 1.0
+    trainers/gfn_trainer.py:253-258; their steps count from 1, ours from 0 like beta_at's); constant without
+    an anneal length, so that --reward-temp alone does what it says."""
+    if not cfg.reward_temp_anneal_steps:
+        return cfg.reward_temp
+    frac = min(1.0, step / cfg.reward_temp_anneal_steps)
     return cfg.reward_temp + (1.0 - cfg.reward_temp) * frac
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from runtime import lora
+from runtime.hub import check_weights
 from runtime.errors import ConfigError
 
 
@@ -76,11 +77,9 @@ def load_checkpoint(folder: str) -> dict:
 def check_checkpoint_model(folder: str):
     """The checkpoint's model/ holds a config and weights (transformers would fail with a traceback)."""
     model = os.path.join(folder, "model")
-    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
     if not os.path.isfile(os.path.join(model, "config.json")):
         raise ConfigError(f"--resume: {folder} has no model/config.json (an incomplete checkpoint?)")
-    if not any(os.path.isfile(os.path.join(model, w)) for w in weights):
-        raise ConfigError(f"--resume: {model} holds no weights (none of {', '.join(weights)}; an incomplete checkpoint?)")
+    check_weights(model, "resume", "; an incomplete checkpoint?")
 
 
 def linked(out: str, step: int) -> bool:
@@ -135,7 +134,11 @@ def check_resumed_flags(cfg, folder: str):
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: {folder}/config.json does not read ({type(e).__name__})") from None
     flags = [f.name for f in dataclasses.fields(cfg) if not f.metadata.get("derived") and f.name not in ("resume", "out")]
-    differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n)]
+
+    def same_folder(n):  # --model tiny then --model FOLDER-IT-RESOLVED-TO: the same model, named two ways
+        path, was = getattr(cfg, f"{n}_path", None), saved.get(f"{n}_path")
+        return bool(path and was) and os.path.realpath(path) == os.path.realpath(was)
+    differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n) and not same_folder(n)]
     show = lambda n: f"--{n.replace('_', '-')} {getattr(cfg, n)} (was {saved[n]})"
     fixed = [n for n in differ if n in FIXED_ON_RESUME]
     if fixed:

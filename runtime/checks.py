@@ -19,7 +19,7 @@ import typing
 
 import tasks
 from loss import LOSSES
-from runtime import nodes, ranks, vllm_env
+from runtime import lora, nodes, ranks, vllm_env
 from runtime.checkpoint import check_resumed_flags, load_checkpoint
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
@@ -32,6 +32,11 @@ MAX_REUSE = 1.0  # --max-reuse's default with searchers (docs/performance.md, pa
 
 def parse(config_class, argv, description: str = ""):
     """The Config of a command line: one flag per field that is not derived, its help the field's."""
+    return config_class(**vars(parser(config_class, description).parse_args(argv)))
+
+
+def parser(config_class, description: str = "") -> argparse.ArgumentParser:
+    """The command line's parser: one flag per field of `config_class` that is not derived."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(config_class):
         if f.metadata.get("derived"):
@@ -43,7 +48,7 @@ def parse(config_class, argv, description: str = ""):
             continue
         kind = next(t for t in (int, float, str) if f.type is t or t in typing.get_args(f.type))
         p.add_argument(name, type=kind, default=f.default, help=help)
-    return config_class(**vars(p.parse_args(argv)))
+    return p
 
 
 def choices(cfg, name: str) -> tuple:
@@ -129,12 +134,18 @@ def check(cfg, world: int):
     need(cfg.lr_decay in shapes, "lr-decay", f"unknown shape {cfg.lr_decay!r} (choose from {', '.join(shapes)})")
     need(cfg.beta_stop_step >= 0, "beta-stop-step", "must be 0 or more")
     need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
+    check_unused(cfg)
     if cfg.wandb:
         try:
             import wandb  # noqa: F401  (optional: imported only when asked for)
         except ImportError:
             raise ConfigError("--wandb: the wandb package is not installed (it is optional: pip install wandb)") from None
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
+    if ckpt:  # fewer steps would wait --timeout for an evaluation of weights that never come; as many, do nothing
+        done = ckpt["step"]
+        need(cfg.steps > done, "steps", f"{cfg.steps} {'is below' if cfg.steps < done else 'is'} the checkpoint's "
+             f"step {done}: {'nothing is left to do' if cfg.steps == done else 'a resumed run cannot go back'}; "
+             f"pass --steps above {done} to continue")
     # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
     device = ranks.machine_device()
     local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
@@ -152,7 +163,7 @@ def check(cfg, world: int):
         flag = "searcher_memory" if cfg.searchers else "trainer_memory"
         cfg = dataclasses.replace(cfg, **{flag: gpu.check_memory(cfg, task, local)})
     cfg = dataclasses.replace(cfg, out=cfg.out or (
-        os.path.dirname(os.path.abspath(cfg.resume)) if cfg.resume
+        os.path.dirname(os.path.realpath(cfg.resume)) if cfg.resume  # the checkpoint's run (runtime.log.check_out)
         else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}")))
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
         check_out(cfg.out, cfg.resume)            # see its probe file
@@ -213,6 +224,26 @@ def check_recipe(cfg):
          f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
 
 
+def check_unused(cfg):
+    """Flags that would change nothing, or make another flag change nothing, refused in one line: a schedule's
+    length without the value it goes to, a schedule's end without its length, LoRA's alpha without LoRA."""
+    final = cfg.beta if cfg.beta_final is None else cfg.beta_final  # None: --beta (check fills it in)
+    moves = final != cfg.beta
+    need(not cfg.beta_anneal_steps or moves, "beta-anneal-steps", f"anneals beta from --beta to --beta-final, which "
+         f"is --beta ({cfg.beta:g}) here: pass a --beta-final")
+    need(not cfg.beta_stop_step or moves, "beta-stop-step", f"sets beta to --beta-final, which is --beta ({cfg.beta:g}) "
+         f"here: pass a --beta-final")
+    need(not moves or cfg.beta_anneal_steps or cfg.beta_stop_step, "beta-final", f"without --beta-anneal-steps or "
+         f"--beta-stop-step beta would be {final:g} from step 0 and --beta {cfg.beta:g} unused: pass one "
+         f"of them, or --beta alone")
+    need(not cfg.reward_temp_anneal_steps or cfg.reward_temp != 1, "reward-temp-anneal-steps", "anneals T_R from "
+         "--reward-temp to 1, and --reward-temp is 1: pass a --reward-temp")
+    need(not cfg.gamma_anneal_steps or cfg.gamma_final != 1, "gamma-anneal-steps", "anneals gamma from 1 to "
+         "--gamma-final, and --gamma-final is 1: pass a --gamma-final")
+    alpha = next(f.default for f in dataclasses.fields(cfg) if f.name == "lora_alpha")
+    need(cfg.lora_rank or cfg.lora_alpha == alpha, "lora-alpha", "scales a LoRA adapter: pass --lora-rank too")
+
+
 def check_task(cfg):
     """The task's flags (its entry of tasks.TASKS), data, model and tokenizer (and reward models), and the
     values they derive: the models' folders, the evaluation's headline score and the longest sequence.
@@ -235,6 +266,8 @@ def check_task(cfg):
         model_path = tiny.cached()
     else:
         model_path = resolve_model(cfg.model)
+    if cfg.lora_rank:
+        lora.check_rank(model_path, cfg.lora_rank)
     tokenizer = load_tokenizer(model_path)
     need(tokenizer.eos_token_id is not None, "model", f"the tokenizer of {model_path} has no EOS token")
     paths = {f"{flag}_path": check_reward_model(getattr(cfg, flag), flag.replace("_", "-"))

@@ -38,7 +38,8 @@ class Config:
                                         "0 = no cap; default: 1 with searchers, 0 without")
     max_staleness: int = arg(100, "S: wait while the newest data was sampled more than S steps ago; 0 = never")
     beta: float = arg(0.05, "KL coefficient: the target is pi_ref * exp(reward / beta)")
-    beta_final: float | None = arg(None, "beta at the end of its anneal (default: --beta, no anneal)")
+    beta_final: float | None = arg(None, "beta at the end of its anneal, or from --beta-stop-step (default: --beta, "
+                                         "no anneal)")
     beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
     beta_stop_step: int = arg(0, "from this update on, beta is --beta-final at once; 0 = never")
     ref_reset_every: int = arg(0, "TBA′: every N steps pi_ref becomes the current policy; 0 = never")
@@ -87,15 +88,18 @@ class Config:
                                        "near-duplicates; 0 = off")
     dedup_edit: float = arg(0.0, "--buffer-keep best: responses whose edit distance is below this x their lengths "
                                  "are near-duplicates; 0 = off")
-    reward_temp: float = arg(1.0, "T_R at step 0 of log R = (log pi_ref / gamma + r / beta) / T_R; 1 = off")
-    reward_temp_anneal_steps: int = arg(0, "steps of the linear anneal of T_R from --reward-temp to 1")
-    gamma_final: float = arg(1.0, "gamma, the prior's temperature in log R, at the end of its anneal from 1; 1 = off")
-    gamma_anneal_steps: int = arg(0, "steps of the linear anneal of gamma from 1 to --gamma-final")
+    reward_temp: float = arg(1.0, "T_R of log R = (log pi_ref / gamma + r / beta) / T_R: at step 0, annealed to 1 "
+                                  "over --reward-temp-anneal-steps, else constant; 1 = off")
+    reward_temp_anneal_steps: int = arg(0, "steps of the linear anneal of T_R from --reward-temp to 1; 0 = T_R constant")
+    gamma_final: float = arg(1.0, "gamma, the prior's temperature in log R: at the end of its anneal from 1 over "
+                                  "--gamma-anneal-steps, else constant; 1 = off")
+    gamma_anneal_steps: int = arg(0, "steps of the linear anneal of gamma from 1 to --gamma-final; 0 = gamma constant")
     explore_temp_min: float = arg(0.0, "half of a searcher's requests sample at a temperature drawn from [this, "
                                        "--explore-temp-max]; 0 = off")
     explore_temp_max: float = arg(0.0, "the top of the exploration temperatures")
-    lora_rank: int = arg(0, "train a LoRA adapter of this rank on peft's default targets; 0 = all weights")
-    lora_alpha: int = arg(16, "LoRA's alpha: the update is (alpha / rank) B A")
+    lora_rank: int = arg(0, "train a LoRA adapter of this rank (at most the targets' width) on peft's default "
+                            "targets; 0 = all weights")
+    lora_alpha: int = arg(16, "LoRA's alpha (with --lora-rank): the update is (alpha / rank) B A")
     trainer_dtype: str = arg("float32", "the trainer's weights: float32 | bfloat16 (AdamW's moments stay float32)")
     # ===== plumbing: processes, devices, memory, files ====================================================
     searchers: int = arg(1, "searcher processes (a GPU each on a GPU node); 0 = the synchronous baseline")

@@ -45,16 +45,33 @@ class Signals:
     """SIGINT and SIGTERM: before the first step one stops the run at once (nothing to save, Stop);
     after it, the first asks the trainer to stop after a checkpoint (`first`), and a second one
     stops it at once (KeyboardInterrupt). Under torchrun, Ctrl-C's SIGINT reaches the trainer twice
-    at once (the terminal's and torchrun's): a second signal counts only after 1 s."""
+    at once (the terminal's and torchrun's): a second signal counts only after 1 s. One that comes while
+    a searcher starts acts once it has started (`held`)."""
 
     def __init__(self):
         self.first = None      # (name, time) of the first signal once training began
         self.training = False  # set by the loop after its first step
+        self.holding = None    # signals that came while `held`, acted on at its end
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGTERM, self.on_signal)
 
+    @contextlib.contextmanager
+    def held(self):
+        """A signal inside this acts at its end: a searcher's start cut short (Stop raised while the trainer writes
+        the pickled process to it) would leave the searcher a truncated pickle, and its traceback."""
+        self.holding = []
+        try:
+            yield
+        finally:
+            came, self.holding = self.holding, None
+        if came:
+            self.on_signal(came[0], None)
+
     def on_signal(self, signum, frame):
         name = signal.Signals(signum).name
+        if self.holding is not None:
+            self.holding.append(signum)
+            return
         if not self.training:
             raise Stop(name, False)
         if self.first and time.time() - self.first[1] > 1:
@@ -94,7 +111,11 @@ class Fleet:
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = create(ctx, cfg.searchers) if self.leader else None
         if self.leader and cfg.searchers:  # first: their vLLM engines start while the trainer loads its model
-            self.spawn(ctx)
+            try:
+                self.spawn(ctx)
+            except BaseException:  # a signal, a failed start: the searchers already started stop too
+                self.close()
+                raise
 
     def spawn(self, ctx):
         """This node's `--searchers` processes (searcher.run). Searcher i of this node runs on GPU (trainer
@@ -112,7 +133,8 @@ class Fleet:
             dev = f"cuda:{local + i}" if cfg.device == "cuda" else "cpu"
             p = start.Process(target=searcher.run, name=f"searcher-{self.first + i}", daemon=True,
                               args=(self.first + i, cfg, self.shared, own, self.data, dev, self.step))
-            p.start()
+            with self.signals.held():  # on the CPU it waits for the fork server's imports: seconds
+                p.start()
             self.procs.append(p)
 
     def beside(self):
@@ -488,7 +510,7 @@ def fork_server():
     each, which N searchers spawned afresh would spend side by side on the cores they share: 4 on 2
     cores started 10 s later). On a GPU node each searcher imports on cores of its own, and spawn keeps
     every process free of anything a parent could have set up for CUDA. The server imports runtime/vllm_env.py
-    first (it ignores SIGTERM there), then searcher.py, so it must find the repository: Python 3.11's fork
+    first (it ignores SIGTERM and SIGINT there), then searcher.py, so it must find the repository: Python 3.11's fork
     server does not take the trainer's sys.path (multiprocessing/forkserver.py, main), so PYTHONPATH is
     given it for its start."""
     from multiprocessing import forkserver

@@ -1,38 +1,66 @@
 """Where the models come from: a model flag's value (an alias, a local folder or a Hugging Face hub id)
 as a local folder, and the tokenizer saved beside it; each refusal one line naming the flag. The `tiny`
-model is built by tiny.py (config.py asks it for --model tiny).
+model is built by tiny.py (runtime/checks.py asks it for --model tiny).
 """
 
 import os
-import re
 
 from runtime.errors import ConfigError
 
 ALIASES = {"rho-math-1b": "realtreetune/rho-1b-sft-GSM8K"}
+# what transformers and vLLM load a model's weights from
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def resolve_model(name: str, flag: str = "model") -> str:
-    """A local folder holding the model named by --FLAG (fetching it from the hub if needed)."""
-    name = ALIASES.get(name, name)
+    """A local folder holding the model named by --FLAG: a folder, or a hub id (with or without a namespace,
+    as the hub allows: `gpt2`), from the local Hugging Face cache first, else fetched; refused in one line
+    unless it holds a config and weights."""
+    name, why = ALIASES.get(name, name), ""
     if os.path.isdir(name):
         path = name
-    elif re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) and not name.startswith("."):
-        from huggingface_hub import snapshot_download
-        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
-        try:
-            path = snapshot_download(name, allow_patterns=patterns, local_files_only=True)
-        except Exception:
-            try:
-                path = snapshot_download(name, allow_patterns=patterns)
-            except Exception as e:
-                raise ConfigError(f"--{flag}: {name!r} is not a local folder and could not be fetched from the "
-                                  f"Hugging Face hub ({type(e).__name__})") from None
+    elif os.path.exists(name):
+        raise ConfigError(f"--{flag}: {name} is a file, not a model folder (a folder with config.json and weights)")
+    elif is_hub_id(name):
+        path, why = from_hub(name, flag), "; only safetensors weights are fetched from the hub"
     else:
         known = "'tiny', an alias" if flag == "model" else "an alias"
         raise ConfigError(f"--{flag}: {name!r} does not exist (not {known}, a folder or a hub id)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"--{flag}: {path} holds no model (no config.json)")
+    check_weights(path, flag, why)
     return path
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether the hub would take `name` as a model id (its own rule: huggingface_hub's validate_repo_id)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def from_hub(name: str, flag: str) -> str:
+    """The hub model's folder in the local cache (HF_HUB_CACHE / HF_HOME), fetched first if it is not there."""
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+    try:
+        return snapshot_download(name, allow_patterns=patterns, local_files_only=True)
+    except Exception:
+        try:
+            return snapshot_download(name, allow_patterns=patterns)
+        except Exception as e:
+            raise ConfigError(f"--{flag}: {name!r} is not a local folder and could not be fetched from the "
+                              f"Hugging Face hub ({type(e).__name__})") from None
+
+
+def check_weights(path: str, flag: str = "model", why: str = ""):
+    """Refuse a model folder without weights in one line before anything starts (transformers and vLLM would
+    fail in every process, with tracebacks); `why`: a guess at the cause, said after the files looked for."""
+    if not any(os.path.isfile(os.path.join(path, w)) for w in WEIGHTS):
+        raise ConfigError(f"--{flag}: {path} holds no weights (none of {', '.join(WEIGHTS)}{why})")
 
 
 def load_tokenizer(path: str, flag: str = "model"):

@@ -85,6 +85,8 @@ class Log:
     def row(self, **row):
         if self.rank != 0:
             return
+        if self.resumed is not None:  # a resumed process's rows: which branch of the run they belong to
+            row["resumed"] = self.resumed["step"]  # (tools/plot.py, `latest`, keeps the latest branch's)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb is not None:
@@ -148,11 +150,17 @@ class Log:
 
 
 def check_out(out: str, resume: str | None):
-    """Refuse in one line an --out that holds files (unless resuming into it) or cannot be created and written
+    """Refuse in one line an --out that holds files, unless it is the run of --resume's checkpoint (the parent
+    of its real path: OUT/checkpoint links to OUT/checkpoint-STEP), or that cannot be created and written
     (a file is written and removed). Folders made for the check are removed again: nothing is left until the
     run starts."""
-    if not resume and os.path.isdir(out) and os.listdir(out):
-        raise ConfigError(f"--out: {out} exists and is not empty (pass --resume to continue a run)")
+    if os.path.isdir(out) and os.listdir(out):
+        if not resume:
+            raise ConfigError(f"--out: {out} exists and is not empty (pass --resume to continue a run)")
+        run = os.path.dirname(os.path.realpath(resume))
+        if os.path.realpath(out) != run:  # another run's rows, checkpoints and final model would be overwritten
+            raise ConfigError(f"--out: {out} exists and is not empty, and is not the run of the checkpoint "
+                              f"({run}); pass a new or empty folder, or leave --out out to continue in {run}")
     made, parent = [], os.path.abspath(out)
     while not os.path.exists(parent):
         made.append(parent)

@@ -34,6 +34,27 @@ def wrap(model, rank: int, alpha: int, seed: int):
         return get_peft_model(model, config)
 
 
+def check_rank(path: str, rank: int):
+    """Refuse in one line a --lora-rank that peft cannot place on the model at `path`, or that is above the width
+    of a target: the update B A of an (in x out) layer has rank at most min(in, out), so a larger r only adds
+    parameters. The widths come from the config, on the meta device (no weights read, no memory)."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS  # what wrap's peft uses
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from runtime.errors import ConfigError
+    config = AutoConfig.from_pretrained(path)
+    targets = DEFAULTS.get(config.model_type)
+    if not targets:
+        raise ConfigError(f"--lora-rank: peft has no default target modules for model type {config.model_type!r} "
+                          f"({path})")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    widths = {min(m.weight.shape) for name, m in model.named_modules()
+              if name.split(".")[-1] in targets and getattr(m, "weight", None) is not None and m.weight.dim() == 2}
+    if widths and rank > min(widths):
+        raise ConfigError(f"--lora-rank: {rank} is above the width of peft's targets ({', '.join(sorted(targets))}) of "
+                          f"{path}: an update of an (in x out) layer has rank at most min(in, out), {min(widths)} here")
+
+
 def active(model) -> bool:
     return hasattr(model, "peft_config")
 

@@ -1,13 +1,19 @@
 """The `tiny` model: a small Llama with a character-level tokenizer, warm-started on `arith`.
 
-It plays the paper's SFT model (pi_ref): `--model tiny` builds it once (about 20 s on two
-CPU cores), caches it under $TBA_CACHE (default ~/.cache/tba) and reuses it. The warm start
-is a short supervised pass on the answers of training problems, stopped on purpose as soon as
-greedy accuracy on 512 training problems, checked after every step near the target, reaches 35%, so that RL starts
-from the same competence on any machine and has room to improve it. Where the warm start stops
-decides how much RL gains in 200 steps, and a coarse rule stops at different points on different
-CPUs: a fixed number of steps does not do (accuracy climbs from 25% to 70% within 30 steps, and
-float rounding moves that climb by several steps between CPUs).
+It plays the paper's SFT model (pi_ref): `--model tiny` builds it once (about 20 s on two idle
+CPU cores, minutes on busy ones, with a line every few seconds), caches it under $TBA_CACHE
+(default ~/.cache/tba) and reuses it. The warm start is a short supervised pass on the answers of
+training problems, stopped on purpose as soon as greedy accuracy on 512 training problems, checked
+after every step near the target, reaches 35%, so that RL has room to improve it. Where the warm
+start stops decides how much RL gains in 200 steps: a fixed number of steps does not do (accuracy
+climbs from 25% to 70% within 30 steps, and float rounding moves that climb by several steps
+between CPUs). The held-out accuracy it starts RL from still depends on the CPU (0.385 on a 2-core
+AMD EPYC, 0.325 on a 2-core Intel Xeon, measured): each CPU's float kernels (AVX2 or AVX-512 code
+paths, another order of summation) round differently, the difference grows over some 240 steps
+into other weights, and the 512 check problems and the 400 held-out ones (sampling error about
+0.02 each) agree only roughly on where 35% lies. Equal kernels everywhere (one thread, ATen's
+default CPU capability, MKL's reproducible mode) would give another model on every CPU, this
+project's measurements' included, so they are not used.
 
     python -m runtime.tiny OUT_DIR    # build it into OUT_DIR instead of the cache
 
@@ -30,6 +36,7 @@ from tasks.arith import splits as arith_splits
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # printable ASCII and newline: enough for GSM8K too
+TMP = ".tiny-"  # the prefix of a build's temporary folder, beside the one it builds
 RECIPE = dict(  # everything that decides the cached model; its hash names the cache folder
     version=4, hidden=128, layers=3, heads=4, ffn=384, max_len=256, seed=0,
     sft_max_steps=600, sft_batch=64, sft_lr=1e-3, sft_target=0.35, sft_check=512,
@@ -77,10 +84,11 @@ def make_model(out: str, hidden=64, layers=2, heads=2, ffn=None, max_len=256, se
 
 
 def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, target: float = 1.0,
-               check: int = 512) -> dict:
+               check: int = 512, progress=None) -> dict:
     """Supervised pass on arith answers (the loss covers the answer and EOS only), for `steps` steps
     or until greedy accuracy on `check` training problems reaches `target` (measured every 5 steps, and
-    after every step from within 0.1 of the target). Returns what it did."""
+    after every step from within 0.1 of the target). `progress(step, accuracy)` after each step (the
+    latest accuracy measured). Returns what it did."""
     train, _ = arith_splits()
     rng, check = random.Random(seed), random.Random(seed + 1).sample(train, check)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -105,6 +113,8 @@ def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, t
             accuracy = greedy_accuracy(model, tokenizer, check)
             if accuracy >= target:
                 break
+        if progress:
+            progress(step, accuracy)
     model.eval()
     return dict(sft_steps_taken=step, sft_check_accuracy=accuracy)
 
@@ -127,20 +137,34 @@ def greedy_accuracy(model, tokenizer, problems) -> float:
     return right.all(dim=1).float().mean().item()
 
 
-def build(out: str, recipe: dict = RECIPE) -> str:
-    """Build the tiny model into `out` (made atomically: a temporary folder, then a rename)."""
+def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
+    """Build the tiny model into `out` (made atomically: a temporary folder, then a rename; the folder goes
+    whatever stops the build), with a line every `every` s: the warm start's step and check accuracy."""
     r = recipe
-    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=os.path.dirname(os.path.abspath(out)))
-    model, tokenizer = make_model(tmp, r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
-    done = warm_start(model, tokenizer, r["sft_max_steps"], r["sft_batch"], r["sft_lr"], r["seed"], r["sft_target"],
-                      r["sft_check"])
-    model.save_pretrained(tmp)
-    with open(os.path.join(tmp, "tiny_recipe.json"), "w") as f:
-        json.dump(dict(r, **done), f, indent=1)
+    tmp = tempfile.mkdtemp(prefix=TMP, dir=os.path.dirname(os.path.abspath(out)))
+    t0 = last = time.time()
+
+    def progress(step, accuracy):
+        nonlocal last
+        if time.time() - last >= every:  # a busy machine takes minutes: show that it moves
+            last = time.time()
+            print(f"  warm start: step {step} (at most {r['sft_max_steps']}), check accuracy {accuracy:.3f} "
+                  f"(stops at {r['sft_target']:g}), {last - t0:.0f} s", flush=True)
     try:
+        model, tokenizer = make_model(tmp, r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
+        done = warm_start(model, tokenizer, r["sft_max_steps"], r["sft_batch"], r["sft_lr"], r["seed"],
+                          r["sft_target"], r["sft_check"], progress)
+        model.save_pretrained(tmp)
+        with open(os.path.join(tmp, "tiny_recipe.json"), "w") as f:
+            json.dump(dict(r, **done), f, indent=1)
         os.rename(tmp, out)
-    except OSError:  # another process finished the same build first: keep theirs
+    except OSError:  # another process finished the same build first (`out` exists): keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(out, "tiny_recipe.json")):
+            raise
+    except BaseException:  # Ctrl-C, an error: no half-built folder left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
@@ -153,11 +177,21 @@ def cached() -> str:
     with open(os.path.join(root, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (torchrun ranks start together)
         if not os.path.isfile(os.path.join(path, "tiny_recipe.json")):
-            print(f"building the tiny model once into {path} ...", flush=True)
+            remove_stale(root, time.time())
+            print(f"building the tiny model once into {path} (a line every few seconds) ...", flush=True)
             t0 = time.time()
             build(path)
             print(f"built in {time.time() - t0:.0f} s", flush=True)
     return path
+
+
+def remove_stale(root: str, since: float):
+    """The temporary folders of builds that died (killed: no cleanup ran), found by the next builder under the
+    lock: made before it took the lock (`since`), so by a builder that no longer holds it."""
+    for name in os.listdir(root):
+        folder = os.path.join(root, name)
+        if name.startswith(TMP) and os.path.isdir(folder) and os.path.getmtime(folder) < since:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,13 @@ from runtime.errors import ConfigError
 # torchrun stops a rank with SIGTERM to its whole process group, the fork server included, which ignores only
 # SIGINT (Python 3.11, multiprocessing/forkserver.py:196): dead, it reports every searcher as exit code 255
 # (multiprocessing/popen_forkserver.py:69-72). So the server ignores SIGTERM as the searchers do, and ends
-# with the trainer.
+# with the trainer. It ignores SIGINT only once its preload imports are done (multiprocessing/forkserver.py:169-196):
+# Ctrl-C during them (vLLM's, seconds) printed their KeyboardInterrupt traceback, so it ignores SIGINT from here
+# on too (its children get this back, multiprocessing/forkserver.py:300-301; the searchers ignore both anyway).
 FORK_SERVER = "TBA_FORK_SERVER"  # set while runtime.fleet.fork_server starts the server
 if os.environ.pop(FORK_SERVER, None):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def set_up():

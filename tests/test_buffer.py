@@ -298,3 +298,32 @@ def test_edit_distances_match_a_plain_levenshtein():
         rows = [rng.integers(0, 4, rng.integers(0, 9)) for _ in range(5)]
         got = edit_distances(a, rows, np.array([len(r) for r in rows]))
         assert got.tolist() == [levenshtein(a.tolist(), r.tolist()) for r in rows]
+
+
+def test_the_reuse_cap_earns_credit_only_for_what_the_buffer_kept():
+    """TBA′: after a reset the buffer drops the data still in flight that was scored under the old pi_ref. The cap
+    earns credit only for the trajectories it kept (runtime.fleet.Fleet.add counts them, tba.Trainer.waiting_for
+    feeds that count to the cap): fed the count received, a burst of dropped data would pay for steps of replay."""
+    import types
+
+    import tba
+    from runtime.config import Config
+    from runtime.fleet import Fleet
+    B, K = 2, 4
+    buf = ReplayBuffer(100, recency=1.0, reward_inv_temp=0.0)
+    buf.set_reference(4)  # pi_ref is the policy of step 4
+    fleet = Fleet.__new__(Fleet)  # its counters only: no searcher is spawned
+    fleet.received, fleet.kept, fleet.newest = 0, 0, 4
+    old = [traj(p, [100 + i], version=3) for p in range(B) for i in range(2 * K)]  # scored under pi_ref 0
+    for t in old:
+        t.pi_ref_version = 0
+    new = [traj(p, [i], version=4) for p in range(B) for i in range(K)]
+    for t in new:
+        t.pi_ref_version = 4
+    fleet.add(buf, old + new)
+    assert (fleet.received, fleet.kept, len(buf)) == (3 * B * K, B * K, B * K)
+    trainer = types.SimpleNamespace(cfg=Config(prompts_per_step=B, samples_per_prompt=K, max_reuse=1.0), fleet=fleet,
+                                    buffer=buf, cap=ReuseCap(1.0, bank=100 * B * K), step=4)
+    assert tba.Trainer.waiting_for(trainer, 0) is None  # one step's worth was kept: one step
+    trainer.cap.draw(B * K)
+    assert tba.Trainer.waiting_for(trainer, 0).startswith("fresh data: 8 trajectories drawn for training, 8 kept")

@@ -249,3 +249,75 @@ def test_only_rank_0_looks_into_out(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError, match="exists and is not empty"):
         checks.check(checks.parse(Config, ["--model", tiny_model, *SMALL, "--out", str(out)]), 1)
+
+
+def test_resume_into_another_runs_folder_is_refused(tmp_path):
+    """--resume A/checkpoint --out B: B, holding another run's files, would be overwritten without a word;
+    only the checkpoint's own run (the parent of its real path), or a new or empty folder, takes the run."""
+    from runtime.log import check_out
+    run, other = tmp_path / "a", tmp_path / "b"
+    (run / "checkpoint-000004").mkdir(parents=True)
+    (run / "checkpoint").symlink_to("checkpoint-000004")
+    (run / "metrics.jsonl").write_text("{}\n")
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=rf"^--out: {other} exists and is not empty, and is not the run of the "
+                                          rf"checkpoint \({run}\)"):
+        check_out(str(other), str(run / "checkpoint"))
+    assert (other / "metrics.jsonl").read_text() == "{}\n"
+    check_out(str(run), str(run / "checkpoint"))                   # its own run, by the link
+    check_out(str(run), str(run / "checkpoint-000004"))            # or by the folder itself
+    check_out(str(tmp_path / "new"), str(run / "checkpoint"))      # a new folder
+    (tmp_path / "empty").mkdir()
+    check_out(str(tmp_path / "empty"), str(run / "checkpoint"))    # an empty one
+    with pytest.raises(ConfigError, match="pass --resume to continue a run"):
+        check_out(str(other), None)
+
+
+@pytest.mark.parametrize("steps,match", [
+    ("1", "--steps: 1 is below the checkpoint's step 2: a resumed run cannot go back; pass --steps above 2"),
+    ("2", "--steps: 2 is the checkpoint's step 2: nothing is left to do; pass --steps above 2 to continue"),
+])
+def test_resume_with_no_steps_left_is_refused(steps, match, tiny_model, checkpoint, tmp_path):
+    """--steps at or below the checkpoint's step: one line at once, not a wait of --timeout for an evaluation of
+    weights that never come."""
+    cfg = checks.parse(Config, ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint),
+                                "--steps", steps, "--out", str(tmp_path / "b")])
+    with pytest.raises(ConfigError, match=f"^{match}"):
+        checks.check(cfg, 1)
+
+
+def test_resume_messages_say_what_is_there(tmp_path):
+    """--resume RUN (the run's folder, not its checkpoint) names the checkpoint inside; a missing path does not
+    exist; a folder with neither is not a checkpoint folder."""
+    from runtime.checkpoint import load_checkpoint
+    run = tmp_path / "runs" / "a"
+    (run / "checkpoint-000002").mkdir(parents=True)
+    (run / "checkpoint-000002" / "trainer.pt").write_bytes(b"")
+    (run / "checkpoint").symlink_to("checkpoint-000002")
+    with pytest.raises(ConfigError, match=rf"^--resume: {run} is not a checkpoint folder \(its run's checkpoint is "
+                                          rf"{run / 'checkpoint'}\)$"):
+        load_checkpoint(str(run))
+    with pytest.raises(ConfigError, match=rf"^--resume: {tmp_path / 'runs' / 'b'} does not exist$"):
+        load_checkpoint(str(tmp_path / "runs" / "b"))
+    with pytest.raises(ConfigError, match=rf"^--resume: {tmp_path / 'runs'} is not a checkpoint folder$"):
+        load_checkpoint(str(tmp_path / "runs"))
+
+
+def test_resume_compares_models_by_their_folders(tmp_path):
+    """A run of --model tiny resumed with --model set to the folder tiny resolved to (config.json's model_path) is
+    the same model, not a change of model; another folder is refused."""
+    import dataclasses
+    import json
+    from runtime.checkpoint import check_resumed_flags
+    folder, other = tmp_path / "tiny-abc", tmp_path / "other"
+    folder.mkdir()
+    other.mkdir()
+    (tmp_path / "link").symlink_to(folder)
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps(dataclasses.asdict(Config(model="tiny", model_path=str(folder)))))
+    for name in (folder, tmp_path / "link"):
+        check_resumed_flags(Config(model=str(name), model_path=str(name)), str(ckpt))
+    with pytest.raises(ConfigError, match=rf"^--resume: --model {other} \(was tiny\) cannot change mid-run"):
+        check_resumed_flags(Config(model=str(other), model_path=str(other)), str(ckpt))

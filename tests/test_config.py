@@ -13,6 +13,7 @@ import tba
 from runtime.config import Config
 from conftest import DATA, ROOT, env
 from runtime.errors import ConfigError
+from runtime.hub import resolve_model
 
 
 def refuse(args, tmp_path, monkeypatch, capsys, match):
@@ -63,6 +64,17 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--buffer-keep", "best", "--dedup-similarity", "0.4"], "--dedup-similarity: compares --embedding-model"),
     (["--lora-rank", "-1"], "--lora-rank: must be 0"),
     (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha: must be positive"),
+    (["--lora-rank", "129"], "--lora-rank: 129 is above the width of peft's targets (q_proj, v_proj) of "),  # 128 wide
+    # flags that would change nothing, or leave another unused
+    (["--lora-alpha", "32"], "--lora-alpha: scales a LoRA adapter: pass --lora-rank too"),
+    (["--beta-anneal-steps", "100"], "--beta-anneal-steps: anneals beta from --beta to --beta-final, which is --beta"),
+    (["--beta-final", "0.05", "--beta-anneal-steps", "100"], "--beta-anneal-steps: anneals beta"),  # = --beta
+    (["--beta-stop-step", "10"], "--beta-stop-step: sets beta to --beta-final, which is --beta (0.05) here"),
+    (["--beta-final", "0.01"], "--beta-final: without --beta-anneal-steps or --beta-stop-step beta would be 0.01 "
+                               "from step 0 and --beta 0.05 unused"),
+    (["--reward-temp-anneal-steps", "10"], "--reward-temp-anneal-steps: anneals T_R from --reward-temp to 1, and "
+                                           "--reward-temp is 1"),
+    (["--gamma-anneal-steps", "10"], "--gamma-anneal-steps: anneals gamma from 1 to --gamma-final, and --gamma-final is 1"),
     (["--weight-decay", "-0.01"], "--weight-decay"),
     (["--reward-temp", "0"], "--reward-temp: must be positive"),
     (["--reward-temp", "2", "--loss", "rloo"], "--reward-temp: T_R and gamma shape TB's log R"),
@@ -74,6 +86,15 @@ def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capsys):
     refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
 
 
+def test_help_says_each_default_once():
+    """A field's help that names its default itself gets no "(default: ...)" appended (checks.parser): each flag's
+    help says "default" at most once. Read from the parser's own help strings, not --help's wrapped lines."""
+    helps = {a.option_strings[0]: a.help for a in checks.parser(Config)._actions if a.option_strings[0] != "-h"}
+    assert len(helps) > 60 and all(helps.values())
+    assert {flag: h for flag, h in helps.items() if h.count("default") > 1} == {}
+    assert helps["--steps"].endswith("(default: 200)") and helps["--max-reuse"].count("default") == 1
+
+
 def test_bad_models(tmp_path, monkeypatch, capsys):
     refuse(["--model", str(tmp_path / "missing")], tmp_path, monkeypatch, capsys, "--model")
     refuse(["--model", "./missing"], tmp_path, monkeypatch, capsys, "does not exist")
@@ -81,6 +102,54 @@ def test_bad_models(tmp_path, monkeypatch, capsys):
     refuse(["--model", str(tmp_path / "empty")], tmp_path, monkeypatch, capsys, "no config.json")
     refuse(["--model", "nobody/no-such-model-xyz"], tmp_path, monkeypatch, capsys, "Hugging Face hub")
     refuse(["--model", "rho-math-1b"], tmp_path, monkeypatch, capsys, "'realtreetune/rho-1b-sft-GSM8K'")  # the alias
+
+
+def test_a_file_is_not_a_model_folder(tmp_path, monkeypatch, capsys):
+    (tmp_path / "notes.txt").write_text("not a model")
+    refuse(["--model", str(tmp_path / "notes.txt")], tmp_path, monkeypatch, capsys,
+           f"--model: {tmp_path / 'notes.txt'} is a file, not a model folder")
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("some")
+    (tmp_path / "some" / "file.txt").write_text("x")  # relative, and shaped like a hub id: still the file
+    with pytest.raises(ConfigError, match="^--model: some/file.txt is a file, not a model folder"):
+        resolve_model("some/file.txt")
+
+
+def test_model_without_weights(tiny_model, tmp_path, monkeypatch, capsys):
+    """A config and a tokenizer but no weights: one line before anything starts (every process started, then
+    two tracebacks); the same check as a checkpoint's model/."""
+    import shutil
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny_model, folder)
+    os.remove(folder / "model.safetensors")
+    refuse(["--model", str(folder)], tmp_path, monkeypatch, capsys,
+           f"--model: {folder} holds no weights (none of model.safetensors, model.safetensors.index.json, "
+           f"pytorch_model.bin, pytorch_model.bin.index.json)")
+
+
+def test_an_unnamespaced_hub_id_resolves_from_the_cache(tmp_path):
+    """`gpt2` is a hub id (the hub takes ids without a namespace): found in the local Hugging Face cache, offline,
+    laid out as the hub lays it out (models--gpt2/snapshots/HASH/..., refs/main); `distilgpt2`, not cached, is a
+    hub id that could not be fetched; `./gpt2` cannot be a hub id, and does not exist."""
+    import models
+    cache, commit = tmp_path / "hub", "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--gpt2" / "snapshots" / commit
+    models.make_model(str(snapshot), hidden=16, layers=1, heads=2)
+    (cache / "models--gpt2" / "refs").mkdir()
+    (cache / "models--gpt2" / "refs" / "main").write_text(commit)
+    code = ("import sys; from runtime.hub import resolve_model; from runtime.errors import ConfigError\n"
+            "for name in sys.argv[1:]:\n"
+            "    try: print(resolve_model(name))\n"
+            "    except ConfigError as e: print(e)")
+    p = subprocess.run([sys.executable, "-c", code, "gpt2", "distilgpt2", "./gpt2"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1",
+                                                        HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "home")))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [
+        str(snapshot),
+        "--model: 'distilgpt2' is not a local folder and could not be fetched from the Hugging Face hub "
+        "(LocalEntryNotFoundError)",
+        "--model: './gpt2' does not exist (not 'tiny', an alias, a folder or a hub id)"], p.stdout
 
 
 def test_model_without_tokenizer(tiny_model, tmp_path, monkeypatch, capsys):
@@ -170,6 +239,20 @@ def test_bad_data_files(tmp_path):
         tasks.get("gsm8k").load(str(tmp_path / "nowhere"))
 
 
+def test_data_that_is_not_utf8_is_refused(tmp_path):
+    """A Latin-1 file (or any bytes that are not UTF-8): one line naming the file and the first bad byte, not a
+    UnicodeDecodeError traceback."""
+    d = tmp_path / "data"
+    d.mkdir()
+    good = open(os.path.join(DATA, "train.jsonl")).read().splitlines()[:2]
+    (d / "test.jsonl").write_text("\n".join(good) + "\n")
+    (d / "train.jsonl").write_bytes((good[0] + "\n").encode() + json.dumps({"question": "caf\u00e9?", "answer": "#### 1"},
+                                                                          ensure_ascii=False).encode("latin-1"))
+    at = len(good[0]) + 1 + len('{"question": "caf')
+    with pytest.raises(ConfigError, match=rf"^--data: {d / 'train.jsonl'} is not UTF-8 text \(byte {at}: b'\\xe9'\)$"):
+        tasks.get("gsm8k").load(str(d))
+
+
 def test_gsm8k_without_data_names_the_flag(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="--data"):
@@ -238,3 +321,6 @@ def test_lee_et_al_schedules():
     assert tba.lr_at(cfg, 4999) == pytest.approx(1e-4 * (40000 - 5000) / 39900, rel=1e-3)  # 0.877e-4
     off = Config()
     assert tba.reward_temp_at(off, 7) == tba.gamma_at(off, 7) == 1.0
+    held = Config(reward_temp=2.0, gamma_final=1.2)  # no anneal lengths: --reward-temp and --gamma-final throughout
+    assert [tba.reward_temp_at(held, s) for s in (0, 500, 4999)] == [2.0, 2.0, 2.0]
+    assert [tba.gamma_at(held, s) for s in (0, 4999)] == [1.2, 1.2]

@@ -143,6 +143,58 @@ def test_signal_before_the_first_step_stops_quietly(tiny_model, tmp_path):
     assert_all_gone(everything)
 
 
+def signal_mask(pid, field: str) -> int:
+    """Process `pid`'s signal mask `field` (SigIgn, SigCgt) from /proc; 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1], 16) for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def importing_fork_server(pid):
+    """The pid of the fork server below process `pid` while it imports its preload modules (vLLM among them), or
+    None: it ignores SIGTERM (runtime/vllm_env.py, its first module, is in) and has no SIGCHLD handler yet (Python
+    3.11's multiprocessing/forkserver.py sets one once the imports are done)."""
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for p in procs:
+        try:
+            if "forkserver import main" not in " ".join(p.cmdline()):
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        bit = lambda sig: 1 << (sig - 1)
+        if signal_mask(p.pid, "SigIgn") & bit(signal.SIGTERM) and not signal_mask(p.pid, "SigCgt") & bit(signal.SIGCHLD):
+            return p.pid
+    return None
+
+
+def test_ctrl_c_while_the_fork_server_imports_vllm_stops_quietly(tiny_model, tmp_path):
+    """Ctrl-C (SIGINT to the process group) while the CPU's fork server imports vLLM for the searchers: the run's
+    one line, no KeyboardInterrupt traceback of the fork server's imports, nothing left."""
+    out = tmp_path / "run"
+    proc = start(["--model", tiny_model, *SMALL, "--out", str(out)], tmp_path)
+    try:
+        deadline = time.time() + 180
+        while (server := importing_fork_server(proc.pid)) is None:
+            assert time.time() < deadline and proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else ""
+            time.sleep(0.01)
+        everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        os.killpg(proc.pid, signal.SIGINT)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == "tba.py: stopped by SIGINT; before the first step: nothing to save"
+    assert server in everything
+    assert_all_gone(everything)  # the fork server too, once its imports are done and it sees the trainer gone
+
+
 def test_dead_searcher_stops_the_run(tiny_model, tmp_path):
     out = tmp_path / "run"
     proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, "--out", str(out)], tmp_path)
@@ -180,6 +232,8 @@ def test_resume_gives_the_same_weights(extra, tiny_model, tmp_path):
     rows_a = [r for r in metrics(tmp_path / "a") if r["kind"] == "train"]
     rows_b = [r for r in metrics(tmp_path / "b2") if r["kind"] == "train"]
     assert [r["step"] for r in rows_b] == [4, 5, 6]
+    assert {r.get("resumed") for r in metrics(tmp_path / "b2")} == {3}  # its rows say which branch they are
+    assert not any("resumed" in r for r in metrics(tmp_path / "a"))
     assert [r["samples"] for r in rows_a[3:]] == [r["samples"] for r in rows_b]  # counters carried over
     assert [r["reference"] for r in rows_a[3:]] == [r["reference"] for r in rows_b] == ([4, 4, 6] if extra else [0] * 3)
     start = next(r for r in metrics(tmp_path / "a") if r["kind"] == "eval")["accuracy"]

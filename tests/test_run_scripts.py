@@ -128,3 +128,13 @@ def test_run_redteam_llama_dry_run_has_the_papers_settings():
                            EMBEDDER="/e", TRAINERS="2", SEARCHERS="6")
     assert (cfg.model, cfg.victim, cfg.classifier, cfg.embedding_model) == ("/a", "/v", "/j", "/e")
     assert (cfg.steps, cfg.searchers, command[2]) == (7, 6, "--nproc_per_node=2")
+
+
+@pytest.mark.parametrize("script,environ", [("run_gsm8k.sh", {}), ("scripts/run_tldr.sh", {}),
+                                            ("scripts/run_tldr.sh", {"SETTING": "table1"}),
+                                            ("scripts/run_redteam.sh", {"ATTACKER": "save/gpt2-sft"}),
+                                            ("scripts/run_redteam_llama.sh", {})])
+def test_run_scripts_pass_the_checks_of_unused_flags(script, environ):
+    """Every schedule of the paper's runs has both its length and its end, and LoRA's alpha its rank (the checks
+    that need the models themselves run on the GPU node)."""
+    checks.check_unused(dry_run(script=script, **environ)[1])

@@ -142,3 +142,68 @@ def test_wandb_missing_is_one_line(tiny_model, tmp_path, monkeypatch, capsys):
     assert e.value.code == 2 and err == "tba.py: error: --wandb: the wandb package is not installed " \
                                        "(it is optional: pip install wandb)"
     assert not (tmp_path / "runs").exists()
+
+
+def test_resumed_rows_are_told_apart_and_the_latest_branch_is_read(tmp_path):
+    """Each resume evaluates the checkpoint's step again and redoes the steps after it: a resumed process marks its
+    rows `resumed: STEP`, and plot.read (bench.py's reader too) keeps, for each step, the latest branch's rows. Here
+    a run saved at 5 and died at 7; a resume from 5 died at 8; a second resume from 5 went to 10 (saved); a third,
+    from 10, to 12."""
+    import dataclasses
+    import plot
+    from runtime.config import Config
+    from runtime.log import Log
+    cfg = dataclasses.replace(Config(), out=str(tmp_path))
+    log = Log(cfg, 0, 0.0, 5, resumed={"step": 5})  # what tba.Trainer makes for --resume of a step-5 checkpoint
+    log.eval(5, {"accuracy": 0.5}, {}, 1.0, (0.0, 0.0))
+    log.close()
+    assert [r["resumed"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))] == [5]
+    train = lambda step, who, resumed=None: dict(kind="train", step=step, who=who, **({"resumed": resumed} if resumed else {}))
+    evals = lambda step, who, resumed=None: dict(train(step, who, resumed), kind="eval")
+    rows = [evals(0, "a"), *[train(s, "a") for s in range(1, 6)], evals(5, "a"), train(6, "a"), train(7, "a"),
+            train(6, "b", 5), evals(5, "b", 5), train(7, "b", 5), train(8, "b", 5),
+            evals(5, "c", 5), *[train(s, "c", 5) for s in range(6, 11)], evals(10, "c", 5),
+            train(11, "d", 10), evals(10, "d", 10), train(12, "d", 10), evals(12, "d", 10)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got_train, got_evals, _ = plot.read(str(tmp_path))
+    assert [(r["step"], r["who"]) for r in got_train] == [(s, "a") for s in range(1, 6)] + [
+        (s, "c") for s in range(6, 11)] + [(11, "d"), (12, "d")]
+    assert [(r["step"], r["who"]) for r in got_evals] == [(0, "a"), (5, "c"), (10, "d"), (12, "d")]
+    plain = [evals(0, "a"), train(1, "a"), evals(1, "a")]  # a run never resumed: as it is
+    assert plot.latest(plain) == plain
+
+
+def test_plot_refuses_what_it_cannot_draw_in_one_line(tmp_path, capsys):
+    """A run being written (its last line half there): drawn without it, saying so; a bad line elsewhere and a
+    run with no rows yet: one line, status 2; -o into a folder that does not exist: the folder is made."""
+    pytest.importorskip("matplotlib")
+    import plot
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"kind": "eval", "step": 0, "accuracy": 0.3, "time": 1.0, "overhead": 0.0}]
+    rows += [{"kind": "train", "step": s, "time": 1.0 + s, "reward": 0.1, "loss": 0.01, "staleness": 0.0,
+              "staleness_max": 0, "wait": 0.0} for s in range(1, 4)]
+    whole = "".join(json.dumps(r) + "\n" for r in rows)
+    (run / "metrics.jsonl").write_text(whole + '{"kind": "train", "st')
+    png = tmp_path / "new" / "folder" / "run.png"
+    plot.main([str(run), "-o", str(png)])
+    out, err = capsys.readouterr()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.strip() == str(png)
+    assert err.strip() == f"plot.py: {run / 'metrics.jsonl'}: its last line is incomplete (still being written?); left out"
+
+    def refused(text, line):
+        (run / "metrics.jsonl").write_text(text)
+        with pytest.raises(SystemExit) as e:
+            plot.main([str(run), "-o", str(tmp_path / "x.png")])
+        assert e.value.code == 2 and capsys.readouterr().err.strip() == line
+        assert not (tmp_path / "x.png").exists()
+
+    refused(whole.replace("\n", "\n{oops\n", 1), f"plot.py: {run / 'metrics.jsonl'} line 2: not valid JSON")
+    refused(whole + "{oops\n", f"plot.py: {run / 'metrics.jsonl'} line 5: not valid JSON")  # complete, yet bad
+    refused("", f"plot.py: {run} has no rows yet (its metrics.jsonl is empty)")
+    (tmp_path / "file").write_text("")
+    (run / "metrics.jsonl").write_text(whole)
+    with pytest.raises(SystemExit) as e:
+        plot.main([str(run), "-o", str(tmp_path / "file" / "x.png")])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().startswith(
+        f"plot.py: cannot write {tmp_path / 'file' / 'x.png'} (")

@@ -134,7 +134,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     def read():
         text = read_text(metrics) if os.path.exists(metrics) else ""
         # complete lines only: the run may be writing its last line while we read
-        rows = [json.loads(line) for line in text.split("\n")[:-1]]
+        rows = plot.latest([json.loads(line) for line in text.split("\n")[:-1]])  # a resumed run: its latest branch
         evals = [r for r in rows if r["kind"] == "eval"]
         return rows, next((e for e in evals[1:] if at_least(e["accuracy"], evals[0]["accuracy"] + 0.15)), None)
 

@@ -13,7 +13,9 @@ toxicity against diversity, one point per evaluation, each run's points joined i
 its last one ringed.
 The pictures in docs/ are drawn by this file from `bench.py`'s run folders and bench.json.
 matplotlib is imported here only (pip install matplotlib); without it this file says so in one line
-(status 2) and bench.py skips its picture.
+(status 2) and bench.py skips its picture. A run still being written is drawn without its half-written
+last line (a line says so); a bad line elsewhere, or a run with no rows yet, is refused in one line
+(status 2). `-o` makes the picture's folder if it does not exist.
 """
 
 import argparse
@@ -22,15 +24,52 @@ import os
 import sys
 
 
+class BadRun(Exception):
+    """A run folder that cannot be drawn, or a picture that cannot be written: one line (status 2)."""
+
+
 def read(run: str) -> tuple[list[dict], list[dict], dict]:
-    """(train rows, eval rows, config) of a run folder."""
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    """(train rows, eval rows, config) of a run folder: its latest branch's rows (`latest`). A last line
+    without its newline that does not parse is left out, with a line saying so: the run may be writing it
+    (or died doing so); a bad line anywhere else is BadRun."""
+    path = os.path.join(run, "metrics.jsonl")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")  # a complete file ends with a newline: its last element is ""
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise BadRun(f"{path} line {number}: not valid JSON") from None
+            print(f"plot.py: {path}: its last line is incomplete (still being written?); left out", file=sys.stderr)
+    rows = latest(rows)
     config = {}
     if os.path.isfile(os.path.join(run, "config.json")):
         with open(os.path.join(run, "config.json")) as f:
             config = json.load(f)
     return [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"], config
+
+
+def latest(rows: list[dict]) -> list[dict]:
+    """The rows of a run as its latest process left them. A process that resumed from step s marks its rows
+    `resumed: s` and redoes what came after the checkpoint: its rows replace the earlier ones' train rows after
+    s and eval rows from s on. A new process is a new `resumed` value, or the same one again (two resumes from
+    one checkpoint) once a train step or an evaluated step repeats: within one process both only increase."""
+    kept, branch, last, evaluated = [], None, -1, set()
+    for r in rows:
+        s = r.get("resumed")
+        if s is not None and (s != branch or (r["step"] <= last if r["kind"] == "train" else r["step"] in evaluated)):
+            kept = [k for k in kept if (k["step"] <= s if k["kind"] == "train" else k["step"] < s)]
+            branch, last, evaluated = s, -1, set()
+        if r["kind"] == "train":
+            last = r["step"]
+        else:
+            evaluated.add(r["step"])
+        kept.append(r)
+    return kept
 
 
 def label(run: str, config: dict) -> str:
@@ -41,12 +80,12 @@ def label(run: str, config: dict) -> str:
     return f"{name} ({mode}, {config.get('loss', 'tb')})" if config else run
 
 
-def runs(folders: list[str], out: str, title: str | None = None):
+def runs(loaded: dict[str, tuple], out: str, title: str | None = None):
+    """The run picture of `loaded`: each run folder's `read`."""
     plt = pyplot()
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
     score = "accuracy"
-    for i, run in enumerate(folders):
-        train, evals, config = read(run)
+    for i, (run, (train, evals, config)) in enumerate(loaded.items()):
         score = config.get("score", "accuracy")
         color, name = f"C{i % 10}", label(run, config)
 
@@ -74,12 +113,11 @@ def runs(folders: list[str], out: str, title: str | None = None):
     save(fig, out)
 
 
-def pareto(folders: list[str], out: str):
+def pareto(loaded: dict[str, tuple], out: str):
     """Red-teaming: toxicity against diversity (the paper's Table 6 and Lee et al.'s Pareto picture)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.8))
-    for i, run in enumerate(folders):
-        _, evals, config = read(run)
+    for i, (run, (_, evals, config)) in enumerate(loaded.items()):
         evals = sorted(evals, key=lambda e: e["step"])
         x, y = [e["diversity"] for e in evals], [e["toxicity"] for e in evals]
         ax.plot(x, y, ".-", color=f"C{i % 10}", linewidth=0.8, alpha=0.7, label=f"{label(run, config)}, steps "
@@ -180,8 +218,13 @@ def pyplot():
 
 
 def save(fig, out: str):
+    """Write the picture, making its folder if need be (as tba.py makes its --out)."""
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        fig.savefig(out, dpi=110)
+    except OSError as e:
+        raise BadRun(f"cannot write {out} ({e.strerror or type(e).__name__})") from None
     print(out)
 
 
@@ -191,6 +234,9 @@ def main(argv=None):
     except NoMatplotlib as e:  # a refusal: one line, status 2
         print(f"plot.py: {e}; no picture drawn", file=sys.stderr)
         sys.exit(2)
+    except BadRun as e:
+        print(f"plot.py: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def draw(argv=None):
@@ -198,8 +244,8 @@ def draw(argv=None):
     p.add_argument("runs", nargs="*", help="run folders (each with metrics.jsonl)")
     p.add_argument("--study", help="bench.json of bench.py part 7 (off-policy robustness)")
     p.add_argument("--slowdown", help="bench.json of bench.py part 9 (the generation-bound regime, emulated)")
-    p.add_argument("-o", "--out", default=None,
-                   help="the PNG to write (default: plot.png, off_policy.png or generation_bound.png)")
+    p.add_argument("-o", "--out", default=None, help="the PNG to write, its folder made if need be "
+                   "(default: plot.png, off_policy.png or generation_bound.png)")
     p.add_argument("--title", default=None, help="a title above a run picture")
     args = p.parse_args(argv)
     if args.study:
@@ -211,8 +257,12 @@ def draw(argv=None):
     for run in args.runs:
         if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
             sys.exit(f"plot.py: {run} has no metrics.jsonl (not a run folder)")
-    runs(args.runs, args.out or "plot.png", args.title)
-    red = [r for r in args.runs if read(r)[2].get("task") == "redteam"]
+    loaded = {run: read(run) for run in args.runs}
+    for run, (train, evals, _) in loaded.items():
+        if not train and not evals:  # a run still starting: nothing to draw (an empty picture would say nothing)
+            raise BadRun(f"{run} has no rows yet (its metrics.jsonl is empty)")
+    runs(loaded, args.out or "plot.png", args.title)
+    red = {run: got for run, got in loaded.items() if got[2].get("task") == "redteam"}
     if red:
         pareto(red, os.path.splitext(args.out or "plot.png")[0] + "_pareto.png")
 
