@@ -38,23 +38,28 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    dependency: it runs in a virtual environment of its own, --trl-python PATH or one made once in
    $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line and without tba.py's runs
    for it, when that cannot be done.
-9. (only with --parts 9; hours on 2 CPU cores) where asynchrony pays, emulated: the regime TBA is
+9. (only with --parts 9; hours on 2 CPU cores) asynchrony on equal hardware, emulated: the regime TBA is
    for, where generation dominates (a 1B policy writing long answers on GPUs of its own), made on any
-   machine by `--generation-slowdown X` (each search round's generation takes X times its engine's
-   cost alone, calibrated once; the round sleeps the rest, using no core, so N searchers share the
-   cores as they would share nothing on a GPU node). For X in {1, 10, 30}, N in {0 (synchronous), 1,
-   2, 4} searchers and, with searchers, --max-reuse R in --reuse (off, 1, 2), per seed, on the
-   default's steps, batch and learning rate: seconds to start + 0.15 (from launch and from the first
-   step) and the speed-up over the synchronous run, steps per second, fresh-data throughput (the
-   steps per second a trainer that used each trajectory once could take: search rounds received per
-   second, at most its step rate) and its speed-up, staleness (mean / max), draws per trajectory
-   received, final and best held-out accuracy; the ideal speed-up min(N, (G + T) / T) from the
-   synchronous runs' round time G and step time T. Also drawn: OUT/generation_bound.png
+   machine by `--generation-slowdown X` (each decoding step takes X times its engine's cost alone,
+   calibrated once; it sleeps the rest, using no core, so N searchers share the cores as N devices of
+   their own would share nothing). For N searchers, X in --slowdowns (star: where the synchronous run's
+   round takes as long as its step) and each mode of --modes (MODES: the synchronous baseline on the same
+   N searchers, --lag 0; one-step off-policy, --lag 1; streaming TBA; streaming with weights loaded into
+   rounds in flight), per seed: seconds to start + --gain (0.25; evaluations every 5 steps) from launch
+   and from the first step, the steps it took, the staleness; the speed-up over the synchronous run of
+   the same N, X and seed, and the ideal (G + T) / max(G, T) from its round time G and step time T; the
+   searchers' scaling (streaming with the most searchers against one); and, with each X, the one-process
+   baseline (--searchers 0): hardware and asynchrony together. Also drawn: OUT/equal_hardware.png
    (`python tools/plot.py --slowdown OUT/bench.json` draws it again).
 10. (only with --parts 10) fresher data per step, in that regime (X = 10) with 1, 2 and 4 searchers:
    time to start + 0.15 with the defaults and with one lever changed at a time (a round of B prompts
    or of half the default B / N, k = 2, m = 0.5, R = 2), against the synchronous run.
-Parts 3-5 run in this process with the thread count a process gets in a TBA run with one searcher,
+11. (only with --parts 11) a search round's cost against its size: one searcher's engine in this process,
+   generating and searching rounds of 1 to 64 prompts x K, warm; a fixed cost and a cost per prompt.
+12. (only with --parts 12) TBA′ against Dr. GRPO as staleness grows, the paper's MATH comparison in
+   miniature on the toy: --loss tbprime (beta 0.005, pi_ref reset every 50 steps) and --loss drgrpo, one
+   searcher, at the exact --lag L for L in --lags (0, 2, 10), per seed, each to its end.
+Parts 3-5 and 11 run in this process with the thread count a process gets in a TBA run with one searcher,
 on the devices a run would use: on a GPU node the trainer's GPU 0 and the first searcher's GPU 1.
 """
 
@@ -99,7 +104,7 @@ def picture(bench_json: str, png: str):
     """Part 9's picture, or one line saying why there is none: the numbers are complete in bench.json
     without it, and `python tools/plot.py --slowdown BENCH_JSON` draws it later."""
     try:
-        plot.generation_bound(bench_json, png)
+        plot.equal_hardware(bench_json, png)
     except plot.NoMatplotlib as e:
         print(f"9. picture skipped: {e}; `python tools/plot.py --slowdown {bench_json}` draws it later", flush=True)
 
@@ -122,8 +127,9 @@ def at_least(accuracy: float, level: float) -> bool:
     return accuracy >= level - 1e-9
 
 
-def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: list[str], full: bool) -> dict:
-    """Launch tba.py; stop it when an evaluation reaches start + 0.15 (unless `full`), or at the time cap."""
+def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: list[str], full: bool,
+                     gain: float = 0.15) -> dict:
+    """Launch tba.py; stop it when an evaluation reaches start + `gain` (unless `full`), or at the time cap."""
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", str(searchers), "--seed", str(seed),
            "--out", out, *flags]
     launched = time.time()
@@ -136,7 +142,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
         # complete lines only: the run may be writing its last line while we read
         rows = plot.latest([json.loads(line) for line in text.split("\n")[:-1]])  # a resumed run: its latest branch
         evals = [r for r in rows if r["kind"] == "eval"]
-        return rows, next((e for e in evals[1:] if at_least(e["accuracy"], evals[0]["accuracy"] + 0.15)), None)
+        return rows, next((e for e in evals[1:] if at_least(e["accuracy"], evals[0]["accuracy"] + gain)), None)
 
     rows, hit = [], None
     try:
@@ -163,7 +169,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     return dict(
         searchers=searchers, seed=seed, reached=hit is not None,
         seconds=clock(hit) if hit else None, step=hit["step"] if hit else None,
-        start_accuracy=evals[0]["accuracy"], target=evals[0]["accuracy"] + 0.15,
+        start_accuracy=evals[0]["accuracy"], target=evals[0]["accuracy"] + gain,
         first_step_seconds=clock(train[0]) - train[0]["seconds"] + train[0]["wait"] if train else None,
         seconds_per_step=span / (len(train) - 1) if len(train) > 1 else None,
         utilisation=1 - sum(busy) / span if span > 0 else None,
@@ -247,84 +253,156 @@ def reuse_flag(reuse: str, n: int, cfg) -> float:
     return float(reuse)
 
 
-def generation_bound(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, reuses: list[str],
-                     cfg, counts: list[int] | None = None, slowdowns: list[float] | None = None, run_one=None) -> dict:
-    """tba.py for each --generation-slowdown X x searchers N (0: the synchronous baseline) x --max-reuse
-    R (asynchronous runs) x seed, on the default's steps, batch and learning rate. Asynchronous runs and
-    the synchronous run at X = 1 go to their end (final accuracy, staleness, reuse); synchronous runs at
-    X > 1 stop at start + 0.15: the slowdown changes no sample (same seeds), only the time, so their curve
-    is the X = 1 run's, slower (checked on the evaluations they share: `same_as_x1`). `run_one(fn)` runs
-    each run (default: at once)."""
-    slowdowns = slowdowns or ([1, 4] if quick else [1, 10, 30])
-    counts = counts or ([0, 1] if quick else [0, 1, 2, 4])
+MODES = {"sync": ["--lag", "0"],      # the synchronous baseline on the searchers' hardware: each step waits
+         "lag1": ["--lag", "1"],      # one-step off-policy: every batch sampled by the weights of the step before
+         "stream": [],                # TBA: searchers stream rounds, weights reach them between rounds
+         "inflight": ["--inflight"],  # ... and between the decoding steps of a round in flight
+         "recompute": ["--inflight", "--inflight-kv", "recompute"]}  # ... with the KV cache recomputed
+
+
+def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, counts: list[int],
+                   slowdowns: list, modes: list[str], gain: float, eval_every: int, run_one=None) -> dict:
+    """Part 9: for N searchers (each an emulated device of its own) x --generation-slowdown X x mode (MODES) x
+    seed, time to start + `gain` against the synchronous baseline on the same N searchers (--lag 0). X "star"
+    is where the synchronous run's round time G_N equals its step time T (from its runs at X = 1 and 10:
+    G_N(X) = X g + h). With each X, the one-process baseline (--searchers 0) as a reference line: hardware and
+    asynchrony together."""
     rows = []
-    for x in slowdowns:
-        for n in counts:
-            for reuse in reuses if n else ["off"]:
+    for n in counts:
+        for x in slowdowns:
+            if x == "star":
+                x = star(rows, n)
+            for mode in ["one process", *modes]:
                 for seed in seeds:
-                    r_flag = reuse_flag(reuse, n, cfg) if n else None
-                    name = f"slowdown{x:g}-searchers{n}" + (f"-reuse{reuse}" if n else "") + f"-seed{seed}"
+                    searchers = 0 if mode == "one process" else n
+                    name = f"hardware-x{x:g}-searchers{n}-{mode.replace(' ', '')}-seed{seed}"
                     run = os.path.join(out, name)
-                    extra = ["--eval-every", "2" if quick else "10", "--generation-slowdown", str(x),
-                             *(["--max-reuse", f"{r_flag:g}"] if n else []), *flags]
-                    r = (run_one or (lambda f: f()))(lambda: run_until_target(n, seed, cap, run, extra, n > 0 or x == 1))
-                    rows.append(dict(slowdown_row(run, x, n, seed, r), reuse=reuse if n else None, max_reuse=r_flag))
-                    print(f"9. X {x:g} searchers {n}{f' R {reuse}' if n else ''} seed {seed}: +0.15 "
-                          f"{'at %.1f s' % r['seconds'] if r['reached'] else 'not reached'}, {rows[-1]['steps']} steps, "
-                          f"{rows[-1]['steps_per_s'] or 0:.2f} steps/s, accuracy {r['start_accuracy']:.3f} -> "
-                          f"{r['curve'][-1][2]:.3f}", flush=True)
-    return dict(slowdowns=slowdowns, searchers=counts, reuses=reuses, cap=cap, **speedups(rows, slowdowns))
-
-
-def slowdown_row(run: str, x: float, n: int, seed: int, r: dict) -> dict:
-    """Part 9's figures of one run: its folder and run_until_target's dict `r`."""
-    train, evals, config = plot.read(run)
-    first, last = train[0], train[-1]
-    later = train[1:] or train  # the first step holds one-time warm-up
-    accuracy = [e["accuracy"] for e in evals]
-    span = last["time"] - first["time"] - (last["overhead"] - first["overhead"])  # the trainer's, evaluation left out
-    steps_per_s = 1 / r["seconds_per_step"] if r["seconds_per_step"] else None
-    # fresh data: search rounds (B x search K trajectories) received per second; a trainer that used each
-    # trajectory once could step no faster than that, nor faster than it steps: the ideal's throughput
-    rounds_per_s = (last["samples"] - first["samples"]) / span / (config["prompts_per_step"] *
-                                                                  config["search_samples_per_prompt"]) if span else None
-    return dict(
-        x=x, searchers=n, seed=seed, reached=r["reached"], start=r["start_accuracy"], seconds=r["seconds"],
-        from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None, step=r["step"],
-        first_step=r["first_step_seconds"], ran=r["curve"][-1][0], steps=last["step"], steps_per_s=steps_per_s,
-        rounds_per_s=rounds_per_s, fresh_steps_per_s=min(steps_per_s, rounds_per_s) if span else None,
-        staleness=float(np.mean([t["staleness"] for t in train])), staleness_max=max(t["staleness_max"] for t in train),
-        uses=last["step"] * config["prompts_per_step"] * config["samples_per_prompt"] / last["samples"],  # draws per
-        final=accuracy[-1] if evals[-1]["step"] == config["steps"] else None,          # trajectory received
-        best=max(accuracy[1:] or accuracy),
-        round_seconds=float(np.median([t["search"] for t in later])) if n == 0 else None,               # G
-        step_seconds=float(np.median([t["seconds"] - t["search"] for t in later])) if n == 0 else None,  # T
-        # each round's generation took X x its calibrated cost alone, or longer where it ran longer by itself
-        charged=(last["generate"] + last["slept"]) / last["charged"] if last["charged"] else None,
-        contention=last["generate"] * x / last["charged"] if last["charged"] else None,  # generation / cost alone
-        curve=[(e["step"], e["accuracy"]) for e in evals])
-
-
-def speedups(rows: list[dict], slowdowns: list) -> dict:
-    """Each run against the synchronous run of the same X and seed: the speed-up in time to start + 0.15
-    (from launch and from the first step) and in fresh-data throughput; the ideal min(N, (G + T) / T)
-    per X, from the synchronous runs' median round time G and step time T."""
-    for r in rows:
-        sync = next(s for s in rows if s["searchers"] == 0 and s["x"] == r["x"] and s["seed"] == r["seed"])
+                    extra = ["--eval-every", str(eval_every), "--generation-slowdown", f"{x:g}",
+                             *MODES.get(mode, []), *flags]
+                    r = (run_one or (lambda f: f()))(lambda: run_until_target(searchers, seed, cap, run, extra, False, gain))
+                    rows.append(dict(hardware_row(run, r), x=x, searchers=n, mode=mode, seed=seed))
+                    print(f"9. N {n} X {x:g} {mode} seed {seed}: start + {gain:g} "
+                          f"{'at %.1f s, step %d' % (r['seconds'], r['step']) if r['reached'] else 'not reached'}, "
+                          f"stale {rows[-1]['staleness']:.2f}", flush=True)
+    for r in rows:  # against the synchronous run on the same hardware: same N, X and seed
+        sync = next(s for s in rows if (s["searchers"], s["x"], s["seed"], s["mode"]) == (r["searchers"], r["x"], r["seed"], "sync"))
         both = r["reached"] and sync["reached"]
+        r["G"], r["T"] = sync["G"], sync["T"]
+        r["ideal"] = (sync["G"] + sync["T"]) / max(sync["G"], sync["T"]) if sync["G"] and sync["T"] else None
         r["speedup"] = sync["seconds"] / r["seconds"] if both else None
         r["speedup_first_step"] = sync["from_first_step"] / r["from_first_step"] if both else None
-        r["speedup_throughput"] = (r["fresh_steps_per_s"] / sync["steps_per_s"]
-                                   if r["fresh_steps_per_s"] is not None and sync["steps_per_s"] else None)
-        if r["searchers"] == 0 and r["x"] != 1:
-            x1 = dict(next(s for s in rows if s["searchers"] == 0 and s["x"] == 1 and s["seed"] == r["seed"])["curve"])
-            r["same_as_x1"] = all(x1.get(step, acc) == acc for step, acc in r["curve"])
-    ideal = {}
-    for x in slowdowns:
-        sync = [s for s in rows if s["searchers"] == 0 and s["x"] == x]
-        G, T = np.mean([s["round_seconds"] for s in sync]), np.mean([s["step_seconds"] for s in sync])
-        ideal[str(x)] = dict(G=float(G), T=float(T), bound=float((G + T) / T))  # speed-up <= min(N, (G + T) / T)
-    return dict(ideal=ideal, rows=rows)
+        if r["mode"] == "sync" and r["x"] != 1:  # the exact lag's samples do not depend on timing: same curve
+            x1 = next((s for s in rows if (s["searchers"], s["x"], s["seed"], s["mode"]) == (r["searchers"], 1, r["seed"], "sync")), None)
+            r["same_as_x1"] = x1 is not None and all(dict(x1["curve"]).get(step, acc) == acc for step, acc in r["curve"])
+    return dict(searchers=counts, slowdowns=sorted({r["x"] for r in rows}), modes=modes, gain=gain, cap=cap, rows=rows,
+                summary=hardware_summary(rows, counts))
+
+
+def star(rows: list[dict], n: int) -> float:
+    """The X where the synchronous run's round time equals its step time: G(X) = X g + h, from X = 1 and 10."""
+    sync = lambda x: [r for r in rows if r["searchers"] == n and r["x"] == x and r["mode"] == "sync" and r["G"]]
+    one, ten = sync(1), sync(10)
+    G1, T = np.mean([r["G"] for r in one]), np.mean([r["T"] for r in one])
+    if not ten:
+        return round(max(1.0, T / G1), 1)
+    g = (np.mean([r["G"] for r in ten]) - G1) / 9
+    return round(max(1.0, (T - (G1 - g)) / g), 1) if g > 0 else 1.0
+
+
+def hardware_row(run: str, r: dict) -> dict:
+    """Part 9's figures of one run: its folder and run_until_target's dict `r`. G and T (the synchronous
+    runs'): the median round wait and the median step without it, the first step left out."""
+    train, evals, config = plot.read(run)
+    later = train[1:] or train
+    G = float(np.median([t["wait"] + t["sync"] for t in later])) if later else None
+    T = float(np.median([t["seconds"] - t["wait"] - t["sync"] - t["search"] for t in later])) if later else None
+    if config["searchers"] == 0:  # the one-process baseline searches itself
+        G = float(np.median([t["search"] for t in later])) if later else None
+    return dict(reached=r["reached"], start=r["start_accuracy"], seconds=r["seconds"], step=r["step"],
+                from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None,
+                first_step=r["first_step_seconds"], G=G, T=T, steps=train[-1]["step"] if train else 0,
+                staleness=float(np.mean([t["staleness"] for t in train])) if train else None,
+                staleness_last=float(np.mean([t.get("staleness_last", t["staleness"]) for t in train])) if train else None,
+                curve=[(e["step"], e["accuracy"]) for e in evals])
+
+
+def hardware_summary(rows: list[dict], counts: list[int]) -> dict:
+    """Per N, X and mode: the median over seeds of the speed-ups, the steps to target and the staleness; the
+    ideal; and the searchers' scaling (streaming with the most searchers against one, from the first step)."""
+    out = {}
+    keys = sorted({(r["searchers"], r["x"], r["mode"]) for r in rows}, key=str)
+    med = lambda v: float(np.median(v)) if v else None
+    for n, x, mode in keys:
+        these = [r for r in rows if (r["searchers"], r["x"], r["mode"]) == (n, x, mode)]
+        out[f"{n} {x:g} {mode}"] = dict(
+            searchers=n, x=x, mode=mode, reached=sum(r["reached"] for r in these), runs=len(these),
+            speedup=med([r["speedup"] for r in these if r["speedup"]]),
+            speedup_first_step=med([r["speedup_first_step"] for r in these if r["speedup_first_step"]]),
+            steps=med([r["step"] for r in these if r["reached"]]), staleness=med([r["staleness"] for r in these]),
+            ideal=med([r["ideal"] for r in these if r["ideal"]]), G=med([r["G"] for r in these if r["G"]]),
+            T=med([r["T"] for r in these if r["T"]]),
+            from_first_step=med([r["from_first_step"] for r in these if r["from_first_step"]]),
+            seconds=med([r["seconds"] for r in these if r["seconds"]]))
+    scaling = {}
+    if len(counts) > 1:
+        for x in sorted({r["x"] for r in rows if r["mode"] == "stream"}):
+            a, b = (out.get(f"{n} {x:g} stream") for n in (max(counts), min(counts)))
+            if a and b and a["from_first_step"] and b["from_first_step"]:
+                scaling[f"{x:g}"] = dict(ratio=b["from_first_step"] / a["from_first_step"], ideal=max(counts) / min(counts))
+    return dict(cells=out, scaling=scaling)
+
+
+# --- 11: a search round's cost against its size -----------------------------------------------------
+def round_cost(cfg, prompts, answers, sizes: list[int], repeat: int) -> dict:
+    """One searcher's engine in this process: the seconds of a search round (vLLM's generation, then the
+    whole round: rewards and pi_ref's log-probs) of p prompts x K, for each p, warm; its fixed part and its
+    cost per prompt, by least squares."""
+    engine = Engine(cfg, devices(cfg)[1], 0.2, prompts, answers)
+    rows = []
+    for p in sizes:
+        ids = np.arange(p) % len(prompts)
+        engine.search(ids, cfg.search_samples_per_prompt, (0, 0, 0))  # warm up this size
+        generate = timed(lambda: engine.generate(ids, cfg.search_samples_per_prompt, (0, 0, 1)), repeat)
+        whole = timed(lambda: engine.search(ids, cfg.search_samples_per_prompt, (0, 0, 2)), repeat)
+        rows.append(dict(prompts=p, generate=generate, round=whole))
+    engine.close()
+    fit = lambda key: np.polyfit([r["prompts"] for r in rows], [r[key] for r in rows], 1).tolist()  # [per prompt, fixed]
+    return dict(rows=rows, generate_fit=fit("generate"), round_fit=fit("round"), K=cfg.search_samples_per_prompt)
+
+
+# --- 12: TBA′ against Dr. GRPO as staleness grows, in miniature --------------------------------------
+MINIATURE = ["--searchers", "1", "--eval-every", "10"]
+
+
+def miniature(seeds: list[int], out: str, flags: list[str], quick: bool, lags: list[int]) -> dict:
+    """The paper's MATH comparison on the toy: TBA′ (--loss tbprime, beta 0.005 fixed, pi_ref reset every 50
+    steps, importance weights on) and Dr. GRPO (--loss drgrpo) with one searcher at the exact --lag L, each
+    to its end: the held-out accuracy at the end (mean of the last 3 evaluations), the best, and whether it
+    collapsed (ended below its start)."""
+    losses = {"tbprime": ["--loss", "tbprime", "--beta", "0.005", "--ref-reset-every", "50"],
+              "drgrpo": ["--loss", "drgrpo"]}
+    extra = ["--steps", "6", "--eval-every", "2"] if quick else []
+    rows = []
+    for loss, loss_flags in losses.items():
+        for lag in lags:
+            for seed in seeds:
+                run = os.path.join(out, f"miniature-{loss}-lag{lag}-seed{seed}")
+                cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *MINIATURE, *loss_flags, "--lag", str(lag),
+                       "--seed", str(seed), "--out", run, *flags, *extra]
+                t0 = time.time()
+                with open(run + ".log", "w") as log:
+                    code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+                if code != 0:
+                    raise RuntimeError(f"tba.py {' '.join(cmd[2:])} failed: {read_text(run + '.log')[-2000:]}")
+                train, evals, config = plot.read(run)
+                accuracy = [e["accuracy"] for e in evals]
+                final = float(np.mean(accuracy[-3:]))
+                rows.append(dict(loss=loss, lag=lag, seed=seed, start=accuracy[0], final=final, best=max(accuracy[1:]),
+                                 collapsed=final < accuracy[0], staleness=float(np.mean([r["staleness"] for r in train])),
+                                 seconds=time.time() - t0, curve=[(e["step"], e["accuracy"]) for e in evals]))
+                print(f"12. {loss} lag {lag} seed {seed}: {accuracy[0]:.3f} -> {final:.3f} (best {rows[-1]['best']:.3f})",
+                      flush=True)
+    return dict(losses=list(losses), lags=lags, flags=MINIATURE + flags + extra, rows=rows)
 
 
 # --- 10: fresher data per step ------------------------------------------------------------------------
@@ -588,16 +666,19 @@ def main():
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5],
                    help="which measurements (2 comes with 1); 6: memory of a long TBA run (--minutes); "
                         "7: off-policy robustness of the losses; 8: TRL's GRPOTrainer on the same setup "
-                        "(with tba.py and the synchronous baseline run to their end); 9: the generation-bound "
-                        "regime, emulated with --generation-slowdown; 10: fresher data per step (a searcher round's "
-                        "size, k, m) in that regime")
+                        "(with tba.py and the synchronous baseline run to their end); 9: asynchrony on equal "
+                        "hardware, emulated with --generation-slowdown; 10: fresher data per step (a searcher round's "
+                        "size, k, m) in that regime; 11: a search round's cost against its size; 12: TBA' against "
+                        "Dr. GRPO as staleness grows, in miniature")
     p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
-    p.add_argument("--reuse", nargs="+", default=["off", "1", "2"],
-                   help="part 9: the asynchronous runs' --max-reuse values: off, numbers, and 'barrier' (the authors' "
-                        "ratio k B K / (N x round) for each N: 1 at tba.py's defaults, where N rounds make one batch "
-                        "and k = 1)")
-    p.add_argument("--searchers", type=int, nargs="+", default=[1, 2, 4],
-                   help="parts 9 and 10: the asynchronous runs' searcher counts (each beside the synchronous run)")
+    p.add_argument("--searchers", type=int, nargs="+", default=[1, 4],
+                   help="parts 9 and 10: the searcher counts N (each beside the synchronous run on N searchers)")
+    p.add_argument("--slowdowns", nargs="+", default=["1", "10", "30", "star"],
+                   help="part 9: the --generation-slowdown values X; star: where the round takes as long as a step")
+    p.add_argument("--modes", nargs="+", default=["sync", "lag1", "stream", "inflight"], choices=list(MODES),
+                   help="part 9: the runs beside each one-process baseline (MODES)")
+    p.add_argument("--gain", type=float, default=0.25, help="part 9: the target, held-out accuracy >= start + GAIN")
+    p.add_argument("--lags", type=int, nargs="+", default=[0, 2, 10], help="part 12: the exact lags L")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
@@ -636,9 +717,13 @@ def main():
     if 7 in args.parts:
         result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
     if 9 in args.parts:
-        result["generation_bound"] = generation_bound(args.seeds, out, flags, min(args.cap, 300), args.quick,
-                                                      ["barrier"] if args.quick else args.reuse, cfg,
-                                                      None if args.quick else [0, *args.searchers])
+        slowdowns = [1.0, 4.0] if args.quick else [x if x == "star" else float(x) for x in args.slowdowns]
+        result["equal_hardware"] = equal_hardware(args.seeds, out, flags, args.cap, args.quick,
+                                                  [1] if args.quick else args.searchers, slowdowns,
+                                                  ["sync", "stream"] if args.quick else args.modes,
+                                                  0.05 if args.quick else args.gain, 2 if args.quick else 5)
+    if 12 in args.parts:
+        result["miniature"] = miniature(args.seeds, out, flags, args.quick, args.lags)
     if 10 in args.parts:
         result["fresher"] = fresher(args.seeds, out, flags, min(args.cap, 300), args.quick, cfg,
                                     counts=None if args.quick else args.searchers)
@@ -646,6 +731,9 @@ def main():
         result["memory"] = memory_growth(args.minutes, os.path.join(out, "memory-run"), flags)
     # 5, then 3 and 4 (they start vLLM engines, which share this process group)
     ranks.init_distributed(cfg.timeout, cfg.device)
+    if 11 in args.parts:
+        result["round_cost"] = round_cost(cfg, data.prompts, data.answers, [1, 2, 4] if args.quick else
+                                          [1, 2, 4, 8, 16, 32, 64], repeat)
     if 5 in args.parts:
         result["trainer_overhead"] = trainer_overhead(cfg, data.prompts, repeat)
     if 4 in args.parts:
@@ -659,7 +747,7 @@ def main():
         json.dump(result, f, indent=1)
     print(table(result))
     if 9 in args.parts:
-        picture(os.path.join(out, "bench.json"), os.path.join(out, "generation_bound.png"))
+        picture(os.path.join(out, "bench.json"), os.path.join(out, "equal_hardware.png"))
     print(f"\nwritten: {os.path.join(out, 'bench.json')}")
     os._exit(0)  # the vLLM engines' teardown would try to destroy the process group twice
 
@@ -738,34 +826,46 @@ def table(r: dict) -> str:
                 lines.append(f"   {x['seed']:>4} {name:<22} {start:>6.3f} {secs(t15):>10} {secs(t25):>10} "
                              f"{final if final is not None else float('nan'):>6.3f} {secs(total):>10} {secs(first):>15} "
                              f"{per_step or 0:>7.3f}")
-    gb = r.get("generation_bound")
-    if gb:
-        secs = lambda t: f"{t:.1f}" if t is not None else "-"
-        times = lambda t: f"{t:.2f}x" if t is not None else "-"
-        rate = lambda t: f"{t:.2f}" if t is not None else "-"
-        lines += ["9. generation-bound, emulated (--generation-slowdown X: each search round's generation takes X times "
-                  "its engine's calibrated cost alone); R: --max-reuse (barrier: the authors' ratio, k B K / (N x round)); "
-                  "+0.15: held-out accuracy >= start + 0.15, seconds from launch and from the first step; fresh: "
-                  "steps/s a trainer using each trajectory once could take; speed-ups over the synchronous run of the "
-                  "same X and seed; uses: draws per trajectory received",
-                  f"   {'X':>3} {'N':>2} {'R':>7} {'seed':>4} | {'+0.15 (s)':>9} {'1st step':>8} | {'speed-up':>8} "
-                  f"{'1st step':>8} | {'steps/s':>7} {'fresh':>6} {'speed-up':>8} | {'stale mean/max':>14} | {'uses':>5} | "
-                  f"{'final':>5} {'best':>5}"]
-        for x in gb["slowdowns"]:
-            for row in [row for row in gb["rows"] if row["x"] == x]:
-                final = f"{row['final']:.3f}" if row["final"] is not None else (
-                    "=X1" if row.get("same_as_x1") else "-")  # the synchronous X = 1 run's, same samples
-                reuse = "-" if row.get("reuse") is None else row["reuse"] + (
-                    f" {row['max_reuse']:.2g}" if row["reuse"] == "barrier" else "")
-                lines.append(f"   {x:>3g} {row['searchers']:>2} {reuse:>7} {row['seed']:>4} | {secs(row['seconds']):>9} "
-                             f"{secs(row['from_first_step']):>8} | {times(row['speedup']):>8} "
-                             f"{times(row['speedup_first_step']):>8} | {rate(row['steps_per_s']):>7} "
-                             f"{rate(row['fresh_steps_per_s']):>6} {times(row['speedup_throughput']):>8} | "
-                             f"{row['staleness']:>7.1f}/{row['staleness_max']:<6} | {row['uses']:>5.1f} | "
-                             f"{final:>5} {row['best']:>5.3f}")
-            i = gb["ideal"][str(x)]
-            lines.append(f"   X {x}: round G = {i['G']:.3f} s, step T = {i['T']:.3f} s (synchronous runs, medians): "
-                         f"ideal speed-up min(N, {i['bound']:.1f})")
+    eh = r.get("equal_hardware")
+    if eh:
+        fmt = lambda t, f="{:.1f}": f.format(t) if t is not None else "-"
+        lines += [f"9. asynchrony on equal hardware (--generation-slowdown X emulates N searchers' devices of their "
+                  f"own; every mode runs on the same N): time to held-out accuracy >= start + {eh['gain']:g}, medians "
+                  f"over seeds; speed-ups over the synchronous baseline on the same N searchers (--lag 0); G: its round, "
+                  f"T: its step, ideal (G + T) / max(G, T); one process: --searchers 0 (hardware and asynchrony together)",
+                  f"   {'N':>2} {'X':>5} {'mode':<11} | {'reached':>7} | {'launch (s)':>10} {'1st step (s)':>12} | "
+                  f"{'speed-up':>8} {'1st step':>8} {'ideal':>6} | {'steps':>5} | {'stale':>5} | {'G (s)':>6} {'T (s)':>6}"]
+        for key, c in eh["summary"]["cells"].items():
+            lines.append(f"   {c['searchers']:>2} {c['x']:>5g} {c['mode']:<11} | {c['reached']:>3}/{c['runs']:<3} | "
+                         f"{fmt(c['seconds']):>10} {fmt(c['from_first_step']):>12} | {fmt(c['speedup'], '{:.2f}x'):>8} "
+                         f"{fmt(c['speedup_first_step'], '{:.2f}x'):>8} {fmt(c['ideal'], '{:.2f}'):>6} | "
+                         f"{fmt(c['steps'], '{:.0f}'):>5} | {fmt(c['staleness'], '{:.2f}'):>5} | "
+                         f"{fmt(c['G'], '{:.3f}'):>6} {fmt(c['T'], '{:.3f}'):>6}")
+        for x, sc in eh["summary"]["scaling"].items():
+            lines.append(f"   searcher scaling at X = {x}: streaming with {max(eh['searchers'])} searchers reaches the "
+                         f"target {sc['ratio']:.2f}x sooner than with {min(eh['searchers'])}, from the first step "
+                         f"(ideal {sc['ideal']:.0f})")
+    rc = r.get("round_cost")
+    if rc:
+        lines += [f"11. a search round's cost against its size (one engine, warm; K = {rc['K']}): generation, and the "
+                  f"whole round (rewards, pi_ref's log-probs)",
+                  f"   {'prompts':>7} | {'generate (s)':>12} {'per prompt':>10} | {'round (s)':>9} {'per prompt':>10}"]
+        for x in rc["rows"]:
+            lines.append(f"   {x['prompts']:>7} | {x['generate']:>12.4f} {x['generate'] / x['prompts']:>10.4f} | "
+                         f"{x['round']:>9.4f} {x['round'] / x['prompts']:>10.4f}")
+        (g1, g0), (r1, r0) = rc["generate_fit"], rc["round_fit"]
+        lines.append(f"   fit: generate = {g0:.4f} s + {g1:.4f} s a prompt; round = {r0:.4f} s + {r1:.4f} s a prompt")
+    mi = r.get("miniature")
+    if mi:
+        lines += ["12. TBA' (tbprime, beta 0.005, pi_ref reset every 50) against Dr. GRPO (drgrpo), one searcher, "
+                  "every batch exactly L steps stale: held-out accuracy at the end (mean of the last 3) / best",
+                  f"   {'loss':<8} " + " ".join(f"{'L ' + str(lag):>23}" for lag in mi["lags"])]
+        for loss in mi["losses"]:
+            cells = []
+            for lag in mi["lags"]:
+                mine = [x for x in mi["rows"] if x["loss"] == loss and x["lag"] == lag]
+                cells.append(" ".join(f"{x['final']:.3f}/{x['best']:.3f}" for x in mine))
+            lines.append(f"   {loss:<8} " + " ".join(f"{c:>23}" for c in cells))
     fr = r.get("fresher")
     if fr:
         per = lambda rows, f: " / ".join(f(x) for x in rows)

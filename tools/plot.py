@@ -2,7 +2,7 @@
 
     python tools/plot.py RUN_DIR [RUN_DIR ...] [-o FILE.png]    # one or several runs side by side
     python tools/plot.py --study BENCH_JSON [-o FILE.png]        # bench.py part 7: score against staleness
-    python tools/plot.py --slowdown BENCH_JSON [-o FILE.png]     # bench.py part 9: speed-up against searchers
+    python tools/plot.py --slowdown BENCH_JSON [-o FILE.png]     # bench.py part 9: asynchrony on equal hardware
 
 A run picture has six panels, one line per run: the held-out score (accuracy, or win rate for
 tldr) against seconds of training (wall time minus the trainer's evaluation and checkpoint time,
@@ -155,51 +155,38 @@ def study(bench_json: str, out: str):
     save(fig, out)
 
 
-def generation_bound(bench_json: str, out: str):
-    """bench.py part 9: one column per --generation-slowdown X, one colour per --max-reuse R, against the
-    number of searchers N. Top: the speed-up in time to start + 0.15 over the synchronous run of the same
-    seed, from the first step (solid) and from launch (dotted); the ideal min(N, (G + T) / T) dashed.
-    Bottom: the held-out accuracy at the end, the synchronous run's (its curve is the X = 1 run's) in
-    gray. Lines: mean of the seeds; dots: each seed. A run (or its synchronous baseline) that never
-    reached the target has no top point."""
+def equal_hardware(bench_json: str, out: str):
+    """bench.py part 9: one column per number of searchers N. Top: each mode's speed-up in time to the target over
+    the synchronous baseline on the same N searchers (--lag 0), from the first step, against X, with the ideal
+    (G + T) / max(G, T) dashed; dots: each seed, lines: medians. Bottom: the steps each needed to reach it."""
     plt = pyplot()
     with open(bench_json) as f:
-        gb = json.load(f)["generation_bound"]
-    xs = gb["slowdowns"]
-    fig, axes = plt.subplots(2, len(xs), figsize=(5.2 * len(xs), 8), squeeze=False)
-    counts = [n for n in gb["searchers"] if n > 0]
-    reuses = gb.get("reuses") or [None]
-    mean = lambda v: sum(v) / len(v) if v else float("nan")
-    for col, x in enumerate(xs):
+        eh = json.load(f)["equal_hardware"]
+    counts = eh["searchers"]
+    fig, axes = plt.subplots(2, len(counts), figsize=(5.6 * len(counts), 8), squeeze=False)
+    median = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
+    for col, n in enumerate(counts):
         top, bottom = axes[0, col], axes[1, col]
-        bound = gb["ideal"][str(x)]["bound"]
-        top.plot(counts, [min(n, bound) for n in counts], "--", color="gray", label=f"ideal min(N, {bound:.1f})")
-        for i, reuse in enumerate(reuses):
-            rows = [r for r in gb["rows"] if r["x"] == x and r["searchers"] > 0 and r.get("reuse") == reuse]
-            color, name = f"C{i}", f"R {reuse}" if reuse is not None else "async"
-            for key, style in (("speedup_first_step", "-"), ("speedup", ":")):
-                got = [[r[key] for r in rows if r["searchers"] == n and r[key] is not None] for n in counts]
-                for n, g in zip(counts, got):
-                    top.plot([n] * len(g), g, "o", color=color, alpha=0.4, markersize=4)
-                top.plot(counts, [mean(g) for g in got], style, color=color,
-                         label=f"{name}, from the first step" if style == "-" else f"{name}, from launch")
-            finals = [[r["curve"][-1][1] for r in rows if r["searchers"] == n] for n in counts]
-            bottom.plot(counts, [mean(f) for f in finals], "o-", color=color, label=name)
-        sync = [r for r in gb["rows"] if r["x"] == x and r["searchers"] == 0]
-        base = [r["final"] for r in gb["rows"] if r["x"] == 1 and r["searchers"] == 0 and r["final"] is not None]
-        if base:
-            bottom.axhline(mean(base), color="gray", linewidth=1, label="synchronous (its X = 1 run)")
-        if sync:
-            bottom.axhline(sync[0]["start"], color="gray", linewidth=0.8, linestyle=":", label="start")
+        cells = [c for c in eh["summary"]["cells"].values() if c["searchers"] == n]
+        xs = sorted({c["x"] for c in cells})
+        ideal = [next((c["ideal"] for c in cells if c["x"] == x and c["mode"] == "sync"), None) for x in xs]
+        top.plot(xs, [i if i is not None else float("nan") for i in ideal], "--", color="gray", label="ideal")
+        for i, mode in enumerate(["one process", *eh["modes"]]):
+            rows = [r for r in eh["rows"] if r["searchers"] == n and r["mode"] == mode]
+            got = [[r["speedup_first_step"] for r in rows if r["x"] == x and r["speedup_first_step"]] for x in xs]
+            for x, g in zip(xs, got):
+                top.plot([x] * len(g), g, "o", color=f"C{i}", alpha=0.4, markersize=4)
+            top.plot(xs, [median(g) for g in got], "-", color=f"C{i}", label=mode)
+            steps = [[r["step"] for r in rows if r["x"] == x and r["step"]] for x in xs]
+            bottom.plot(xs, [median(v) for v in steps], "o-", color=f"C{i}", label=mode)
         top.axhline(1, color="gray", linewidth=0.8, linestyle=":")
-        top.set(xlabel="searchers N", xticks=counts, ylabel="speed-up in time to start + 0.15 (x)",
-                title=f"X = {x:g}")
-        bottom.set(xlabel="searchers N", xticks=counts, ylabel="held-out accuracy at the end")
+        top.set(xscale="log", xlabel="generation slowdown X", ylabel="speed-up over the synchronous run (x)",
+                title=f"{n} searcher{'s' if n > 1 else ''}")
+        bottom.set(xscale="log", xlabel="generation slowdown X", ylabel=f"steps to start + {eh['gain']:g}")
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6)
-    fig.suptitle("generation-bound regime, emulated: each search round's generation takes X times its cost alone "
-                 "(--generation-slowdown X); R = --max-reuse", fontsize=9)
+            ax.legend(fontsize=7)
+    fig.suptitle("asynchrony on equal hardware, emulated (each searcher an X-times-slower device of its own)", fontsize=9)
     save(fig, out)
 
 
@@ -245,13 +232,13 @@ def draw(argv=None):
     p.add_argument("--study", help="bench.json of bench.py part 7 (off-policy robustness)")
     p.add_argument("--slowdown", help="bench.json of bench.py part 9 (the generation-bound regime, emulated)")
     p.add_argument("-o", "--out", default=None, help="the PNG to write, its folder made if need be "
-                   "(default: plot.png, off_policy.png or generation_bound.png)")
+                   "(default: plot.png, off_policy.png or equal_hardware.png)")
     p.add_argument("--title", default=None, help="a title above a run picture")
     args = p.parse_args(argv)
     if args.study:
         return study(args.study, args.out or "off_policy.png")
     if args.slowdown:
-        return generation_bound(args.slowdown, args.out or "generation_bound.png")
+        return equal_hardware(args.slowdown, args.out or "equal_hardware.png")
     if not args.runs:
         p.error("give run folders, or --study BENCH_JSON, or --slowdown BENCH_JSON")
     for run in args.runs:
