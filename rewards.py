@@ -80,7 +80,7 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-MATH_SECONDS = 5  # a hard limit on one symbolic check (its child killed after it): about 1,000 typical checks
+MATH_SECONDS = 5  # a hard limit on one symbolic check (its child killed past it); a typical one takes 5-10 ms
 MATH_VERIFY_SECONDS = 1  # math-verify's own limits, inside the child (each parse and comparison; whole seconds)
 SYMBOLIC = Bounded("rewards:math_verify_equal", MATH_SECONDS, preload=("math_verify",))
 
