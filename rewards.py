@@ -4,14 +4,19 @@
 - `gsm8k_reward`: the paper's GSM8K reward (Sec. 5 of Bartoldson et al., and the authors'
   `gsm8k_utils.py`): 1.0 if the LAST number in the completion, commas removed, equals the
   number after `####` in the data set's answer, compared as floats; else 0.0.
+- `math_reward`: the authors' MATH grading (their tba-prime's genesys/math.py and math_utils.py): the last
+  `\boxed{}` of the response (after `</think>`, if any) against the answer, equal as strings after
+  Hendrycks' normalisation or, by math-verify, as mathematics; 0.0 without a box.
 - `RewardModel`: a learned reward (`--reward-model`), the paper's TL;DR reward; `check_reward_model`
   refuses a model that is not one before the run starts.
 The searcher calls either kind the same way, once per round: `reward(prompts, responses,
 completions, answers) -> list[float]` (a string reward through `batched`).
 """
 
+import functools
 import re
 
+from runtime.bounded import Bounded, TimedOut
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
 
@@ -45,6 +50,138 @@ def gsm8k_reward(completion: str, answer: str) -> float:
 def arith_reward(completion: str, answer: str) -> float:
     """1.0 if the completion is exactly `answer` (surrounding whitespace aside), else 0.0."""
     return float(completion.strip() == answer)
+
+
+# --- MATH: the authors' grading (bbartoldson/tba-prime src/zeroband/inference/genesys/math.py) ------------
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the last \\boxed{} of `completion` holds `answer` (a LaTeX answer, or one in a box); else 0.0.
+    Only the text after `</think>` counts where there is one (their math.py:11-14 take what lies between the
+    first and a second); no box, or one whose braces do not close, is 0 (math.py:16-18)."""
+    text = completion.split("</think>")[1] if "</think>" in completion else completion
+    given = last_boxed(text)
+    gold = last_boxed(answer) if "\\boxed" in answer else answer  # math.py:31-36
+    if not given or not gold:  # an empty box is wrong (their sympy grader: math_utils.py:434-435)
+        return 0.0
+    return float(hendrycks_normalize(given) == hendrycks_normalize(gold) or symbolic_equal(gold, given))
+
+
+def last_boxed(text: str) -> str | None:
+    """What the last `\\boxed{...}` of `text` holds, braces matched; None if there is none, if the last
+    `\\boxed` is not followed by `{` (`\\boxed 5`, `\\boxed12`) or if its braces never close: their
+    last_boxed_only_string and remove_boxed (math_utils.py:379-414; their `\\fbox` fallback ends in None too)."""
+    start = text.rfind("\\boxed")
+    if start < 0 or not text.startswith("\\boxed{", start):
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + len("\\boxed{"):i]
+    return None
+
+
+MATH_SECONDS = 5  # a hard limit on one symbolic check (its child killed past it); a typical one takes 5-10 ms
+MATH_VERIFY_SECONDS = 1  # math-verify's own limits, inside the child (each parse and comparison; whole seconds)
+SYMBOLIC = Bounded("rewards:math_verify_equal", MATH_SECONDS, preload=("math_verify",))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a group's K responses often box the same answer
+def symbolic_equal(gold: str, given: str) -> bool:
+    """math-verify's equivalence of two boxed answers, in a child process (runtime/bounded.py): False when it
+    takes longer than MATH_SECONDS, so that a pathological answer can neither hang a round nor crash it."""
+    try:
+        return SYMBOLIC(gold, given)
+    except TimedOut:
+        return False
+
+
+def math_verify_equal(gold: str, given: str) -> bool:
+    """math-verify's verdict (HF's math-verify 0.9.0) on two answers, each parsed inside a box: a bare
+    LaTeX answer has no delimiters for its LaTeX extraction (108 of MATH-500's 500 answers then fail
+    against themselves). This replaces the authors' sympy grader (grade_answer_sympy, math_utils.py:424-460)."""
+    from math_verify import parse, verify
+    box = lambda s: parse("\\boxed{" + s + "}", parsing_timeout=MATH_VERIFY_SECONDS)
+    return bool(verify(box(gold), box(given), timeout_seconds=MATH_VERIFY_SECONDS))
+
+
+def hendrycks_normalize(answer: str) -> str:
+    """Hendrycks et al.'s MATH normalisation, as the authors' mathd_normalize_answer and _strip_string
+    (math_utils.py:15-164, "Dan Hendrycks' code"): an enclosing \\text{} off, then _strip_string; an answer
+    that makes it fail stays as it is."""
+    answer = answer.strip()
+    try:
+        m = re.search(r"^\\text\{(?P<text>.+?)\}$", answer)
+        if m is not None:
+            answer = m.group("text").strip()
+        return _strip_string(answer)
+    except Exception:
+        return answer
+
+
+def _fix_fracs(string: str) -> str:
+    """\\frac12 -> \\frac{1}{2}, \\frac1{72} -> \\frac{1}{72}."""
+    substrs = string.split("\\frac")
+    new_str = substrs[0]
+    for substr in substrs[1:]:
+        new_str += "\\frac"
+        if substr[0] == "{":  # an empty one raises, as theirs: the whole normalisation then gives up
+            new_str += substr
+        elif len(substr) < 2:
+            return string
+        elif substr[1] != "{":
+            new_str += "{" + substr[0] + "}{" + substr[1] + "}" + substr[2:]
+        else:
+            new_str += "{" + substr[0] + "}" + substr[1:]
+    return new_str
+
+
+def _fix_a_slash_b(string: str) -> str:
+    """3/4 -> \\frac{3}{4}, for integers written as they are."""
+    parts = string.split("/")
+    if len(parts) != 2:
+        return string
+    try:
+        a, b = int(parts[0]), int(parts[1])
+    except ValueError:
+        return string
+    return f"\\frac{{{a}}}{{{b}}}" if string == f"{a}/{b}" else string
+
+
+def _remove_right_units(string: str) -> str:
+    """What precedes "\\text{ " (MATH writes units so); two of them fail the answer's normalisation."""
+    if "\\text{ " not in string:
+        return string
+    splits = string.split("\\text{ ")
+    assert len(splits) == 2
+    return splits[0]
+
+
+def _fix_sqrt(string: str) -> str:
+    """\\sqrt3 -> \\sqrt{3}."""
+    splits = string.split("\\sqrt")
+    new_string = splits[0]
+    for split in splits[1:]:
+        new_string += "\\sqrt" + split if split[:1] == "{" else "\\sqrt{" + split[0] + "}" + split[1:]
+    return new_string
+
+
+def _strip_string(string: str) -> str:
+    for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"),
+                     ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):
+        string = string.replace(old, new)
+    string = _remove_right_units(string)
+    string = string.replace("\\%", "").replace(" .", " 0.").replace("{.", "{0.")
+    if not string:
+        return string
+    if string[0] == ".":
+        string = "0" + string
+    if len(string.split("=")) == 2 and len(string.split("=")[0]) <= 2:  # "k = 5" -> "5"
+        string = string.split("=")[1]
+    string = _fix_sqrt(string).replace(" ", "")
+    string = _fix_fracs(string)
+    if string == "0.5":
+        string = "\\frac{1}{2}"
+    return _fix_a_slash_b(string)
 
 
 # --- the one interface the searcher calls, once per round, for either kind of reward -------------

@@ -107,6 +107,11 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, fi
         channels.queue.cancel_join_thread()  # never block exit on undelivered data
 
 
+def max_tokens(cfg, prompt: list[int]) -> int:
+    """A response's length limit: --max-new-tokens, or what --context leaves after its prompt if that is less."""
+    return min(cfg.max_new_tokens, cfg.context - len(prompt)) if cfg.context else cfg.max_new_tokens
+
+
 class Engine:
     """vLLM (the searcher's copy of the policy), pi_ref and the task's scorer, for searching, scoring and
     evaluation."""
@@ -141,7 +146,8 @@ class Engine:
         (--generation-slowdown). `between()` runs between two decoding steps (--inflight)."""
         from vllm import SamplingParams
 
-        params = [SamplingParams(n=n, temperature=self.explore(seed, p), max_tokens=self.cfg.max_new_tokens,
+        params = [SamplingParams(n=n, temperature=self.explore(seed, p),
+                                 max_tokens=max_tokens(self.cfg, self.prompts[p]),
                                  logprobs=0,  # the sampled token's log-prob: gives cumulative_logprob
                                  seed=int(np.random.SeedSequence([*seed, int(p)]).generate_state(1)[0]))
                   for p in prompt_ids]  # a seed per request: sampling is reproducible from the run's seed
@@ -310,8 +316,8 @@ class Engine:
     def respond(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[str]]:
         """One response to each prompt, greedy or at --eval-temperature: token ids and text."""
         from vllm import SamplingParams
-        params = SamplingParams(temperature=self.cfg.eval_temperature, max_tokens=self.cfg.max_new_tokens,
-                                seed=self.cfg.seed if self.cfg.eval_temperature else None)
+        params = [SamplingParams(temperature=self.cfg.eval_temperature, max_tokens=max_tokens(self.cfg, p),
+                                 seed=self.cfg.seed if self.cfg.eval_temperature else None) for p in prompts]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs], [o.outputs[0].text for o in outputs]
 

@@ -83,6 +83,7 @@ def check(cfg, world: int):
     need(cfg.lr > 0, "lr", "must be positive")
     need(cfg.temperature > 0, "temperature", "must be positive (the evaluation has its own: --eval-temperature)")
     need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
+    need(cfg.context >= 0, "context", f"must be 0 (no limit but --max-new-tokens) or more, got {cfg.context}")
     need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
     need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")
     need(cfg.grad_clip >= 0, "grad-clip", "must be 0 (no clipping) or more")
@@ -244,6 +245,15 @@ def check_unused(cfg):
     need(cfg.lora_rank or cfg.lora_alpha == alpha, "lora-alpha", "scales a LoRA adapter: pass --lora-rank too")
 
 
+def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """A prompt's token ids: as it is, or as the user's turn of the chat template with the assistant's begun (the
+    template writes its own special tokens: none are added again)."""
+    if not chat:
+        return tokenizer(prompt).input_ids
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def check_task(cfg):
     """The task's flags (its entry of tasks.TASKS), data, model and tokenizer (and reward models), and the
     values they derive: the models' folders, the evaluation's headline score and the longest sequence.
@@ -274,8 +284,10 @@ def check_task(cfg):
              for flag in ("reward_model", "eval_reward_model") if getattr(cfg, flag)}
     cfg = dataclasses.replace(cfg, model_path=model_path, score=task.score, **paths)
     cfg = dataclasses.replace(cfg, eval_reward_model_path=cfg.eval_reward_model_path or cfg.reward_model_path)
-    prompts = [tokenizer(p.prompt).input_ids for p in train]
-    test_prompts = [tokenizer(p.prompt).input_ids for p in test]
+    need(not task.chat or tokenizer.chat_template, "model", f"the {cfg.task} task's prompts are chat turns, and the "
+         f"tokenizer of {model_path} has no chat template")
+    prompts = [encode(tokenizer, p.prompt, task.chat) for p in train]
+    test_prompts = [encode(tokenizer, p.prompt, task.chat) for p in test]
     if task.max_prompt:
         short = lambda ids: [i for i in range(len(ids)) if len(ids[i]) <= task.max_prompt]
         keep, keep_test = short(prompts), short(test_prompts)
@@ -289,11 +301,17 @@ def check_task(cfg):
          f"{cfg.initial_buffer} trajectories can never be held: the buffer keeps at most --buffer-capacity "
          f"{cfg.buffer_capacity} x {len(train)} problems")
     longest = max(len(p) for p in prompts + test_prompts)
+    need(not cfg.context or longest < cfg.context, "context", f"{cfg.context} tokens leave no room for a response "
+         f"to the longest prompt's {longest} tokens")
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    cfg = dataclasses.replace(cfg, max_model_len=longest + cfg.max_new_tokens)
+    longest_sequence = longest + cfg.max_new_tokens
+    if cfg.context:
+        longest_sequence = min(longest_sequence, cfg.context)
+    cfg = dataclasses.replace(cfg, max_model_len=longest_sequence)
     if context:
-        need(cfg.max_model_len <= context, "max-new-tokens",
-             f"{cfg.max_new_tokens} new tokens + the longest prompt's {longest} tokens = {cfg.max_model_len} "
-             f"exceeds the model's context of {context} tokens")
+        need(longest_sequence <= context, "context" if longest_sequence == cfg.context else "max-new-tokens",
+             f"{cfg.max_new_tokens} new tokens + the longest prompt's {longest} tokens"
+             f"{f' (at most --context {cfg.context})' if cfg.context else ''} = {longest_sequence} exceeds the "
+             f"model's context of {context} tokens")
     data = Data(prompts, [p.answer for p in train], test_prompts, [p.answer for p in test])
     return cfg, task, data, train

@@ -65,12 +65,14 @@ class Config:
     adam_betas: str = arg("0.9,0.999", "AdamW's betas: beta1,beta2")
     temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
     max_new_tokens: int = arg(8, "response length limit in tokens")
+    context: int = arg(0, "tokens of prompt and response together: a response stops at this or --max-new-tokens, "
+                          "the first reached; 0 = --max-new-tokens alone")
     eval_every: int = arg(10, "steps between evaluations on held-out problems; 0 = at the start and end only")
     eval_limit: int | None = arg(None, "evaluate on the first N held-out problems only")
     eval_temperature: float = arg(0.0, "sampling temperature of the evaluation's responses; 0 = greedy")
     # ===== tasks and recipes ===========================================================================
     model: str = arg("tiny", "'tiny' (built on first use), 'rho-math-1b', a hub id or a local folder; also pi_ref")
-    task: str = arg("arith", "arith (the toy) | gsm8k | tldr | redteam: a file of tasks/")
+    task: str = arg("arith", "arith (the toy) | gsm8k | tldr | redteam | math: a file of tasks/")
     data: str | None = arg(None, "folder of the task's JSONL files (default: the Hugging Face hub)")
     reward_model: str | None = arg(None, "a one-output sequence classifier (folder or hub id) that replaces the "
                                          "task's string reward")
@@ -122,7 +124,7 @@ class Config:
     device: str = derived("")                         # cuda | cpu
     threads: int = derived(0)                         # CPU threads per process
     model_path: str = derived("")                     # the local folder of --model
-    max_model_len: int = derived(0)                   # longest prompt + max_new_tokens
+    max_model_len: int = derived(0)                   # longest prompt + max_new_tokens, at most --context
     score: str = derived("accuracy")                  # the evaluation's headline figure (the task's)
     reward_model_path: str | None = derived(None)     # local folder of --reward-model
     eval_reward_model_path: str | None = derived(None)  # local folder of the judge

@@ -17,7 +17,9 @@ code asks the entry, never the task's name:
 - `buffer(cfg, prompts) -> ReplayBuffer`: its replay buffer (TBA's; red-teaming's `--buffer-keep best` is
   Lee et al.'s buffer of the best attacks, a subclass);
 - `score`: the evaluation's headline figure; `max_prompt`: longer prompts (in tokens) are dropped;
-  `fill`: the training prompts are repeated to fill a batch of B (one instruction searched as B copies).
+  `fill`: the training prompts are repeated to fill a batch of B (one instruction searched as B copies);
+  `chat`: each prompt is a user turn of the model's chat template, with the assistant's turn begun
+  (runtime/checks.py tokenizes them; a model without a template is refused).
 Bad data raises ConfigError with a one-line message; tba.py prints it and exits with 2.
 """
 
@@ -123,6 +125,7 @@ class Task:
     buffer: Callable = default_buffer
     max_prompt: int | None = None
     fill: bool = False
+    chat: bool = False
 
 
 # --- loaders the tasks share ------------------------------------------------------------------------
@@ -160,17 +163,22 @@ def text_fields(row: dict, where: str, *fields: str):
 
 def from_hub(name: str, config, splits: tuple[str, str], problem) -> tuple[list[Problem], list[Problem]]:
     files = " and ".join(f"{s}.jsonl" for s in splits)
+    ds = hub_dataset(name, config, files)
+    return tuple([problem(r, f"{name} {split} row {i}") for i, r in enumerate(ds[split])] for split in splits)
+
+
+def hub_dataset(name: str, config, files: str):
+    """A data set of the Hugging Face hub (its splits); refused in one line naming the `files` --data would take."""
     try:
         from datasets import load_dataset  # optional: only this path needs it
     except ImportError:
         raise ConfigError(f"--data: no folder given and the 'datasets' package is not installed; "
                           f"pass --data DIR holding {files}") from None
     try:
-        ds = load_dataset(name, config)
+        return load_dataset(name, config)
     except Exception as e:  # no network, no hub: one line, naming the flag to use instead
         raise ConfigError(f"--data: could not load {name} from the Hugging Face hub "
                           f"({type(e).__name__}); pass --data DIR holding {files}") from None
-    return tuple([problem(r, f"{name} {split} row {i}") for i, r in enumerate(ds[split])] for split in splits)
 
 
 def folder(data: str) -> str:

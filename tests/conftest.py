@@ -15,6 +15,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(1, os.path.join(ROOT, "tools"))  # bench, plot and trl_grpo, imported by their tests
 DATA = os.path.join(ROOT, "tests", "data", "gsm8k")
 TLDR = os.path.join(ROOT, "tests", "data", "tldr")
+MATH = os.path.join(ROOT, "tests", "data", "math")
 
 
 @pytest.fixture(scope="session")

@@ -46,7 +46,6 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--loss", "ppo"], "--loss: unknown loss 'ppo'"),
     (["--clip", "0"], "--clip"),
     (["--lag", "-1"], "--lag"),
-    (["--lag", "4", "--ref-reset-every", "50"], "--lag"),
     (["--ref-reset-every", "-5"], "--ref-reset-every"),
     (["--dtype", "bfloat16"], "--dtype"),  # on the CPU
     (["--dtype", "int8"], "--dtype"),

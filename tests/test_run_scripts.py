@@ -1,5 +1,6 @@
 """The paper's settings: run_gsm8k.sh and run_tldr.sh (dry runs) and the schedules they rely on."""
 
+import dataclasses
 import math
 import os
 import shlex
@@ -138,3 +139,52 @@ def test_run_scripts_pass_the_checks_of_unused_flags(script, environ):
     """Every schedule of the paper's runs has both its length and its end, and LoRA's alpha its rank (the checks
     that need the models themselves run on the GPU node)."""
     checks.check_unused(dry_run(script=script, **environ)[1])
+
+
+# run_math.sh: issue 37's settings (the paper's Sec. 6), the same whatever LOSS, LAG, IS, NORM and EVAL choose
+MATH_COMMON = dict(model="Qwen/Qwen2.5-7B", task="math", searchers=4, steps=420, prompts_per_step=32,
+                   samples_per_prompt=16, search_samples_per_prompt=16, lr=1e-6, warmup_steps=0, decay_steps=0,
+                   weight_decay=0.01, adam_betas="0.9,0.99", grad_clip=1.0, temperature=1.0, context=4096,
+                   max_new_tokens=4096, micro_batch=1, activation_checkpointing=True, dtype="bfloat16",
+                   trainer_dtype="float32", eval_every=5, eval_limit=None, is_cap=8.0, max_reuse=None,
+                   initial_buffer=0, sync_every=1)
+MATH_TB = dict(loss="tbprime", ref_reset_every=50, beta=0.005, beta_final=None, beta_anneal_steps=0)
+MATH_DRGRPO = dict(loss="drgrpo", ref_reset_every=0)
+
+
+@pytest.mark.parametrize("environ,expected", [
+    ({}, dict(MATH_TB, lag=2, importance_weights=True, eval_temperature=1.0)),
+    ({"LAG": "10", "IS": "off"}, dict(MATH_TB, lag=10, importance_weights=False, eval_temperature=1.0)),
+    ({"EVAL": "greedy", "IS": "on"}, dict(MATH_TB, lag=2, importance_weights=True, eval_temperature=0.0)),
+    ({"LOSS": "drgrpo"}, dict(MATH_DRGRPO, lag=2, drgrpo_norm="length", eval_temperature=1.0)),
+    ({"LOSS": "drgrpo", "NORM": "constant", "LAG": "10", "EVAL": "greedy"},
+     dict(MATH_DRGRPO, lag=10, drgrpo_norm="constant", eval_temperature=0.0)),
+])
+def test_run_math_dry_run_has_the_issues_settings(environ, expected):
+    command, cfg = dry_run(script="run_math.sh", **environ)
+    assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=4"]  # 4 trainer + 4 searcher GPUs
+    for name, value in {**MATH_COMMON, **expected}.items():
+        assert getattr(cfg, name) == value, (name, getattr(cfg, name), value)
+    assert {tba.lr_at(cfg, s) for s in range(cfg.steps)} == {1e-6}  # constant: no warmup, no decay
+    # each searcher's round is B / 4 = 8 prompts (the default), so 4 rounds make each step's batch: --lag accepts it
+    assert cfg.round_prompts is None and checks.check_lag(dataclasses.replace(cfg, round_prompts=8), 4) is None
+
+
+@pytest.mark.parametrize("environ,message", [
+    ({"LOSS": "grpo"}, "LOSS must be tb or drgrpo, got grpo"),
+    ({"LAG": "3"}, "LAG must be 2 or 10 (the paper's lags), got 3"),
+    ({"IS": "maybe"}, "IS must be on or off, got maybe"),
+    ({"LOSS": "drgrpo", "IS": "off"}, "IS is TBA′'s (LOSS=tb), got IS=off with LOSS=drgrpo"),
+    ({"NORM": "constant"}, "NORM is Dr. GRPO's (LOSS=drgrpo), got NORM=constant with LOSS=tb"),
+    ({"LOSS": "drgrpo", "NORM": "sum"}, "NORM must be length or constant, got sum"),
+    ({"EVAL": "best"}, "EVAL must be sampled or greedy, got best"),
+])
+def test_run_math_refuses_unknown_choices(environ, message):
+    p = subprocess.run(["bash", os.path.join(ROOT, "run_math.sh"), "--dry-run"], capture_output=True, text=True,
+                       timeout=30, env=dict(os.environ, **environ))
+    assert p.returncode == 2 and p.stderr.strip() == f"run_math.sh: {message}" and not p.stdout
+
+
+def test_run_math_passes_arguments_through_and_splits_gpus():
+    command, cfg = dry_run("--data", "/some/math", "--steps", "5", script="run_math.sh", TRAINERS="2", SEARCHERS="6")
+    assert (command[2], cfg.data, cfg.steps, cfg.searchers) == ("--nproc_per_node=2", "/some/math", 5, 6)

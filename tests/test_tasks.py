@@ -92,7 +92,7 @@ def test_the_checks_ask_the_entry(folder, tiny_model, tmp_path):
     with pytest.raises(ConfigError, match="^--victim: belongs to the redteam task$"):
         check("--victim", tiny_model)
     with pytest.raises(ConfigError, match=r"^--task: unknown task 'digits' \(choose from arith, gsm8k, tldr, "
-                                          r"redteam, digit, scored\)$"):
+                                          r"redteam, math, digit, scored\)$"):
         checks.check(checks.parse(Config, ["--model", tiny_model, "--task", "digits"]), 1)
 
 
