@@ -266,7 +266,7 @@ class Fleet:
                 else:
                     self.alive()
                     payload = nodes.encode(self.queued(), silent=self.silent, said=self.said)
-                    self.said = []
+                    self.said.clear()  # in place: the watch appends to this list
             except BaseException as e:  # a searcher of this node died, a signal...: the run stops, with this
                 error = e               # line from rank 0, after this meeting
                 payload = nodes.encode([], error=str(e) if isinstance(e, Dead) else f"stopped by {type(e).__name__}")

@@ -46,7 +46,7 @@ class SharedWeights:
 def create(ctx, searchers: int = 0) -> SharedWeights:
     """The counters, lock and handoff queue, made before the searchers are spawned."""
     return SharedWeights(None, None, ctx.Value("q", 0), ctx.Value("q", 0), ctx.Lock(), ctx.Queue(),
-                         ctx.Array("q", [0] * max(1, searchers)))
+                         ctx.Array("q", [0] * max(1, searchers), lock=False))  # one writer an entry: no lock a stopped searcher could hold
 
 
 # --- trainer side ------------------------------------------------------------------------------------

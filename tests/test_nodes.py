@@ -357,11 +357,12 @@ def searcherless_fleet(path, out, world):
     import dataclasses
     import queue as queue_module
     import tba
-    from runtime import checks, policy
+    from runtime import checks, policy, ranks
     from runtime.fleet import Fleet
     from runtime.log import Log
     cfg, data, _ = checks.check(checks.parse(Config, ["--model", path, *SMALL, "--timeout", "2", "--out", out]),
                                 world)
+    ranks.init_distributed(cfg.timeout, "cpu")  # as the Trainer does
     log = Log(cfg, int(os.environ["RANK"]), time.time())
     signals = types.SimpleNamespace(first=None, training=True)
     fleet = Fleet(dataclasses.replace(cfg, searchers=0), data, int(os.environ["RANK"]), world, log, signals)
@@ -394,6 +395,7 @@ def test_a_searcher_of_node_1_killed_holding_the_weight_lock_is_named_to_rank_0(
 def test_only_node_0s_first_searcher_evaluates(monkeypatch):
     """Every node spawns its searchers alike, numbered from node x searchers, but the evaluation channel
     goes to node 0's first only: the others build no evaluation models (a TL;DR policy copy)."""
+    import contextlib
     import types
     from runtime.fleet import Fleet
     from tasks.task import Data
@@ -413,8 +415,8 @@ def test_only_node_0s_first_searcher_evaluates(monkeypatch):
                            (2, [("searcher-2", 2, False), ("searcher-3", 3, False)])):  # nodes of 2 ranks
         spawned.clear()
         fleet = Fleet.__new__(Fleet)
-        fleet.cfg, fleet.rank, fleet.world, fleet.first, fleet.shared, fleet.procs = cfg, rank, 4, rank, None, []
-        fleet.data = Data([], [], [], [])
+        fleet.cfg, fleet.rank, fleet.world, fleet.first, fleet.shared, fleet.procs, fleet.step = cfg, rank, 4, rank, None, [], 0
+        fleet.data, fleet.signals = Data([], [], [], []), types.SimpleNamespace(held=contextlib.nullcontext)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         fleet.spawn(ctx)
         evals = fleet.channels.evals

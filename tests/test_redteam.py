@@ -345,7 +345,7 @@ def test_judge_on_vllm_equals_transformers(models, engines, tmp_path, judge):
         tok.save_pretrained(path)
     else:
         path = models["judge_chat" if ending else "judge"]
-    j = redteam.Judge(path, engines["sequence"].start(path, None, redteam.context(path)))
+    j = redteam.Judge(path, engines["sequence"].start_llm(path, None, redteam.context(path)))
     verdict = "unsafe" if ending else " unsafe"
     assert j.unsafe_id == j.tokenizer(verdict, add_special_tokens=False).input_ids[0]
     if arch == "gpt2":

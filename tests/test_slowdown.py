@@ -56,20 +56,25 @@ def test_slowdown_below_one_is_refused(tiny_model, tmp_path):
 
 
 def test_only_search_rounds_are_slowed(tiny_model, monkeypatch):
-    """The emulation slows the searchers' generation, never the evaluation: counted by the calls to
-    slow_down in one engine (a comparison of times would depend on the machine's load)."""
+    """The emulation slows the searchers' generation, each decoding step of it, never the evaluation: counted
+    by the calls to slow_down in one engine (a comparison of times would depend on the machine's load)."""
     import searcher
+    from runtime import slowdown
     from transformers import AutoTokenizer
     from test_weight_sync import config
     calls = []
-    monkeypatch.setattr(searcher, "slow_down", lambda generate, alone, factor: calls.append(factor) or 0.0)
+    monkeypatch.setattr(slowdown, "slow_down", lambda generate, alone, factor: calls.append((factor, alone)) or 0.0)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompts, answers = [tok("12+34=").input_ids, tok("47+85=").input_ids], ["46", "132"]
     engine = searcher.Engine(config(tiny_model, generation_slowdown=100.0), "cpu", 0.1, prompts, answers)
     try:
+        engine.per_token = 1e-4  # as calibrated: s a generated token costs this engine alone
         scores, _ = engine.evaluate(prompts, answers)
         assert calls == [] and "accuracy" in scores
         trajectories, made = engine.search([0, 1], 4, (0, 0, 0))
-        assert calls == [100.0] and len(trajectories) == 8 and made["slept"] == 0.0
+        longest = max(len(t.response) for t in trajectories)
+        assert len(calls) == longest and all(f == 100.0 for f, _ in calls)  # one a decoding step
+        assert calls[0][1] == pytest.approx(8 * 1e-4)  # the first step: 8 sequences, a token each, at their cost alone
+        assert len(trajectories) == 8 and made["slept"] == 0.0
     finally:
         engine.close()

@@ -97,14 +97,14 @@ def test_silent_searcher_halts_training_warns_and_stops(cap, tiny_model, tmp_pat
 SLOW_EVALUATION = """# the test's stand-in for a long evaluation: each part of searcher 0's evaluation takes 16 s more
 import os, time
 if os.environ.get("TBA_TEST_EVAL_PARTS"):
-    import searcher
-    real = searcher.Engine.evaluate_part
+    from tasks import task
+    real = task.Scorer.evaluate_part
     def evaluate_part(self, prompts, answers):
         with open(os.environ["TBA_TEST_EVAL_PARTS"], "a") as f:
             f.write(f"{time.time()}\\n")
         time.sleep(16)
         return real(self, prompts, answers)
-    searcher.Engine.evaluate_part = evaluate_part
+    task.Scorer.evaluate_part = evaluate_part
 """
 
 
@@ -250,7 +250,7 @@ def test_take_counts_what_arrives_and_the_newest_version():
                 {"kind": "eval", "searcher": 0, "version": 4, "scores": {"accuracy": 0.5}, "example": {}, "seconds": 1.0}):
         q.put(dict(msg, generate=0.0, slept=0.0, charged=0.0, parts={}, per_token=None))
     fleet = Fleet.__new__(Fleet)
-    fleet.channels, fleet.procs, fleet.cfg = types.SimpleNamespace(queue=q), [], types.SimpleNamespace(timeout=60)
+    fleet.channels, fleet.procs, fleet.cfg = types.SimpleNamespace(queue=q), [], types.SimpleNamespace(timeout=60, lag=None)
     fleet.watch = types.SimpleNamespace(heard=heard.append, check=lambda: None)
     fleet.log = types.SimpleNamespace(eval=lambda *row: rows.append(row), searched=lambda msg: None)
     fleet.received = fleet.kept = 0

@@ -16,6 +16,7 @@ from rewards import arith_reward
 from runtime import weights
 from loss import collate
 from searcher import Engine
+from runtime.fleet import Channels
 from tasks.task import Data
 
 
@@ -149,9 +150,9 @@ def test_searcher_process_after_sync(tiny_model):
     ref = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     shared = share(ref, ctx)
     queue, stop = ctx.Queue(maxsize=4), ctx.Event()
+    channels = Channels(queue, stop, None, None)
     proc = ctx.Process(target=searcher.run, daemon=True,
-                       args=(0, dataclasses.asdict(cfg), shared, queue, stop, None, Data(prompts, answers, prompts, answers),
-                             "cpu", None))
+                       args=(0, cfg, shared, channels, Data(prompts, answers, prompts, answers), "cpu"))
     proc.start()
     try:
         model = perturbed(tiny_model, 3)
