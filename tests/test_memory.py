@@ -21,3 +21,7 @@ def test_the_formula_predicts_the_measured_peak(tmp_path):
     for how, kept, predicted, measured, error in rows:
         assert abs(float(error)) < 15, p.stdout  # the formula within 15% of the measured peak
     assert float(rows[1][1]) < float(rows[0][1]), p.stdout  # recomputation keeps less a token a layer
+    qwen = dict(re.findall(r"Qwen2.5-7B, .*?, rank (\d)(?: and up)?: about (\d+) GB", p.stdout))
+    assert set(qwen) == {"0", "1"}, p.stdout  # run_math.sh's trainer: rank 0 holds the shared bf16 copy too
+    assert 14 <= int(qwen["0"]) - int(qwen["1"]) <= 16, p.stdout  # its 15.2 GB
+    assert int(qwen["1"]) >= 31, p.stdout  # at least the shard of weights, gradients and AdamW: 16 x 7.62e9 / 4 bytes

@@ -11,7 +11,8 @@ rho-math-1b's layer shape (hidden 2048, MLP 5632, 32 heads with 4 key/value head
 are. From the measurements: the bytes kept for the backward pass per token and layer (with and
 without --activation-checkpointing) and a fixed part (logits and their gradients, which grow with
 tokens, not layers); the formula then predicts the peak of a model of another depth, which is
-measured too, and prints both. Finally it extrapolates to rho-math-1b at the paper's settings.
+measured too, and prints both. Finally it extrapolates to rho-math-1b at the paper's settings and to
+Qwen2.5-7B at run_math.sh's.
 """
 
 import argparse
@@ -134,7 +135,36 @@ def main(argv=None):
         print(f"rho-math-1b, 20 x 750 tokens a pass, {'with' if recompute else 'without'} activation checkpointing: "
               f"about {total / 1e9:.0f} GB on the trainer GPU (weights and AdamW {state / 1e9:.1f}, kept for the "
               f"backward pass {kept / 1e9:.1f}, shared copy {shared / 1e9:.1f}, CUDA contexts {contexts / 1e9:.1f})")
+    qwen_7b(fits, args.vocab)
     return out
+
+
+QWEN_7B = dict(params=7.62e9, hidden=3584, ffn=18944, layers=28, vocab=152064)  # Qwen/Qwen2.5-7B's config.json
+
+
+def qwen_7b(fits: dict, vocab: int, ranks: int = 4, tokens: int = 4096):
+    """run_math.sh's trainer: Qwen2.5-7B over `ranks` GPUs (FSDP2 shards weights, gradients and AdamW), micro-batch
+    1 of up to `tokens` (--context), activation checkpointing. What a pass keeps is scaled from the fit at this
+    script's shape (vocabulary `vocab`): a block's checkpoint (its input) by the hidden width, the fixed part (logits, log-softmax
+    chunks) by the vocabulary; the one block recomputed at a time in the backward pass by the fit without
+    checkpointing, scaled by the MLP's width. An estimate: no GPU ran it."""
+    q, P = QWEN_7B, QWEN_7B["params"]
+    (ckpt_layer, fixed), (full_layer, _) = fits[True], fits[False]
+    kept = (ckpt_layer * q["hidden"] / RHO["hidden"] * q["layers"] + fixed * q["vocab"] / vocab) * tokens
+    block = full_layer * q["ffn"] / RHO["ffn"] * tokens  # one block's activations, live while it is recomputed
+    shard = int(P / ranks)
+    state = max(gpu.trainer_bytes(shard, shard, "float32", gradients=False) + kept + block,
+                gpu.trainer_bytes(shard, shard, "float32"))
+    gathered = 2 * 2 * q["vocab"] * q["hidden"]  # FSDP2's bf16 all-gather of the largest units (embeddings, lm_head)
+    shared, context = 2 * P, 0.5e9  # rank 0: the bf16 copy for the searchers' reload (runtime/weights.py); CUDA
+    for rank, extra in ((0, shared), (1, 0)):
+        total = state + gathered + context + extra
+        print(f"Qwen2.5-7B, run_math.sh's trainer ({ranks} GPUs, 1 x {tokens} tokens a pass, activation "
+              f"checkpointing), rank {rank}{'' if rank == 0 else ' and up'}: about {total / 1e9:.0f} GB (weights, "
+              f"gradients and AdamW shard {gpu.trainer_bytes(shard, shard, 'float32') / 1e9:.1f}, kept for the "
+              f"backward pass {kept / 1e9:.1f}, a recomputed block {block / 1e9:.1f}, gathered weights "
+              f"{gathered / 1e9:.1f}{f', shared copy {shared / 1e9:.1f}' if extra else ''}, CUDA context "
+              f"{context / 1e9:.1f}; count about 10% more)")
 
 
 if __name__ == "__main__":
