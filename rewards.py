@@ -1,6 +1,6 @@
 """Reward functions: plain `reward(completion, answer) -> float`, testable on strings alone.
 
-- `arith_reward`: the toy task (`--task arith`, see `tasks.py`): exact match of the answer.
+- `arith_reward`: the toy task (`--task arith`, see `tasks/arith.py`): exact match of the answer.
 - `gsm8k_reward`: the paper's GSM8K reward (Sec. 5 of Bartoldson et al., and the authors'
   `gsm8k_utils.py`): 1.0 if the LAST number in the completion, commas removed, equals the
   number after `####` in the data set's answer, compared as floats; else 0.0.
