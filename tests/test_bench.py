@@ -91,3 +91,17 @@ def test_a_missing_matplotlib_skips_the_picture(tmp_path, monkeypatch, capsys):
         plot.main(["--slowdown", str(tmp_path / "bench.json"), "-o", str(tmp_path / "x.png")])
     assert e.value.code == 2 and capsys.readouterr().err.strip() == (
         "plot.py: matplotlib is not installed (pip install matplotlib); no picture drawn")
+
+
+def test_a_star_at_an_x_already_run_is_not_run_again(tmp_path, monkeypatch, capsys):
+    """Part 9's X star (where the synchronous round takes as long as its step) is not run again when it falls
+    on an X already run (4 searchers on 2 cores: the round is longer than the step at X = 1): run twice into
+    the same folders, the second set's times came out negative."""
+    import bench
+    runs = []
+    monkeypatch.setattr(bench, "run_until_target", lambda searchers, seed, cap, run, *rest: runs.append(run) or dict(reached=True, seconds=10.0, step=20))
+    monkeypatch.setattr(bench, "hardware_row", lambda run, r: dict(reached=True, seconds=10.0, from_first_step=5.0,
+                                                                   G=1.0, T=0.1, step=20, staleness=0.0, curve=[]))
+    eh = bench.equal_hardware([0], str(tmp_path), [], 60, False, [4], [1.0, "star"], ["sync"], 0.25, 5)
+    assert len(runs) == len(set(runs)) == 2 and eh["slowdowns"] == [1.0]  # one process and sync at X = 1 only
+    assert "9. N 4: the synchronous round takes as long as its step at X = 1 or below, already run" in capsys.readouterr().out

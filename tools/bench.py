@@ -240,19 +240,7 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
     return dict(losses=losses, lags=lags, settings=settings, flags=STUDY + flags + extra, rows=rows)
 
 
-# --- 9: where asynchrony pays: generation-bound, emulated ---------------------------------------------
-def reuse_flag(reuse: str, n: int, cfg) -> float:
-    """Part 9's --max-reuse for `reuse`: "off" (0), a number, or "barrier": the authors' ratio, draws per
-    fresh trajectory when their trainer waits at each sync for one round of each of N searchers (k steps
-    of B x K draws against N rounds of round-prompts x search K; docs/performance.md)."""
-    if reuse == "off":
-        return 0.0
-    if reuse == "barrier":
-        return cfg.sync_every * cfg.prompts_per_step * cfg.samples_per_prompt / (
-            n * cfg.round_prompts * cfg.search_samples_per_prompt)
-    return float(reuse)
-
-
+# --- 9: asynchrony on equal hardware, generation-bound, emulated ------------------------------------
 MODES = {"sync": ["--lag", "0"],      # the synchronous baseline on the searchers' hardware: each step waits
          "lag1": ["--lag", "1"],      # one-step off-policy: every batch sampled by the weights of the step before
          "stream": [],                # TBA: searchers stream rounds, weights reach them between rounds
@@ -272,6 +260,10 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, qui
         for x in slowdowns:
             if x == "star":
                 x = star(rows, n)
+                if any(r["searchers"] == n and r["x"] == x for r in rows):  # G_N reaches T at or below an X run
+                    print(f"9. N {n}: the synchronous round takes as long as its step at X = {x:g} or below, "
+                          f"already run", flush=True)
+                    continue
             for mode in ["one process", *modes]:
                 for seed in seeds:
                     searchers = 0 if mode == "one process" else n
@@ -284,7 +276,15 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, qui
                     print(f"9. N {n} X {x:g} {mode} seed {seed}: start + {gain:g} "
                           f"{'at %.1f s, step %d' % (r['seconds'], r['step']) if r['reached'] else 'not reached'}, "
                           f"stale {rows[-1]['staleness']:.2f}", flush=True)
-    for r in rows:  # against the synchronous run on the same hardware: same N, X and seed
+    against_sync(rows)
+    return dict(searchers=counts, slowdowns=sorted({r["x"] for r in rows}), modes=modes, gain=gain, cap=cap, rows=rows,
+                summary=hardware_summary(rows, counts))
+
+
+def against_sync(rows: list[dict]):
+    """Each row of part 9 against the synchronous run on the same hardware (same N, X and seed): its speed-ups, the
+    ideal from that run's G and T, and for the synchronous runs at X > 1 whether they learn as at X = 1."""
+    for r in rows:
         sync = next(s for s in rows if (s["searchers"], s["x"], s["seed"], s["mode"]) == (r["searchers"], r["x"], r["seed"], "sync"))
         both = r["reached"] and sync["reached"]
         r["G"], r["T"] = sync["G"], sync["T"]
@@ -294,8 +294,6 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, qui
         if r["mode"] == "sync" and r["x"] != 1:  # the exact lag's samples do not depend on timing: same curve
             x1 = next((s for s in rows if (s["searchers"], s["x"], s["seed"], s["mode"]) == (r["searchers"], 1, r["seed"], "sync")), None)
             r["same_as_x1"] = x1 is not None and all(dict(x1["curve"]).get(step, acc) == acc for step, acc in r["curve"])
-    return dict(searchers=counts, slowdowns=sorted({r["x"] for r in rows}), modes=modes, gain=gain, cap=cap, rows=rows,
-                summary=hardware_summary(rows, counts))
 
 
 def star(rows: list[dict], n: int) -> float:
