@@ -211,6 +211,26 @@ def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
 STUDY = ["--searchers", "0", "--sync-every", "1", "--recency", "1", "--eval-every", "10"]
 
 
+def lagged_run(part: int, run: str, loss: str, args: list[str], lag: int, seed: int, tail: list[str]) -> tuple[dict, dict]:
+    """Parts 7 and 12: one tba.py run of `loss` to its end with `args`, --lag `lag`, --seed `seed` and then `tail` (the
+    user's flags, which come last) into `run` (its output in run.log): its held-out accuracy at the start, at the end (mean of the last 3 evaluations) and
+    best, whether it collapsed (ended below its start), its staleness and curve; and its config."""
+    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *args, "--lag", str(lag), "--seed", str(seed), "--out", run, *tail]
+    t0 = time.time()
+    with open(run + ".log", "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"tba.py {' '.join(cmd[2:])} failed: {read_text(run + '.log')[-2000:]}")
+    train, evals, config = plot.read(run)
+    accuracy = [e["accuracy"] for e in evals]
+    final = float(np.mean(accuracy[-3:]))
+    row = dict(loss=loss, lag=lag, seed=seed, start=accuracy[0], final=final, best=max(accuracy[1:]), collapsed=final < accuracy[0],
+               staleness=float(np.mean([r["staleness"] for r in train])), seconds=time.time() - t0,
+               curve=[(e["step"], e["accuracy"]) for e in evals])
+    print(f"{part}. {loss} lag {lag} seed {seed}: {accuracy[0]:.3f} -> {final:.3f} (best {row['best']:.3f})", flush=True)
+    return row, config
+
+
 def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dict:
     """tba.py runs for each loss of loss.LOSSES x staleness x seed (synchronous, --lag L: every batch L steps stale)."""
     losses, lags = list(LOSSES), ([0, 2] if quick else [0, 4, 15])
@@ -219,22 +239,9 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
     for loss in losses:
         for lag in lags:
             for seed in seeds:
-                run = os.path.join(out, f"offpolicy-{loss}-lag{lag}-seed{seed}")
-                cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *STUDY, "--loss", loss, "--lag", str(lag),
-                       "--seed", str(seed), "--out", run, *flags, *extra]
-                t0 = time.time()
-                with open(run + ".log", "w") as log:
-                    code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-                if code != 0:
-                    raise RuntimeError(f"tba.py {' '.join(cmd[2:])} failed: {read_text(run + '.log')[-2000:]}")
-                train, evals, config = plot.read(run)
-                accuracy = [e["accuracy"] for e in evals]
-                final = float(np.mean(accuracy[-3:]))
-                rows.append(dict(loss=loss, lag=lag, seed=seed, start=accuracy[0], final=final, best=max(accuracy[1:]),
-                                 collapsed=final < accuracy[0], staleness=float(np.mean([r["staleness"] for r in train])),
-                                 seconds=time.time() - t0, curve=[(e["step"], e["accuracy"]) for e in evals]))
-                print(f"7. {loss} lag {lag} seed {seed}: {accuracy[0]:.3f} -> {final:.3f} (best {rows[-1]['best']:.3f})",
-                      flush=True)
+                row, config = lagged_run(7, os.path.join(out, f"offpolicy-{loss}-lag{lag}-seed{seed}"), loss,
+                                         [*STUDY, "--loss", loss], lag, seed, [*flags, *extra])
+                rows.append(row)
     settings = {k: config[k] for k in ("lr", "beta", "steps", "prompts_per_step", "samples_per_prompt", "temperature",
                                        "decay_steps", "clip", "grad_clip")}
     return dict(losses=losses, lags=lags, settings=settings, flags=STUDY + flags + extra, rows=rows)
@@ -384,22 +391,9 @@ def miniature(seeds: list[int], out: str, flags: list[str], quick: bool, lags: l
     for loss, loss_flags in losses.items():
         for lag in lags:
             for seed in seeds:
-                run = os.path.join(out, f"miniature-{loss}-lag{lag}-seed{seed}")
-                cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *MINIATURE, *loss_flags, "--lag", str(lag),
-                       "--seed", str(seed), "--out", run, *flags, *extra]
-                t0 = time.time()
-                with open(run + ".log", "w") as log:
-                    code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-                if code != 0:
-                    raise RuntimeError(f"tba.py {' '.join(cmd[2:])} failed: {read_text(run + '.log')[-2000:]}")
-                train, evals, config = plot.read(run)
-                accuracy = [e["accuracy"] for e in evals]
-                final = float(np.mean(accuracy[-3:]))
-                rows.append(dict(loss=loss, lag=lag, seed=seed, start=accuracy[0], final=final, best=max(accuracy[1:]),
-                                 collapsed=final < accuracy[0], staleness=float(np.mean([r["staleness"] for r in train])),
-                                 seconds=time.time() - t0, curve=[(e["step"], e["accuracy"]) for e in evals]))
-                print(f"12. {loss} lag {lag} seed {seed}: {accuracy[0]:.3f} -> {final:.3f} (best {rows[-1]['best']:.3f})",
-                      flush=True)
+                row, _ = lagged_run(12, os.path.join(out, f"miniature-{loss}-lag{lag}-seed{seed}"), loss,
+                                    [*MINIATURE, *loss_flags], lag, seed, [*flags, *extra])
+                rows.append(row)
     return dict(losses=list(losses), lags=lags, flags=MINIATURE + flags + extra, rows=rows)
 
 
