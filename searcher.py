@@ -17,6 +17,7 @@ searcher process and, with `--searchers 0` (the synchronous baseline), inside th
 for it, with a beat to the trainer after each part, so that a long evaluation is not taken for silence.
 """
 
+import gc
 import itertools
 import multiprocessing as mp
 import os
@@ -52,6 +53,9 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, fi
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
         vllm_env.quiet_loading()
+        # vLLM's engine start collects the whole heap five times (vllm/model_executor/model_loader/base_loader.py:92,
+        # 112, vllm/utils/gc_utils.py:128-130 from vllm/v1/engine/core.py:253): frozen, the imports' objects are skipped
+        gc.freeze()  # (0.7 s of a CPU engine's start); its shutdown unfreezes them (vllm/v1/engine/core.py:836)
         engine = Engine(cfg, device, cfg.searcher_memory, data.prompts, data.answers,
                         evaluates=channels.evals is not None)
         if cfg.generation_slowdown != 1:

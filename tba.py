@@ -32,7 +32,11 @@ import sys
 def stopped_at_start(signum, frame):
     """Ctrl-C or SIGTERM while importing and checking: nothing runs yet, so stop quietly."""
     print(f"tba.py: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
-    os._exit(128 + signum)  # 130 / 143; no process has been spawned yet
+    if "runtime.fleet" in sys.modules:  # the searchers' fork server may be importing vLLM (main)
+        sys.modules["runtime.fleet"].stop_fork_server()
+        import atexit
+        atexit._run_exitfuncs()  # its socket's folder goes
+    os._exit(128 + signum)  # 130 / 143; no searcher has been spawned yet
 
 
 if __name__ == "__main__":  # before the heavy imports below, which take seconds
@@ -59,7 +63,7 @@ from runtime.checkpoint import full_state_dict, linked, save_checkpoint, save_hf
 from runtime.checks import check, parse
 from runtime.config import Config
 from runtime.errors import ConfigError, Dead, Silent, Stop
-from runtime.fleet import Fleet, LocalFleet, Signals
+from runtime.fleet import Fleet, LocalFleet, Signals, fork_server, stop_fork_server
 from runtime.hub import load_tokenizer
 from runtime.log import Log
 from runtime.policy import AdamW, load_policy
@@ -420,6 +424,8 @@ def run(cfg, data, ckpt):
 def main(argv=None):
     cfg = parse(Config, sys.argv[1:] if argv is None else argv, __doc__.split("\n\n")[0])
     vllm_env.quiet_loading()
+    if cfg.searchers and os.environ.get("LOCAL_RANK", "0") == "0" and machine_device() == "cpu":
+        fork_server()  # its import of vLLM for the searchers (5 s) runs beside this rank's checks and model load
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_env = int(os.environ.get("RANK", "0"))
     try:
@@ -468,6 +474,7 @@ if __name__ == "__main__":
     # Leave without the interpreter's teardown, after the exit handlers: everything is written, closed
     # and stopped by now, and that teardown can abort a finished rank (SIGABRT, "terminate called
     # without an active exception": a C++ thread destroyed while joinable, after its process group).
+    stop_fork_server()  # the searchers are stopped by now; the server may still be importing vLLM
     import atexit
     atexit._run_exitfuncs()  # what a normal exit runs first (multiprocessing unlinks its semaphores)
     sys.stdout.flush()

@@ -531,6 +531,19 @@ def fork_server():
     return ctx
 
 
+def stop_fork_server():
+    """At the trainer's exit: the fork server goes at once. It starts before the checks (tba.py, main), and while
+    it still imports vLLM it ignores SIGINT and SIGTERM and sees no end of the trainer, so a refused or stopped
+    run would leave it printing vLLM's import lines after the run's last. Python 3.11's ForkServer keeps its pid
+    (multiprocessing/forkserver.py:37, 161); its socket is in multiprocessing's temporary folder, which the exit
+    functions remove (multiprocessing/connection.py:77, util.py:get_temp_dir)."""
+    pid = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    pid = pid and pid._forkserver_pid
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 class Watch:
     """Each node's leader (rank 0 on one node) watches its searchers' messages. A searcher stuck in
     vLLM, on a wedged GPU or a stalled file system still lives, and the trainer, which never waits once

@@ -190,7 +190,8 @@ def test_ctrl_c_while_the_fork_server_imports_vllm_stops_quietly(tiny_model, tmp
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
-    assert output.strip().splitlines()[-1] == "tba.py: stopped by SIGINT; before the first step: nothing to save"
+    assert output.strip().splitlines()[-1] in ("tba.py: stopped by SIGINT during start-up",  # the checks (tba.py, main)
+                                               "tba.py: stopped by SIGINT; before the first step: nothing to save")
     assert server in everything
     assert_all_gone(everything)  # the fork server too, once its imports are done and it sees the trainer gone
 
