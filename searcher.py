@@ -6,7 +6,9 @@ to each with vLLM, scores them with the task's reward, computes their summed log
 (a frozen copy of the initial model, logits / temperature), and puts the trajectories on the bounded
 queue to the trainer. Before each round it checks the weight version: if the trainer published new
 weights it reloads them into vLLM and resets the prefix cache (vLLM never clears it after new weights
-arrive; stale cached prefixes would keep the old policy's values).
+arrive; stale cached prefixes would keep the old policy's values). With --inflight it also loads them
+between two decoding steps of a round; with --keep-full its engine never runs down at a round's end: each
+response is a request of its own, and a finished one's slot takes the next at once.
 
 This file is the searcher's loop (`run`, below) and its `Engine`: generate, score, pi_ref, reload,
 evaluate. The task's reward and evaluation come from its scorer (tasks/task.py); the weights arrive
@@ -74,23 +76,31 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, fi
                 weights.wants[me] = max(0, round_ - cfg.lag)
                 engine.sync(weights, parent_alive, cfg.timeout, version=weights.wants[me], beat=beat,
                             stop=channels.stop)
-            else:
+            else:  # (--keep-full: requests are in flight between two calls too)
                 weights.wants[me] = -1
-                engine.sync(weights, parent_alive, cfg.timeout)
+                engine.sync(weights, parent_alive, cfg.timeout, in_flight=cfg.keep_full, pi_ref=True)
             # ===== search: sample, score, pi_ref's log-probs; push to the trainer =================
             if lagged or cfg.lag is None:
                 t0 = time.time()
                 rng = np.random.default_rng([cfg.seed, index, round_, seeds.SEARCH_PROMPTS])  # a resumed run's too
                 ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
                 trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
-                                                    for_step=round_ if lagged else -1, between=in_flight)
-                put(channels.queue, dict(kind="search", searcher=index, version=engine.version,
-                                         trajectories=trajectories, seconds=time.time() - t0, **stats), channels.stop)
+                                                    for_step=round_ if lagged else -1, between=in_flight,
+                                                    keep=cfg.keep_full)
+                if trajectories:  # (--keep-full: none from the call that fills the engine)
+                    put(channels.queue, dict(kind="search", searcher=index, version=engine.version,
+                                             trajectories=trajectories, seconds=time.time() - t0, **stats),
+                        channels.stop)
             else:  # --lag, every round made: only evaluations are left to do
                 time.sleep(WAIT / 4)
             # ===== evaluate, if asked (after a round: the trainer gets its first data first) ======
             asked += drain_requests(channels.evals)
             due = [step for step in asked if cfg.lag is None or step <= engine.version]  # --lag: once it holds them
+            if due and engine.held:  # --keep-full: the requests in flight finish first (evaluating generates)
+                t0 = time.time()
+                trajectories, stats = engine.search([], cfg.search_samples_per_prompt, (), between=in_flight, keep=True)
+                put(channels.queue, dict(kind="search", searcher=index, version=engine.version,
+                                         trajectories=trajectories, seconds=time.time() - t0, **stats), channels.stop)
             if due:
                 if cfg.lag is None and engine.version != max(due):  # the weights asked for if it holds them (the
                     engine.sync(weights, parent_alive, cfg.timeout)   # initial model's), else the newest
@@ -142,6 +152,9 @@ class Engine:
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.per_token = None     # --generation-slowdown: s a generated token costs this engine alone
         self.pi_ref_model = None  # loaded on the first search (`pi_ref`)
+        self.held = {}            # --keep-full: prompts in flight: number -> (prompt id, its responses done)
+        self.pending = []         # --keep-full: requests waiting for a free slot
+        self.added = 0            # --keep-full: prompts added so far (their numbers)
         self.scorer = task.scorer(self, task, evaluates)
 
     # --- searching -------------------------------------------------------------------------
@@ -187,13 +200,70 @@ class Engine:
                 between()
         return [done[f"round-{i}"] for i in range(len(prompts))], generate, slept
 
-    def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1, between=None) -> tuple[list[Trajectory], dict]:
+    def keep_full(self, prompt_ids, n: int, seed: tuple, between):
+        """--keep-full: vLLM's loop driven step by step as in `step_through`, the engine kept at --round-prompts x n
+        sequences. Each response is a request of its own, so that a finished one's slot takes the next at once
+        (a prompt's n responses as one request hold their slots until the slowest). A call into an idle engine
+        fills it with its prompts and returns nothing; a later call's requests enter one for each that
+        finishes, and it returns once as many have finished as it brought, with the prompts whose n responses
+        are all done, its own or earlier calls' (the others wait in `self.held`). With no prompts (before an
+        evaluation) it runs until none is left. Returns ([(prompt id, its n completions)], seconds generating,
+        seconds slept)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        engine, generate, slept, finished = self.llm.llm_engine, 0.0, 0.0, 0
+        for p in prompt_ids:  # a request a response, seeded from the prompt's seed and its index
+            self.added += 1
+            self.held[self.added] = (int(p), [])
+            temperature = self.explore(seed, p)
+            for j in range(n):
+                s = SamplingParams(temperature=temperature, max_tokens=max_tokens(self.cfg, self.prompts[p]), logprobs=0,
+                                   seed=int(np.random.SeedSequence([*seed, int(p), j]).generate_state(1)[0]))
+                s.output_kind = RequestOutputKind.FINAL_ONLY
+                self.pending.append((f"search-{self.added}-{j}", {"prompt_token_ids": self.prompts[p]}, s))
+        room = self.cfg.round_prompts * n
+
+        def add():  # a pending request for each free slot
+            while self.pending and engine.get_num_unfinished_requests() < room:
+                rid, prompt, s = self.pending.pop(0)
+                engine.add_request(rid, dict(prompt, cache_salt=f"v{self.version}"), s)  # salted as in step_through
+
+        starting = not engine.has_unfinished_requests()
+        add()
+        if starting and len(prompt_ids):
+            return [], 0.0, 0.0
+        while engine.has_unfinished_requests() and (not len(prompt_ids) or finished < len(prompt_ids) * n):
+            running = engine.get_num_unfinished_requests()
+            t0 = time.time()
+            for out in engine.step():
+                if out.finished:
+                    finished += 1
+                    self.held[int(out.request_id.split("-")[1])][1].append(out.outputs[0])
+            add()
+            seconds = time.time() - t0
+            generate += seconds
+            if self.per_token:  # --generation-slowdown, as in step_through
+                slept += slowdown.slow_down(seconds, running * self.per_token, self.cfg.generation_slowdown)
+            if between is not None and engine.has_unfinished_requests():
+                between()
+        whole = [k for k, (_, done) in self.held.items() if len(done) == n]
+        return [self.held.pop(k) for k in whole], generate, slept
+
+    def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1, between=None,
+               keep: bool = False) -> tuple[list[Trajectory], dict]:
         """n sampled responses to each prompt, scored, with reference and behaviour log-probs, and the versions
-        of the weights that sampled them (several with --inflight); `for_step`: --lag's step."""
-        outputs, generate, slept = self.generate(prompt_ids, n, seed, between)
-        tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        of the weights that sampled them (several with --inflight); `for_step`: --lag's step; `keep`
+        (--keep-full): those of the prompts done first, the engine kept full (`keep_full`)."""
+        if keep:
+            groups, generate, slept = self.keep_full(prompt_ids, n, seed, between)
+            if not groups:  # the call that filled the engine
+                return [], {}
+            done = [(p, c) for p, completions in groups for c in completions]
+        else:
+            outputs, generate, slept = self.generate(prompt_ids, n, seed, between)
+            done = [(int(p), c) for p, out in zip(prompt_ids, outputs) for c in out.outputs]
+        tokens = sum(len(c.token_ids) for _, c in done)
         alone = tokens * self.per_token if self.per_token else generate  # the generation's cost alone
-        done = [(int(p), c) for p, out in zip(prompt_ids, outputs) for c in out.outputs]
         texts = [c.text for _, c in done]
         rewards = self.scorer.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done], texts,
                                      [self.answers[p] for p, _ in done])
@@ -282,11 +352,13 @@ class Engine:
         self.version = version
 
     def sync(self, weights: SharedWeights, alive, timeout: float, version: int | None = None, beat=None,
-             stop=None, in_flight: bool = False) -> bool:
+             stop=None, in_flight: bool = False, pi_ref: bool | None = None) -> bool:
         """Load the published weights if their version moved, and pi_ref if it was reset (TBA′); True if
         anything moved. Read under the lock: the trainer cannot overwrite them half-way. `version` (--lag):
         wait, beating, for exactly those weights (the trainer publishes them once no searcher needs older
-        ones); `in_flight`: the policy only, between two decoding steps."""
+        ones); `in_flight`: between two decoding steps, with requests in flight, and then (unless `pi_ref`)
+        the policy only."""
+        pi_ref = not in_flight if pi_ref is None else pi_ref
         if version is not None:
             deadline, last_beat = time.time() + timeout, time.time()
             while weights.version.value != version and not (stop is not None and stop.is_set()):
@@ -301,12 +373,12 @@ class Engine:
                     last_beat = time.time()
                 time.sleep(0.01)
         moved = weights.version.value != self.version
-        if not moved and (in_flight or weights.pi_ref_version.value == self.pi_ref_version):
+        if not moved and (not pi_ref or weights.pi_ref_version.value == self.pi_ref_version):
             return False
         with locked(weights, alive, timeout, self.device):
             if weights.version.value != self.version:
                 self.load(list(weights.tensors.items()), weights.version.value, in_flight)
-            if not in_flight and weights.pi_ref_version.value != self.pi_ref_version:
+            if pi_ref and weights.pi_ref_version.value != self.pi_ref_version:
                 self.pi_ref().load_state_dict(weights.pi_ref, strict=False)
                 self.pi_ref_version = weights.pi_ref_version.value
         return True

@@ -424,8 +424,9 @@ def run(cfg, data, ckpt):
 def main(argv=None):
     cfg = parse(Config, sys.argv[1:] if argv is None else argv, __doc__.split("\n\n")[0])
     vllm_env.quiet_loading()
-    if cfg.searchers and os.environ.get("LOCAL_RANK", "0") == "0" and machine_device() == "cpu":
+    if argv is None and cfg.searchers and os.environ.get("LOCAL_RANK", "0") == "0" and machine_device() == "cpu":
         fork_server()  # its import of vLLM for the searchers (5 s) runs beside this rank's checks and model load
+        # (from the command line only: a caller of main() in its own process, a test, starts it with its searchers)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank_env = int(os.environ.get("RANK", "0"))
     try:

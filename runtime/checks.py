@@ -43,7 +43,7 @@ def parser(config_class, description: str = "") -> argparse.ArgumentParser:
             continue
         name, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
         help += "" if "default" in help else f" (default: {f.default})"  # said once
-        if f.type is bool:
+        if f.type is bool or f.type == bool | None:  # None: decided by the checks
             p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
             continue
         kind = next(t for t in (int, float, str) if f.type is t or t in typing.get_args(f.type))
@@ -116,6 +116,8 @@ def check(cfg, world: int):
     vllm_env.check()
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "ref_reset_every"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
+    if cfg.inflight is None:  # measured better than between rounds only, or as good (docs/performance.md, part 9)
+        cfg = dataclasses.replace(cfg, inflight=cfg.lag is None and cfg.searchers > 0)
     check_lag(cfg, every or 1)
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
     need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
@@ -185,6 +187,8 @@ def check_lag(cfg, searchers: int):
          f"{', '.join(choices(cfg, 'inflight_kv'))})")
     need(not cfg.inflight or cfg.searchers, "inflight", "loads weights into the searchers' rounds in flight; with "
          "--searchers 0 the trainer searches between its steps")
+    need(not cfg.keep_full or cfg.inflight, "keep-full", "keeps requests in flight from one round to the next, which "
+         "new weights reach only in flight: streaming with --inflight (the default with searchers)")
     if cfg.lag is None:
         return
     need(not cfg.inflight, "inflight", "streams weights into rounds in flight; with --lag each round is sampled by "

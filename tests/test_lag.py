@@ -163,3 +163,65 @@ def test_a_round_in_flight_receives_new_weights(tiny_model):
     assert long and all((t.version, t.version_last) == (0, 1) for t in long)
     assert all(np.isclose(t.behaviour_logps.sum(), t.logp_behaviour, atol=1e-4) for t in trajectories)
     engine.close()
+
+
+# --- --keep-full: a finished response's slot takes a new request at once ------------------------------------
+def test_the_engine_is_kept_full_and_every_response_comes_back_once(tiny_model):
+    """The real engine, stepped with --keep-full: the first call fills the engine and returns nothing; each later
+    call's requests enter as finished ones leave, so every decoding step runs with a round's sequences (plain
+    rounds run down to their slowest response); a call returns the prompts done first, earlier calls' among
+    them, with all their n responses; the drain returns the rest: every prompt's n responses exactly once."""
+    import dataclasses
+    from searcher import Engine
+    from tasks.arith import splits
+    from test_weight_sync import config
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = [tok(p.prompt).input_ids for p in splits()[0][:24]]
+    n, per_call = 4, 4
+    cfg = dataclasses.replace(config(tiny_model, inflight=True, keep_full=True, max_new_tokens=8, temperature=1.0,
+                                     round_prompts=per_call, search_samples_per_prompt=n), max_model_len=64)
+    engine = Engine(cfg, "cpu", 0.1, prompts, ["0"] * len(prompts))
+    llm = engine.llm.llm_engine
+    counts = []
+    between = lambda: counts[-1].append(llm.get_num_unfinished_requests())  # after each step's refill
+    calls = [np.arange(i, i + per_call) for i in range(0, 24, per_call)]
+    back = []
+    for i, ids in enumerate(calls):
+        counts.append([])
+        trajectories, _ = engine.search(ids, n, (0, 1, i), between=between, keep=True)
+        if i == 0:
+            assert trajectories == [] and llm.get_num_unfinished_requests() == per_call * n
+            continue
+        got = [t.prompt_id for t in trajectories]
+        assert got and all(got.count(p) == n for p in got), (i, got)  # whole prompts
+        assert set(got) & set(np.concatenate(calls[:i]).tolist()), (i, got)  # earlier calls' among them
+        back += trajectories
+    steps = [c for call in counts[1:] for c in call]
+    assert all(c == per_call * n for call in counts[1:] for c in call[:-1]), counts  # full but for a call's last step,
+    assert np.mean(steps) > 0.95 * per_call * n, counts  # after which the next call's requests take the free slots
+    counts.append([])
+    rest, _ = engine.search([], n, (), between=between, keep=True)  # the drain (before an evaluation)
+    back += rest
+    assert not llm.has_unfinished_requests() and engine.held == {} and engine.pending == []
+    assert sorted(t.prompt_id for t in back) == sorted(np.repeat(np.arange(24), n).tolist())  # each n times, once
+    # the same prompts in plain rounds run down to their slowest response
+    engine.cfg, low = dataclasses.replace(cfg, keep_full=False), []
+    for i, ids in enumerate(calls[1:3]):
+        engine.search(ids, n, (0, 1, i), between=lambda: low.append(llm.get_num_unfinished_requests()))
+    assert min(low) < per_call * n / 2, low
+    engine.close()
+
+
+def test_a_run_with_the_engine_kept_full(tiny_model, tmp_path):
+    """tba.py --inflight --keep-full: the run ends, its evaluations come (each drains the engine first: streaming,
+    of the newest weights), and the trainer learns from each trajectory once."""
+    out = tmp_path / "run"
+    p = run_tba(["--model", tiny_model, *SMALL, "--inflight", "--keep-full", "--steps", "6", "--eval-every", "3",
+                 "--out", str(out)], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert rows[-1]["samples"] >= 6 * 4 * 4 and rows[-1]["reuse"] <= 1.0 + 1e-9
+    evals = [r["step"] for r in metrics(out) if r["kind"] == "eval"]
+    assert len(evals) == 3 and evals[0] == 0 and evals[-1] == 6, evals

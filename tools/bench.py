@@ -250,9 +250,10 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
 # --- 9: asynchrony on equal hardware, generation-bound, emulated ------------------------------------
 MODES = {"sync": ["--lag", "0"],      # the synchronous baseline on the searchers' hardware: each step waits
          "lag1": ["--lag", "1"],      # one-step off-policy: every batch sampled by the weights of the step before
-         "stream": [],                # TBA: searchers stream rounds, weights reach them between rounds
-         "inflight": ["--inflight"],  # ... and between the decoding steps of a round in flight
-         "recompute": ["--inflight", "--inflight-kv", "recompute"]}  # ... with the KV cache recomputed
+         "stream": ["--no-inflight"],  # TBA: searchers stream rounds, weights reach them between rounds
+         "inflight": ["--inflight"],  # ... and between the decoding steps of a round in flight (the default)
+         "recompute": ["--inflight", "--inflight-kv", "recompute"],  # ... with the KV cache recomputed
+         "full": ["--inflight", "--keep-full"]}  # ... and a finished prompt's slot takes a new prompt at once
 
 
 def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, counts: list[int],
