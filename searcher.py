@@ -56,7 +56,7 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, fi
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
         vllm_env.quiet_loading()
         # vLLM's engine start collects the whole heap five times (vllm/model_executor/model_loader/base_loader.py:92,
-        # 112, vllm/utils/gc_utils.py:128-130 from vllm/v1/engine/core.py:253): frozen, the imports' objects are skipped
+        # 112, vllm/utils/gc_utils.py:127-129 from vllm/v1/engine/core.py:253): frozen, the imports' objects are skipped
         gc.freeze()  # (0.7 s of a CPU engine's start); its shutdown unfreezes them (vllm/v1/engine/core.py:836)
         engine = Engine(cfg, device, cfg.searcher_memory, data.prompts, data.answers,
                         evaluates=channels.evals is not None)

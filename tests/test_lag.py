@@ -5,7 +5,6 @@ baseline on the searchers' hardware. A killed or stopped searcher ends the run i
 import os
 import re
 import signal
-import time
 
 import numpy as np
 import pytest
