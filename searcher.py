@@ -67,6 +67,9 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, fi
         beat = lambda **state: put(channels.queue, dict(kind="beat", searcher=index, **state), channels.stop)
         in_flight = (lambda: engine.sync(weights, parent_alive, cfg.timeout, in_flight=True)) if cfg.inflight else None
         asked = []  # the steps whose evaluation searcher 0 was asked for and has not made yet
+        push = lambda trajectories, stats, t0: put(channels.queue, dict(
+            kind="search", searcher=index, version=engine.version, trajectories=trajectories,
+            seconds=time.time() - t0, **stats), channels.stop)
         for round_ in itertools.count(first_round):
             if channels.stop.is_set():
                 break
@@ -88,9 +91,7 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, fi
                                                     for_step=round_ if lagged else -1, between=in_flight,
                                                     keep=cfg.keep_full)
                 if trajectories:  # (--keep-full: none from the call that fills the engine)
-                    put(channels.queue, dict(kind="search", searcher=index, version=engine.version,
-                                             trajectories=trajectories, seconds=time.time() - t0, **stats),
-                        channels.stop)
+                    push(trajectories, stats, t0)
             else:  # --lag, every round made: only evaluations are left to do
                 time.sleep(WAIT / 4)
             # ===== evaluate, if asked (after a round: the trainer gets its first data first) ======
@@ -98,9 +99,7 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, fi
             due = [step for step in asked if cfg.lag is None or step <= engine.version]  # --lag: once it holds them
             if due and engine.held:  # --keep-full: the requests in flight finish first (evaluating generates)
                 t0 = time.time()
-                trajectories, stats = engine.search([], cfg.search_samples_per_prompt, (), between=in_flight, keep=True)
-                put(channels.queue, dict(kind="search", searcher=index, version=engine.version,
-                                         trajectories=trajectories, seconds=time.time() - t0, **stats), channels.stop)
+                push(*engine.search([], cfg.search_samples_per_prompt, (), between=in_flight, keep=True), t0)
             if due:
                 if cfg.lag is None and engine.version != max(due):  # the weights asked for if it holds them (the
                     engine.sync(weights, parent_alive, cfg.timeout)   # initial model's), else the newest
@@ -187,18 +186,26 @@ class Engine:
             s.output_kind = RequestOutputKind.FINAL_ONLY  # one output a request, at its end: no per-step cost
             engine.add_request(f"round-{i}", dict(p, cache_salt=f"v{self.version}"), s)  # ids no number: offline.py:640
         while engine.has_unfinished_requests():
-            running = engine.get_num_unfinished_requests()  # sequences: each makes one token in this step
-            t0 = time.time()
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            seconds = time.time() - t0
-            generate += seconds
-            if self.per_token:  # --generation-slowdown: this step takes X times its cost alone
-                slept += slowdown.slow_down(seconds, running * self.per_token, self.cfg.generation_slowdown)
-            if between is not None and engine.has_unfinished_requests():
-                between()
+            finished, seconds, sleep = self.decode_step(between)
+            done.update((out.request_id, out) for out in finished)
+            generate, slept = generate + seconds, slept + sleep
         return [done[f"round-{i}"] for i in range(len(prompts))], generate, slept
+
+    def decode_step(self, between, refill=lambda: None):
+        """One step of the engine, `refill()` after it (--keep-full), slowed down (--generation-slowdown: X
+        times its cost alone), then `between()` (--inflight) if requests are left. Returns (the requests it
+        finished, seconds stepping, seconds slept)."""
+        engine = self.llm.llm_engine
+        running = engine.get_num_unfinished_requests()  # sequences: each makes one token in this step
+        t0 = time.time()
+        finished = [out for out in engine.step() if out.finished]
+        refill()
+        seconds = time.time() - t0
+        slept = (slowdown.slow_down(seconds, running * self.per_token, self.cfg.generation_slowdown)
+                 if self.per_token else 0.0)
+        if between is not None and engine.has_unfinished_requests():
+            between()
+        return finished, seconds, slept
 
     def keep_full(self, prompt_ids, n: int, seed: tuple, between):
         """--keep-full: vLLM's loop driven step by step as in `step_through`, the engine kept at --round-prompts x n
@@ -217,7 +224,8 @@ class Engine:
             self.held[self.added] = (int(p), [])
             temperature = self.explore(seed, p)
             for j in range(n):
-                s = SamplingParams(temperature=temperature, max_tokens=max_tokens(self.cfg, self.prompts[p]), logprobs=0,
+                s = SamplingParams(temperature=temperature, max_tokens=max_tokens(self.cfg, self.prompts[p]),
+                                   logprobs=0,
                                    seed=int(np.random.SeedSequence([*seed, int(p), j]).generate_state(1)[0]))
                 s.output_kind = RequestOutputKind.FINAL_ONLY
                 self.pending.append((f"search-{self.added}-{j}", {"prompt_token_ids": self.prompts[p]}, s))
@@ -233,19 +241,10 @@ class Engine:
         if starting and len(prompt_ids):
             return [], 0.0, 0.0
         while engine.has_unfinished_requests() and (not len(prompt_ids) or finished < len(prompt_ids) * n):
-            running = engine.get_num_unfinished_requests()
-            t0 = time.time()
-            for out in engine.step():
-                if out.finished:
-                    finished += 1
-                    self.held[int(out.request_id.split("-")[1])][1].append(out.outputs[0])
-            add()
-            seconds = time.time() - t0
-            generate += seconds
-            if self.per_token:  # --generation-slowdown, as in step_through
-                slept += slowdown.slow_down(seconds, running * self.per_token, self.cfg.generation_slowdown)
-            if between is not None and engine.has_unfinished_requests():
-                between()
+            outs, seconds, sleep = self.decode_step(between, add)
+            for out in outs:
+                self.held[int(out.request_id.split("-")[1])][1].append(out.outputs[0])
+            finished, generate, slept = finished + len(outs), generate + seconds, slept + sleep
         whole = [k for k, (_, done) in self.held.items() if len(done) == n]
         return [self.held.pop(k) for k in whole], generate, slept
 

@@ -32,10 +32,9 @@ import sys
 def stopped_at_start(signum, frame):
     """Ctrl-C or SIGTERM while importing and checking: nothing runs yet, so stop quietly."""
     print(f"tba.py: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
-    if "runtime.fleet" in sys.modules:  # the searchers' fork server may be importing vLLM (main)
-        sys.modules["runtime.fleet"].stop_fork_server()
-        import atexit
-        atexit._run_exitfuncs()  # its socket's folder goes
+    if "runtime.fleet" in sys.modules:  # the searchers' fork server may be importing vLLM (main): its exit
+        import atexit                    # functions stop it and remove its socket's folder
+        atexit._run_exitfuncs()
     os._exit(128 + signum)  # 130 / 143; no searcher has been spawned yet
 
 
@@ -63,7 +62,7 @@ from runtime.checkpoint import full_state_dict, linked, save_checkpoint, save_hf
 from runtime.checks import check, parse
 from runtime.config import Config
 from runtime.errors import ConfigError, Dead, Silent, Stop
-from runtime.fleet import Fleet, LocalFleet, Signals, fork_server, stop_fork_server
+from runtime.fleet import Fleet, LocalFleet, Signals, fork_server
 from runtime.hub import load_tokenizer
 from runtime.log import Log
 from runtime.policy import AdamW, load_policy
@@ -475,9 +474,8 @@ if __name__ == "__main__":
     # Leave without the interpreter's teardown, after the exit handlers: everything is written, closed
     # and stopped by now, and that teardown can abort a finished rank (SIGABRT, "terminate called
     # without an active exception": a C++ thread destroyed while joinable, after its process group).
-    stop_fork_server()  # the searchers are stopped by now; the server may still be importing vLLM
     import atexit
-    atexit._run_exitfuncs()  # what a normal exit runs first (multiprocessing unlinks its semaphores)
+    atexit._run_exitfuncs()  # what a normal exit runs first (multiprocessing unlinks its semaphores; the fork server)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

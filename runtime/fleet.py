@@ -21,6 +21,7 @@ silent (a warning, then Silent, which stops the run after a checkpoint). Several
 rank 0 (runtime/ranks.py, `wait_together`); several nodes' leaders meet every POLL seconds (`meet`).
 """
 
+import atexit
 import contextlib
 import math
 import os
@@ -522,6 +523,8 @@ def fork_server():
     os.environ[vllm_env.FORK_SERVER] = "1"
     try:
         forkserver.ensure_running()
+        atexit.unregister(stop_fork_server)  # once, however often it is called
+        atexit.register(stop_fork_server)
     finally:
         del os.environ[vllm_env.FORK_SERVER]
         if before is None:
@@ -532,9 +535,10 @@ def fork_server():
 
 
 def stop_fork_server():
-    """At the trainer's exit: the fork server goes at once. It starts before the checks (tba.py, main), and while
-    it still imports vLLM it ignores SIGINT and SIGTERM and sees no end of the trainer, so a refused or stopped
-    run would leave it printing vLLM's import lines after the run's last. Python 3.11's ForkServer keeps its pid
+    """At the trainer's exit (`fork_server` makes it an exit function): the fork server goes at once. It starts
+    before the checks (tba.py, main), and while it still imports vLLM it ignores SIGINT and SIGTERM and sees no
+    end of the trainer, so a refused or stopped run would leave it printing vLLM's import lines after the run's
+    last. Python 3.11's ForkServer keeps its pid
     (multiprocessing/forkserver.py:37, 161); its socket is in multiprocessing's temporary folder, which the exit
     functions remove (multiprocessing/connection.py:77, util.py:get_temp_dir)."""
     pid = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
