@@ -6,9 +6,9 @@ to each with vLLM, scores them with the task's reward, computes their summed log
 (a frozen copy of the initial model, logits / temperature), and puts the trajectories on the bounded
 queue to the trainer. Before each round it checks the weight version: if the trainer published new
 weights it reloads them into vLLM and resets the prefix cache (vLLM never clears it after new weights
-arrive; stale cached prefixes would keep the old policy's values). With --inflight it also loads them
-between two decoding steps of a round; with --keep-full its engine never runs down at a round's end: each
-response is a request of its own, and a finished one's slot takes the next at once.
+arrive; stale cached prefixes would keep the old policy's values). How the engine decodes (vLLM's loop, or
+step by step with new weights loaded in flight, --inflight, or kept full, --keep-full) is its decoder's
+(runtime/decoding.py); the emulated device time, --generation-slowdown, runtime/slowdown.py's.
 
 This file is the searcher's loop (`run`, below) and its `Engine`: generate, score, pi_ref, reload,
 evaluate. The task's reward and evaluation come from its scorer (tasks/task.py); the weights arrive
@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+import zlib
 from queue import Empty, Full
 
 from runtime import vllm_env
@@ -40,17 +41,17 @@ import torch
 import tasks
 from buffer import Trajectory
 from loss import LOSSES, collate, response_logprobs, sequence_logprobs, unique_pairs
-from runtime import seeds, slowdown
+from runtime import decoding, seeds, slowdown
 from runtime.errors import Dead
-from runtime.weights import WAIT, SharedWeights, locked, receive
+from runtime.weights import WAIT, Inbox, SharedWeights
 
 
 # ===== the searcher's loop: its side of the paper's Algorithm 1 ==================================
-def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, first_round: int = 0):
-    """Searcher process main: search, push, reload weights when they move, until told to stop.
+def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, first_round: int = 0):
+    """Searcher process main: search, send, reload weights when they move, until told to stop.
     Searcher 0 also answers evaluation requests (`channels.evals`) between rounds. With --lag L, round r
     is step r's (a run resumed at step s begins at round s) and waits for the weights of step r - L
-    exactly; --inflight loads new weights between the decoding steps of a round."""
+    exactly."""
     become_searcher()
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
@@ -60,54 +61,47 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, fi
         gc.freeze()  # (0.7 s of a CPU engine's start); its shutdown unfreezes them (vllm/v1/engine/core.py:836)
         engine = Engine(cfg, device, cfg.searcher_memory, data.prompts, data.answers,
                         evaluates=channels.evals is not None)
-        if cfg.generation_slowdown != 1:
-            slowdown.calibrate_alone(engine, *channels.calibration, cfg, parent_alive)
-        receive(weights, channels.stop, parent_alive)
-        me = index % cfg.searchers  # among this node's searchers (node n's are numbered from n x searchers)
-        beat = lambda **state: put(channels.queue, dict(kind="beat", searcher=index, **state), channels.stop)
-        in_flight = (lambda: engine.sync(weights, parent_alive, cfg.timeout, in_flight=True)) if cfg.inflight else None
+        slowdown.calibrate_alone(engine, channels.calibration, cfg, parent_alive)  # --generation-slowdown
+        weights = Inbox(shared, index % cfg.searchers, channels.stop, parent_alive, cfg.timeout)
+        engine.follow(weights)  # --inflight: new weights load between the decoding steps of a round
+        beat = lambda **state: send(channels.queue, dict(kind="beat", searcher=index, **state), channels.stop)
         asked = []  # the steps whose evaluation searcher 0 was asked for and has not made yet
-        push = lambda trajectories, stats, t0: put(channels.queue, dict(
+        search = lambda trajectories, stats, t0: send(channels.queue, dict(
             kind="search", searcher=index, version=engine.version, trajectories=trajectories,
             seconds=time.time() - t0, **stats), channels.stop)
         for round_ in itertools.count(first_round):
             if channels.stop.is_set():
                 break
             # ===== the weights: the newest published, or (--lag) exactly those of step round - L ===
-            lagged = cfg.lag is not None and round_ < cfg.steps  # no batch needs a round past --steps
-            if lagged:
-                weights.wants[me] = max(0, round_ - cfg.lag)
-                engine.sync(weights, parent_alive, cfg.timeout, version=weights.wants[me], beat=beat,
-                            stop=channels.stop)
-            else:  # (--keep-full: requests are in flight between two calls too)
-                weights.wants[me] = -1
-                engine.sync(weights, parent_alive, cfg.timeout, in_flight=cfg.keep_full, pi_ref=True)
-            # ===== search: sample, score, pi_ref's log-probs; push to the trainer =================
-            if lagged or cfg.lag is None:
+            for_step = lagged_step(cfg, round_)
+            weights.wait_for(None if for_step < 0 else max(0, for_step - cfg.lag), beat)
+            engine.sync(weights)
+            # ===== search: sample, score, pi_ref's log-probs; send to the trainer =================
+            if for_step >= 0 or cfg.lag is None:
                 t0 = time.time()
                 rng = np.random.default_rng([cfg.seed, index, round_, seeds.SEARCH_PROMPTS])  # a resumed run's too
                 ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
                 trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
-                                                    for_step=round_ if lagged else -1, between=in_flight,
-                                                    keep=cfg.keep_full)
+                                                    for_step=for_step)
                 if trajectories:  # (--keep-full: none from the call that fills the engine)
-                    push(trajectories, stats, t0)
+                    search(trajectories, stats, t0)
             else:  # --lag, every round made: only evaluations are left to do
                 time.sleep(WAIT / 4)
             # ===== evaluate, if asked (after a round: the trainer gets its first data first) ======
             asked += drain_requests(channels.evals)
             due = [step for step in asked if cfg.lag is None or step <= engine.version]  # --lag: once it holds them
-            if due and engine.held:  # --keep-full: the requests in flight finish first (evaluating generates)
-                t0 = time.time()
-                push(*engine.search([], cfg.search_samples_per_prompt, (), between=in_flight, keep=True), t0)
             if due:
+                t0 = time.time()
+                trajectories, stats = engine.search([], cfg.search_samples_per_prompt, ())  # requests in flight first
+                if trajectories:
+                    search(trajectories, stats, t0)
                 if cfg.lag is None and engine.version != max(due):  # the weights asked for if it holds them (the
-                    engine.sync(weights, parent_alive, cfg.timeout)   # initial model's), else the newest
+                    engine.sync(weights)                             # initial model's), else the newest
                 asked = [step for step in asked if step not in due]
                 t0 = time.time()
                 scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda done: beat(done=done))
-                put(channels.queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores,
-                                         example=example, seconds=time.time() - t0), channels.stop)
+                send(channels.queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores,
+                                          example=example, seconds=time.time() - t0), channels.stop)
     except Dead:
         sys.exit(3)
     except TimeoutError as e:  # the trainer lives but sent no weights for --timeout: one line, not a traceback
@@ -118,6 +112,12 @@ def run(index: int, cfg, weights: SharedWeights, channels, data, device: str, fi
         sys.exit(1)
     finally:
         channels.queue.cancel_join_thread()  # never block exit on undelivered data
+
+
+def lagged_step(cfg, round_: int) -> int:
+    """--lag: the trainer step whose batch round `round_` makes (no batch needs a round past --steps: -1 then);
+    streaming: -1."""
+    return round_ if cfg.lag is not None and round_ < cfg.steps else -1
 
 
 def max_tokens(cfg, prompt: list[int]) -> int:
@@ -149,120 +149,27 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.version = 0          # trainer step of the weights loaded (0 = the initial model)
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
-        self.per_token = None     # --generation-slowdown: s a generated token costs this engine alone
         self.pi_ref_model = None  # loaded on the first search (`pi_ref`)
-        self.held = {}            # --keep-full: prompts in flight: number -> (prompt id, its responses done)
-        self.pending = []         # --keep-full: requests waiting for a free slot
-        self.added = 0            # --keep-full: prompts added so far (their numbers)
+        self.weights = None       # the shared weights, followed in flight (--inflight: `follow`)
+        self.clock = slowdown.Clock(cfg.generation_slowdown)  # --generation-slowdown's device time
+        self.decoder = decoding.decoder(cfg, self.llm, self.clock, self.between_steps if cfg.inflight else None,
+                                        salt=lambda: f"v{self.version}")
         self.scorer = task.scorer(self, task, evaluates)
 
     # --- searching -------------------------------------------------------------------------
-    def generate(self, prompt_ids, n: int, seed: tuple, between=None):
-        """vLLM's n samples of each prompt; the seconds they took, and the seconds slept after them
-        (--generation-slowdown). `between()` runs between two decoding steps (--inflight)."""
-        from vllm import SamplingParams
+    def generate(self, prompt_ids, n: int, seed: tuple) -> list[tuple[int, list]]:
+        """vLLM's n samples of each prompt, seeded from `seed` and the prompt: (prompt id, its n completions) for
+        each prompt done (--keep-full: those done first, of this call or an earlier one; runtime/decoding.py)."""
+        return self.decoder.generate([decoding.Request(int(p), self.prompts[p], n, self.explore(seed, p),
+                                                       max_tokens(self.cfg, self.prompts[p]), seed) for p in prompt_ids])
 
-        params = [SamplingParams(n=n, temperature=self.explore(seed, p),
-                                 max_tokens=max_tokens(self.cfg, self.prompts[p]),
-                                 logprobs=0,  # the sampled token's log-prob: gives cumulative_logprob
-                                 seed=int(np.random.SeedSequence([*seed, int(p)]).generate_state(1)[0]))
-                  for p in prompt_ids]  # a seed per request: sampling is reproducible from the run's seed
-        prompts = [{"prompt_token_ids": self.prompts[p]} for p in prompt_ids]
-        if between is None and self.cfg.generation_slowdown == 1:  # vLLM's own loop
-            t0 = time.time()
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            return outputs, time.time() - t0, 0.0
-        return self.step_through(prompts, params, between)
-
-    def step_through(self, prompts: list[dict], params: list, between):
-        """vLLM's loop, driven here step by step (LLM.generate is this loop: vllm/entrypoints/common/offline.py:
-        589-640), so that `between()` runs between two decoding steps and each step is slowed down. A prompt's
-        cached blocks are salted with the weights' version (vllm/v1/core/kv_cache_utils.py:647-651): a request
-        added after new weights arrived never reuses blocks the old weights computed, which the prefix cache
-        cannot drop while requests are in flight. Returns (outputs, seconds generating, seconds slept)."""
-        from vllm.sampling_params import RequestOutputKind
-        engine, done, generate, slept = self.llm.llm_engine, {}, 0.0, 0.0
-        for i, (p, s) in enumerate(zip(prompts, params)):
-            s.output_kind = RequestOutputKind.FINAL_ONLY  # one output a request, at its end: no per-step cost
-            engine.add_request(f"round-{i}", dict(p, cache_salt=f"v{self.version}"), s)  # ids no number: offline.py:640
-        while engine.has_unfinished_requests():
-            finished, seconds, sleep = self.decode_step(between)
-            done.update((out.request_id, out) for out in finished)
-            generate, slept = generate + seconds, slept + sleep
-        return [done[f"round-{i}"] for i in range(len(prompts))], generate, slept
-
-    def decode_step(self, between, refill=lambda: None):
-        """One step of the engine, `refill()` after it (--keep-full), slowed down (--generation-slowdown: X
-        times its cost alone), then `between()` (--inflight) if requests are left. Returns (the requests it
-        finished, seconds stepping, seconds slept)."""
-        engine = self.llm.llm_engine
-        running = engine.get_num_unfinished_requests()  # sequences: each makes one token in this step
-        t0 = time.time()
-        finished = [out for out in engine.step() if out.finished]
-        refill()
-        seconds = time.time() - t0
-        slept = (slowdown.slow_down(seconds, running * self.per_token, self.cfg.generation_slowdown)
-                 if self.per_token else 0.0)
-        if between is not None and engine.has_unfinished_requests():
-            between()
-        return finished, seconds, slept
-
-    def keep_full(self, prompt_ids, n: int, seed: tuple, between):
-        """--keep-full: vLLM's loop driven step by step as in `step_through`, the engine kept at --round-prompts x n
-        sequences. Each response is a request of its own, so that a finished one's slot takes the next at once
-        (a prompt's n responses as one request hold their slots until the slowest). A call into an idle engine
-        fills it with its prompts and returns nothing; a later call's requests enter one for each that
-        finishes, and it returns once as many have finished as it brought, with the prompts whose n responses
-        are all done, its own or earlier calls' (the others wait in `self.held`). With no prompts (before an
-        evaluation) it runs until none is left. Returns ([(prompt id, its n completions)], seconds generating,
-        seconds slept)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-        engine, generate, slept, finished = self.llm.llm_engine, 0.0, 0.0, 0
-        for p in prompt_ids:  # a request a response, seeded from the prompt's seed and its index
-            self.added += 1
-            self.held[self.added] = (int(p), [])
-            temperature = self.explore(seed, p)
-            for j in range(n):
-                s = SamplingParams(temperature=temperature, max_tokens=max_tokens(self.cfg, self.prompts[p]),
-                                   logprobs=0,
-                                   seed=int(np.random.SeedSequence([*seed, int(p), j]).generate_state(1)[0]))
-                s.output_kind = RequestOutputKind.FINAL_ONLY
-                self.pending.append((f"search-{self.added}-{j}", {"prompt_token_ids": self.prompts[p]}, s))
-        room = self.cfg.round_prompts * n
-
-        def add():  # a pending request for each free slot
-            while self.pending and engine.get_num_unfinished_requests() < room:
-                rid, prompt, s = self.pending.pop(0)
-                engine.add_request(rid, dict(prompt, cache_salt=f"v{self.version}"), s)  # salted as in step_through
-
-        starting = not engine.has_unfinished_requests()
-        add()
-        if starting and len(prompt_ids):
-            return [], 0.0, 0.0
-        while engine.has_unfinished_requests() and (not len(prompt_ids) or finished < len(prompt_ids) * n):
-            outs, seconds, sleep = self.decode_step(between, add)
-            for out in outs:
-                self.held[int(out.request_id.split("-")[1])][1].append(out.outputs[0])
-            finished, generate, slept = finished + len(outs), generate + seconds, slept + sleep
-        whole = [k for k, (_, done) in self.held.items() if len(done) == n]
-        return [self.held.pop(k) for k in whole], generate, slept
-
-    def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1, between=None,
-               keep: bool = False) -> tuple[list[Trajectory], dict]:
+    def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1) -> tuple[list[Trajectory], dict]:
         """n sampled responses to each prompt, scored, with reference and behaviour log-probs, and the versions
-        of the weights that sampled them (several with --inflight); `for_step`: --lag's step; `keep`
-        (--keep-full): those of the prompts done first, the engine kept full (`keep_full`)."""
-        if keep:
-            groups, generate, slept = self.keep_full(prompt_ids, n, seed, between)
-            if not groups:  # the call that filled the engine
-                return [], {}
-            done = [(p, c) for p, completions in groups for c in completions]
-        else:
-            outputs, generate, slept = self.generate(prompt_ids, n, seed, between)
-            done = [(int(p), c) for p, out in zip(prompt_ids, outputs) for c in out.outputs]
-        tokens = sum(len(c.token_ids) for _, c in done)
-        alone = tokens * self.per_token if self.per_token else generate  # the generation's cost alone
+        of the weights that sampled them (several with --inflight); `for_step`: --lag's step. With no prompts: the
+        responses still in flight (--keep-full), if any."""
+        done = [(p, c) for p, completions in self.generate(prompt_ids, n, seed) for c in completions]
+        if not done:  # (--keep-full: the call that filled the engine)
+            return [], {}
         texts = [c.text for _, c in done]
         rewards = self.scorer.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done], texts,
                                      [self.answers[p] for p, _ in done])
@@ -284,8 +191,8 @@ class Engine:
         for t, i in zip(trajectories, index):
             t.logp_ref = logp_ref[i]
         self.scorer.annotate(trajectories, texts)
-        return trajectories, {"tokens": tokens, "generate": generate, "slept": slept, "parts": self.scorer.seconds,
-                              "charged": alone * self.cfg.generation_slowdown, "per_token": self.per_token}
+        return trajectories, {"tokens": sum(len(c.token_ids) for _, c in done), **self.clock.account(),
+                              "parts": self.scorer.seconds}
 
     def explore(self, seed: tuple, prompt) -> float:
         """A request's sampling temperature: --temperature, or with --explore-temp-min half the time one drawn
@@ -330,15 +237,16 @@ class Engine:
         return model.to(self.device).eval().requires_grad_(False)
 
     # --- weights ---------------------------------------------------------------------------
-    def load(self, named_tensors, version: int, in_flight: bool = False):
-        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache; `in_flight`: between two
-        decoding steps of a round (--inflight), whose requests keep their KV cache (--inflight-kv keep) or
-        recompute it with the new weights (recompute)."""
+    def load(self, named_tensors, version: int):
+        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache. Between two decoding steps of
+        requests in flight (--inflight, --keep-full), these keep their KV cache (--inflight-kv keep) or recompute
+        it with the new weights (recompute)."""
         named_tensors = list(named_tensors)  # read twice where the scorer keeps a copy
+        in_flight = self.decoder.busy()
         self.scorer.loaded(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.llm_engine.set_weight_version(str(version))
-        if in_flight and self.cfg.inflight_kv == "keep":  # PipelineRL's choice; new requests are salted (step_through)
+        if in_flight and self.cfg.inflight_kv == "keep":  # PipelineRL's choice; new requests are salted (decoding.py)
             self.version = version
             return
         # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV values.
@@ -350,37 +258,27 @@ class Engine:
             raise RuntimeError(f"vLLM could not reset its prefix cache after loading the weights of step {version}")
         self.version = version
 
-    def sync(self, weights: SharedWeights, alive, timeout: float, version: int | None = None, beat=None,
-             stop=None, in_flight: bool = False, pi_ref: bool | None = None) -> bool:
-        """Load the published weights if their version moved, and pi_ref if it was reset (TBA′); True if
-        anything moved. Read under the lock: the trainer cannot overwrite them half-way. `version` (--lag):
-        wait, beating, for exactly those weights (the trainer publishes them once no searcher needs older
-        ones); `in_flight`: between two decoding steps, with requests in flight, and then (unless `pi_ref`)
-        the policy only."""
-        pi_ref = not in_flight if pi_ref is None else pi_ref
-        if version is not None:
-            deadline, last_beat = time.time() + timeout, time.time()
-            while weights.version.value != version and not (stop is not None and stop.is_set()):
-                if weights.version.value > version:
-                    raise RuntimeError(f"the weights of step {weights.version.value} were published while this "
-                                       f"searcher needed those of step {version}")
-                alive()
-                if time.time() > deadline:
-                    raise TimeoutError(f"the weights of step {version} did not come in {timeout:g} s (--timeout)")
-                if beat is not None and time.time() - last_beat > 5:  # alive to the trainer's watch
-                    beat()
-                    last_beat = time.time()
-                time.sleep(0.01)
-        moved = weights.version.value != self.version
-        if not moved and (not pi_ref or weights.pi_ref_version.value == self.pi_ref_version):
+    def sync(self, weights: Inbox) -> bool:
+        """Load the published weights if their version moved, and pi_ref if it was reset (TBA′); True if anything
+        moved. Read under the lock: the trainer cannot overwrite them half-way."""
+        version, pi_ref_version = weights.versions()
+        if version == self.version and pi_ref_version == self.pi_ref_version:
             return False
-        with locked(weights, alive, timeout, self.device):
-            if weights.version.value != self.version:
-                self.load(list(weights.tensors.items()), weights.version.value, in_flight)
-            if pi_ref and weights.pi_ref_version.value != self.pi_ref_version:
-                self.pi_ref().load_state_dict(weights.pi_ref, strict=False)
-                self.pi_ref_version = weights.pi_ref_version.value
+        with weights.read(self.device):
+            if weights.shared.version.value != self.version:
+                self.load(list(weights.shared.tensors.items()), weights.shared.version.value)
+            if weights.shared.pi_ref_version.value != self.pi_ref_version:
+                self.pi_ref().load_state_dict(weights.shared.pi_ref, strict=False)
+                self.pi_ref_version = weights.shared.pi_ref_version.value
         return True
+
+    def follow(self, weights: Inbox):
+        """--inflight: from now on the decoder loads newly published weights between two decoding steps."""
+        self.weights = weights
+
+    def between_steps(self):
+        if self.weights is not None:
+            self.sync(self.weights)
 
     # --- evaluation ------------------------------------------------------------------------
     def evaluate(self, prompts: list[list[int]], answers: list[str], beat=lambda done: None) -> tuple[dict, dict]:
@@ -390,9 +288,10 @@ class Engine:
 
     def respond(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[str]]:
         """One response to each prompt, greedy or at --eval-temperature: token ids and text."""
-        from vllm import SamplingParams
-        params = [SamplingParams(temperature=self.cfg.eval_temperature, max_tokens=max_tokens(self.cfg, p),
-                                 seed=self.cfg.seed if self.cfg.eval_temperature else None) for p in prompts]
+        sampled = self.cfg.eval_temperature > 0  # a seed a problem, from its prompt: reproducible, its noise its own
+        params = [decoding.sampling_params(self.cfg.eval_temperature, max_tokens(self.cfg, p), logprobs=None,
+                                           seed=(self.cfg.seed, seeds.EVALUATION, zlib.crc32(np.asarray(p, np.int64)))
+                                           if sampled else None) for p in prompts]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs], [o.outputs[0].text for o in outputs]
 
@@ -413,14 +312,6 @@ class Engine:
         process)."""
         for llm in reversed(self.llms):
             llm.llm_engine.engine_core.shutdown()
-
-    def logprob(self, prompt: list[int], response: list[int]) -> float:
-        """vLLM's summed log-prob of a fixed response (raw logits: temperature 1), for checks."""
-        from vllm import SamplingParams
-
-        out = self.llm.generate([{"prompt_token_ids": prompt + list(response)}],
-                                SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-        return sum(out.prompt_logprobs[len(prompt) + i][tok].logprob for i, tok in enumerate(response))
 
 
 # --- the searcher's side of the fleet (runtime/fleet.py): its process, the queue, evaluation requests ------
@@ -455,7 +346,7 @@ def watchdog():
             os._exit(3)
 
 
-def put(queue, message, stop):
+def send(queue, message, stop):
     """Put on the bounded queue, waiting while it is full, but never on a stopped or dead trainer."""
     while not stop.is_set():
         try:

@@ -32,7 +32,7 @@ import sys
 def stopped_at_start(signum, frame):
     """Ctrl-C or SIGTERM while importing and checking: nothing runs yet, so stop quietly."""
     print(f"tba.py: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
-    if "runtime.fleet" in sys.modules:  # the searchers' fork server may be importing vLLM (main): its exit
+    if "runtime.processes" in sys.modules:  # the searchers' fork server may be importing vLLM (main): its exit
         import atexit                    # functions stop it and remove its socket's folder
         atexit._run_exitfuncs()
     os._exit(128 + signum)  # 130 / 143; no searcher has been spawned yet
@@ -62,7 +62,9 @@ from runtime.checkpoint import full_state_dict, linked, save_checkpoint, save_hf
 from runtime.checks import check, parse
 from runtime.config import Config
 from runtime.errors import ConfigError, Dead, Silent, Stop
-from runtime.fleet import Fleet, LocalFleet, Signals, fork_server
+from runtime.fleet import Fleet
+from runtime.local import LocalFleet
+from runtime.processes import Signals, fork_server
 from runtime.hub import load_tokenizer
 from runtime.log import Log
 from runtime.policy import AdamW, load_policy
@@ -115,21 +117,8 @@ def train(t: "Trainer"):
             t.sync_weights()
         sync = time.time() - t_sync
         # ===== log ===============================================================================
-        if t.rank == 0:
-            stale = [t.step - 1 - traj.version for g in batch for traj in g]
-            stats.pop("prompts")
-            log, fleet = t.log, t.fleet
-            log.row(kind="train", step=t.step, time=log.now(), **stats,
-                    reward=float(np.mean([traj.reward for g in batch for traj in g])), beta=beta, lr=lr,
-                    **({k: v for k, v in tempering.items() if v != 1.0}),
-                    staleness=float(np.mean(stale)), staleness_max=int(max(stale)), wait=wait, sync=sync,
-                    **({"staleness_last": float(np.mean([t.step - 1 - traj.version_last for g in batch for traj in g]))}
-                       if cfg.inflight else {}),
-                    search=search, seconds=time.time() - t_step, samples=fleet.received,
-                    reuse=t.cap.drawn / max(1, fleet.received), generate=log.generate, slept=log.slept,
-                    charged=log.charged, buffer=len(t.buffer), reference=t.buffer.pi_ref_version,
-                    overhead=log.overhead, **log.per_round(),
-                    **(fleet.nodes.row(fleet.received) if fleet.nodes else {}))
+        t.log.train_row(t.step, batch, stats, t.fleet, t.buffer, t.cap, beta=beta, lr=lr, **tempering, wait=wait,
+                        sync=sync, search=search, seconds=time.time() - t_step)
         # ===== evaluate ==========================================================================
         if cfg.eval_every and t.step % cfg.eval_every == 0 and t.step < cfg.steps:
             t.evaluate()
@@ -156,7 +145,7 @@ class Trainer:
         try:
             # the searchers first: their vLLM engines start while the trainer loads its model
             self.fleet = (Fleet(cfg, data, self.rank, self.world, self.log, signals, self.step) if cfg.searchers
-                          else LocalFleet(cfg, data, self.rank, self.world, self.log, signals, self.device, self.step))
+                          else LocalFleet(cfg, data, self.log, signals, self.device))
             self.tokenizer = load_tokenizer(cfg.model_path)  # for padding and the final model's folder
             pad = self.tokenizer.pad_token_id
             self.pad = pad if pad is not None else self.tokenizer.eos_token_id
@@ -267,7 +256,7 @@ class Trainer:
             return
         t0 = time.time()
         save_checkpoint(self.cfg, self.rank, self.model, self.opt, self.buffer,
-                        self.fleet.held(self.step) if self.rank == 0 else None, self.counters(), self.step,
+                        self.fleet.saved(self.step) if self.rank == 0 else None, self.counters(), self.step,
                         self.tokenizer)
         self.log.overhead += time.time() - t0
 

@@ -33,7 +33,7 @@ def full_state_dict(model) -> dict:
 def save_checkpoint(cfg, rank, model, opt, buffer, held, counters: dict, step: int, tokenizer):
     """Model (Hugging Face format), optimizer, step (the schedules and per-step seeds derive from it), RNG
     state, the run's `counters` (plain data: the reuse cap's among them), replay buffer, and `held`
-    (runtime.fleet.Fleet.held: the weights the searchers hold if older than the model's, and TBA′'s pi_ref)."""
+    (runtime.weights.Outbox.saved: the weights the searchers hold if older than the model's, --lag's history, TBA′'s pi_ref)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     sd = full_state_dict(model)
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 from runtime.errors import ConfigError
 
 
@@ -24,7 +26,7 @@ class Log:
         # s of vLLM generation in the rounds received, slept after it and charged in all by
         # --generation-slowdown (X x the generation's cost alone); since this process started
         self.generate = self.slept = self.charged = 0.0
-        self.per_token = {}   # --generation-slowdown: each engine's calibration, s a generated token alone
+        self.seconds_per_token = {}  # --generation-slowdown: each engine's calibration, s a generated token alone
         self.rounds, self.parts = 0, {}  # those rounds; s of each part of their rewards (a task's scorer says)
         self.last_eval = None   # the latest eval row
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
@@ -58,9 +60,9 @@ class Log:
         for part, seconds in made["parts"].items():
             self.parts[part] = self.parts.get(part, 0.0) + seconds
         engine = str(made.get("searcher", "trainer"))
-        if made["per_token"] and engine not in self.per_token and self.rank == 0:
-            self.per_token[engine] = made["per_token"]
-            self.write_config(per_token=self.per_token)
+        if made["seconds_per_token"] and engine not in self.seconds_per_token and self.rank == 0:
+            self.seconds_per_token[engine] = made["seconds_per_token"]
+            self.write_config(seconds_per_token=self.seconds_per_token)
 
     def write_config(self, **derived):
         with open(os.path.join(self.cfg.out, "config.json"), "w") as f:
@@ -76,6 +78,24 @@ class Log:
         """The train row's fields of the rewards' parts (red-teaming: the victim, the classifier): the mean
         seconds per round received so far."""
         return {part: seconds / self.rounds for part, seconds in self.parts.items()} if self.rounds else {}
+
+    def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, **fields):
+        """The row of training step `step` (rank 0): the loss's statistics (means over prompts), the batch's reward
+        and staleness (steps between the weights that sampled each trajectory and those it trained: its first
+        token's, and with in-flight updates its last's), `fields` (the schedules' values, the step's seconds), and
+        the run's counts: trajectories received, their reuse, the buffer, pi_ref, the seconds of the rounds (their
+        generation, the emulation's sleep and charge, the rewards' parts) and the trainer's overhead."""
+        trajectories = [traj for group in batch for traj in group]
+        stale = [step - 1 - traj.version for traj in trajectories]
+        fields = {k: v for k, v in fields.items() if not (k in ("gamma", "reward_temp") and v == 1.0)}  # Lee et al.'s
+        if self.cfg.inflight:
+            fields["staleness_last"] = float(np.mean([step - 1 - traj.version_last for traj in trajectories]))
+        self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},
+                 reward=float(np.mean([traj.reward for traj in trajectories])), staleness=float(np.mean(stale)),
+                 staleness_max=int(max(stale)), **fields, samples=fleet.received,
+                 reuse=cap.drawn / max(1, fleet.received), generate=self.generate, slept=self.slept,
+                 charged=self.charged, buffer=len(buffer), reference=buffer.pi_ref_version, overhead=self.overhead,
+                 **self.per_round(), **(fleet.nodes.row(fleet.received) if fleet.nodes else {}))
 
     def eval(self, version: int, scores: dict, example: dict, seconds: float, made: tuple[float, float]):
         """An evaluation of the weights of step `version`; time and overhead: when they were made."""

@@ -6,8 +6,9 @@ arbitrary but fixed: changing one changes every run's samples.
 
 SEARCH_PROMPTS = 1  # a searcher's choice of prompts for each round (searcher.run)
 BATCH = 2           # the trainer's draw of a batch from the buffer, each step (tba.Trainer.sample)
-SYNC_PROMPTS = 3    # --searchers 0: the prompts of each search round (tba.Trainer.search_here)
-EVAL_ATTACKS = 5    # the red-teaming evaluation's attacks (searcher.Engine.evaluate_redteam)
+SYNC_PROMPTS = 3    # --searchers 0: the prompts of each search round (runtime.local.LocalFleet.collect)
+EVAL_ATTACKS = 5    # the red-teaming evaluation's attacks (tasks/redteam.py, its scorer's evaluate)
 VICTIM = 7          # the victim's answers to each batch of attacks (redteam.Reward)
-CALIBRATION = 13    # --generation-slowdown's calibration round: its prompts and sampling (searcher.Engine.calibrate)
+CALIBRATION = 13    # --generation-slowdown's calibration round: its prompts and sampling (runtime.slowdown.calibrate)
 EXPLORE = 11        # --explore-temp-min: each request's temperature, after its seed and prompt (searcher.Engine.explore)
+EVALUATION = 17     # --eval-temperature above 0: each held-out problem's sampling, after its prompt (searcher.Engine.respond)

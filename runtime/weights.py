@@ -5,10 +5,10 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    once it has loaded its model (`allocate`): in shared memory on the CPU, on its own GPU on a GPU
    node (sent to other processes as CUDA IPC handles, so the bytes are never copied to the host).
    It hands them to each searcher through the `handoff` queue (`receive`).
-2. Publishing (`publish`, trainer): every rank gathers each parameter in turn on its device
+2. Publishing (`write`, trainer): every rank gathers each parameter in turn on its device
    (`gather`: FSDP2's all-gather, so memory holds one full parameter at a time); rank 0, holding
    the lock, copies it into its shared tensor, waits for the copies to finish, then moves `version`.
-   The other ranks call `publish` too, with no shared copy: they only take part in the all-gathers
+   The other ranks call `write` too, with no shared copy: they only take part in the all-gathers
    (`join_gathers`). Over several nodes each node's first trainer process does what rank 0 does here
    (nodes.py).
 3. Reading (`locked`, searcher): when `version` has moved, the searcher takes the lock, loads the
@@ -16,8 +16,9 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    lets the lock go, so that a publish can never overwrite weights still being read.
 TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `pi_ref`, with
 its own `pi_ref_version`: pi_ref after the latest reset, published the same way.
-With --lag each searcher says in `wants` which version its next round needs (runtime.fleet.Fleet.serve
-publishes a version once no searcher needs the one before).
+With --lag each searcher says in `wants` which version its next round needs and waits for it (`Inbox.wait_for`);
+runtime.fleet.Fleet.serve publishes a version once no searcher needs the one before, from the trainer's
+history of the last L steps' weights (`Outbox`).
 """
 
 import contextlib
@@ -92,7 +93,7 @@ def every_name(model, dtype=None) -> list:
 
 def join_gathers(named):
     """What a trainer rank that holds no shared copy (not its node's leader) does with `gather(model)`:
-    join each of its all-gathers, and drop the result. `allocate`, `publish` and `cpu_copy` do this
+    join each of its all-gathers, and drop the result. `allocate`, `write` and `cpu_copy` do this
     when they are given no shared copy, so every rank calls them alike."""
     for _ in named:
         pass
@@ -144,7 +145,7 @@ def allocator_for_sharing(device):
             torch._C._accelerator_setAllocatorSettings(conf)
 
 
-def publish(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",)):
+def write(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",)):
     """Copy (name, tensor) pairs into the shared tensors of `to` ("policy", "pi_ref" or both), then move
     their version(s). `named` may be `gather(model)`: it is consumed under the lock. Every trainer
     rank calls it; `weights` is None on the ranks that only take part in the all-gathers."""
@@ -170,7 +171,102 @@ def cpu_copy(weights: SharedWeights | None, named) -> dict | None:
     return {n: t.detach().to("cpu", copy=True) for n, t in named}
 
 
+class Outbox:
+    """The trainer's side of the weight path, on every rank (each node's leader holds the shared copy; the other
+    ranks, `shared` None, only join the all-gathers): the shared copy allocated once (`share`), written
+    (`write`), and with --lag the weights of the last L steps kept on the CPU (`keep`, `history`) until the
+    searchers' rounds need them; what a checkpoint keeps of them (`saved`)."""
+
+    def __init__(self, shared: SharedWeights | None, lag: int | None, timeout: float):
+        self.shared, self.lag, self.timeout = shared, lag, timeout
+        self.history = {}  # --lag: step -> the weights of that step (CPU), L steps back and those still to serve
+
+    def share(self, model, version: int, dtype, with_pi_ref: bool, saved: dict | None = None):
+        """Allocate the shared copy from `model` (every rank gathers) at `version`; with `saved` (a checkpoint's)
+        the older weights the searchers held, --lag's history and TBA′'s pi_ref."""
+        allocate(self.shared, gather(model, dtype), aliases(model), next(model.parameters()).device, dtype,
+                 with_pi_ref=with_pi_ref)
+        if self.shared is None:
+            return
+        self.shared.version.value = version
+        if self.lag is not None:  # the weights the next rounds need: the checkpoint's L steps, and these
+            self.history = {int(v): w for v, w in (saved or {}).get("history", {}).items()}
+            self.history[version] = {n: t.cpu().clone() for n, t in self.shared.tensors.items()
+                                     if n not in aliases(model)}
+            first = max(0, version - self.lag)  # round `version`'s, where the searchers begin
+            if first != version:
+                self.write(self.history[first].items(), first, lambda: None)
+        elif saved and saved["synced"] is not None:  # the searchers held older weights
+            self.write(saved["synced"].items(), saved["synced_version"], lambda: None)
+        if saved and saved["pi_ref"] is not None:  # TBA′: pi_ref of the latest reset
+            self.write(saved["pi_ref"].items(), saved["pi_ref_version"], lambda: None, to=("pi_ref",))
+
+    def write(self, named, version: int, alive, to=("policy",)):
+        """`write` into the shared copy (under its lock; `alive()` checks the searchers while waiting for it)."""
+        write(self.shared, named, version, alive, self.timeout, to=to)
+
+    def keep(self, named, version: int) -> dict | None:
+        """--lag: the weights of step `version` into the history (every rank joins the all-gathers); the copy on a
+        leader, else None."""
+        copy = cpu_copy(self.shared, named)
+        if copy is not None:
+            self.history[version] = copy
+        return copy
+
+    def forget(self, before: int):
+        """Drop the history's weights older than step `before`."""
+        for v in [v for v in self.history if v < before]:
+            del self.history[v]
+
+    def saved(self, step: int) -> dict:
+        """What a checkpoint keeps (a leader): the weights the searchers hold if older than step `step`'s, TBA′'s
+        pi_ref, and --lag's history from step - L on."""
+        cpu = lambda tensors: {n: t.cpu() for n, t in tensors.items()}
+        s = self.shared
+        return dict(synced=cpu(s.tensors) if s.version.value != step else None, synced_version=s.version.value,
+                    pi_ref=cpu(s.pi_ref) if s.pi_ref is not None else None, pi_ref_version=s.pi_ref_version.value,
+                    history={v: w for v, w in self.history.items() if v >= step - self.lag} if self.lag is not None
+                    else {})
+
+
 # --- searcher side -----------------------------------------------------------------------------------
+class Inbox:
+    """A searcher's side of the weight path: the shared copy once the trainer has handed it over (`receive`), the
+    wait for one version (--lag: `wait_for`) and the lock around a read (`read`). `alive()` raises Dead once the
+    trainer is gone; every wait polls, checks it and has a timeout, and ends once `stop` is set (None: never)."""
+
+    def __init__(self, shared: SharedWeights, me: int, stop, alive, timeout: float):
+        self.shared, self.me, self.stop, self.alive, self.timeout = shared, me, stop, alive, timeout
+        receive(shared, stop, alive)
+
+    def wait_for(self, version: int | None, beat=lambda: None):
+        """--lag: say which version this searcher's next round needs (`wants`), and wait, beating every 5 s, until
+        it is the one published (the trainer publishes it once no searcher needs an older one); None: the newest,
+        no wait."""
+        wants = self.shared.wants
+        wants[self.me] = -1 if version is None else version
+        deadline, last_beat = time.time() + self.timeout, time.time()
+        while version is not None and self.shared.version.value != version and not (self.stop and self.stop.is_set()):
+            if self.shared.version.value > version:
+                raise RuntimeError(f"the weights of step {self.shared.version.value} were published while this "
+                                   f"searcher needed those of step {version}")
+            self.alive()
+            if time.time() > deadline:
+                raise TimeoutError(f"the weights of step {version} did not come in {self.timeout:g} s (--timeout)")
+            if time.time() - last_beat > 5:  # alive to the trainer's watch
+                beat()
+                last_beat = time.time()
+            time.sleep(0.01)
+
+    def versions(self) -> tuple[int, int]:
+        """(the policy's version, pi_ref's) in the shared copy now."""
+        return self.shared.version.value, self.shared.pi_ref_version.value
+
+    def read(self, *devices):
+        """The lock around reading the shared copy (`locked`)."""
+        return locked(self.shared, self.alive, self.timeout, *devices)
+
+
 def receive(weights: SharedWeights, stop, parent_alive):
     """Wait for the trainer's handoff (unless the tensors came at spawn), polling, never on a stopped
     or dead trainer."""

@@ -336,12 +336,12 @@ def test_handoff_of_shared_tensors_to_a_spawned_reader(kind):
         assert r["devices"] == [str(device)] and r["dtypes"] == ["torch.bfloat16"] and r["tied"]
 
         second = [("embed.weight", exact((16, 8), 2)), ("norm.weight", exact((8,), 3))]
-        weights.publish(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT)
+        weights.write(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT)
         r = get_report(out, [proc], TIMEOUT)
         assert (r["version"], r["pi_ref_version"]) == (5, 0)
         assert r["values"] == expected(second) and r["ref"] == expected(first)  # the tied name moved with its tensor
 
-        weights.publish(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT, to=("pi_ref",))
+        weights.write(shared, [(n, t.to(device)) for n, t in second], 5, alive, TIMEOUT, to=("pi_ref",))
         r = get_report(out, [proc], TIMEOUT)
         assert (r["version"], r["pi_ref_version"]) == (5, 5) and r["ref"] == expected(second)
     finally:
@@ -432,7 +432,7 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
         for dt in dtypes:  # publish: every rank gathers, rank 0 copies under the lock
             named = weights.gather(model)
             if rank == 0:
-                weights.publish(shared[dt], named, 1, lambda: None, TIMEOUT)
+                weights.write(shared[dt], named, 1, lambda: None, TIMEOUT)
             for _ in named:
                 pass
         after = checkpoint.full_state_dict(model)

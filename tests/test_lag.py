@@ -140,21 +140,23 @@ def test_a_round_in_flight_receives_new_weights(tiny_model):
                               max_model_len=64)
     engine = Engine(cfg, "cpu", 0.1, prompts, ["0"] * 4)
     shared = share(load(tiny_model), mp.get_context("spawn"))
+    inbox = weights.Inbox(shared, 0, None, lambda: None, 10)
     steps = [0]
 
     def between():  # the trainer publishes at the 3rd decoding step; the searcher loads in flight
         steps[0] += 1
         if steps[0] == 3:
-            weights.publish(shared, weights.gather(perturbed(tiny_model, 1)), 1, lambda: None, 10)
-        engine.sync(shared, lambda: None, 10, in_flight=True)
+            weights.write(shared, weights.gather(perturbed(tiny_model, 1)), 1, lambda: None, 10)
+        engine.sync(inbox)
 
-    trajectories, _ = engine.search(np.arange(4), 4, (0, 1, 2), between=between)
+    engine.decoder.between = between  # what engine.follow(inbox) makes it do, with the trainer's publish inside
+    trajectories, _ = engine.search(np.arange(4), 4, (0, 1, 2))
     assert engine.version == 1
-    weights.publish(shared, weights.gather(perturbed(tiny_model, 2)), 2, lambda: None, 10)
+    weights.write(shared, weights.gather(perturbed(tiny_model, 2)), 2, lambda: None, 10)
     steps[0] = 0
-    outputs, _, _ = engine.generate(np.arange(4), 4, (0, 1, 3), between=lambda: (
-        steps.__setitem__(0, steps[0] + 1), steps[0] == 2 and engine.sync(shared, lambda: None, 10, in_flight=True)))
-    spans = [[(s.version, s.start, s.end) for s in c.weight_versions] for o in outputs for c in o.outputs]
+    engine.decoder.between = lambda: (steps.__setitem__(0, steps[0] + 1), steps[0] == 2 and engine.sync(inbox))
+    done = engine.generate(np.arange(4), 4, (0, 1, 3))
+    spans = [[(s.version, s.start, s.end) for s in c.weight_versions] for _, cs in done for c in cs]
     changed = [s for s in spans if len(s) > 1]
     assert changed and all(s[0][0] == "1" and s[1][0] == "2" for s in changed), spans
     assert len({s[0][2] for s in changed}) == 1, spans  # every sequence switched at the same decoding step
@@ -171,6 +173,7 @@ def test_the_engine_is_kept_full_and_every_response_comes_back_once(tiny_model):
     rounds run down to their slowest response); a call returns the prompts done first, earlier calls' among
     them, with all their n responses; the drain returns the rest: every prompt's n responses exactly once."""
     import dataclasses
+    from runtime import decoding
     from searcher import Engine
     from tasks.arith import splits
     from test_weight_sync import config
@@ -183,12 +186,13 @@ def test_the_engine_is_kept_full_and_every_response_comes_back_once(tiny_model):
     engine = Engine(cfg, "cpu", 0.1, prompts, ["0"] * len(prompts))
     llm = engine.llm.llm_engine
     counts = []
-    between = lambda: counts[-1].append(llm.get_num_unfinished_requests())  # after each step's refill
+    assert isinstance(engine.decoder, decoding.Full)
+    engine.decoder.stepped.between = lambda: counts[-1].append(llm.get_num_unfinished_requests())  # after each refill
     calls = [np.arange(i, i + per_call) for i in range(0, 24, per_call)]
     back = []
     for i, ids in enumerate(calls):
         counts.append([])
-        trajectories, _ = engine.search(ids, n, (0, 1, i), between=between, keep=True)
+        trajectories, _ = engine.search(ids, n, (0, 1, i))
         if i == 0:
             assert trajectories == [] and llm.get_num_unfinished_requests() == per_call * n
             continue
@@ -200,14 +204,16 @@ def test_the_engine_is_kept_full_and_every_response_comes_back_once(tiny_model):
     assert all(c == per_call * n for call in counts[1:] for c in call[:-1]), counts  # full but for a call's last step,
     assert np.mean(steps) > 0.95 * per_call * n, counts  # after which the next call's requests take the free slots
     counts.append([])
-    rest, _ = engine.search([], n, (), between=between, keep=True)  # the drain (before an evaluation)
+    rest, _ = engine.search([], n, ())  # the drain (before an evaluation)
     back += rest
-    assert not llm.has_unfinished_requests() and engine.held == {} and engine.pending == []
+    assert not llm.has_unfinished_requests() and engine.decoder.open == {} and engine.decoder.pending == []
     assert sorted(t.prompt_id for t in back) == sorted(np.repeat(np.arange(24), n).tolist())  # each n times, once
     # the same prompts in plain rounds run down to their slowest response
-    engine.cfg, low = dataclasses.replace(cfg, keep_full=False), []
+    low = []
+    engine.decoder = decoding.Stepped(engine.llm, engine.clock, lambda: low.append(llm.get_num_unfinished_requests()),
+                                      lambda: "v0")
     for i, ids in enumerate(calls[1:3]):
-        engine.search(ids, n, (0, 1, i), between=lambda: low.append(llm.get_num_unfinished_requests()))
+        engine.search(ids, n, (0, 1, i))
     assert min(low) < per_call * n / 2, low
     engine.close()
 

@@ -370,7 +370,7 @@ def searcherless_fleet(path, out, world):
     signals = types.SimpleNamespace(first=None, training=True)
     fleet = Fleet(dataclasses.replace(cfg, searchers=0), data, int(os.environ["RANK"]), world, log, signals)
     fleet.channels = types.SimpleNamespace(queue=queue_module.Queue())
-    fleet.watch = types.SimpleNamespace(heard=lambda msg: None, check=lambda: None)
+    fleet.watch = types.SimpleNamespace(heard=lambda msg: [], check=lambda: [])
     model = policy.load_policy(cfg.model_path, torch.device("cpu"), "float32")
     fleet.share(model, 0)
     return fleet, model
@@ -419,7 +419,7 @@ def test_only_node_0s_first_searcher_evaluates(monkeypatch):
         spawned.clear()
         fleet = Fleet.__new__(Fleet)
         fleet.cfg, fleet.rank, fleet.world, fleet.first, fleet.shared, fleet.procs, fleet.step = cfg, rank, 4, rank, None, [], 0
-        fleet.data, fleet.signals = Data([], [], [], []), types.SimpleNamespace(held=contextlib.nullcontext)
+        fleet.data, fleet.signals = Data([], [], [], []), types.SimpleNamespace(deferred=contextlib.nullcontext)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
         fleet.spawn(ctx)
         evals = fleet.channels.evals
@@ -438,8 +438,10 @@ def test_take_hears_every_message():
         q.put(msg)
     fleet = Fleet.__new__(Fleet)
     fleet.channels, fleet.silent = types.SimpleNamespace(queue=q), None
-    fleet.watch = types.SimpleNamespace(heard=heard.append, check=lambda: None)
-    assert fleet.queued() == [t] and [m["kind"] for m in heard] == ["search", "beat"]
+    fleet.watch = types.SimpleNamespace(heard=lambda msg: heard.append(msg) or [f"heard {msg['kind']}"],
+                                        check=lambda: ["checked"])
+    assert fleet.queued() == ([t], ["heard search", "heard beat", "checked"])
+    assert [m["kind"] for m in heard] == ["search", "beat"]
 
 
 def test_a_host_name_on_loopback_is_refused_when_the_master_is_another_machine(monkeypatch, capsys):

@@ -30,7 +30,8 @@ def test_both_paths_honour_the_slowdown(searchers, x, tiny_model, tmp_path):
     saved = json.load(open(out / "config.json"))
     assert saved["generation_slowdown"] == x
     engine = "trainer" if searchers == 0 else "0"
-    assert list(saved["per_token"]) == [engine] and 0 < saved["per_token"][engine] < 1  # s a token, alone
+    calibrated = saved["seconds_per_token"]
+    assert list(calibrated) == [engine] and 0 < calibrated[engine] < 1  # s a token, alone
     assert f"generation slowed {x:g}x (emulated)" in p.stdout
     rows = metrics(out)
     train, evals = [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"]
@@ -68,7 +69,7 @@ def test_only_search_rounds_are_slowed(tiny_model, monkeypatch):
     prompts, answers = [tok("12+34=").input_ids, tok("47+85=").input_ids], ["46", "132"]
     engine = searcher.Engine(config(tiny_model, generation_slowdown=100.0), "cpu", 0.1, prompts, answers)
     try:
-        engine.per_token = 1e-4  # as calibrated: s a generated token costs this engine alone
+        engine.clock.seconds_per_token = 1e-4  # as calibrated: s a generated token costs this engine alone
         scores, _ = engine.evaluate(prompts, answers)
         assert calls == [] and "accuracy" in scores
         trajectories, made = engine.search([0, 1], 4, (0, 0, 0))

@@ -210,24 +210,24 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
     5 x the longest gap (10 s at least), once; Silent at --timeout; a message resets it all."""
     import types
     import pytest
-    from runtime import fleet
+    from runtime import processes
     now, lines = [1000.0], []
-    monkeypatch.setattr(fleet.time, "time", lambda: now[0])
-    watch = fleet.Watch([types.SimpleNamespace(pid=42)], 100.0, lines.append)
+    monkeypatch.setattr(processes.time, "time", lambda: now[0])
+    watch = processes.Watch([types.SimpleNamespace(pid=42)], 100.0)
     now[0] += 90
-    watch.check()  # start-up: silent 90 s, no warning (no usual gap yet), under --timeout
-    watch.heard({"kind": "search", "searcher": 0, "version": 3})
+    lines += watch.check()  # start-up: silent 90 s, no warning (no usual gap yet), under --timeout
+    lines += watch.heard({"kind": "search", "searcher": 0, "version": 3})
     now[0] += 4
-    watch.heard({"kind": "search", "searcher": 0, "version": 5})  # gap 4 s: warn after 20 s
+    lines += watch.heard({"kind": "search", "searcher": 0, "version": 5})  # gap 4 s: warn after 20 s
     assert lines == []
     now[0] += 19
-    watch.check()
+    lines += watch.check()
     assert lines == []
     now[0] += 2
-    watch.check()
-    watch.check()
+    lines += watch.check()
+    lines += watch.check()
     assert len(lines) == 1 and lines[0].startswith("tba.py: warning: searcher 0 (pid 42) has sent nothing for 21 s")
-    watch.heard({"kind": "eval", "searcher": 0, "version": 4})
+    lines += watch.heard({"kind": "eval", "searcher": 0, "version": 4})
     assert lines[-1] == "tba.py: searcher 0 sends again, after 21 s"
     now[0] += 100.5
     with pytest.raises(Silent, match=r"searcher 0 \(pid 42\) has sent nothing for 100 s \(--timeout 100\)"):
@@ -248,10 +248,10 @@ def test_take_counts_what_arrives_and_the_newest_version():
                 {"kind": "search", "searcher": 0, "version": 5, "trajectories": [traj(2, 5)]},
                 {"kind": "search", "searcher": 0, "version": 4, "trajectories": [traj(3, 4)]},
                 {"kind": "eval", "searcher": 0, "version": 4, "scores": {"accuracy": 0.5}, "example": {}, "seconds": 1.0}):
-        q.put(dict(msg, generate=0.0, slept=0.0, charged=0.0, parts={}, per_token=None))
+        q.put(dict(msg, generate=0.0, slept=0.0, charged=0.0, parts={}, seconds_per_token=None))
     fleet = Fleet.__new__(Fleet)
     fleet.channels, fleet.procs, fleet.cfg = types.SimpleNamespace(queue=q), [], types.SimpleNamespace(timeout=60, lag=None)
-    fleet.watch = types.SimpleNamespace(heard=heard.append, check=lambda: None)
+    fleet.watch = types.SimpleNamespace(heard=lambda msg: heard.append(msg) or [], check=lambda: [])
     fleet.log = types.SimpleNamespace(eval=lambda *row: rows.append(row), searched=lambda msg: None)
     fleet.received = fleet.kept = 0
     fleet.newest, fleet.published, fleet.evaluated = -1, {4: (1.0, 0.0)}, []
@@ -268,32 +268,32 @@ def test_watch_hears_an_evaluations_beats_and_names_the_node(monkeypatch):
     from 2 there) the lines name the node and the node's own searcher."""
     import types
     import pytest
-    from runtime import fleet
+    from runtime import processes
     now, lines = [1000.0], []
-    monkeypatch.setattr(fleet.time, "time", lambda: now[0])
-    watch = fleet.Watch([types.SimpleNamespace(pid=7), types.SimpleNamespace(pid=8)], 100.0, lines.append,
-                        first=2, where="node 1: ")
+    monkeypatch.setattr(processes.time, "time", lambda: now[0])
+    watch = processes.Watch([types.SimpleNamespace(pid=7), types.SimpleNamespace(pid=8)], 100.0,
+                            first=2, where="node 1: ")
     for _ in range(3):  # rounds every 4 s
         now[0] += 4
         for i in (2, 3):
-            watch.heard({"kind": "search", "searcher": i, "version": 0})
+            lines += watch.heard({"kind": "search", "searcher": i, "version": 0})
     watch.evaluating = True  # asked (Trainer.evaluate): searcher 2, node 1's first, evaluates in 5 parts of 50 s
     for _ in range(5):
         for _ in range(10):
             now[0] += 5
-            watch.heard({"kind": "search", "searcher": 3, "version": 0})
-            watch.check()
-        watch.heard({"kind": "beat", "searcher": 2, "done": 256})
-    watch.heard({"kind": "eval", "searcher": 2, "version": 0})
+            lines += watch.heard({"kind": "search", "searcher": 3, "version": 0})
+            lines += watch.check()
+        lines += watch.heard({"kind": "beat", "searcher": 2, "done": 256})
+    lines += watch.heard({"kind": "eval", "searcher": 2, "version": 0})
     assert lines == [] and not watch.evaluating and watch.gap[0] == 4
     for _ in range(5):  # then silent: a warning past 5 x its 4 s rounds, Silent at --timeout
         now[0] += 5
-        watch.heard({"kind": "search", "searcher": 3, "version": 0})
-        watch.check()
+        lines += watch.heard({"kind": "search", "searcher": 3, "version": 0})
+        lines += watch.check()
     assert lines == ["tba.py: warning: node 1: searcher 0 (pid 7) has sent nothing for 25 s (usually every 4.0 s "
                      "at most); the run stops if it stays silent 100 s (--timeout)"]
     now[0] += 76
-    watch.heard({"kind": "search", "searcher": 3, "version": 0})
+    lines += watch.heard({"kind": "search", "searcher": 3, "version": 0})
     with pytest.raises(Silent, match=r"^node 1: searcher 0 \(pid 7\) has sent nothing for 101 s "
                                                r"\(--timeout 100\)$"):
         watch.check()

@@ -174,7 +174,7 @@ def run_protocol(kind: str, mode: str) -> dict:
             v += 1
             for t in src.values():
                 t.fill_(v)  # same stream as publish's copies: ordered before them
-            weights.publish(shared, src.items(), v, alive, TIMEOUT)
+            weights.write(shared, src.items(), v, alive, TIMEOUT)
             time.sleep(PACE[kind])
         stop.set()
         out = get_report(results, [proc], TIMEOUT)

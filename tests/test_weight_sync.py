@@ -16,7 +16,7 @@ from rewards import arith_reward
 from runtime import weights
 from loss import collate
 from searcher import Engine
-from runtime.fleet import Channels
+from runtime.processes import Channels
 from tasks.task import Data
 
 
@@ -43,6 +43,14 @@ def perturbed(model_path, seed):
     return model
 
 
+def vllm_logprob(engine, prompt: list[int], response: list[int]) -> float:
+    """vLLM's summed log-prob of a fixed response (raw logits: temperature 1), from its prompt log-probs."""
+    from vllm import SamplingParams
+    out = engine.llm.generate([{"prompt_token_ids": prompt + list(response)}],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    return sum(out.prompt_logprobs[len(prompt) + i][tok].logprob for i, tok in enumerate(response))
+
+
 def trainer_logprobs(model, pairs, temperature):
     with torch.no_grad():
         return sequence_logprobs(model, *collate(pairs, 0, "cpu"), temperature).tolist()
@@ -67,11 +75,12 @@ def test_engine_matches_trainer_after_sync(arch, request):
     for version, seed in ((2, 1), (4, 2)):
         with engine.beside():  # the trainer's side, in this process beside the engine
             model = perturbed(tiny_model, seed)
-        weights.publish(shared, weights.gather(model), version, lambda: None, 10)
-        assert engine.sync(shared, lambda: None, 10) and engine.version == version
-        assert not engine.sync(shared, lambda: None, 10)  # no version move, no reload
+        weights.write(shared, weights.gather(model), version, lambda: None, 10)
+        inbox = weights.Inbox(shared, 0, None, lambda: None, 10)
+        assert engine.sync(inbox) and engine.version == version
+        assert not engine.sync(inbox)  # no version move, no reload
         # a fixed response: vLLM's prompt log-probs (raw logits) vs the trainer's at temperature 1
-        assert abs(engine.logprob(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
+        assert abs(vllm_logprob(engine, prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
         # the cached prompt prefix was dropped: sampled tokens' log-probs follow the new weights
         after = engine.llm.generate([{"prompt_token_ids": prompt}], sample, use_tqdm=False)[0].outputs[0]
         expected = trainer_logprobs(model, [(prompt, list(after.token_ids))], 1.0)[0]
@@ -103,7 +112,7 @@ def test_engine_loads_a_model_directly_with_its_tied_names(arch, request):
             with engine.beside():
                 model = perturbed(tiny_model, seed)
             engine.load(weights.every_name(model, torch.float32), version)
-            assert abs(engine.logprob(prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
+            assert abs(vllm_logprob(engine, prompt, response) - trainer_logprobs(model, [(prompt, response)], 1.0)[0]) < 1e-4
         assert sorted(weights.aliases(model)) == (["lm_head.weight"] if arch == "llama" else [])
     finally:
         engine.close()
@@ -126,8 +135,9 @@ def test_reference_reset_reaches_the_searcher(tiny_model):
     engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"])
     before = engine.logprobs(engine.pi_ref(), [(prompt, response)], 0.7)[0]
     model = perturbed(tiny_model, 5)
-    weights.publish(shared, weights.gather(model), 6, lambda: None, 10, to=("policy", "pi_ref"))
-    assert engine.sync(shared, lambda: None, 10) and (engine.version, engine.pi_ref_version) == (6, 6)
+    weights.write(shared, weights.gather(model), 6, lambda: None, 10, to=("policy", "pi_ref"))
+    assert engine.sync(weights.Inbox(shared, 0, None, lambda: None, 10))
+    assert (engine.version, engine.pi_ref_version) == (6, 6)
     after = engine.logprobs(engine.pi_ref(), [(prompt, response)], 0.7)[0]
     assert abs(after - trainer_logprobs(model, [(prompt, response)], 0.7)[0]) < 1e-4
     assert abs(after - before) > 1e-3
@@ -156,7 +166,7 @@ def test_searcher_process_after_sync(tiny_model):
     proc.start()
     try:
         model = perturbed(tiny_model, 3)
-        weights.publish(shared, weights.gather(model), 2, lambda: None, 10)
+        weights.write(shared, weights.gather(model), 2, lambda: None, 10)
         deadline, fresh = time.time() + 120, []
         while not fresh:
             assert time.time() < deadline and proc.is_alive()

@@ -1,0 +1,107 @@
+"""`--searchers 0`, the synchronous baseline: the trainer's one process searches itself, with the same
+searcher.Engine, before each step, and evaluates. `LocalFleet` has the verbs of runtime/fleet.py's `Fleet`
+(its docstring lists them), so the trainer's loop is the same code with searchers and without; runtime.checks
+refuses more trainer ranks (vLLM cannot share a multi-process group)."""
+
+import time
+
+import numpy as np
+import torch
+
+import searcher
+from runtime import seeds, slowdown
+from runtime.weights import Inbox, Outbox, create, every_name
+
+
+class LocalFleet:
+    """A vLLM engine inside the trainer's process, which generates with the current weights before each step
+    (with --lag L, those of L steps before) and evaluates them."""
+
+    def __init__(self, cfg, data, log, signals, device):
+        self.cfg, self.data, self.log, self.signals = cfg, data, log, signals
+        self.received = self.kept = 0  # trajectories made over the run, and those the buffer kept (as Fleet's)
+        self.newest = -1               # the newest weight version that sampled data
+        self.published, self.evaluated, self.step, self.nodes = {}, [], 0, None
+        self.shared = create(torch.multiprocessing.get_context("spawn"))  # read by the engine as a searcher does
+        self.out = Outbox(self.shared, cfg.lag, cfg.timeout)
+        self.engine = searcher.Engine(cfg, str(device), cfg.trainer_memory, data.prompts, data.answers)
+        for timed in (False, True) if self.engine.clock.emulated else ():  # --generation-slowdown: warm, then timed
+            slowdown.calibrate(self.engine, cfg.prompts_per_step, cfg.search_samples_per_prompt, timed)
+
+    def beside(self):
+        """The trainer's model beside the engine (runtime/vllm_env.eager_transformers)."""
+        return self.engine.beside()
+
+    def share(self, model, version: int, saved: dict | None = None, newest: int = -1):
+        self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved)
+        self.newest, self.model, self.step = newest, model, version  # the model: evaluated as it is (request_eval)
+        self.published[version] = self.log.clock()
+        self.inbox = Inbox(self.shared, 0, None, lambda: None, self.cfg.timeout)  # this process reads them too
+
+    def saved(self, step: int) -> dict:
+        return self.out.saved(step)
+
+    def collect(self, buffer, step: int, waiting_for) -> tuple[float, float]:
+        """One search round of B prompts with the current weights, or with --lag L those of step `step` - L (more
+        while `waiting_for()` names something: the initial buffer). Returns (0, seconds searched)."""
+        cfg, search = self.cfg, 0.0
+        if self.signals.first:
+            return 0.0, 0.0
+        if cfg.lag is not None and self.shared.version.value != max(0, step - cfg.lag):
+            version = max(0, step - cfg.lag)
+            self.out.write(self.out.history[version].items(), version, lambda: None)
+        self.engine.sync(self.inbox)
+        for round_ in range(10**9):
+            ids = np.random.default_rng([cfg.seed, step, seeds.SYNC_PROMPTS, round_]).choice(
+                len(self.data.prompts), cfg.prompts_per_step, replace=False)
+            t_search = time.time()
+            trajectories, made = self.engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, step),
+                                                    for_step=step if cfg.lag is not None else -1)
+            search += time.time() - t_search
+            self.received += len(trajectories)
+            self.kept += len(buffer.add(trajectories))
+            self.newest = max(self.newest, self.engine.version)
+            self.log.searched(made)
+            if waiting_for() is None or self.signals.first:
+                return 0.0, search
+
+    def round_size(self) -> int:
+        return self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt
+
+    def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
+        """The weights of step `version` into the shared copy the engine reads before its next round (TBA′: pi_ref
+        too); with --lag L kept, and read by the round of step `version` + L (`collect`)."""
+        if self.cfg.lag is not None and not final:
+            copy = self.out.keep(named, version)
+            self.published[version], self.step = self.log.clock(), version
+            if pi_ref:
+                self.out.write(copy.items(), version, lambda: None, to=("pi_ref",))
+            self.out.forget(version - self.cfg.lag)
+            return True
+        if final:
+            self.out.history = {}
+        self.out.write(named, version, lambda: None, to=("policy", "pi_ref") if pi_ref else ("policy",))
+        self.published.setdefault(version, self.log.clock())
+        return True
+
+    def request_eval(self, step: int):
+        """Evaluate now, on the held-out problems, the weights of step `step` as a sync sends them (its dtype,
+        tied names too)."""
+        t0 = time.time()
+        if self.engine.version != step:
+            self.engine.load(every_name(self.model, getattr(torch, self.cfg.dtype)), step)
+        scores, example = self.engine.evaluate(self.data.test_prompts, self.data.test_answers)
+        self.log.eval(step, scores, example, time.time() - t0, self.log.clock())
+        self.evaluated.append(step)
+        self.log.overhead += time.time() - t0
+
+    def wait_for_eval(self, buffer, step: int):
+        return 0.0
+
+    def stop_reason(self):
+        """A signal's name (the trainer's process stops after a checkpoint), or None."""
+        first = self.signals.first
+        return ("signal", first[0]) if first else None
+
+    def close(self):
+        self.engine.close()

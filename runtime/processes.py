@@ -1,0 +1,161 @@
+"""The processes of a run around the trainer: signals, the channels to a searcher, the CPU's fork server,
+and the watch on a searcher's silence. The fleets (runtime/fleet.py, runtime/local.py) use them; none of
+them knows what a searcher computes.
+
+- `Signals`: SIGINT and SIGTERM, before and after the first step (a checkpoint first, once training began).
+- `Channels`: the queues and events between a node's leader and one searcher.
+- `fork_server`: on the CPU, searchers start from a server that has imported vLLM once.
+- `Watch`: a searcher that lives but has gone silent draws a warning, then `Silent`; it returns its lines,
+  and the caller prints them (rank 0) or sends them to rank 0 (another node's leader).
+"""
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import time
+from typing import NamedTuple
+
+import torch
+
+from runtime import vllm_env
+from runtime.errors import Silent, Stop
+
+
+class Signals:
+    """SIGINT and SIGTERM: before the first step one stops the run at once (nothing to save, Stop);
+    after it, the first asks the trainer to stop after a checkpoint (`first`), and a second one
+    stops it at once (KeyboardInterrupt). Under torchrun, Ctrl-C's SIGINT reaches the trainer twice
+    at once (the terminal's and torchrun's): a second signal counts only after 1 s. One that comes while
+    a searcher starts acts once it has started (`deferred`)."""
+
+    def __init__(self):
+        self.first = None      # (name, time) of the first signal once training began
+        self.training = False  # set by the loop after its first step
+        self.holding = None    # signals that came while `deferred`, acted on at its end
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGTERM, self.on_signal)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """A signal inside this acts at its end: a searcher's start cut short (Stop raised while the trainer writes
+        the pickled process to it) would leave the searcher a truncated pickle, and its traceback."""
+        self.holding = []
+        try:
+            yield
+        finally:
+            came, self.holding = self.holding, None
+        if came:
+            self.on_signal(came[0], None)
+
+    def on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.holding is not None:
+            self.holding.append(signum)
+            return
+        if not self.training:
+            raise Stop(name, False)
+        if self.first and time.time() - self.first[1] > 1:
+            raise KeyboardInterrupt
+        self.first = self.first or (name, time.time())
+
+
+class Channels(NamedTuple):
+    """Between a node's leader and one of its searchers (spawn)."""
+    queue: object        # mp.Queue: the searchers' messages (trajectories, evaluations, beats) to the trainer
+    stop: object         # mp.Event: set to stop the searchers
+    evals: object        # mp.Queue: evaluation requests (a step) to searcher 0 of node 0; None for the others
+    calibration: tuple   # (started engines, lock): --generation-slowdown's calibration
+
+
+
+def fork_server():
+    """On the CPU, searchers start from a fork server that has imported vLLM once (about 5 s of one core
+    each, which N searchers spawned afresh would spend side by side on the cores they share: 4 on 2
+    cores started 10 s later). On a GPU node each searcher imports on cores of its own, and spawn keeps
+    every process free of anything a parent could have set up for CUDA. The server imports runtime/vllm_env.py
+    first (it ignores SIGTERM and SIGINT there), then searcher.py, so it must find the repository: Python 3.11's fork
+    server does not take the trainer's sys.path (multiprocessing/forkserver.py, main), so PYTHONPATH is
+    given it for its start."""
+    from multiprocessing import forkserver
+    ctx = torch.multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["runtime.vllm_env", "searcher", "transformers", "vllm", "vllm.entrypoints.llm"])
+    before = os.environ.get("PYTHONPATH")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, above runtime/
+    os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([before] if before else []))
+    os.environ[vllm_env.FORK_SERVER] = "1"
+    try:
+        forkserver.ensure_running()
+        atexit.unregister(stop_fork_server)  # once, however often it is called
+        atexit.register(stop_fork_server)
+    finally:
+        del os.environ[vllm_env.FORK_SERVER]
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return ctx
+
+
+def stop_fork_server():
+    """At the trainer's exit (`fork_server` makes it an exit function): the fork server goes at once. It starts
+    before the checks (tba.py, main), and while it still imports vLLM it ignores SIGINT and SIGTERM and sees no
+    end of the trainer, so a refused or stopped run would leave it printing vLLM's import lines after the run's
+    last. Python 3.11's ForkServer keeps its pid
+    (multiprocessing/forkserver.py:37, 161); its socket is in multiprocessing's temporary folder, which the exit
+    functions remove (multiprocessing/connection.py:77, util.py:get_temp_dir)."""
+    pid = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    pid = pid and pid._forkserver_pid
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class Watch:
+    """Each node's leader (rank 0 on one node) watches its searchers' messages. A searcher stuck in
+    vLLM, on a wedged GPU or a stalled file system still lives, and the trainer, which never waits once
+    the buffer has data, would train on frozen data without a word. So: a warning (`say`) once a
+    searcher has sent nothing for well over its usual time between two messages (a round), and Silent
+    once --timeout passes with nothing from it (start-up counts: vLLM's load and compile). Searcher 0
+    beats after each part of an evaluation, so a long one is not silence; while one is asked for
+    (`evaluating`, until its result comes) a part longer than a round is no cause for a warning. On several
+    nodes a leader's searchers are numbered from `first` in their messages, and its lines begin with
+    `where` ("node 1: ")."""
+    WARN_FACTOR, WARN_MIN = 5.0, 10.0  # warn after 5 x its longest gap so far, 10 s at least
+
+    def __init__(self, procs, timeout: float, first: int = 0, where: str = ""):
+        self.procs, self.timeout, self.first, self.where = procs, timeout, first, where
+        self.evaluating = False  # an evaluation asked of searcher 0 has not come yet
+        self.last = [time.time()] * len(procs)  # when each was last heard from (or spawned)
+        self.gap = [None] * len(procs)          # its longest time between two messages (None: one or none yet)
+        self.heard_once = [False] * len(procs)
+        self.warned = [False] * len(procs)
+
+    def heard(self, msg) -> list[str]:
+        """A message from a searcher; the line to say if it had been warned about."""
+        i, now = msg.get("searcher", self.first) - self.first, time.time()
+        if self.heard_once[i] and not (i == 0 and self.evaluating):  # a round's gap, not an evaluation's
+            self.gap[i] = max(self.gap[i] or 0.0, now - self.last[i])
+        lines = [f"tba.py: {self.where}searcher {i} sends again, after {now - self.last[i]:.0f} s"] if self.warned[i] else []
+        self.last[i], self.heard_once[i], self.warned[i] = now, True, False
+        if msg["kind"] == "eval":
+            self.evaluating = False
+        return lines
+
+    def check(self) -> list[str]:
+        """Silent for a searcher quiet for --timeout; else the warnings to say (each once)."""
+        now, lines = time.time(), []
+        for i, p in enumerate(self.procs):
+            quiet = now - self.last[i]
+            if quiet > self.timeout:
+                raise Silent(f"{self.where}searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s "
+                             f"(--timeout {self.timeout:g})")
+            usual = self.gap[i]
+            if usual is not None and not self.warned[i] and not (i == 0 and self.evaluating) and quiet > min(
+                    max(self.WARN_FACTOR * usual, self.WARN_MIN), self.timeout / 2):
+                self.warned[i] = True
+                lines.append(f"tba.py: warning: {self.where}searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s "
+                             f"(usually every {usual:.1f} s at most); the run stops if it stays silent "
+                             f"{self.timeout:g} s (--timeout)")
+        return lines
