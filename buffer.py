@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-def per_token(dtype: str):
+def token_field(dtype: str):
     """A field of one value per response token, (T,) `dtype` (None: the trajectory has none)."""
     return field(default=None, metadata={"per_token": dtype})
 
@@ -65,8 +65,8 @@ class Trajectory:
     embedding: np.ndarray | None = vector("float32")  # (H,) unit sentence embedding (--dedup-similarity)
     version_last: int = -1   # the last weights that sampled a token of y (in-flight updates); -1: `version`'s
     for_step: int = -1       # --lag: the trainer step whose batch this round is for; -1: streamed
-    behaviour_logps: np.ndarray | None = per_token("float32")  # (T,) each token's log-prob when sampled
-    ref_logps: np.ndarray | None = per_token("float32")  # (T,) each token's log-prob under pi_ref (per-token losses)
+    behaviour_logps: np.ndarray | None = token_field("float32")  # (T,) each token's log-prob when sampled
+    ref_logps: np.ndarray | None = token_field("float32")  # (T,) each token's log-prob under pi_ref (per-token losses)
 
 
 FIELDS = dataclasses.fields(Trajectory)
@@ -114,6 +114,10 @@ def from_arrays(a: dict[str, np.ndarray]) -> list[Trajectory]:
 
 
 class ReplayBuffer:
+    # its knobs, each named as here and as its flag (runtime/config.py): the run's buffer is built from them
+    # (`from_config`), and saved and rebuilt by name (`settings`, `from_state`)
+    FLAGS = {"capacity": "buffer_capacity", "recency": "recency", "reward_inv_temp": "reward_inv_temp"}
+
     def __init__(self, capacity: int, recency: float, reward_inv_temp: float):
         self.capacity, self.recency, self.reward_inv_temp = capacity, recency, reward_inv_temp
         self.window = 0          # number of weight syncs so far
@@ -218,9 +222,18 @@ class ReplayBuffer:
             batch.append([pool_t[i] for i in idx])
         return batch
 
-    # --- checkpoints: plain arrays -------------------------------------------------------------------
+    # --- the knobs, checkpoints: plain arrays -----------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg, prompts: list[list[int]] | None = None) -> "ReplayBuffer":
+        """The run's buffer, its knobs from the flags (FLAGS); a task's kind may read its prompts too."""
+        return cls(**cls.knobs(cfg))
+
+    @classmethod
+    def knobs(cls, cfg) -> dict:
+        return {name: getattr(cfg, flag) for name, flag in cls.FLAGS.items()}
+
     def settings(self) -> dict:
-        return dict(capacity=self.capacity, recency=self.recency, reward_inv_temp=self.reward_inv_temp)
+        return {name: getattr(self, name) for name in self.FLAGS}
 
     def state(self) -> dict:
         """The whole buffer as NumPy arrays: its groups' trajectories in order of arrival, each oldest first,

@@ -140,22 +140,34 @@ def token_logprobs(logits, targets, temperature: float):
     return x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - x.logsumexp(-1)  # (N, C)
 
 
+def chunks(logits, chunk_bytes: int = 2**28):
+    """The slices of positions of (N, T, V) `logits` whose float32 copy holds at most `chunk_bytes` each: a full
+    float32 copy is 2 GB at GSM8K's 20 x 750 tokens x 32k vocabulary, so the log-softmax goes a chunk at a time."""
+    N, T, V = logits.shape
+    C = max(1, chunk_bytes // (4 * N * V))  # positions per chunk
+    return [slice(s, s + C) for s in range(0, T, C)]
+
+
+def next_token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_bytes: int = 2**28):
+    """Each position's log-prob of the token after it, from logits / temperature, chunk by chunk (`chunks`), each
+    chunk's float32 log-softmax recomputed in the backward pass: the only (N, T, V) tensor kept is the model's
+    own logits (in its compute dtype). Yields (slice of positions, (N, C) log-probs), in order."""
+    # use_cache=False: no KV cache built on a scoring pass (models whose config says use_cache build one)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (N, T-1, V)
+    targets = input_ids[:, 1:]                                                        # (N, T-1): token t+1
+    for at in chunks(logits, chunk_bytes):
+        args = (logits[:, at], targets[:, at], temperature)
+        yield at, (torch.utils.checkpoint.checkpoint(token_logprobs, *args, use_reentrant=False)
+                   if torch.is_grad_enabled() else token_logprobs(*args))            # (N, C)
+
+
 def response_logprobs(model, input_ids, attention_mask, response_mask, temperature: float, starts, lengths,
                       chunk_bytes: int = 2**28):
     """Each response token's log-prob, from logits / temperature: (N, R), R the longest response, 0 after each
-    response's end. `starts`: where each response begins in input_ids; `lengths`: its tokens. Chunked and
-    recomputed in the backward pass as sequence_logprobs."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (N, T-1, V)
-    targets = input_ids[:, 1:]                                                        # (N, T-1): token t+1
-    N, T1, V = logits.shape
-    C = max(1, chunk_bytes // (4 * N * V))                                            # positions per chunk
-    parts = []
-    for s in range(0, T1, C):
-        args = (logits[:, s:s + C], targets[:, s:s + C], temperature)
-        parts.append(torch.utils.checkpoint.checkpoint(token_logprobs, *args, use_reentrant=False)
-                     if torch.is_grad_enabled() else token_logprobs(*args))          # (N, C)
-    positions = torch.cat(parts, dim=1)                                               # (N, T-1)
-    R = int(max(lengths))
+    response's end. `starts`: where each response begins in input_ids; `lengths`: its tokens."""
+    positions = torch.cat([lp for _, lp in next_token_logprobs(model, input_ids, attention_mask, temperature,
+                                                                chunk_bytes)], dim=1)  # (N, T-1)
+    T1, R = positions.shape[1], int(max(lengths))
     at = torch.arange(R, device=positions.device)                                     # (R,)
     index = (torch.as_tensor(starts, device=positions.device)[:, None] - 1 + at).clamp(max=T1 - 1)  # (N, R)
     mask = (at < torch.as_tensor(lengths, device=positions.device)[:, None]).float()  # (N, R)
@@ -168,21 +180,11 @@ def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperatu
 
     input_ids, attention_mask, response_mask: (N, T), prompt then response then right padding;
     response_mask is 1 on response tokens (EOS included) and 0 on prompt and padding.
-    The float32 log-softmax is computed over chunks of positions of at most `chunk_bytes`, and
-    recomputed in the backward pass, so the only (N, T, V) tensor is the model's own logits (in its
-    compute dtype): a full float32 copy is 2 GB at GSM8K's 20 x 750 tokens x 32k vocabulary.
     """
-    # use_cache=False: no KV cache built on a scoring pass (models whose config says use_cache build one)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (N, T-1, V)
-    targets, mask = input_ids[:, 1:], response_mask[:, 1:]                            # (N, T-1): token t+1
-    N, T1, V = logits.shape
-    C = max(1, chunk_bytes // (4 * N * V))                                            # positions per chunk
-    total = torch.zeros(N, device=logits.device)                                      # (N,)
-    for s in range(0, T1, C):
-        args = (logits[:, s:s + C], targets[:, s:s + C], temperature)
-        lp = (torch.utils.checkpoint.checkpoint(token_logprobs, *args, use_reentrant=False)
-              if torch.is_grad_enabled() else token_logprobs(*args))                  # (N, C)
-        total = total + (lp * mask[:, s:s + C]).sum(dim=1)
+    mask = response_mask[:, 1:]                                                       # (N, T-1): token t+1
+    total = torch.zeros(len(input_ids), device=input_ids.device)                      # (N,)
+    for at, lp in next_token_logprobs(model, input_ids, attention_mask, temperature, chunk_bytes):
+        total = total + (lp * mask[:, at]).sum(dim=1)
     return total                                                                      # (N,)
 
 

@@ -1,4 +1,6 @@
-"""Reward functions: plain `reward(completion, answer) -> float`, testable on strings alone.
+"""Reward functions: plain `reward(completion, answer) -> float`, testable on strings alone (MATH's symbolic
+check of two answers runs in a child process under a hard time limit, runtime/bounded.py, so that no answer can
+hang or crash a round).
 
 - `arith_reward`: the toy task (`--task arith`, see `tasks/arith.py`): exact match of the answer.
 - `gsm8k_reward`: the paper's GSM8K reward (Sec. 5 of Bartoldson et al., and the authors'

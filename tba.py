@@ -58,7 +58,7 @@ import tasks
 from buffer import PER_TOKEN, SCALARS, ReuseCap
 from loss import LOSSES, collate, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import nodes, seeds
-from runtime.checkpoint import full_state_dict, linked, save_checkpoint, save_hf
+from runtime.checkpoint import FIXED_ON_RESUME, full_state_dict, linked, save_checkpoint, save_hf
 from runtime.checks import check, parse
 from runtime.config import Config
 from runtime.errors import ConfigError, Dead, Silent, Stop
@@ -173,13 +173,15 @@ class Trainer:
             raise
 
     def restore(self, ckpt: dict):
-        """--resume: the optimizer, the RNG, the counters; m and the reward temperature act from the next step
-        on (runtime.checkpoint.check_resumed_flags), what the buffer keeps cannot change (FIXED_ON_RESUME)."""
+        """--resume: the optimizer, the RNG, the counters; the buffer's sampling knobs act from the next step on
+        (runtime.checkpoint.check_resumed_flags), what it keeps cannot change (FIXED_ON_RESUME)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         set_optimizer_state_dict(self.model, self.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
         torch.set_rng_state(ckpt["torch_rng"])
         self.fleet.received, self.fleet.kept, self.log.first_eval = ckpt["samples"], ckpt["kept"], ckpt["first_eval"]
-        self.buffer.recency, self.buffer.reward_inv_temp = self.cfg.recency, self.cfg.reward_inv_temp
+        for name, flag in self.buffer.FLAGS.items():  # the buffer's knobs that may change (FIXED_ON_RESUME: the others)
+            if flag not in FIXED_ON_RESUME:
+                setattr(self.buffer, name, getattr(self.cfg, flag))
         self.cap.credit, self.cap.counted, self.cap.drawn = ckpt["reuse"]
 
     # --- what the next step waits for, its batch ---------------------------------------------------

@@ -51,6 +51,7 @@ import torch
 
 from buffer import ReplayBuffer, Trajectory, from_arrays, to_arrays
 from runtime import seeds
+from runtime.decoding import sampling_params
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
 from tasks.task import Problem, Scorer, Task, folder, read_jsonl
@@ -266,11 +267,9 @@ class Victim:
         id of the victim's generation_config.json (vllm/sampling_params.py:786-800,
         vllm/v1/engine/input_processor.py:489): Llama 3's <|eot_id|>, which theirs lists by hand
         (gfn_trainer.py:183-187)."""
-        from vllm import SamplingParams
         s = self.sampling
-        params = [SamplingParams(n=self.n, temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"],
-                                 seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0]))
-                  for i in range(len(attacks))]
+        params = [sampling_params(s["temperature"], s["max_new_tokens"], (seed, i), n=self.n, logprobs=None,
+                                  top_p=s["top_p"]) for i in range(len(attacks))]
         outputs = self.llm.generate([{"prompt_token_ids": self.prompt(a)} for a in attacks], params, use_tqdm=False)
         self.tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)  # tools/redteam_round.py reports it
         return [c.text for o in outputs for c in o.outputs]
@@ -327,8 +326,7 @@ class Judge:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def log_p_unsafe(self, attacks: list[str], responses: list[str]) -> list[float]:
-        from vllm import SamplingParams
-        params = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[self.unsafe_id], detokenize=False)
+        params = sampling_params(0.0, 1, logprobs=None, logprob_token_ids=[self.unsafe_id], detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": self.prompt(a, r)} for a, r in zip(attacks, responses)],
                                     params, use_tqdm=False)
         return [o.outputs[0].logprobs[0][self.unsafe_id].logprob for o in outputs]
@@ -454,13 +452,10 @@ class RedteamScorer(Scorer):
         """--eval-limit attacks (default 1,024) sampled at temperature 1 with the loaded weights, EOS blocked
         before 5 tokens as Lee et al.'s eval.py, each answered by the victim: `scores`. The example is the
         first attack, its mean P(unsafe) as its reward, and the victim's first response."""
-        from vllm import SamplingParams
         cfg, engine = self.cfg, self.engine
         counts = eval_counts(len(prompts), cfg.eval_limit)
-        params = [SamplingParams(n=n, temperature=1.0, max_tokens=cfg.max_new_tokens, min_tokens=MIN_ATTACK_TOKENS,
-                                 seed=int(np.random.SeedSequence([cfg.seed, seeds.EVAL_ATTACKS, engine.version, i])
-                                          .generate_state(1)[0]))
-                  for i, n in enumerate(counts) if n]
+        params = [sampling_params(1.0, cfg.max_new_tokens, (cfg.seed, seeds.EVAL_ATTACKS, engine.version, i), n=n,
+                                  logprobs=None, min_tokens=MIN_ATTACK_TOKENS) for i, n in enumerate(counts) if n]
         outputs = engine.llm.generate([{"prompt_token_ids": p} for p, n in zip(prompts, counts) if n], params,
                                       use_tqdm=False)
         attacks = [c.text for o in outputs for c in o.outputs]
@@ -498,6 +493,8 @@ class BestBuffer(ReplayBuffer):
     (`group_of`). Departures: theirs takes the first near-duplicate in heap order, ours the nearest; their
     edit distance leaves EOS out, ours counts it as a token."""
 
+    FLAGS = {**ReplayBuffer.FLAGS, "beta": "beta", "similarity": "dedup_similarity", "edit": "dedup_edit"}
+
     def __init__(self, capacity: int, recency: float, reward_inv_temp: float, beta: float = 1.0,
                  similarity: float = 0.0, edit: float = 0.0, group_of=None):
         self.beta, self.similarity, self.edit = beta, similarity, edit
@@ -505,12 +502,11 @@ class BestBuffer(ReplayBuffer):
         super().__init__(capacity, recency, reward_inv_temp)
 
     @classmethod
-    def for_prompts(cls, cfg, prompts: list[list[int]]) -> "BestBuffer":
+    def from_config(cls, cfg, prompts: list[list[int]]) -> "BestBuffer":
         """The run's best buffer: copies of one prompt (the same token ids) share one best set."""
         first = {}
         group_of = [first.setdefault(np.asarray(p, np.int64).tobytes(), i) for i, p in enumerate(prompts)]
-        return cls(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp, cfg.beta, cfg.dedup_similarity,
-                   cfg.dedup_edit, group_of)
+        return cls(**cls.knobs(cfg), group_of=group_of)
 
     def clear(self):
         super().clear()
@@ -573,8 +569,7 @@ class BestBuffer(ReplayBuffer):
         return None
 
     def settings(self) -> dict:
-        return dict(super().settings(), beta=self.beta, similarity=self.similarity, edit=self.edit,
-                    group_of=self.group_of)
+        return dict(super().settings(), group_of=self.group_of)
 
     def state(self) -> dict:
         """TBA's buffer's arrays, and the best sets' (`best_*`: each set's trajectories in order, its key)."""
@@ -614,9 +609,7 @@ def edit_distances(a: np.ndarray, rows: list, lengths: np.ndarray) -> np.ndarray
 
 def buffer(cfg, prompts: list[list[int]]) -> ReplayBuffer:
     """TBA's buffer, or with --buffer-keep best Lee et al.'s."""
-    if cfg.buffer_keep == "best":
-        return BestBuffer.for_prompts(cfg, prompts)
-    return ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
+    return (BestBuffer if cfg.buffer_keep == "best" else ReplayBuffer).from_config(cfg, prompts)
 
 
 TASK = Task(load, scorer=RedteamScorer, score="toxicity", check=check, fill=True, memory=memory, buffer=buffer,

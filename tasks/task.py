@@ -107,11 +107,6 @@ def no_memory(cfg, evaluates: bool, engines: dict, beside: dict):
     """A task whose scorer loads nothing beyond the policy's engine, pi_ref and a reward model."""
 
 
-def default_buffer(cfg, prompts: list[list[int]]) -> ReplayBuffer:
-    """TBA's buffer."""
-    return ReplayBuffer(cfg.buffer_capacity, cfg.recency, cfg.reward_inv_temp)
-
-
 @dataclass(frozen=True)
 class Task:
     """What `--task NAME` is (the module docstring gives each field's contract)."""
@@ -122,7 +117,7 @@ class Task:
     check: Callable = lambda cfg: {}
     flags: tuple[str, ...] = ()
     memory: Callable = no_memory
-    buffer: Callable = default_buffer
+    buffer: Callable = ReplayBuffer.from_config
     max_prompt: int | None = None
     fill: bool = False
     chat: bool = False

@@ -18,7 +18,7 @@ computes, the perplexity of the paper's Table 1).
 import numpy as np
 import torch
 
-from loss import collate
+from loss import chunks, collate
 from rewards import RewardModel
 from runtime.errors import ConfigError
 from tasks.task import Problem, Scorer, Task, load_splits, text_fields
@@ -109,14 +109,12 @@ def response_kl_nll(policy, ref, pairs, micro_batch: int, device, chunk_bytes: i
         logits = policy(input_ids=ids, attention_mask=attention).logits[:, :-1]    # (n, T-1, V): predicts t+1
         ref_logits = ref(input_ids=ids, attention_mask=attention).logits[:, :-1]   # (n, T-1, V)
         targets, mask = ids[:, 1:], response[:, 1:].float()                        # (n, T-1)
-        n, T1, V = logits.shape
-        C = max(1, chunk_bytes // (4 * n * V))  # positions per chunk of float32 log-softmax
-        kl, nll = torch.zeros(n, device=device), torch.zeros(n, device=device)    # (n,)
-        for s in range(0, T1, C):
-            logp = torch.log_softmax(logits[:, s:s + C].float(), dim=-1)           # (n, C, V)
-            logp_ref = torch.log_softmax(ref_logits[:, s:s + C].float(), dim=-1)   # (n, C, V)
-            kl += ((logp_ref.exp() * (logp_ref - logp)).sum(-1) * mask[:, s:s + C]).sum(1)
-            nll -= (logp_ref.gather(-1, targets[:, s:s + C, None]).squeeze(-1) * mask[:, s:s + C]).sum(1)
+        kl, nll = torch.zeros(len(ids), device=device), torch.zeros(len(ids), device=device)  # (n,)
+        for at in chunks(logits, chunk_bytes):  # float32 log-softmax a chunk of positions at a time
+            logp = torch.log_softmax(logits[:, at].float(), dim=-1)                # (n, C, V)
+            logp_ref = torch.log_softmax(ref_logits[:, at].float(), dim=-1)        # (n, C, V)
+            kl += ((logp_ref.exp() * (logp_ref - logp)).sum(-1) * mask[:, at]).sum(1)
+            nll -= (logp_ref.gather(-1, targets[:, at, None]).squeeze(-1) * mask[:, at]).sum(1)
         kl_out += kl.tolist()
         nll_out += nll.tolist()
     return np.array(kl_out), np.array(nll_out)

@@ -597,14 +597,13 @@ def sync_cost(model_path: str, cfg, repeat: int) -> dict:
 
 # --- 4: searcher overhead -------------------------------------------------------------------------
 def searcher_overhead(cfg, prompts, answers, repeat: int) -> dict:
-    from vllm import SamplingParams
+    from runtime.decoding import sampling_params
     engine = Engine(cfg, devices(cfg)[1], 0.2, prompts, answers)
     ids = np.arange(cfg.prompts_per_step)
     n = cfg.search_samples_per_prompt
 
     def bare():  # the same requests, seeds and engine, nothing around them
-        params = [SamplingParams(n=n, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, logprobs=0,
-                                 seed=int(np.random.SeedSequence([0, 0, 0, int(p)]).generate_state(1)[0])) for p in ids]
+        params = [sampling_params(cfg.temperature, cfg.max_new_tokens, (0, 0, 0, int(p)), n=n) for p in ids]
         outs = engine.llm.generate([{"prompt_token_ids": prompts[p]} for p in ids], params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 

@@ -18,9 +18,9 @@ from runtime import vllm_env  # noqa: E402
 vllm_env.set_up()  # before torch and vLLM are imported: they read it at import
 
 import torch  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
 
 from runtime import checks  # noqa: E402
+from runtime.decoding import sampling_params  # noqa: E402
 from runtime.config import Config  # noqa: E402
 from runtime.errors import ConfigError  # noqa: E402
 from searcher import Engine  # noqa: E402
@@ -44,7 +44,7 @@ def main(argv=None):
           f"{torch.get_num_threads()} threads")
     for round_ in range(3):  # the first round warms up
         t0 = time.time()
-        params = SamplingParams(n=attacks, temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=round_)
+        params = sampling_params(cfg.temperature, cfg.max_new_tokens, (round_,), n=attacks, logprobs=None)
         out = engine.llm.generate([{"prompt_token_ids": data.prompts[0]}], params, use_tqdm=False)[0].outputs
         generation = time.time() - t0
         engine.scorer.reward([data.prompts[0]] * len(out), [c.token_ids for c in out], [c.text for c in out], None)
