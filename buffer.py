@@ -2,14 +2,18 @@
 reuse cap.
 
 Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
-- One group per prompt, holding the newest `capacity` trajectories; an exact token duplicate of a
-  response already in the group replaces it (the newest copy is kept). Memory is bounded by
-  capacity x the number of prompts in the data set.
+- One group per prompt, holding the newest `capacity` distinct responses; an exact token duplicate of a
+  response already in the group replaces it (the newest copy is kept) and counts its copies, by window.
+  Memory is bounded by capacity x the number of prompts in the data set.
 - A training batch is B prompts x K responses. For each of the B prompts, independently:
   with probability m (`recency`) a prompt with data added since the last weight sync, and K of
   those recent responses drawn uniformly; otherwise a prompt of the whole buffer, and K of its
-  responses drawn by softmax(reward x `reward_inv_temp`) (0 = uniform). Draws are without
-  replacement where the pool holds at least K responses, with replacement where it holds fewer.
+  responses drawn by softmax(reward x `reward_inv_temp`) (0 = uniform). With `duplicates` "count" (the
+  default) a response is drawn as often as the searchers sent it, as from the raw rounds: VarGrad's log Z
+  is a mean over samples of the policy, and collapsing a modal answer's copies into one shrinks its weight
+  in a batch (docs/performance.md); "collapse" draws each distinct response once (the authors'
+  buffer_utils.py:36-83). Draws are without replacement where the pool holds at least K copies (K distinct
+  responses with "collapse"), with replacement where it holds fewer.
 - Departure from the authors' MPI code, where data reaches the trainer only at a sync: here it
   streams in, so right after a sync little or nothing is "recent" yet. The recent pool is the data
   of the newest windows (a window: the data added between two syncs) that together cover B prompts:
@@ -21,7 +25,8 @@ Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
   group mixes log-probs under two references (recomputing them would need pi_ref in the trainer).
 - --lag L (an exact lag): the searchers' rounds for step n, all sampled by the weights of step n - L,
   are kept apart (`rounds`) and make step n's batch alone (`sample_round`), each trajectory once;
-  each group is one round's, scored under one pi_ref, so a TBA′ reset drops none of them.
+  each group is one round's, scored under one pi_ref, so a TBA′ reset drops none of them. Rounds of a step
+  already trained are dropped on arrival; a checkpoint keeps none of the steps to come (they are made again).
 - Checkpoints: `state` / `from_state` as plain NumPy arrays, the settings by name (no pickle, no code).
   A trajectory's arrays come from its dataclass's fields (`to_arrays`), as on the wire between nodes.
 - `ReuseCap` (--max-reuse R): the trainer learns only as fast as data arrives. It draws at most R
@@ -116,24 +121,29 @@ def from_arrays(a: dict[str, np.ndarray]) -> list[Trajectory]:
 class ReplayBuffer:
     # its knobs, each named as here and as its flag (runtime/config.py): the run's buffer is built from them
     # (`from_config`), and saved and rebuilt by name (`settings`, `from_state`)
-    FLAGS = {"capacity": "buffer_capacity", "recency": "recency", "reward_inv_temp": "reward_inv_temp"}
+    FLAGS = {"capacity": "buffer_capacity", "recency": "recency", "reward_inv_temp": "reward_inv_temp",
+             "duplicates": "duplicates"}
 
-    def __init__(self, capacity: int, recency: float, reward_inv_temp: float):
+    def __init__(self, capacity: int, recency: float, reward_inv_temp: float, duplicates: str = "count"):
         self.capacity, self.recency, self.reward_inv_temp = capacity, recency, reward_inv_temp
+        self.duplicates = duplicates  # count: draws follow the searchers' multiplicities; collapse: one each
         self.window = 0          # number of weight syncs so far
         self.pi_ref_version = 0  # the pi_ref of the data kept (TBA′)
         self.rounds: dict[int, list[Trajectory]] = {}  # --lag: step -> the trajectories of its rounds
+        self.next_round = 0      # --lag: the step whose rounds make the next batch (older ones are dropped)
         self.clear()
 
     def clear(self):
         self.groups: dict[int, OrderedDict] = {}  # prompt id -> {response bytes: (Trajectory, window)}
+        self.copies: dict[int, dict] = {}         # prompt id -> {response bytes: {window: copies received in it}}
         self.last_window: dict[int, int] = {}     # prompt id -> the window of its latest data, oldest first
         self.prompts: list[int] = []              # every prompt with a group, in order of arrival
         self.size = 0                             # trajectories held
 
     def add(self, trajectories: list[Trajectory]) -> list[Trajectory]:
-        """Add the trajectories; returns those kept (TBA′: not those scored under an older pi_ref)."""
-        rounds = [t for t in trajectories if t.for_step >= 0]
+        """Add the trajectories; returns those kept (TBA′: not those scored under an older pi_ref; --lag: not the
+        rounds of a step already trained)."""
+        rounds = [t for t in trajectories if t.for_step >= self.next_round]
         for t in rounds:
             self.rounds.setdefault(t.for_step, []).append(t)
         kept = [t for t in trajectories if t.for_step < 0 and t.pi_ref_version == self.pi_ref_version]
@@ -141,13 +151,15 @@ class ReplayBuffer:
             if t.prompt_id not in self.groups:
                 self.groups[t.prompt_id] = OrderedDict()
                 self.prompts.append(t.prompt_id)
-            group = self.groups[t.prompt_id]
+            group, copies = self.groups[t.prompt_id], self.copies.setdefault(t.prompt_id, {})
             key = t.response.tobytes()
-            self.size -= group.pop(key, None) is not None  # exact duplicate: drop the older copy
+            self.size -= group.pop(key, None) is not None  # exact duplicate: the newest copy stands for all
             group[key] = (t, self.window)
+            counts = copies.setdefault(key, {})
+            counts[self.window] = counts.get(self.window, 0) + 1
             self.size += 1
             if len(group) > self.capacity:                 # keep the newest `capacity`
-                group.popitem(last=False)
+                copies.pop(group.popitem(last=False)[0])
                 self.size -= 1
             self.last_window.pop(t.prompt_id, None)
             self.last_window[t.prompt_id] = self.window
@@ -181,6 +193,10 @@ class ReplayBuffer:
         """A prompt's trajectories for the whole-buffer draws."""
         return [t for t, _ in self.groups[prompt].values()]
 
+    def multiplicity(self, prompt: int, since: int = -1) -> dict[bytes, int]:
+        """Each distinct response's copies received from window `since` on."""
+        return {key: sum(n for w, n in counts.items() if w >= since) for key, counts in self.copies[prompt].items()}
+
     def __len__(self):
         """Trajectories held: for the whole-buffer draws, and the rounds of the steps to come (--lag)."""
         return self.size + self.waiting()
@@ -189,14 +205,16 @@ class ReplayBuffer:
         """--lag: trajectories of the rounds for `step` (None: for every step to come)."""
         return len(self.rounds.get(step, ())) if step is not None else sum(map(len, self.rounds.values()))
 
-    def sample_round(self, step: int, B: int, K: int, rng: np.random.Generator) -> list[list[Trajectory]]:
-        """--lag: B groups of K trajectories from the rounds for `step`, each used once: B distinct prompts while
-        they have as many (in prompt order, whatever order the searchers' rounds came in), K distinct responses
-        of each while it has as many."""
+    def sample_round(self, step: int, B: int, K: int, n: int, rng: np.random.Generator) -> list[list[Trajectory]]:
+        """--lag: B groups of K trajectories from the rounds for `step`, each trajectory used once. A group is n
+        responses of one prompt (a round's; two rounds that drew one prompt make two groups, split in a fixed
+        order: samples of the same policy either way), taken in prompt order whatever order the rounds came in;
+        B of them without replacement, and K distinct responses of each, while there are as many."""
         by_prompt = {}
         for t in sorted(self.rounds.pop(step), key=lambda t: (t.prompt_id, t.response.tobytes())):
             by_prompt.setdefault(t.prompt_id, []).append(t)
-        groups = list(by_prompt.values())
+        groups = [g[i:i + n] for g in by_prompt.values() for i in range(0, len(g), n)]
+        self.next_round = step + 1
         chosen = rng.choice(len(groups), size=B, replace=len(groups) < B)
         return [[groups[j][i] for i in rng.choice(len(groups[j]), size=K, replace=len(groups[j]) < K)] for j in chosen]
 
@@ -212,13 +230,17 @@ class ReplayBuffer:
             chosen.add(prompt)
             if recent:   # data of the newest windows (on-policy up to the sync period and a round), uniformly
                 pool_t = [t for t, w in self.groups[prompt].values() if w >= cutoff]
-                probs = None
+                weights = np.ones(len(pool_t))
             else:        # the whole group, by softmax(reward x inverse temperature)
                 pool_t = self.whole(prompt)
                 logits = self.reward_inv_temp * np.array([t.reward for t in pool_t])
-                probs = np.exp(logits - logits.max())
-                probs /= probs.sum()
-            idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=probs)
+                weights = np.exp(logits - logits.max())
+            if self.duplicates == "count":  # each distinct response as often as the searchers sent it (since cutoff)
+                copies = self.multiplicity(prompt, cutoff if recent else -1)
+                batch.append([pool_t[i] for i in draw(np.array([copies.get(t.response.tobytes(), 1) for t in pool_t]),
+                                                      weights, K, rng)])
+                continue
+            idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=weights / weights.sum())
             batch.append([pool_t[i] for i in idx])
         return batch
 
@@ -239,28 +261,34 @@ class ReplayBuffer:
         """The whole buffer as NumPy arrays: its groups' trajectories in order of arrival, each oldest first,
         with their windows, and its settings and counters by name (a JSON text)."""
         rows = [(t, w) for p in self.prompts for t, w in self.groups[p].values()]
-        rounds = {f"round_{k}": v for k, v in to_arrays([t for r in self.rounds.values() for t in r]).items()}
-        return dict(**to_arrays([t for t, _ in rows]), **rounds, window=np.array([w for _, w in rows], np.int64),
+        counts = [(i, w, n) for i, (t, _) in enumerate(rows)
+                  for w, n in self.copies[t.prompt_id][t.response.tobytes()].items()]
+        # --lag's rounds of the steps to come are not kept: a resumed run's searchers make them again, the same
+        return dict(**to_arrays([t for t, _ in rows]), window=np.array([w for _, w in rows], np.int64),
+                    copies=np.array(counts, np.int64).reshape(-1, 3),  # (row, window, copies received in it)
                     prompts=np.array(self.prompts, np.int64),
                     last_window=np.array([list(self.last_window), list(self.last_window.values())],
                                          np.int64).reshape(2, -1),
                     settings=np.array(json.dumps(dict(self.settings(), kind=type(self).__name__, window=self.window,
-                                                      pi_ref_version=self.pi_ref_version))))
+                                                      pi_ref_version=self.pi_ref_version, next_round=self.next_round))))
 
     @classmethod
     def from_state(cls, s: dict) -> "ReplayBuffer":
         settings = json.loads(str(s["settings"]))
         kind, window, version = settings.pop("kind"), settings.pop("window"), settings.pop("pi_ref_version")
+        next_round = settings.pop("next_round")
         if kind != cls.__name__:
             raise ValueError(f"a {kind}'s state, not a {cls.__name__}'s")
         buf = cls(**settings)
-        for t, w in zip(from_arrays(s), s["window"].tolist()):
+        rows = from_arrays(s)
+        for t, w in zip(rows, s["window"].tolist()):
             buf.groups.setdefault(t.prompt_id, OrderedDict())[t.response.tobytes()] = (t, w)
-        for t in from_arrays({k[len("round_"):]: v for k, v in s.items() if k.startswith("round_")}):
-            buf.rounds.setdefault(t.for_step, []).append(t)
+        for i, w, n in s["copies"].tolist():
+            t = rows[i]
+            buf.copies.setdefault(t.prompt_id, {}).setdefault(t.response.tobytes(), {})[w] = n
         buf.prompts = s["prompts"].tolist()
         buf.last_window = dict(zip(*s["last_window"].tolist()))
-        buf.window, buf.pi_ref_version = window, version
+        buf.window, buf.pi_ref_version, buf.next_round = window, version, next_round
         buf.size = len(s["window"])
         return buf
 
@@ -290,6 +318,21 @@ class ReuseCap:
         self.drawn += draws
         if self.ratio:
             self.credit -= draws
+
+
+def draw(copies: np.ndarray, weights: np.ndarray, K: int, rng: np.random.Generator) -> list[int]:
+    """K draws from a multiset, each distinct item i held `copies[i]` times, each copy weighted by `weights[i]`:
+    without replacement (a copy drawn is gone) while it holds K copies, else with. So a batch follows the searchers'
+    multiplicities, as the raw rounds would, the trajectories being one object a distinct response."""
+    mass = copies * weights                                     # (n,) each item's copies' weight
+    if copies.sum() < K:
+        return rng.choice(len(copies), size=K, p=mass / mass.sum()).tolist()
+    left, out = copies.astype(float), []
+    for _ in range(K):
+        i = int(rng.choice(len(left), p=left * weights / (left * weights).sum()))
+        out.append(i)
+        left[i] -= 1
+    return out
 
 
 def pick(pool: list[int], chosen: set[int], rng: np.random.Generator) -> int:

@@ -15,7 +15,7 @@ policy, which is what lets TBA train on stale, replayed data.
 
 Every loss (`LOSSES`, chosen with `--loss`) takes the same (B, K) tensors by keyword: `logp` (the
 trainer's, with gradient), `logp_ref`, `logp_behaviour` (of the policy that sampled the response),
-`reward`, `length` (response tokens) and every other number field of buffer.Trajectory, and the scalars
+`reward`, `length` (response tokens), `prompt_length` and every other number field of buffer.Trajectory, and the scalars
 `beta`, `clip`, `gamma` and `reward_temp` (TB's tempered log R: Lee et al.'s red-teaming); a loss marked
 `per_token` also gets (B, K, T) tensors of each response token (the per-token baselines below). It returns
 the scalar loss (a mean over the B x K responses) and a dict of (B,) statistics that are logged. A new
@@ -88,49 +88,71 @@ def grpo_loss(logp, logp_ref, logp_behaviour, reward, length, beta: float, clip:
 # ===== per-token baselines and TBA′'s update in the authors' MATH code (their tba-prime, loss.py, train.py) ==
 # These take per-token tensors (B, K, T), T the longest response, padded: `token_logp` (the trainer's, with
 # gradient), `behaviour_logps` (each token's log-prob when it was sampled: vLLM's, by the weights that made
-# it), `ref_logps` (pi_ref's, from the searcher) and `token_mask` (1 on response tokens).
-def drgrpo_loss(token_logp, behaviour_logps, token_mask, reward, length, is_cap: float = 8.0,
-                drgrpo_norm: str = "length", budget: int = 1, **_):
+# it), `ref_logps` (pi_ref's, from the searcher) and `token_mask` (1 on response tokens); each response's token
+# sum is divided by `normaliser` (--norm).
+def normaliser(norm: str, length, prompt_length, budget: int):
+    """(B, K) each response's divisor: its length (response), its prompt's and its own (sequence: the authors'
+    MATH runs, their seq_lens at micro-batch 1: train.py:465-468, data.py:647, loss.py:156, 266), or the generation
+    budget (Liu et al.'s Dr. GRPO constant)."""
+    return {"response": length, "sequence": prompt_length + length,
+            "budget": torch.full_like(length, float(budget))}[norm]
+
+
+def drgrpo_loss(token_logp, behaviour_logps, token_mask, reward, length, prompt_length, is_cap: float = 8.0,
+                norm: str = "response", budget: int = 1, **_):
     """Dr. GRPO as the authors ran it for MATH (their RatioConfig, loss.py:192-229): advantage r - mean r over
     the K responses (no division by the standard deviation), the per-token truncated importance ratio
     min(pi_theta / mu, c) (torch.clamp: no gradient above c, as theirs), no PPO clip, no KL; each response's
-    tokens summed and divided by its length (theirs), or by a constant, the generation budget (Liu et al.'s).
+    tokens summed and divided by its normaliser N_i (`normaliser`).
 
         A_i = r_i - mean_j r_j
-        L   = -mean_i sum_t min(pi_theta(y_it) / mu(y_it), c) A_i / norm_i
+        L   = -mean_i sum_t min(pi_theta(y_it) / mu(y_it), c) A_i / N_i
     """
     advantage = reward - reward.mean(dim=1, keepdim=True)                         # (B, K)
     ratio = torch.exp(token_logp - behaviour_logps).clamp(0, is_cap)              # (B, K, T)
-    norm = length if drgrpo_norm == "length" else torch.full_like(length, float(budget))  # (B, K)
-    loss = -((ratio * token_mask).sum(-1) * advantage / norm).mean()             # scalar
+    N = normaliser(norm, length, prompt_length, budget)                           # (B, K)
+    loss = -((ratio * token_mask).sum(-1) * advantage / N).mean()                 # scalar
     capped = ((torch.exp(token_logp - behaviour_logps) > is_cap).float() * token_mask).sum(-1) / length
     return loss, {"capped": capped.detach().mean(dim=1)}                           # (B,) share of tokens capped
 
 
-def tbprime_loss(token_logp, behaviour_logps, ref_logps, token_mask, reward, length, beta: float,
-                 importance_weights: bool = True, is_cap: float = 8.0, **_):
+def tbprime_loss(token_logp, behaviour_logps, ref_logps, token_mask, reward, length, prompt_length, beta: float,
+                 importance_weights: bool = True, is_cap: float = 8.0, norm: str = "response", budget: int = 1, **_):
     """TBA′'s update as the authors wrote it for MATH (the gradient of their TB residual with log Z taken under
     the behaviour policy mu): -w_t [A_i - beta (KL_i - mean_j KL^mu_j)] per token, each response's tokens
-    summed and divided by its length. KL is the detached sequence sum of clamp(log pi - log pi_ref, +-10);
-    w_t = min(pi_theta / mu, c) with importance weights (its gradient is w_t grad log pi), else the plain
-    log-prob's gradient. On on-policy data it is TB's gradient up to the scale 2 / beta and the length
-    normalisation (tests/test_loss.py); docs/departures.md says where it differs from theirs.
+    summed and divided by its normaliser N_i (`normaliser`). KL is the detached sequence sum of
+    clamp(log pi - log pi_ref, +-10); w_t = min(pi_theta / mu, c) with importance weights (its gradient is
+    w_t grad log pi), else the plain log-prob's gradient. On on-policy data it is TB's gradient up to the scale
+    2 / beta and the normalisation (tests/test_loss.py); docs/departures.md says where it differs from theirs.
 
         A_i  = r_i - mean_j r_j
         KL_i = sum_t clamp(log pi_theta(y_it) - log pi_ref(y_it), -10, 10),  KL^mu_i the same with mu
-        L    = -mean_i sum_t w_t [A_i - beta (KL_i - mean_j KL^mu_j)] / |y_i|
+        L    = -mean_i sum_t w_t [A_i - beta (KL_i - mean_j KL^mu_j)] / N_i
     """
     kl = ((token_logp - ref_logps).clamp(-10, 10) * token_mask).sum(-1).detach()            # (B, K)
     kl_mu = ((behaviour_logps - ref_logps).clamp(-10, 10) * token_mask).sum(-1)            # (B, K)
     coef = (reward - reward.mean(dim=1, keepdim=True)) - beta * (kl - kl_mu.mean(dim=1, keepdim=True))  # (B, K)
     surrogate = torch.exp(token_logp - behaviour_logps).clamp(0, is_cap) if importance_weights else token_logp
-    loss = -((surrogate * token_mask).sum(-1) * coef / length).mean()                     # scalar
+    N = normaliser(norm, length, prompt_length, budget)                                     # (B, K)
+    loss = -((surrogate * token_mask).sum(-1) * coef / N).mean()                           # scalar
     return loss, {"kl": kl.mean(dim=1)}                                                     # (B,)
 
 
 drgrpo_loss.per_token = tbprime_loss.per_token = True  # backward computes per-token log-probs for them
+# the trajectories' fields each loss reads beyond the response (a searcher computes pi_ref's only for a loss that
+# reads them; a resumed run's buffer must hold them): `reads`
+tb_loss.reads = rloo_loss.reads = ("reward", "logp_ref")
+grpo_loss.reads = ("reward", "logp_ref", "logp_behaviour")
+drgrpo_loss.reads = ("reward", "behaviour_logps")
+tbprime_loss.reads = ("reward", "behaviour_logps", "ref_logps")
 
 LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "grpo": grpo_loss, "drgrpo": drgrpo_loss, "tbprime": tbprime_loss}
+
+
+def reads(loss) -> tuple:
+    """The fields a loss reads (its `reads`; one without: every number field, and a per-token one pi_ref's too)."""
+    return getattr(loss, "reads", ("reward", "logp_ref", "logp_behaviour") +
+                   (("behaviour_logps", "ref_logps") if getattr(loss, "per_token", False) else ()))
 
 
 # ===== log-probs ====================================================================================

@@ -33,6 +33,7 @@ settings=(
   --sync-every 2                            # k
   --recency 0.95                            # m; the other 5% uniform over the buffer
   --reward-inv-temp 0
+  --duplicates collapse                     # a response drawn once however often it came (their buffer_utils.py:36-83)
   --initial-buffer 500                      # trajectories before the first update (initial_buffer_samples)
   --beta 0.014 --beta-final 0.004 --beta-anneal-steps 500 --beta-stop-step 500   # kl_coef_decay_{target,stop}_iter
   --lr 1e-5 --warmup-steps 50 --stable-steps 350 --decay-steps 600   # warmup-stable-decay

@@ -7,7 +7,9 @@
 #
 #   bash run_math.sh                          # TBA′, lag 2, importance weights on
 #   bash run_math.sh --dry-run                # print the command and settings, start nothing
-#   LOSS=drgrpo bash run_math.sh              # the baseline: Dr. GRPO (NORM=length, default, or constant)
+#   LOSS=drgrpo bash run_math.sh              # the baseline: Dr. GRPO
+#   NORM=response bash run_math.sh            # each response's sum / its length (default: sequence, the authors':
+#                                             # / its prompt + response length; budget: / 4,096, Liu et al.'s)
 #   LAG=10 IS=off bash run_math.sh            # lag 10; TBA′ without importance weights (IS=on|off, LOSS=tb)
 #   EVAL=greedy bash run_math.sh              # evaluate greedily instead of at the training temperature
 #   bash run_math.sh --data ../math           # train.jsonl and test.jsonl of one's own (docs/tasks.md)
@@ -19,13 +21,15 @@ cd "$(dirname "$0")"
 TRAINERS=${TRAINERS:-4}
 SEARCHERS=${SEARCHERS:-4}
 LOSS=${LOSS:-tb}
+NORM=${NORM:-sequence}
 LAG=${LAG:-2}
 EVAL=${EVAL:-sampled}
 fail() { echo "run_math.sh: $1" >&2; exit 2; }
 case "$LAG" in 2|10) ;; *) fail "LAG must be 2 or 10 (the paper's lags), got $LAG";; esac
+case "$TRAINERS" in *[!0-9]*|0|'') ;; *) [ $((32 % TRAINERS)) -eq 0 ] || fail "TRAINERS must divide B = 32, got $TRAINERS";; esac
+case "$NORM" in response|sequence|budget) ;; *) fail "NORM must be response, sequence or budget, got $NORM";; esac
 case "$LOSS" in
   tb)
-    [ -z "${NORM:-}" ] || fail "NORM is Dr. GRPO's (LOSS=drgrpo), got NORM=$NORM with LOSS=tb"
     IS=${IS:-on}
     case "$IS" in on) WEIGHTS=--importance-weights;; off) WEIGHTS=--no-importance-weights;;
       *) fail "IS must be on or off, got $IS";; esac
@@ -37,11 +41,8 @@ case "$LOSS" in
     );;
   drgrpo)
     [ -z "${IS:-}" ] || fail "IS is TBA′'s (LOSS=tb), got IS=$IS with LOSS=drgrpo"
-    NORM=${NORM:-length}
-    case "$NORM" in length|constant) ;; *) fail "NORM must be length or constant, got $NORM";; esac
     objective=(
       --loss drgrpo                         # A = r - mean r, per-token min(pi / mu, c), no clip, no KL
-      --drgrpo-norm "$NORM"                 # each response's sum / its length (the authors'), or / 4,096
     );;
   *) fail "LOSS must be tb or drgrpo, got $LOSS";;
 esac
@@ -59,6 +60,8 @@ settings=(
                                             # rounds, used once: no replay (--recency, --max-reuse play no part)
   "${objective[@]}"
   --is-cap 8                                # c of min(pi / mu, c): their RatioConfig.clip_ratio (config.py:106)
+  --norm "$NORM"                            # sequence: each sample's token sum / its prompt + response length,
+                                            # theirs (train.py:465-468, data.py:647, loss.py:156, 266, micro-batch 1)
   --lr 1e-6 --warmup-steps 0 --decay-steps 0   # constant (Sec. 6; their train.py has no scheduler)
   --weight-decay 0.01 --adam-betas 0.9,0.99 # their AdamW (train.py:143-148, config.py:11-18)
   --grad-clip 1.0                           # their grad_norm_clip (config.py:28, train.py:447)
@@ -73,4 +76,4 @@ settings=(
   --eval-temperature "$EVAL_T"              # EVAL=sampled: the training temperature; greedy: 0
 )
 source scripts/launch.sh
-launch "LOSS=$LOSS LAG=$LAG EVAL=$EVAL${IS:+ IS=$IS}${NORM:+ NORM=$NORM}" "$@"
+launch "LOSS=$LOSS LAG=$LAG EVAL=$EVAL NORM=$NORM${IS:+ IS=$IS}" "$@"

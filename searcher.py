@@ -40,7 +40,7 @@ import torch
 
 import tasks
 from buffer import Trajectory
-from loss import LOSSES, collate, response_logprobs, sequence_logprobs, unique_pairs
+from loss import LOSSES, collate, reads, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import decoding, seeds, slowdown
 from runtime.errors import Dead
 from runtime.weights import WAIT, Inbox, SharedWeights
@@ -48,10 +48,10 @@ from runtime.weights import WAIT, Inbox, SharedWeights
 
 # ===== the searcher's loop: its side of the paper's Algorithm 1 ==================================
 def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, first_round: int = 0):
-    """Searcher process main: search, send, reload weights when they move, until told to stop.
-    Searcher 0 also answers evaluation requests (`channels.evals`) between rounds. With --lag L, round r
-    is step r's (a run resumed at step s begins at round s) and waits for the weights of step r - L
-    exactly."""
+    """Searcher process main: reload the weights when they move, search, send, until told to stop. Searcher 0
+    also evaluates the weights of each step the trainer asks for, at a round's start, before newer ones load
+    (`Requests`). With --lag L, round r is step r's (a run resumed at step s begins at round s) and waits for the
+    weights of step r - L exactly."""
     become_searcher()
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
@@ -63,10 +63,10 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
                         evaluates=channels.evals is not None)
         slowdown.calibrate_alone(engine, channels.calibration, cfg, parent_alive)  # --generation-slowdown
         weights = Inbox(shared, index % cfg.searchers, channels.stop, parent_alive, cfg.timeout)
-        engine.follow(weights)  # --inflight: new weights load between the decoding steps of a round
+        requests = Requests(channels, parent_alive, cfg.timeout)
+        engine.follow(weights, requests)  # new weights load when asked for, and (--inflight) in flight
         beat = lambda **state: send(channels.queue, dict(kind="beat", searcher=index, **state), channels.stop)
-        asked = []  # the steps whose evaluation searcher 0 was asked for and has not made yet
-        search = lambda trajectories, stats, t0: send(channels.queue, dict(
+        search = lambda trajectories, stats, t0: trajectories and send(channels.queue, dict(
             kind="search", searcher=index, version=engine.version, trajectories=trajectories,
             seconds=time.time() - t0, **stats), channels.stop)
         for round_ in itertools.count(first_round):
@@ -74,34 +74,27 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
                 break
             # ===== the weights: the newest published, or (--lag) exactly those of step round - L ===
             for_step = lagged_step(cfg, round_)
-            weights.wait_for(None if for_step < 0 else max(0, for_step - cfg.lag), beat)
+            weights.wait_for(max(0, for_step - cfg.lag) if for_step >= 0 else requests.wanted(cfg, engine.version), beat)
+            # ===== evaluate, if asked: the weights of the step asked for, held until now (after a first round:
+            # the trainer gets its first data first) =================================================
+            if round_ > first_round and requests.due(engine.version):
+                t0 = time.time()  # requests still in flight (--keep-full) first: evaluating generates
+                search(*engine.search([], cfg.search_samples_per_prompt, ()), t0)
+                t0 = time.time()
+                scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda done: beat(done=done))
+                requests.done(engine.version)
+                send(channels.queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores,
+                                          example=example, seconds=time.time() - t0), channels.stop)
             engine.sync(weights)
             # ===== search: sample, score, pi_ref's log-probs; send to the trainer =================
             if for_step >= 0 or cfg.lag is None:
                 t0 = time.time()
                 rng = np.random.default_rng([cfg.seed, index, round_, seeds.SEARCH_PROMPTS])  # a resumed run's too
                 ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
-                trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
-                                                    for_step=for_step)
-                if trajectories:  # (--keep-full: none from the call that fills the engine)
-                    search(trajectories, stats, t0)
+                search(*engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
+                                      for_step=for_step), t0)  # (--keep-full: nothing from the call that fills it)
             else:  # --lag, every round made: only evaluations are left to do
                 time.sleep(WAIT / 4)
-            # ===== evaluate, if asked (after a round: the trainer gets its first data first) ======
-            asked += drain_requests(channels.evals)
-            due = [step for step in asked if cfg.lag is None or step <= engine.version]  # --lag: once it holds them
-            if due:
-                t0 = time.time()
-                trajectories, stats = engine.search([], cfg.search_samples_per_prompt, ())  # requests in flight first
-                if trajectories:
-                    search(trajectories, stats, t0)
-                if cfg.lag is None and engine.version != max(due):  # the weights asked for if it holds them (the
-                    engine.sync(weights)                             # initial model's), else the newest
-                asked = [step for step in asked if step not in due]
-                t0 = time.time()
-                scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda done: beat(done=done))
-                send(channels.queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores,
-                                          example=example, seconds=time.time() - t0), channels.stop)
     except Dead:
         sys.exit(3)
     except TimeoutError as e:  # the trainer lives but sent no weights for --timeout: one line, not a traceback
@@ -151,7 +144,10 @@ class Engine:
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.pi_ref_model = None  # loaded on the first search (`pi_ref`)
         self.weights = None       # the shared weights, followed in flight (--inflight: `follow`)
-        self.clock = slowdown.Clock(cfg.generation_slowdown)  # --generation-slowdown's device time
+        self.requests = Requests()  # searcher 0's evaluations asked for (`follow`); none elsewhere
+        calibrated = slowdown.read_calibration(cfg.calibration)["seconds_per_token"] if cfg.calibration else None
+        self.clock = slowdown.Clock(cfg.generation_slowdown, calibrated, cfg.decode_cost, limit=cfg.timeout,
+                                    full=(cfg.round_prompts or cfg.prompts_per_step) * cfg.search_samples_per_prompt)
         self.decoder = decoding.decoder(cfg, self.llm, self.clock, self.between_steps if cfg.inflight else None,
                                         salt=lambda: f"v{self.version}")
         self.scorer = task.scorer(self, task, evaluates)
@@ -160,8 +156,11 @@ class Engine:
     def generate(self, prompt_ids, n: int, seed: tuple) -> list[tuple[int, list]]:
         """vLLM's n samples of each prompt, seeded from `seed` and the prompt: (prompt id, its n completions) for
         each prompt done (--keep-full: those done first, of this call or an earlier one; runtime/decoding.py)."""
-        return self.decoder.generate([decoding.Request(int(p), self.prompts[p], n, self.explore(seed, p),
-                                                       max_tokens(self.cfg, self.prompts[p]), seed) for p in prompt_ids])
+        return self.decoder.generate(self.to_requests(prompt_ids, n, seed))
+
+    def to_requests(self, prompt_ids, n: int, seed: tuple) -> list[decoding.Request]:
+        return [decoding.Request(int(p), self.prompts[p], n, self.explore(seed, p), max_tokens(self.cfg, self.prompts[p]),
+                                 seed) for p in prompt_ids]
 
     def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1) -> tuple[list[Trajectory], dict]:
         """n sampled responses to each prompt, scored, with reference and behaviour log-probs, and the versions
@@ -170,6 +169,8 @@ class Engine:
         done = [(p, c) for p, completions in self.generate(prompt_ids, n, seed) for c in completions]
         if not done:  # (--keep-full: the call that filled the engine)
             return [], {}
+        if for_step >= 0 and self.cfg.ref_reset_every:  # TBA′ with --lag: scored under the pi_ref of its step
+            self.reference_of(for_step)
         texts = [c.text for _, c in done]
         rewards = self.scorer.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done], texts,
                                      [self.answers[p] for p, _ in done])
@@ -180,14 +181,15 @@ class Engine:
                                    behaviour_logps=np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
                                                             np.float32))
                         for (p, c), r, v in zip(done, rewards, versions)]
-        pairs, index = unique_pairs(trajectories, self.prompts)
-        if getattr(LOSSES[self.cfg.loss], "per_token", False):  # the loss reads pi_ref's log-prob of each token
+        pairs, index, fields = *unique_pairs(trajectories, self.prompts), reads(LOSSES[self.cfg.loss])
+        if "ref_logps" in fields:  # the loss reads pi_ref's log-prob of each token
             ref_logps = self.token_logprobs(self.pi_ref(), pairs, self.cfg.temperature)
             logp_ref = [float(r.sum()) for r in ref_logps]
             for t, i in zip(trajectories, index):
                 t.ref_logps = ref_logps[i]
-        else:
-            logp_ref = self.logprobs(self.pi_ref(), pairs, self.cfg.temperature)
+        else:  # no pi_ref pass where the loss reads none (NaN: a resumed run with one that does is refused)
+            logp_ref = (self.logprobs(self.pi_ref(), pairs, self.cfg.temperature) if "logp_ref" in fields
+                        else [float("nan")] * len(pairs))
         for t, i in zip(trajectories, index):
             t.logp_ref = logp_ref[i]
         self.scorer.annotate(trajectories, texts)
@@ -211,19 +213,19 @@ class Engine:
 
     @torch.no_grad()
     def logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]], temperature: float) -> list[float]:
-        """Summed log-probs of (prompt, response) pairs under a transformers model, in micro-batches."""
+        """Summed log-probs of (prompt, response) pairs under a transformers model, --score-batch at a time."""
         out = []
-        for i in range(0, len(pairs), self.cfg.micro_batch):
-            batch = collate(pairs[i:i + self.cfg.micro_batch], 0, self.device)
+        for i in range(0, len(pairs), self.cfg.score_batch):
+            batch = collate(pairs[i:i + self.cfg.score_batch], 0, self.device)
             out += sequence_logprobs(model, *batch, temperature).tolist()
         return out
 
     @torch.no_grad()
     def token_logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]], temperature: float) -> list[np.ndarray]:
-        """Each response token's log-prob under a transformers model, in micro-batches: one (T,) array a pair."""
+        """Each response token's log-prob under a transformers model, --score-batch at a time: one (T,) array a pair."""
         out = []
-        for i in range(0, len(pairs), self.cfg.micro_batch):
-            part = pairs[i:i + self.cfg.micro_batch]
+        for i in range(0, len(pairs), self.cfg.score_batch):
+            part = pairs[i:i + self.cfg.score_batch]
             per = response_logprobs(model, *collate(part, 0, self.device), temperature, [len(p) for p, _ in part],
                                     [len(r) for _, r in part]).float().cpu().numpy()
             out += [row[:len(r)].astype(np.float32) for row, (_, r) in zip(per, part)]
@@ -259,22 +261,40 @@ class Engine:
         self.version = version
 
     def sync(self, weights: Inbox) -> bool:
-        """Load the published weights if their version moved, and pi_ref if it was reset (TBA′); True if anything
-        moved. Read under the lock: the trainer cannot overwrite them half-way."""
+        """Load the published weights if their version moved (unless searcher 0 holds older ones for an
+        evaluation asked for: `Requests.keeps`), and pi_ref if it was reset (TBA′); True if anything moved. Read
+        under the lock: the trainer cannot overwrite them half-way."""
+        self.requests.holds(self.version)
         version, pi_ref_version = weights.versions()
-        if version == self.version and pi_ref_version == self.pi_ref_version:
+        policy = version != self.version and not self.requests.keeps(self.version, version)
+        if not policy and pi_ref_version == self.pi_ref_version:
             return False
         with weights.read(self.device):
-            if weights.shared.version.value != self.version:
+            if policy and weights.shared.version.value != self.version:
                 self.load(list(weights.shared.tensors.items()), weights.shared.version.value)
             if weights.shared.pi_ref_version.value != self.pi_ref_version:
                 self.pi_ref().load_state_dict(weights.shared.pi_ref, strict=False)
                 self.pi_ref_version = weights.shared.pi_ref_version.value
+        self.requests.holds(self.version)
         return True
 
-    def follow(self, weights: Inbox):
-        """--inflight: from now on the decoder loads newly published weights between two decoding steps."""
-        self.weights = weights
+    def reference_of(self, step: int):
+        """TBA′ with --lag: pi_ref of the latest reset at or before `step` (the trainer's batch of `step` is trained
+        under it; a round of it may have begun before the reset), waited for and loaded: the round is scored under
+        the pi_ref of its step, as the authors' trainer scores every batch (their train.py:305-311)."""
+        version = step // self.cfg.ref_reset_every * self.cfg.ref_reset_every
+        if self.weights is None or self.pi_ref_version == version:
+            return
+        self.weights.wait_for(version, pi_ref=True)
+        with self.weights.read(self.device):
+            self.pi_ref().load_state_dict(self.weights.shared.pi_ref, strict=False)
+            self.pi_ref_version = self.weights.shared.pi_ref_version.value
+
+    def follow(self, weights: Inbox, requests: "Requests"):
+        """From now on the engine keeps the weights of an evaluation asked for until it is made (`requests`), and
+        (--inflight) its decoder loads newly published weights between two decoding steps."""
+        self.weights, self.requests = weights, requests
+        requests.holds(self.version)
 
     def between_steps(self):
         if self.weights is not None:
@@ -355,12 +375,57 @@ def send(queue, message, stop):
             parent_alive()
 
 
-def drain_requests(evals) -> list[int]:
-    """The steps whose evaluation was requested since the last call."""
-    requested = []
-    while evals is not None:
-        try:
-            requested.append(evals.get_nowait())
-        except Empty:
-            return requested
-    return requested
+class Requests:
+    """Searcher 0's evaluations (of node 0; for the others, and with no channels, there are none): the steps the
+    trainer asked for (`Channels.evals`), each of whose weights is evaluated when the engine holds them, before
+    newer ones load (`keeps`). `asked` is set before each request is sent and read before any newer weights are,
+    so a request on its way is waited for (the trainer published those weights before asking, and publishes no
+    newer ones until `pinned` says they are held: runtime.fleet.Fleet.evaluation_pending)."""
+
+    def __init__(self, channels=None, alive=lambda: None, timeout: float = 60.0):
+        self.queue = channels.evals if channels is not None else None
+        self.asked, self.pinned = (channels.asked, channels.pinned) if self.queue is not None else (None, None)
+        self.alive, self.timeout = alive, timeout
+        self.pending, self.latest = [], -1  # steps asked and not yet evaluated; the latest received
+
+    def read(self) -> list[int]:
+        """The steps asked for and not yet evaluated, every request up to `asked` received."""
+        if self.queue is None:
+            return []
+        deadline = time.time() + self.timeout
+        while True:
+            try:
+                self.latest = self.queue.get(timeout=WAIT / 10) if self.latest < self.asked.value else \
+                    self.queue.get_nowait()
+                self.pending.append(self.latest)
+            except Empty:
+                if self.latest >= self.asked.value:
+                    return self.pending
+                self.alive()
+                if time.time() > deadline:
+                    raise TimeoutError(f"the request to evaluate step {self.asked.value} did not come in "
+                                       f"{self.timeout:g} s (--timeout)")
+
+    def keeps(self, held: int, published: int) -> bool:
+        """Whether the engine keeps the weights of step `held` rather than load those of `published`: it holds an
+        evaluation's, or newer ones would pass one asked for."""
+        pending = self.read()
+        return bool(pending) and published > min(pending) and held <= min(pending)
+
+    def holds(self, version: int):
+        """The engine holds the weights of `version`: if an evaluation of them is asked for, the trainer learns so."""
+        if version in self.read():
+            self.pinned.value = version
+
+    def due(self, version: int) -> bool:
+        """An evaluation of the weights held (or of older ones it can no longer reach) is asked for."""
+        return any(step <= version for step in self.read())
+
+    def done(self, version: int):
+        self.pending = [step for step in self.pending if step > version]
+
+    def wanted(self, cfg, held: int) -> int | None:
+        """--lag, past the last round: the weights of the next evaluation asked for, newer than those `held` (the
+        trainer serves them once asked: `wants`); None: none (or streaming)."""
+        ahead = [step for step in self.read() if step > held]
+        return min(ahead) if cfg.lag is not None and ahead else None

@@ -57,7 +57,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import tasks
 from buffer import PER_TOKEN, SCALARS, ReuseCap
 from loss import LOSSES, collate, response_logprobs, sequence_logprobs, unique_pairs
-from runtime import nodes, seeds
+from runtime import nodes, seeds, slowdown
 from runtime.checkpoint import FIXED_ON_RESUME, full_state_dict, linked, save_checkpoint, save_hf
 from runtime.checks import check, parse
 from runtime.config import Config
@@ -86,6 +86,7 @@ def train(t: "Trainer"):
         # ===== collect: searched trajectories into the buffer ====================================
         initial = cfg.initial_buffer if t.step == first_step and not t.resumed else 0  # before the first step
         wait, search = t.fleet.collect(t.buffer, t.step, lambda: t.waiting_for(initial))
+        t_train = time.time()
         # ===== sample a batch: B prompts x K responses (TBA: recency m, reward softmax) =========
         batch = t.sample()
         if batch is None:  # rank 0 stops the run (a signal, a silent searcher): every rank with it
@@ -116,9 +117,10 @@ def train(t: "Trainer"):
         elif t.step % cfg.sync_every == 0:
             t.sync_weights()
         sync = time.time() - t_sync
+        t.clock.charge(time.time() - t_train)  # --train-slowdown: the step lasts Y x its cost alone (emulated)
         # ===== log ===============================================================================
-        t.log.train_row(t.step, batch, stats, t.fleet, t.buffer, t.cap, beta=beta, lr=lr, **tempering, wait=wait,
-                        sync=sync, search=search, seconds=time.time() - t_step)
+        t.log.train_row(t.step, batch, stats, t.fleet, t.buffer, t.cap, t.clock, beta=beta, lr=lr, **tempering,
+                        wait=wait, sync=sync, search=search, seconds=time.time() - t_step)
         # ===== evaluate ==========================================================================
         if cfg.eval_every and t.step % cfg.eval_every == 0 and t.step < cfg.steps:
             t.evaluate()
@@ -140,6 +142,12 @@ class Trainer:
             torch.cuda.set_device(self.device)
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
         self.step = ckpt["step"] if ckpt else 0
+        # the step whose weights the searchers were last sent (a checkpoint's: they may hold older ones), and since
+        # when the trainer waits for searcher 0 to hold an evaluation's weights
+        self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
+        self.held_since = None
+        calibrated = slowdown.read_calibration(cfg.calibration)["train_step"] if cfg.calibration else None
+        self.clock = slowdown.TrainClock(cfg.train_slowdown, calibrated, limit=cfg.timeout)  # --train-slowdown
         self.log = Log(cfg, self.rank, t_start - (ckpt["elapsed"] if ckpt else 0.0), self.step,
                        resumed={"step": self.step} if ckpt else None)
         try:
@@ -186,9 +194,16 @@ class Trainer:
 
     # --- what the next step waits for, its batch ---------------------------------------------------
     def waiting_for(self, initial: int) -> str | None:
-        """What the next step still lacks (rank 0), or None: the initial buffer, B prompts, data no more than
-        --max-staleness steps old (the newest; replayed draws are old by design), or --max-reuse's credit."""
+        """What the next step still lacks (rank 0), or None: searcher 0 holding the weights of an evaluation asked
+        for, the initial buffer, B prompts, data no more than --max-staleness steps old (the newest; replayed draws
+        are old by design), or --max-reuse's credit; with --lag, this step's rounds."""
         cfg, fleet = self.cfg, self.fleet
+        if fleet.evaluation_pending():  # an evaluation's weights first (not learning: the log's overhead)
+            self.held_since = self.held_since or time.time()
+            return fleet.evaluation_pending()
+        if self.held_since:
+            self.log.overhead += time.time() - self.held_since
+            self.held_since = None
         if cfg.lag is not None:  # --lag: this step's rounds, all of them
             got, want = self.buffer.waiting(self.step), fleet.round_size()
             return None if got >= want else (f"the rounds of step {self.step}, sampled by the weights of step "
@@ -212,7 +227,8 @@ class Trainer:
         batch, cfg = None, self.cfg
         if self.rank == 0 and not self.fleet.stop_reason():
             rng = np.random.default_rng([cfg.seed, self.step, seeds.BATCH])
-            batch = (self.buffer.sample_round(self.step, cfg.prompts_per_step, cfg.samples_per_prompt, rng)
+            batch = (self.buffer.sample_round(self.step, cfg.prompts_per_step, cfg.samples_per_prompt,
+                                              cfg.search_samples_per_prompt, rng)
                      if cfg.lag is not None else self.buffer.sample(cfg.prompts_per_step, cfg.samples_per_prompt, rng))
             self.cap.draw(cfg.prompts_per_step * cfg.samples_per_prompt)
         return broadcast_batch(batch, self.rank)
@@ -231,6 +247,7 @@ class Trainer:
         become pi_ref at once (TBA′); `final`: the last step's, for the final evaluation."""
         if self.fleet.publish(gather(self.model, getattr(torch, self.cfg.dtype)), self.step, pi_ref, final):
             self.buffer.mark_sync()
+        self.synced = self.step
 
     def reset_reference(self):
         """TBA′: pi_ref <- the current policy, in the searchers too; older data leaves the buffer."""
@@ -240,7 +257,11 @@ class Trainer:
 
     # --- evaluate, checkpoint, the end ---------------------------------------------------------------
     def evaluate(self):
-        """The task's evaluation of the current weights on the held-out problems (by searcher 0, or here)."""
+        """The task's evaluation of the current weights on the held-out problems (by searcher 0, or here). Streaming
+        searchers that hold older weights (--sync-every above 1, a resumed run's) are sent these first: every
+        evaluation is of the step it names, in every mode."""
+        if self.cfg.searchers and self.cfg.lag is None and self.synced != self.step:
+            self.sync_weights()
         self.fleet.request_eval(self.step)
 
     def counters(self) -> dict:
@@ -265,7 +286,8 @@ class Trainer:
     def finish(self):
         """The final weights to the searchers, the final evaluation, the final model (OUT/final)."""
         cfg = self.cfg
-        if cfg.lag is not None or self.step % cfg.sync_every:
+        self.fleet.wait_for_eval(self.buffer)  # every evaluation asked, before the final weights replace theirs
+        if cfg.lag is not None or self.synced != self.step:
             self.sync_weights(final=True)  # the final evaluation is of the final weights
         self.evaluate()
         if cfg.searchers:
@@ -297,20 +319,20 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
     each). The loss gets `logp` (the trainer's, with gradient) and each number field of the Trajectory
     (buffer.SCALARS: logp_ref, reward, logp_behaviour, ...) as (b, K) tensors; a per-token loss also its
     tokens' (b, K, T) tensors. In passes of whole prompts, --micro-batch sequences a pass; with fewer than K,
-    a pass without gradient over the K responses gives the group's statistics (log Z, the advantages), then
+    passes without gradient of --micro-batch sequences give the group's statistics (log Z, the advantages), then
     each pass of --micro-batch sequences puts its log-probs, with gradient, among the others' detached ones:
-    the passes' gradients add up to the whole loss's. Returns sums over the groups: "loss" x prompts,
+    the passes' gradients add up to the whole loss's, and no pass holds more than --micro-batch sequences. Returns sums over the groups: "loss" x prompts,
     "prompts", and each of the loss's (B,) statistics."""
     K, loss_fn = cfg.samples_per_prompt, LOSSES[cfg.loss]
     per_token = getattr(loss_fn, "per_token", False)
     options = dict(beta=beta, clip=cfg.clip, is_cap=cfg.is_cap, importance_weights=cfg.importance_weights,
-                   drgrpo_norm=cfg.drgrpo_norm, budget=cfg.max_new_tokens, **tempering)
+                   norm=cfg.norm, budget=cfg.max_new_tokens, **tempering)
     sums = {}
     for i in range(0, len(groups), max(1, cfg.micro_batch // K)):
         part = groups[i:i + max(1, cfg.micro_batch // K)]
         pairs, index = unique_pairs([t for g in part for t in g], prompts)  # each distinct sequence once
         index = torch.tensor(index, device=device)
-        inputs = loss_inputs(part, device, per_token)
+        inputs = loss_inputs(part, device, per_token, prompts)
         R = inputs["token_mask"].shape[-1] if per_token else 0
 
         def logps(rows):  # the log-probs of distinct sequences rows: (n,), or per token (n, R)
@@ -329,12 +351,12 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
         if cfg.micro_batch >= K * len(part):  # whole prompts in one pass
             loss, stats = loss_of(logps(range(len(pairs))))
             (loss * len(part) / prompts_per_rank).backward()  # the mean over all B prompts: FSDP averages ranks
-        else:  # fewer than K sequences a pass: the statistics without gradient, then the gradient by parts
+        else:  # fewer than K sequences a pass: the statistics without gradient, then the gradient, by parts
+            parts = [range(s, min(s + cfg.micro_batch, len(pairs))) for s in range(0, len(pairs), cfg.micro_batch)]
             with torch.no_grad():
-                full = logps(range(len(pairs)))
+                full = torch.cat([logps(rows) for rows in parts])
                 loss, stats = loss_of(full)
-            for s in range(0, len(pairs), cfg.micro_batch):
-                rows = range(s, min(s + cfg.micro_batch, len(pairs)))
+            for rows in parts:
                 live = full.clone()
                 live[rows.start:rows.stop] = logps(rows)
                 (loss_of(live)[0] * len(part) / prompts_per_rank).backward()
@@ -344,12 +366,13 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
     return sums
 
 
-def loss_inputs(part, device, per_token: bool) -> dict:
-    """The loss's inputs from the trajectories of b groups: each number field (b, K), `length`, and for a
-    per-token loss each per-token field and `token_mask`, (b, K, T) padded to the longest response."""
+def loss_inputs(part, device, per_token: bool, prompts) -> dict:
+    """The loss's inputs from the trajectories of b groups: each number field (b, K), `length` and `prompt_length`,
+    and for a per-token loss each per-token field and `token_mask`, (b, K, T) padded to the longest response."""
     field = lambda f: torch.tensor([[float(f(t)) for t in g] for g in part], device=device)  # (b, K)
     inputs = {name: field(lambda t, name=name: getattr(t, name)) for name in SCALARS}
     inputs["length"] = field(lambda t: len(t.response))
+    inputs["prompt_length"] = field(lambda t: len(prompts[t.prompt_id]))
     if per_token:
         R = max(len(t.response) for g in part for t in g)
         padded = lambda f: torch.tensor(np.array([[np.pad(np.asarray(f(t), np.float32), (0, R - len(t.response)))

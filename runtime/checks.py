@@ -13,12 +13,15 @@ after the checks.
 
 import argparse
 import dataclasses
+import math
 import os
 import time
 import typing
 
+import numpy as np
+
 import tasks
-from loss import LOSSES
+from loss import LOSSES, reads
 from runtime import lora, nodes, ranks, vllm_env
 from runtime.checkpoint import check_resumed_flags, load_checkpoint
 from runtime.errors import ConfigError
@@ -42,7 +45,7 @@ def parser(config_class, description: str = "") -> argparse.ArgumentParser:
         if f.metadata.get("derived"):
             continue
         name, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
-        help += "" if "default" in help else f" (default: {f.default})"  # said once
+        help += "" if "default:" in help else f" (default: {f.default})"  # said once (a help may give it itself)
         if f.type is bool or f.type == bool | None:  # None: decided by the checks
             p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
             continue
@@ -64,6 +67,11 @@ def need(ok, flag: str, msg: str):
 
 def check(cfg, world: int):
     """Validate flags and data; compute the derived values. Returns (a new Config, Data, checkpoint or None)."""
+    given = cfg  # the flags as given, before the defaults that depend on others fill in
+    for f in dataclasses.fields(cfg):  # argparse reads 'inf' and 'nan' as floats: no flag means either
+        value = getattr(cfg, f.name)
+        need(not isinstance(value, float) or math.isfinite(value), f.name.replace("_", "-"),
+             f"must be a finite number, got {value}")
     need(0 <= cfg.recency <= 1, "recency", f"must be in [0, 1], got {cfg.recency}")
     need(cfg.samples_per_prompt >= 2, "samples-per-prompt", f"K must be at least 2 (log Z is a mean over K), got {cfg.samples_per_prompt}")
     if cfg.search_samples_per_prompt is None:  # not given: K (an explicit 0 is refused below, not taken as K)
@@ -92,16 +100,17 @@ def check(cfg, world: int):
     need(cfg.save_every >= 0, "save-every", "must be 0 or more")
     need(cfg.log_every >= 1, "log-every", "must be at least 1")
     need(cfg.timeout > 0, "timeout", "must be positive")
+    need(cfg.start_timeout > 0, "start-timeout", "must be positive")
     for flag in ("searcher_memory", "trainer_memory"):
         need(getattr(cfg, flag) is None or 0 < getattr(cfg, flag) < 1, flag.replace("_", "-"),
              f"must be a fraction in (0, 1), got {getattr(cfg, flag)}")
-    need(cfg.generation_slowdown >= 1, "generation-slowdown", f"must be 1 (off) or more, got {cfg.generation_slowdown}")
+    for flag in ("generation_slowdown", "train_slowdown"):
+        need(getattr(cfg, flag) >= 1, flag.replace("_", "-"), f"must be 1 (off) or more, got {getattr(cfg, flag)}")
+    if cfg.calibration:
+        from runtime import slowdown
+        slowdown.read_calibration(cfg.calibration)  # refused in one line if it is not one
     need(cfg.max_staleness >= 0, "max-staleness", "must be 0 (no bound) or more")
     need(cfg.max_reuse is None or cfg.max_reuse >= 0, "max-reuse", f"must be 0 (no cap) or more, got {cfg.max_reuse}")
-    need(not (cfg.max_reuse and cfg.searchers == 0), "max-reuse", "caps the asynchronous trainer's replay; with "
-         "--searchers 0 every step searches its own data")
-    need(not (cfg.max_reuse and cfg.lag is not None), "max-reuse", "caps the streaming trainer's replay; with --lag "
-         "every batch is its step's rounds, each trajectory used once")
     cfg = dataclasses.replace(cfg, max_reuse=(MAX_REUSE if cfg.searchers and cfg.lag is None else 0.0)
                               if cfg.max_reuse is None else cfg.max_reuse)
     need(cfg.round_prompts is None or cfg.round_prompts >= 1, "round-prompts", f"must be at least 1, got {cfg.round_prompts}")
@@ -122,8 +131,9 @@ def check(cfg, world: int):
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
     need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
     need(cfg.is_cap >= 1, "is-cap", f"truncates an importance ratio: at least 1, got {cfg.is_cap}")
-    need(cfg.drgrpo_norm in choices(cfg, "drgrpo_norm"), "drgrpo-norm", f"unknown {cfg.drgrpo_norm!r} (choose "
-         f"from {', '.join(choices(cfg, 'drgrpo_norm'))})")
+    for flag in ("norm", "decode_cost", "response_lengths", "duplicates"):
+        need(getattr(cfg, flag) in choices(cfg, flag), flag.replace("_", "-"), f"unknown {getattr(cfg, flag)!r} "
+             f"(choose from {', '.join(choices(cfg, flag))})")
     try:
         betas = tuple(float(b) for b in cfg.adam_betas.split(","))
     except ValueError:
@@ -137,7 +147,7 @@ def check(cfg, world: int):
     need(cfg.lr_decay in shapes, "lr-decay", f"unknown shape {cfg.lr_decay!r} (choose from {', '.join(shapes)})")
     need(cfg.beta_stop_step >= 0, "beta-stop-step", "must be 0 or more")
     need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
-    check_unused(cfg)
+    check_unused(cfg, given)
     if cfg.wandb:
         try:
             import wandb  # noqa: F401  (optional: imported only when asked for)
@@ -149,6 +159,7 @@ def check(cfg, world: int):
         need(cfg.steps > done, "steps", f"{cfg.steps} {'is below' if cfg.steps < done else 'is'} the checkpoint's "
              f"step {done}: {'nothing is left to do' if cfg.steps == done else 'a resumed run cannot go back'}; "
              f"pass --steps above {done} to continue")
+        check_resumable(cfg, ckpt)
     # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
     device = ranks.machine_device()
     local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
@@ -178,6 +189,22 @@ def check(cfg, world: int):
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
     return cfg, data, ckpt
+
+
+def check_resumable(cfg, ckpt: dict):
+    """A checkpoint's run goes on only where it holds what the flags need: with --lag L the weights of the L steps
+    before its step (its rounds are sampled by them), and for the loss its buffer's fields (a buffer made for TB
+    holds no per-token log-probs of pi_ref)."""
+    step, kept = ckpt["step"], {int(v) for v in ckpt.get("history", {})} | {ckpt["step"]}
+    missing = sorted({max(0, r - cfg.lag) for r in range(step, step + cfg.lag)} - kept) if cfg.lag is not None else []
+    have = f"those of steps {min(kept)}-{max(kept)}" if len(kept) > 1 else "none of them"
+    need(not missing, "lag", f"{cfg.lag} samples the rounds after step {step} with the weights of steps {missing[0] if missing else 0}-"
+         f"{step - 1}, and the checkpoint keeps {have}: resume with --lag {step - min(kept)} or less")
+    arrays, loss = ckpt["buffer"], LOSSES.get(cfg.loss)
+    absent = [f for f in (reads(loss) if loss else ()) if len(arrays["length"]) and
+              (f not in arrays or not np.isfinite(arrays[f]).all())]
+    need(not absent, "loss", f"{cfg.loss} reads {', '.join(absent)}, which the checkpoint's buffer does not hold (its "
+         f"trajectories were made for another loss): resume with that loss, or start a new run")
 
 
 def check_lag(cfg, searchers: int):
@@ -220,8 +247,6 @@ def check_recipe(cfg):
     need(cfg.weight_decay >= 0, "weight-decay", f"must be 0 or more, got {cfg.weight_decay}")
     need(cfg.reward_temp > 0, "reward-temp", f"must be positive, got {cfg.reward_temp}")
     need(cfg.gamma_final > 0, "gamma-final", f"must be positive, got {cfg.gamma_final}")
-    need(cfg.loss == "tb" or (cfg.reward_temp == 1 and cfg.gamma_final == 1), "reward-temp",
-         f"T_R and gamma shape TB's log R; --loss {cfg.loss} has none (leave --reward-temp and --gamma-final at 1)")
     for flag in ("reward_temp_anneal_steps", "gamma_anneal_steps"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     low, high = cfg.explore_temp_min, cfg.explore_temp_max
@@ -229,9 +254,40 @@ def check_recipe(cfg):
          f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
 
 
-def check_unused(cfg):
-    """Flags that would change nothing, or make another flag change nothing, refused in one line: a schedule's
-    length without the value it goes to, a schedule's end without its length, LoRA's alpha without LoRA."""
+# Flags that act only where other flags let them: (flag, where it acts, why it would not). One given another value
+# than its default where it cannot act would change nothing: refused in one line (check_unused).
+STREAMING = "streaming: with --lag every batch is its step's rounds, each trajectory used once"
+ACTS_ONLY = (
+    ("recency", lambda c: c.lag is None, STREAMING),
+    ("reward_inv_temp", lambda c: c.lag is None, STREAMING),
+    ("max_staleness", lambda c: c.lag is None, STREAMING),
+    ("buffer_capacity", lambda c: c.lag is None, STREAMING),
+    ("duplicates", lambda c: c.lag is None, STREAMING),
+    ("max_reuse", lambda c: c.lag is None and c.searchers > 0, "the streaming trainer's replay of what searchers "
+     "sent: with --lag every batch is its step's rounds, with --searchers 0 every step searches its own data"),
+    ("inflight_kv", lambda c: c.inflight, "in-flight updates (--inflight, streaming with searchers)"),
+    ("clip", lambda c: c.loss == "grpo", "--loss grpo's importance ratio"),
+    ("is_cap", lambda c: c.loss in ("drgrpo", "tbprime"), "the per-token losses' importance ratio (--loss drgrpo, "
+     "tbprime)"),
+    ("importance_weights", lambda c: c.loss == "tbprime", "--loss tbprime"),
+    ("norm", lambda c: c.loss in ("drgrpo", "tbprime"), "the per-token losses (--loss drgrpo, tbprime)"),
+    ("reward_temp", lambda c: c.loss == "tb", "TB's log R (--loss tb)"),
+    ("gamma_final", lambda c: c.loss == "tb", "TB's log R (--loss tb)"),
+    ("decode_cost", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above 1)"),
+    ("response_lengths", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above "
+     "1)"),
+)
+
+
+def check_unused(cfg, given=None):
+    """Flags that would change nothing, or make another flag change nothing, refused in one line: one given where it
+    cannot act (ACTS_ONLY: `given`'s values, before the defaults that depend on other flags, against `cfg`'s
+    settings), a schedule's length without the value it goes to, a schedule's end without its length, LoRA's alpha
+    without LoRA."""
+    defaults, given = {f.name: f.default for f in dataclasses.fields(cfg)}, given or cfg
+    for flag, acts, where in ACTS_ONLY:
+        need(getattr(given, flag) == defaults[flag] or acts(cfg), flag.replace("_", "-"),
+             f"acts only in {where}; here it would change nothing")
     final = cfg.beta if cfg.beta_final is None else cfg.beta_final  # None: --beta (check fills it in)
     moves = final != cfg.beta
     need(not cfg.beta_anneal_steps or moves, "beta-anneal-steps", f"anneals beta from --beta to --beta-final, which "
@@ -307,10 +363,15 @@ def check_task(cfg):
     longest = max(len(p) for p in prompts + test_prompts)
     need(not cfg.context or longest < cfg.context, "context", f"{cfg.context} tokens leave no room for a response "
          f"to the longest prompt's {longest} tokens")
-    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    model_config = AutoConfig.from_pretrained(model_path)
+    context = getattr(model_config, "max_position_embeddings", None)
     longest_sequence = longest + cfg.max_new_tokens
     if cfg.context:
         longest_sequence = min(longest_sequence, cfg.context)
+    need(cfg.score_batch is None or cfg.score_batch >= 1, "score-batch", f"must be at least 1, got {cfg.score_batch}")
+    if cfg.score_batch is None:  # the longest sequences' logits in the run's dtype: 2 GiB at most, 256 sequences
+        logits = longest_sequence * model_config.get_text_config().vocab_size * (4 if cfg.dtype == "float32" else 2)
+        cfg = dataclasses.replace(cfg, score_batch=int(min(256, max(1, 2**31 // logits))))
     cfg = dataclasses.replace(cfg, max_model_len=longest_sequence)
     if context:
         need(longest_sequence <= context, "context" if longest_sequence == cfg.context else "max-new-tokens",

@@ -28,11 +28,13 @@ class Config:
     round_prompts: int | None = arg(None, "prompts per search round of a searcher (default: B / N rounded up, "
                                           "N the searchers of all nodes)")
     samples_per_prompt: int = arg(8, "K: responses per prompt in a training batch (log Z is their mean)")
-    search_samples_per_prompt: int | None = arg(None, "responses a searcher draws per prompt (>= K; default K)")
+    search_samples_per_prompt: int | None = arg(None, "responses a searcher draws per prompt (>= K; default: K)")
     sync_every: int = arg(1, "k: trainer steps between weight syncs to the searchers")
     recency: float = arg(0.95, "m: probability that a batch prompt comes from the data added since the last sync")
     reward_inv_temp: float = arg(0.0, "inverse temperature of the reward softmax of whole-buffer draws; 0 = uniform")
-    buffer_capacity: int = arg(100, "trajectories kept per prompt")
+    buffer_capacity: int = arg(100, "distinct responses kept per prompt")
+    duplicates: str = arg("count", "a batch draws each distinct response as often as the searchers sent it (count) "
+                                   "| once (collapse: the authors' buffer)", choices=("count", "collapse"))
     initial_buffer: int = arg(0, "trajectories that must have arrived before the first training step")
     max_reuse: float | None = arg(None, "R: draws for training at most R times the trajectories kept, over the run; "
                                         "0 = no cap; default: 1 with searchers, 0 without")
@@ -48,8 +50,9 @@ class Config:
     clip: float = arg(0.2, "grpo: clip range of the importance ratio")
     is_cap: float = arg(8.0, "drgrpo, tbprime: the truncation c of the per-token importance ratio min(pi / mu, c)")
     importance_weights: bool = arg(True, "tbprime: weight each token by min(pi / mu, c) (off: the plain gradient)")
-    drgrpo_norm: str = arg("length", "drgrpo: divide each response's sum by its length | by a constant, "
-                                     "--max-new-tokens", choices=("length", "constant"))
+    norm: str = arg("response", "drgrpo, tbprime: each response's token sum divided by its length (response) | its "
+                                "prompt's and its own (sequence: the authors' MATH runs) | --max-new-tokens (budget: "
+                                "Liu et al.'s Dr. GRPO)", choices=("response", "sequence", "budget"))
     lag: int | None = arg(None, "L: every batch of step n is sampled by the weights of step n - L exactly (0: "
                                 "synchronous, the searchers waiting for each step's weights); default: stream")
     inflight: bool | None = arg(None, "streaming: searchers load new weights between the decoding steps of a round in "
@@ -116,14 +119,29 @@ class Config:
     log_every: int = arg(10, "steps between console lines when the output is not a terminal")
     wandb: str | None = arg(None, "also log the metrics to this Weights & Biases project (pip install wandb)")
     timeout: float = arg(600.0, "seconds any wait on another process may last, and a searcher may stay silent")
+    start_timeout: float = arg(600.0, "seconds a searcher may take to start (vLLM's import, the model's load and "
+                                      "compile) before its first message")
     dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bf16 on GPUs that have it, float32 on the CPU)")
     searcher_memory: float | None = arg(None, "GPU: share of a searcher GPU for its vLLM engines (default: what "
                                               "the models beside them leave, at most 0.9)")
     trainer_memory: float = arg(0.2, "GPU, --searchers 0: share of the trainer GPU for its vLLM engine")
-    micro_batch: int = arg(256, "sequences per forward/backward pass (fewer than K: a pass without gradient first)")
+    micro_batch: int = arg(256, "the trainer's sequences per forward/backward pass (fewer than K: the group's "
+                                "statistics in passes of as many first, without gradient)")
+    score_batch: int | None = arg(None, "a searcher's sequences per scoring pass (pi_ref's log-probs, reward models, "
+                                        "the evaluation's); default: what 2 GiB of logits hold, at most 256")
     activation_checkpointing: bool = arg(False, "recompute each decoder block in the backward pass (less memory)")
     generation_slowdown: float = arg(1.0, "experiment knob: each decoding step takes X times its cost alone "
                                           "(emulated by sleeping); 1 = off")
+    train_slowdown: float = arg(1.0, "experiment knob: each training step (sample, loss, update, sync) takes Y times "
+                                     "its cost alone (emulated by sleeping); 1 = off")
+    calibration: str | None = arg(None, "experiment knob: a JSON file of the emulated costs alone (seconds_per_token, "
+                                        "train_step: tools/bench.py measures them), instead of each run's own")
+    decode_cost: str = arg("linear", "experiment knob, with --generation-slowdown: a decoding step costs each running "
+                                     "sequence's share (linear) | a fixed part and a small part a sequence, as on a "
+                                     "GPU (gpu)", choices=("linear", "gpu"))
+    response_lengths: str = arg("real", "experiment knob, with --generation-slowdown: a response's emulated decoding "
+                                        "steps are its own (real) | its own times a draw from the long tail of a real "
+                                        "model's GSM8K answers (gsm8k)", choices=("real", "gsm8k"))
     # ===== derived by runtime.checks.check, saved with the run; not flags ==============================
     device: str = derived("")                         # cuda | cpu
     threads: int = derived(0)                         # CPU threads per process

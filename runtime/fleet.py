@@ -55,8 +55,11 @@ class Fleet:
         self.kept = 0          # those the buffer kept (--max-reuse counts them)
         self.newest = -1       # the newest weight version that sampled data received (--max-staleness)
         self.published = {}    # weight version -> (time, overhead) when the trainer made them (eval rows)
+        self.asked = []        # steps whose evaluation was asked (rank 0)
         self.evaluated = []    # versions whose evaluation came
         self.silent = None     # a line, once a searcher of this node has sent nothing for --timeout
+        self.dead = None       # a line, once a searcher of this node has died (one node; several: `meet`)
+        self.heard = False     # a message came (before it, waits allow --start-timeout)
         self.procs, self.channels, self.watch = [], None, None
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = create(ctx, cfg.searchers) if self.leader else None
@@ -77,7 +80,7 @@ class Fleet:
         # --generation-slowdown's calibration: engines started, and one calibrates at a time (kept alive with
         # the channels: a semaphore collected before a child unpickles it is gone)
         self.channels = Channels(ctx.Queue(maxsize=4 * cfg.searchers), ctx.Event(), ctx.Queue(),
-                                 (ctx.Value("i", 0), ctx.Lock()))
+                                 (ctx.Value("i", 0), ctx.Lock()), ctx.Value("q", -1), ctx.Value("q", -1))
         start = fork_server() if cfg.device == "cpu" else ctx
         for i in range(cfg.searchers):
             own = self.channels._replace(evals=self.channels.evals if i == 0 and self.rank == 0 else None)
@@ -104,7 +107,8 @@ class Fleet:
             self.shared.handoff.put((self.shared.tensors, self.shared.pi_ref))
         self.published[self.shared.version.value] = self.log.clock()
         if self.procs:  # silent searchers: each node's leader watches its own
-            self.watch = Watch(self.procs, self.cfg.timeout, first=self.first, where=self.where)
+            self.watch = Watch(self.procs, self.cfg.timeout, first=self.first, where=self.where,
+                               start_timeout=self.cfg.start_timeout)
 
     def saved(self, step: int) -> dict:
         """What a checkpoint keeps of the weights (rank 0: runtime/weights.Outbox.saved)."""
@@ -128,8 +132,10 @@ class Fleet:
                 return self.take(buffer, done, seconds)
             except Silent as e:
                 self.silent = str(e)
-                return 0.0
-        done = lambda: self.rank == 0 and (until() or bool(self.signals.first) or bool(self.silent))
+            except Dead as e:  # the trainer lives: it stops after a checkpoint, as for a silent searcher
+                self.dead = str(e)
+            return 0.0
+        done = lambda: self.rank == 0 and (until() or bool(self.signals.first) or bool(self.silent or self.dead))
         return wait_together(self.rank, self.world, some, done, what, self.log, min(30.0, self.cfg.timeout / 4))
 
     def take(self, buffer, done, budget: float = math.inf) -> float:
@@ -137,7 +143,7 @@ class Fleet:
         beats while it evaluates only count as signs of life); then, while not done(), wait for more,
         polling, checking the searchers (silent ones too) and a timeout, for at most `budget` seconds.
         Returns seconds waited."""
-        queue, timeout = self.channels.queue, self.cfg.timeout
+        queue, timeout = self.channels.queue, self.cfg.timeout if self.heard else self.cfg.start_timeout
         waited, deadline = 0.0, time.time() + timeout  # the deadline moves on with every message
         end = time.time() + budget
         while True:
@@ -153,10 +159,12 @@ class Fleet:
                     return waited
                 waited += time.time() - t0
                 if time.time() > deadline:
-                    raise TimeoutError(f"no message from the searchers in {timeout:.0f} s (see --timeout)")
+                    raise TimeoutError(f"no message from the searchers in {timeout:.0f} s (see "
+                                       f"{'--timeout' if self.heard else '--start-timeout'})")
                 continue
             if block:
                 waited += time.time() - t0
+            self.heard, timeout = True, self.cfg.timeout
             deadline = time.time() + timeout
             self.say(self.watch.heard(msg))
             self.serve()
@@ -185,7 +193,9 @@ class Fleet:
         searchers queued, with its watch's lines (printed by rank 0) and its silent line (its watch's, or its
         weight lock's). Rank 0 takes the first silent line of any node, naming the node, as its own, and ends
         the wait: the loop then stops after a checkpoint, as on one node. Returns seconds waited."""
-        waited, deadline, timeout, multi = 0.0, time.time() + self.cfg.timeout, self.cfg.timeout, self.nodes
+        multi = self.nodes  # before every node's searchers have sent, their start-up may take --start-timeout
+        timeout = self.cfg.timeout if all(multi.heard) else max(self.cfg.timeout, self.cfg.start_timeout)
+        waited, deadline = 0.0, time.time() + timeout
         while True:
             error, got = None, False
             try:
@@ -310,12 +320,12 @@ class Fleet:
                 f"{self.where}the weight-sync lock was not free for {self.cfg.timeout:g} s: a searcher stopped while "
                 f"it read the weights (--timeout {self.cfg.timeout:g})")
             return False
-        except Dead:  # a searcher died holding the lock
-            if not self.nodes:
-                raise
+        except Dead as e:  # a searcher died holding the lock: every other rank waits in these all-gathers
+            join_gathers(named)
+            if not self.nodes:  # the run stops at the next batch, after a checkpoint
+                self.dead = self.dead or str(e)
             # several nodes: leaving now would show the others a closed connection only; the next
             # meeting's alive() names the searcher to rank 0 (`meet`)
-            join_gathers(named)
             return False
         if self.leader and "policy" in to:
             self.published.setdefault(version, self.log.clock())
@@ -337,22 +347,36 @@ class Fleet:
 
     # --- evaluation, stopping --------------------------------------------------------------------------
     def request_eval(self, step: int):
-        """Ask searcher 0 to evaluate, between two rounds, the weights of `step` if it holds them (the initial
-        model's at the start), else the newest published (rank 0 asks)."""
+        """Ask searcher 0 to evaluate the weights of `step`, which the trainer has published (rank 0 asks). It
+        evaluates them at the start of a round, before it loads newer ones (searcher.Requests); streaming, the
+        next step waits until it holds them (`evaluation_pending`), so that the next weights cannot replace them
+        first; with --lag its rounds reach them in order, and past its last round it asks for them (`wants`)."""
         if self.rank == 0:
+            self.asked.append(step)
+            self.channels.asked.value = step  # before the request: a searcher that sees newer weights sees it asked
             self.channels.evals.put(step)
             self.watch.evaluating = True  # its parts may each take longer than a round: no warning
 
-    def wait_for_eval(self, buffer, step: int):
-        """Wait for the evaluation of step `step` (the final one), taking whatever else comes (node 0's: the
-        evaluation is its searcher 0's; every rank waits with rank 0)."""
-        done = lambda: bool(self.evaluated) and self.evaluated[-1] == step
-        return self.wait_for(buffer, done, lambda: f"the final evaluation (of step {step}) from searcher 0")
+    def evaluation_pending(self) -> str | None:
+        """Streaming (rank 0): what the next step waits for, if searcher 0 does not yet hold the weights of an
+        evaluation asked for (the next publish would replace them), else None."""
+        pending = [s for s in self.asked if s not in self.evaluated]
+        if pending and self.cfg.lag is None and self.channels.pinned.value < min(pending):
+            return f"searcher 0 to hold the weights of step {min(pending)} for its evaluation"
+        return None
+
+    def wait_for_eval(self, buffer, step: int | None = None):
+        """Wait for the evaluation of step `step` (None: of every step asked so far), taking whatever else comes
+        (node 0's: the evaluation is its searcher 0's; every rank waits with rank 0)."""
+        done = lambda: all(s in self.evaluated for s in (self.asked if step is None else [step]))
+        what = "every evaluation asked" if step is None else f"the final evaluation (of step {step})"
+        return self.wait_for(buffer, done, lambda: f"{what} from searcher 0")
 
     def stop_reason(self):
-        """Why rank 0 stops the run, or None: ("silent", message) or ("signal", name)."""
+        """Why rank 0 stops the run, or None: ("dead", message), ("silent", message) or ("signal", name)."""
         first = self.signals.first
-        return ("silent", self.silent) if self.silent else ("signal", first[0]) if first else None
+        return (("dead", self.dead) if self.dead else ("silent", self.silent) if self.silent else
+                ("signal", first[0]) if first else None)
 
     def close(self):
         """Stop the searchers: ask (they finish their round), then kill; nothing is left behind."""

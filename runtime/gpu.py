@@ -142,7 +142,7 @@ def engine_needs(path: str, dtype: str, longest: int, length: int, seqs: int) ->
 def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
     """memory_split's inputs for a searcher of this run (`evaluates`: the one that evaluates, the largest), in
     --dtype: the policy's vLLM engine (`engine_needs`), and beside the engines, by name: pi_ref and its
-    log-prob pass (--micro-batch sequences' logits and a 256 MiB float32 chunk, loss.sequence_logprobs), the
+    log-prob pass (--score-batch sequences' logits and a 256 MiB float32 chunk, loss.sequence_logprobs), the
     reward model, what the task adds (its `memory`: TL;DR's evaluation models, red-teaming's victim and judge
     engines, classifier and embedder), with --searchers 0 the trainer's own state and the shared copy of the
     weights (the trainer's GPU holds the engine), and 1 GiB for the CUDA context and the allocator's cache."""
@@ -150,7 +150,7 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
     seqs = cfg.prompts_per_step * cfg.search_samples_per_prompt
     engines = {"policy": engine_needs(cfg.model_path, cfg.dtype, cfg.max_model_len, cfg.max_model_len, seqs)}
     beside = {"pi_ref": model_bytes(cfg.model_path, cfg.dtype),
-              "its logits": cfg.micro_batch * cfg.max_model_len * text_config(cfg.model_path).vocab_size * d,
+              "its logits": cfg.score_batch * cfg.max_model_len * text_config(cfg.model_path).vocab_size * d,
               "a float32 chunk": 2**28}
     if cfg.reward_model_path:
         beside["the reward model"] = model_bytes(cfg.reward_model_path, cfg.dtype, "sequence")

@@ -25,7 +25,8 @@ class LocalFleet:
         self.shared = create(torch.multiprocessing.get_context("spawn"))  # read by the engine as a searcher does
         self.out = Outbox(self.shared, cfg.lag, cfg.timeout)
         self.engine = searcher.Engine(cfg, str(device), cfg.trainer_memory, data.prompts, data.answers)
-        for timed in (False, True) if self.engine.clock.emulated else ():  # --generation-slowdown: warm, then timed
+        clock = self.engine.clock  # --generation-slowdown without --calibration: warm up, then time a round
+        for timed in (False, True) if clock.emulated and not clock.seconds_per_token else ():
             slowdown.calibrate(self.engine, cfg.prompts_per_step, cfg.search_samples_per_prompt, timed)
 
     def beside(self):
@@ -95,7 +96,10 @@ class LocalFleet:
         self.evaluated.append(step)
         self.log.overhead += time.time() - t0
 
-    def wait_for_eval(self, buffer, step: int):
+    def evaluation_pending(self) -> None:
+        return None  # it evaluates at once (request_eval)
+
+    def wait_for_eval(self, buffer, step: int | None = None):
         return 0.0
 
     def stop_reason(self):

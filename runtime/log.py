@@ -25,8 +25,9 @@ class Log:
         self.overhead = 0.0   # s the trainer spent evaluating and checkpointing (not learning)
         # s of vLLM generation in the rounds received, slept after it and charged in all by
         # --generation-slowdown (X x the generation's cost alone); since this process started
-        self.generate = self.slept = self.charged = 0.0
-        self.seconds_per_token = {}  # --generation-slowdown: each engine's calibration, s a generated token alone
+        self.generate = self.slept = self.charged = self.over = 0.0  # over: real compute above the charges
+        self.emulated = cfg.generation_slowdown != 1 or cfg.train_slowdown != 1
+        self.calibration = {}  # the emulation's costs alone: seconds_per_token (each engine's), train_step
         self.rounds, self.parts = 0, {}  # those rounds; s of each part of their rewards (a task's scorer says)
         self.last_eval = None   # the latest eval row
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
@@ -56,13 +57,13 @@ class Log:
         """Count one search round's seconds (Engine.search's dict: a searcher's message, or the synchronous
         trainer's own round); the first calibration of each engine goes into config.json."""
         self.generate, self.slept, self.rounds = self.generate + made["generate"], self.slept + made["slept"], self.rounds + 1
-        self.charged += made["charged"]
+        self.charged, self.over = self.charged + made["charged"], self.over + made["over"]
         for part, seconds in made["parts"].items():
             self.parts[part] = self.parts.get(part, 0.0) + seconds
-        engine = str(made.get("searcher", "trainer"))
-        if made["seconds_per_token"] and engine not in self.seconds_per_token and self.rank == 0:
-            self.seconds_per_token[engine] = made["seconds_per_token"]
-            self.write_config(seconds_per_token=self.seconds_per_token)
+        engine, calibrated = str(made.get("searcher", "trainer")), self.calibration.setdefault("seconds_per_token", {})
+        if made["seconds_per_token"] and engine not in calibrated and self.rank == 0:
+            calibrated[engine] = made["seconds_per_token"]
+            self.write_config(**self.calibration)
 
     def write_config(self, **derived):
         with open(os.path.join(self.cfg.out, "config.json"), "w") as f:
@@ -79,23 +80,34 @@ class Log:
         seconds per round received so far."""
         return {part: seconds / self.rounds for part, seconds in self.parts.items()} if self.rounds else {}
 
-    def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, **fields):
+    def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, clock, **fields):
         """The row of training step `step` (rank 0): the loss's statistics (means over prompts), the batch's reward
         and staleness (steps between the weights that sampled each trajectory and those it trained: its first
         token's, and with in-flight updates its last's), `fields` (the schedules' values, the step's seconds), and
         the run's counts: trajectories received, their reuse, the buffer, pi_ref, the seconds of the rounds (their
-        generation, the emulation's sleep and charge, the rewards' parts) and the trainer's overhead."""
+        generation, the emulation's sleep and charge, the rewards' parts), the trainer's overhead, and with emulated
+        device time the trainer's (`clock`: runtime.slowdown.TrainClock) and the seconds of real compute over the
+        charges, the searchers' and the trainer's (`over_budget`)."""
+        if self.rank != 0:
+            return
         trajectories = [traj for group in batch for traj in group]
         stale = [step - 1 - traj.version for traj in trajectories]
         fields = {k: v for k, v in fields.items() if not (k in ("gamma", "reward_temp") and v == 1.0)}  # Lee et al.'s
         if self.cfg.inflight:
             fields["staleness_last"] = float(np.mean([step - 1 - traj.version_last for traj in trajectories]))
+        if self.cfg.ref_reset_every:  # TBA′: the oldest pi_ref that scored a trajectory of the batch
+            fields["batch_reference"] = min(traj.pi_ref_version for traj in trajectories)
         self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},
                  reward=float(np.mean([traj.reward for traj in trajectories])), staleness=float(np.mean(stale)),
                  staleness_max=int(max(stale)), **fields, samples=fleet.received,
                  reuse=cap.drawn / max(1, fleet.received), generate=self.generate, slept=self.slept,
                  charged=self.charged, buffer=len(buffer), reference=buffer.pi_ref_version, overhead=self.overhead,
-                 **self.per_round(), **(fleet.nodes.row(fleet.received) if fleet.nodes else {}))
+                 **self.per_round(), **(fleet.nodes.row(fleet.received) if fleet.nodes else {}),
+                 **(dict(train_slept=clock.slept, train_charged=clock.charged) if clock.factor != 1 else {}),
+                 **(dict(over_budget=self.over + clock.over) if self.emulated else {}))
+        if clock.seconds is not None and "train_step" not in self.calibration:  # its cost alone, once known
+            self.calibration["train_step"] = clock.seconds
+            self.write_config(**self.calibration)
 
     def eval(self, version: int, scores: dict, example: dict, seconds: float, made: tuple[float, float]):
         """An evaluation of the weights of step `version`; time and overhead: when they were made."""
@@ -150,8 +162,9 @@ class Log:
         first, last, score = self.first_eval, self.last_eval, self.cfg.score.replace("_", " ")
         resumed = (f" | resumed at step {self.resumed['step']} ({self.resumed['score']:.3f})"
                    if self.resumed and "score" in self.resumed else "")
-        slowdown = self.cfg.generation_slowdown  # tools/bench.py part 9's emulation: say so beside the figures
-        slowed = f" | generation slowed {slowdown:g}x (emulated)" if slowdown != 1 else ""
+        x, y = self.cfg.generation_slowdown, self.cfg.train_slowdown  # tools/bench.py part 9's emulation: said
+        slowed = "".join(f" | {what} slowed {factor:g}x (emulated)" for what, factor in (("generation", x), ("training", y))
+                         if factor != 1)
         reuse = f" | {self.last_train['reuse']:.2f} draws a trajectory" if self.last_train else ""
         self.print(f"done: {self.cfg.steps} steps in {self.now():.0f} s | held-out {score} {first['score']:.3f} "
                    f"(step {first['step']}) -> {last[self.cfg.score]:.3f} (step {last['step']}){resumed}{reuse}{slowed} | "

@@ -67,7 +67,8 @@ class Channels(NamedTuple):
     stop: object         # mp.Event: set to stop the searchers
     evals: object        # mp.Queue: evaluation requests (a step) to searcher 0 of node 0; None for the others
     calibration: tuple   # (started engines, lock): --generation-slowdown's calibration
-
+    asked: object = None   # mp.Value: the latest step whose evaluation was asked, set before the request is sent
+    pinned: object = None  # mp.Value: the step whose weights searcher 0 holds for its evaluation (-1: none)
 
 
 def fork_server():
@@ -117,15 +118,17 @@ class Watch:
     vLLM, on a wedged GPU or a stalled file system still lives, and the trainer, which never waits once
     the buffer has data, would train on frozen data without a word. So: a warning (`say`) once a
     searcher has sent nothing for well over its usual time between two messages (a round), and Silent
-    once --timeout passes with nothing from it (start-up counts: vLLM's load and compile). Searcher 0
+    once --timeout passes with nothing from it (--start-timeout before its first message: vLLM's import, load
+    and compile). Searcher 0
     beats after each part of an evaluation, so a long one is not silence; while one is asked for
     (`evaluating`, until its result comes) a part longer than a round is no cause for a warning. On several
     nodes a leader's searchers are numbered from `first` in their messages, and its lines begin with
     `where` ("node 1: ")."""
     WARN_FACTOR, WARN_MIN = 5.0, 10.0  # warn after 5 x its longest gap so far, 10 s at least
 
-    def __init__(self, procs, timeout: float, first: int = 0, where: str = ""):
+    def __init__(self, procs, timeout: float, first: int = 0, where: str = "", start_timeout: float | None = None):
         self.procs, self.timeout, self.first, self.where = procs, timeout, first, where
+        self.start_timeout = timeout if start_timeout is None else start_timeout  # before a searcher's first message
         self.evaluating = False  # an evaluation asked of searcher 0 has not come yet
         self.last = [time.time()] * len(procs)  # when each was last heard from (or spawned)
         self.gap = [None] * len(procs)          # its longest time between two messages (None: one or none yet)
@@ -148,9 +151,10 @@ class Watch:
         now, lines = time.time(), []
         for i, p in enumerate(self.procs):
             quiet = now - self.last[i]
-            if quiet > self.timeout:
-                raise Silent(f"{self.where}searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s "
-                             f"(--timeout {self.timeout:g})")
+            if quiet > (self.timeout if self.heard_once[i] else self.start_timeout):
+                flag = (f"--timeout {self.timeout:g}" if self.heard_once[i] else
+                        f"--start-timeout {self.start_timeout:g}: it never started")
+                raise Silent(f"{self.where}searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s ({flag})")
             usual = self.gap[i]
             if usual is not None and not self.warned[i] and not (i == 0 and self.evaluating) and quiet > min(
                     max(self.WARN_FACTOR * usual, self.WARN_MIN), self.timeout / 2):

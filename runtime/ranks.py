@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import nodes
-from runtime.errors import Silent, Stop
+from runtime.errors import Dead, Silent, Stop
 
 
 def fail(message: str, code: int, rank: int):
@@ -137,9 +137,9 @@ def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float) 
 
 
 def raise_stop(why, saved: bool, out: str):
-    """Stop every rank for rank 0's reason (broadcast): a silent searcher or a signal."""
+    """Stop every rank for rank 0's reason (broadcast): a dead or silent searcher, or a signal."""
     kind, what = why or ("signal", "a signal")
     where = f"checkpoint in {os.path.join(out, 'checkpoint')}" if saved else "before the first step: nothing to save"
-    if kind == "silent":
-        raise Silent(f"{what}; {where}")
+    if kind in ("dead", "silent"):
+        raise (Dead if kind == "dead" else Silent)(f"{what}; {where}")
     raise Stop(what, saved)

@@ -12,3 +12,4 @@ VICTIM = 7          # the victim's answers to each batch of attacks (redteam.Rew
 CALIBRATION = 13    # --generation-slowdown's calibration round: its prompts and sampling (runtime.slowdown.calibrate)
 EXPLORE = 11        # --explore-temp-min: each request's temperature, after its seed and prompt (searcher.Engine.explore)
 EVALUATION = 17     # --eval-temperature above 0: each held-out problem's sampling, after its prompt (searcher.Engine.respond)
+TAILS = 19          # --response-lengths gsm8k: each response's emulated length, after its seed (runtime.slowdown.tail)

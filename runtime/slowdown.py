@@ -1,52 +1,87 @@
-"""--generation-slowdown X: the generation-bound regime TBA is for, emulated on a machine that is not in it
-(tools/bench.py part 9, docs/performance.md).
-
-Each engine times one search round alone at start, warm, as seconds per generated token (`calibrate`;
-the engines of a node warm up side by side, then time one at a time: `calibrate_alone`). After
-generating a round, the process (a searcher, or the synchronous trainer) sleeps until X times that cost
-of the round's tokens has passed (`slow_down`), as a model X times as slow to sample would take on a
-device of its own. Sleeping uses no core, so N searchers share the CPU cores as they would share
-nothing on a GPU node; pi_ref's log-probs and the rewards are not slowed.
+"""Device time, emulated: the regime TBA is for (generation and training each on devices of their own, generation
+dominating), made on a machine that is not in it (tools/bench.py part 9, docs/performance.md). Experiment knobs,
+off by default:
+- `--generation-slowdown X`: each decoding step of a searcher's engine (or the synchronous trainer's) lasts X
+  times its cost alone, sleeping the rest (`Clock.step`). Its cost alone is the engine's calibration, seconds a
+  generated token costs it warm and alone (`calibrate`, `calibrate_alone`: the engines of a node warm up side by
+  side, then time one at a time), times the sequences the step runs (`--decode-cost linear`), or, as on a GPU, a
+  fixed part and a small part a sequence (`gpu`: the same cost at a round's full batch, `GPU_PER_SEQUENCE`).
+  `--response-lengths gsm8k` gives each response emulated decoding steps from the long tail of a real model's
+  GSM8K answers (`Tails` holds a finished response in its slot until they pass).
+- `--train-slowdown Y`: each training step (sample, loss, update and the sync it makes) lasts Y times its cost
+  alone (`Clock.train_step`): the calibration's, or the median of the run's own first steps.
+- `--calibration FILE`: the costs alone (`seconds_per_token`, `train_step`) measured once, on an idle machine, and
+  handed to every run of a comparison (`read_calibration`), instead of each run's own under whatever load.
+Sleeping uses no core, so N searchers and the trainer share the CPU cores as devices of their own would share
+nothing; pi_ref's log-probs and the rewards are not slowed. Where real compute takes longer than its charge, the
+step is over budget (`over`): a comparison of such runs measures the CPU, not the schedule.
 """
 
+import json
+import math
 import time
 
 import numpy as np
 
 from runtime import seeds
+from runtime.errors import ConfigError
+
+# `--decode-cost gpu`: a decoding step costs a + b x its running sequences, b / a = 0.016: Llama-2-7B on an H100
+# with vLLM, median inter-token latency 10.8 ms at 1 sequence to 51.9 ms at 239 (Recasens et al., "Mind the
+# Memory Gap", arXiv 2503.08311; their results in github.com/FerranAgulloLopez/vLLMBatchingMemoryGap, fitted within
+# 3%; OPT-1.3B 0.024, Llama-2-13B 0.013)
+GPU_PER_SEQUENCE = 0.016
+# `--response-lengths gsm8k`: quantiles (0, 5, ..., 100%) of a real model's GSM8K answer lengths over their median:
+# the 1,319 test answers of OpenAI's fine-tuned 6B model (github.com/openai/grade-school-math,
+# grade_school_math/data/example_model_solutions.jsonl, "6b_finetuning"), in words and punctuation (median 89)
+GSM8K_TAIL = (0.281, 0.506, 0.573, 0.64, 0.708, 0.753, 0.798, 0.843, 0.899, 0.944, 1.0, 1.056, 1.124, 1.199, 1.27,
+              1.36, 1.449, 1.562, 1.708, 1.989, 4.135)
 
 
-def slow_down(generate: float, alone: float, factor: float) -> float:
+def slow_down(generate: float, alone: float, factor: float, limit: float = math.inf) -> float:
     """After a generation that took `generate` s and would have taken `alone` s on an engine of its own,
     sleep until `factor` x `alone` has passed. Charging the cost alone, not the time taken, keeps searchers
     that share a few CPU cores from multiplying that contention by `factor`: on a GPU node they share
-    nothing. Returns the seconds slept."""
+    nothing. A sleep longer than `limit` (--timeout) is a fault, not a wait: TimeoutError. Returns the seconds slept."""
     seconds = factor * alone - generate if factor != 1 else 0.0
+    if seconds > limit:
+        raise TimeoutError(f"an emulated step of {factor * alone:.0f} s ({factor:g} x its cost alone, {alone:.3g} s) "
+                           f"is longer than --timeout {limit:g}: lower the slowdown")
     if seconds > 0:
         time.sleep(seconds)
     return max(0.0, seconds)
 
 
 class Clock:
-    """The emulated device time of one process's engine (--generation-slowdown X): each decoding step (`step`) lasts X
-    times its cost alone, `seconds_per_token` (calibrated) x the sequences it runs, sleeping the rest; a whole
-    generation in vLLM's own loop (`took`) is only counted. `account()` gives the seconds since the last call, for
-    the round's message: generating, slept, and charged in all (X x the cost alone; the time taken, unslowed)."""
+    """The emulated device time of one process's engine (--generation-slowdown X): each decoding step (`step`) lasts
+    X times its cost alone (`alone`), sleeping the rest; a whole generation in vLLM's own loop (`took`) is only
+    counted. `account()` gives the seconds since the last call, for the round's message: generating, slept,
+    charged in all (X x the cost alone; the time taken, unslowed), over budget (real compute above the charge)."""
 
-    def __init__(self, factor: float, seconds_per_token: float | None = None):
-        self.factor, self.seconds_per_token = factor, seconds_per_token
+    def __init__(self, factor: float, seconds_per_token: float | None = None, shape: str = "linear", full: int = 1,
+                 limit: float = math.inf):
+        self.factor, self.seconds_per_token, self.shape, self.full, self.limit = (factor, seconds_per_token, shape,
+                                                                                    max(1, full), limit)
         self.emulated = factor != 1
-        self.generate = self.slept = self.charged = 0.0
+        self.generate = self.slept = self.charged = self.over = 0.0
+
+    def alone(self, running: int) -> float:
+        """A decoding step's cost alone: each of its sequences' share (linear), or as on a GPU a fixed part and a
+        small part a sequence, equal to linear's at a round's full batch of `full` sequences (gpu)."""
+        if self.shape == "gpu":
+            return self.seconds_per_token * self.full * (1 + GPU_PER_SEQUENCE * running) / (1 + GPU_PER_SEQUENCE * self.full)
+        return self.seconds_per_token * running
 
     def step(self, seconds: float, running: int):
-        """One decoding step took `seconds` and ran `running` sequences."""
+        """One decoding step took `seconds` and ran `running` sequences (emulated ones too)."""
         self.generate += seconds
         if not (self.emulated and self.seconds_per_token):  # off, or calibrating
             self.charged += seconds
             return
-        alone = running * self.seconds_per_token
+        alone = self.alone(running)
         self.charged += self.factor * alone
-        self.slept += slow_down(seconds, alone, self.factor)
+        self.over += max(0.0, seconds - self.factor * alone)
+        self.slept += slow_down(seconds, alone, self.factor, self.limit)
 
     def took(self, seconds: float):
         """A generation in vLLM's own loop took `seconds` (not emulated)."""
@@ -54,23 +89,105 @@ class Clock:
         self.charged += seconds
 
     def account(self) -> dict:
-        """The seconds since the last call (generate, slept, charged) and the calibration, then from zero again."""
-        out = dict(generate=self.generate, slept=self.slept, charged=self.charged,
+        """The seconds since the last call, and the calibration; then from zero again."""
+        out = dict(generate=self.generate, slept=self.slept, charged=self.charged, over=self.over,
                    seconds_per_token=self.seconds_per_token)
-        self.generate = self.slept = self.charged = 0.0
+        self.generate = self.slept = self.charged = self.over = 0.0
         return out
+
+
+def tail(seed: tuple) -> float:
+    """--response-lengths gsm8k: a response's emulated decoding steps over its real ones, a draw from GSM8K_TAIL
+    (interpolated between its quantiles), reproducible from the response's seed."""
+    u = np.random.default_rng([*seed, seeds.TAILS]).random()
+    return float(np.interp(u, np.linspace(0, 1, len(GSM8K_TAIL)), GSM8K_TAIL))
+
+
+class Tails:
+    """--response-lengths gsm8k: runtime/decoding.Stepped's slots, each response a request of its own, which stays in
+    its slot after vLLM finished it, running for the emulation, until its emulated decoding steps have passed (its
+    real ones x `tail`): a round then waits for its slowest response as on a GPU. The emulated steps change no
+    token: the versions that sampled a response are those of its real steps."""
+    single = True
+
+    def __init__(self, engine):
+        self.engine, self.steps = engine, 0
+        self.added = {}  # request id -> (its first step, its emulated length over its real one)
+        self.held = {}   # request id -> (its output, the step it leaves its slot at)
+
+    def admit(self, request_id: str, seed: tuple):
+        self.added[request_id] = (self.steps, tail(seed))
+
+    def leave(self, finished: list) -> list:
+        """After a decoding step: the requests whose emulated steps have passed."""
+        self.steps += 1
+        for out in finished:
+            start, stretch = self.added.pop(out.request_id)
+            length = len(out.outputs[0].token_ids)
+            self.held[out.request_id] = (out, start + max(length, round(length * stretch)))
+        return [self.held.pop(k)[0] for k, (_, end) in list(self.held.items()) if end <= self.steps]
+
+    def running(self) -> int:
+        return self.engine.get_num_unfinished_requests() + len(self.held)
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self.held)
+
+
+class TrainClock:
+    """--train-slowdown Y: a training step lasts Y times its cost alone, sleeping the rest (`charge`); the cost
+    alone is the calibration's, or the median of the run's own first CALIBRATION_STEPS steps, which run unslowed."""
+    CALIBRATION_STEPS = 3
+
+    def __init__(self, factor: float, seconds: float | None = None, limit: float = math.inf):
+        self.factor, self.seconds, self.limit = factor, seconds, limit
+        self.first = []  # the first steps' seconds, while calibrating
+        self.slept = self.charged = self.over = 0.0
+
+    def charge(self, seconds: float) -> float:
+        """A training step took `seconds` of compute: sleep until Y x its cost alone has passed. Returns the seconds
+        slept."""
+        if self.factor == 1:
+            return 0.0
+        if self.seconds is None:
+            self.first.append(seconds)
+            if len(self.first) == self.CALIBRATION_STEPS:
+                self.seconds = float(np.median(self.first))
+            return 0.0
+        self.charged += self.factor * self.seconds
+        self.over += max(0.0, seconds - self.factor * self.seconds)
+        slept = slow_down(seconds, self.seconds, self.factor, self.limit)
+        self.slept += slept
+        return slept
+
+
+def read_calibration(path: str) -> dict:
+    """--calibration: {"seconds_per_token": s a generated token costs one engine alone, "train_step": s a training
+    step alone}, plain JSON; refused in one line if it is not that."""
+    try:
+        with open(path) as f:
+            costs = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--calibration: {path} does not read as JSON ({type(e).__name__})") from None
+    if not (isinstance(costs, dict) and all(isinstance(costs.get(k), (int, float)) and 0 < costs[k] < math.inf
+                                            for k in ("seconds_per_token", "train_step"))):
+        raise ConfigError(f"--calibration: {path} must hold positive numbers seconds_per_token and train_step")
+    return {k: float(costs[k]) for k in ("seconds_per_token", "train_step")}
 
 
 def calibrate(engine, count: int, n: int, timed: bool = True):
     """A round of `count` prompts x n on `engine` (searcher.Engine), to warm it up, or (`timed`) to set the
-    seconds a generated token costs it, warm and (the caller sees to it) alone. Prompts and seeds of their
+    seconds a generated token costs it (the clock's linear cost: one step of a round's sequences), warm and (the
+    caller sees to it) alone. Prompts and seeds of their
     own: the run's samples do not change; the prefix cache is emptied around them."""
+    from runtime.decoding import Stepped
     cfg, clock = engine.cfg, engine.clock
     rng = np.random.default_rng([cfg.seed, seeds.CALIBRATION])
     ids = rng.choice(len(engine.prompts), min(count, len(engine.prompts)), replace=False)
     engine.llm.reset_prefix_cache()
-    clock.account()
-    done = engine.generate(ids, n, (cfg.seed, seeds.CALIBRATION, seeds.CALIBRATION, int(timed)))
+    clock.account()  # a plain round, stepped: whatever the run's decoder (--keep-full's first call returns none)
+    done = Stepped(engine.llm, clock, None, lambda: "calibration").generate(
+        engine.to_requests(ids, n, (cfg.seed, seeds.CALIBRATION, seeds.CALIBRATION, int(timed))))
     seconds = clock.account()["generate"]
     engine.llm.reset_prefix_cache()
     if timed:
@@ -78,23 +195,23 @@ def calibrate(engine, count: int, n: int, timed: bool = True):
 
 
 def calibrate_alone(engine, calibration, cfg, alive):
-    """--generation-slowdown (else nothing): `calibrate`: a warm-up round, then, once every engine of this node has
-    started and warmed up (or --timeout has passed), the timed round one engine at a time: each is timed alone, as
-    on a device of its own, not sharing the cores with the others' start-up or calibration. `started` counts this
-    node's warm engines, `lock` lets one time itself (`calibration`: the two); `alive()` raises if the trainer is
-    gone."""
+    """--generation-slowdown without --calibration (else nothing): `calibrate`: a warm-up round, then, once every
+    engine of this node has started and warmed up (or --start-timeout has passed), the timed round one engine at a
+    time: each is timed alone, as on a device of its own, not sharing the cores with the others' start-up or
+    calibration. `calibration`: (this node's warm engines, a lock that lets one time itself); `alive()` raises if
+    the trainer is gone."""
     from runtime.weights import acquire
-    if not engine.clock.emulated:
+    if not engine.clock.emulated or engine.clock.seconds_per_token:
         return
     started, lock = calibration
     calibrate(engine, cfg.round_prompts, cfg.search_samples_per_prompt, timed=False)
     with started.get_lock():
         started.value += 1
-    deadline = time.time() + cfg.timeout
+    deadline = time.time() + cfg.start_timeout
     while started.value < cfg.searchers and time.time() < deadline:
         time.sleep(0.05)
         alive()
-    acquire(lock, alive, cfg.timeout)
+    acquire(lock, alive, cfg.start_timeout)
     try:
         calibrate(engine, cfg.round_prompts, cfg.search_samples_per_prompt)
     finally:

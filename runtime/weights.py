@@ -93,7 +93,7 @@ def every_name(model, dtype=None) -> list:
 
 def join_gathers(named):
     """What a trainer rank that holds no shared copy (not its node's leader) does with `gather(model)`:
-    join each of its all-gathers, and drop the result. `allocate`, `write` and `cpu_copy` do this
+    join each of its all-gathers, and drop the result. `allocate`, `write` and `Outbox.keep` do this
     when they are given no shared copy, so every rank calls them alike."""
     for _ in named:
         pass
@@ -163,14 +163,6 @@ def write(weights: SharedWeights | None, named, version: int, alive, timeout: fl
             weights.pi_ref_version.value = version
 
 
-def cpu_copy(weights: SharedWeights | None, named) -> dict | None:
-    """The weights of `gather(model)` copied to the CPU (the staleness study, --lag, keeps each step's
-    until it is published), on the ranks that hold a shared copy; the others only take part."""
-    if weights is None:
-        return join_gathers(named)
-    return {n: t.detach().to("cpu", copy=True) for n, t in named}
-
-
 class Outbox:
     """The trainer's side of the weight path, on every rank (each node's leader holds the shared copy; the other
     ranks, `shared` None, only join the all-gathers): the shared copy allocated once (`share`), written
@@ -190,9 +182,14 @@ class Outbox:
             return
         self.shared.version.value = version
         if self.lag is not None:  # the weights the next rounds need: the checkpoint's L steps, and these
-            self.history = {int(v): w for v, w in (saved or {}).get("history", {}).items()}
-            self.history[version] = {n: t.cpu().clone() for n, t in self.shared.tensors.items()
-                                     if n not in aliases(model)}
+            names = {n: t for n, t in self.shared.tensors.items() if n not in aliases(model)}
+            pin = next(iter(names.values())).is_cuda  # page-locked host memory: the copies run at the bus's speed
+            self.ring = [{n: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for n, t in names.items()}
+                         for _ in range(self.lag + 1)]  # allocated once, reused: step v's weights in slot v % (L + 1)
+            for v, w in sorted((saved or {}).get("history", {}).items()):
+                if int(v) >= version - self.lag:
+                    self.keep(w.items(), int(v))
+            self.keep(names.items(), version)
             first = max(0, version - self.lag)  # round `version`'s, where the searchers begin
             if first != version:
                 self.write(self.history[first].items(), first, lambda: None)
@@ -206,12 +203,20 @@ class Outbox:
         write(self.shared, named, version, alive, self.timeout, to=to)
 
     def keep(self, named, version: int) -> dict | None:
-        """--lag: the weights of step `version` into the history (every rank joins the all-gathers); the copy on a
-        leader, else None."""
-        copy = cpu_copy(self.shared, named)
-        if copy is not None:
-            self.history[version] = copy
-        return copy
+        """--lag: the weights of step `version` into the history, in its slot of the ring of L + 1 host buffers
+        (every rank joins the all-gathers; the leader's copies are queued without waiting, so the next all-gather
+        follows at once, and waited for once at the end). The slot held step `version` - L - 1's, which no round
+        needs any more: the batch just trained was sampled by the weights of step `version` - 1 - L. Returns the
+        copy on a leader, else None."""
+        if self.shared is None:
+            return join_gathers(named)
+        slot = self.ring[version % len(self.ring)]
+        for n, t in named:
+            slot[n].copy_(t.detach(), non_blocking=True)
+        synchronize([t for t in self.shared.tensors.values()])  # the copies from the GPU done (no-op on the CPU)
+        self.history = {v: w for v, w in self.history.items() if w is not slot}
+        self.history[version] = slot
+        return slot
 
     def forget(self, before: int):
         """Drop the history's weights older than step `before`."""
@@ -239,17 +244,18 @@ class Inbox:
         self.shared, self.me, self.stop, self.alive, self.timeout = shared, me, stop, alive, timeout
         receive(shared, stop, alive)
 
-    def wait_for(self, version: int | None, beat=lambda: None):
+    def wait_for(self, version: int | None, beat=lambda: None, pi_ref: bool = False):
         """--lag: say which version this searcher's next round needs (`wants`), and wait, beating every 5 s, until
         it is the one published (the trainer publishes it once no searcher needs an older one); None: the newest,
-        no wait."""
-        wants = self.shared.wants
-        wants[self.me] = -1 if version is None else version
+        no wait. `pi_ref`: wait for pi_ref of that version instead (TBA′ with --lag: `wants` unchanged)."""
+        counter = self.shared.pi_ref_version if pi_ref else self.shared.version
+        if not pi_ref:
+            self.shared.wants[self.me] = -1 if version is None else version
         deadline, last_beat = time.time() + self.timeout, time.time()
-        while version is not None and self.shared.version.value != version and not (self.stop and self.stop.is_set()):
-            if self.shared.version.value > version:
-                raise RuntimeError(f"the weights of step {self.shared.version.value} were published while this "
-                                   f"searcher needed those of step {version}")
+        while version is not None and counter.value != version and not (self.stop and self.stop.is_set()):
+            if counter.value > version:
+                raise RuntimeError(f"the {'pi_ref' if pi_ref else 'weights'} of step {counter.value} were published "
+                                   f"while this searcher needed those of step {version}")
             self.alive()
             if time.time() > deadline:
                 raise TimeoutError(f"the weights of step {version} did not come in {self.timeout:g} s (--timeout)")

@@ -66,6 +66,7 @@ settings=(
   --sync-every 10                           # k
   --recency 0.5                             # m; the other half by reward
   --reward-inv-temp 1                       # softmax(reward x 1) over each prompt's buffer
+  --duplicates collapse                     # a response drawn once however often it came (their buffer_utils.py:36-83)
   --initial-buffer 10000                    # trajectories before the first update
   # beta at update u: 1.0 (1 - (u-1)/TARGET) + 0.05 (u-1)/TARGET for u < STOP, then 0.05 (a jump)
   --beta 1.0 --beta-final 0.05 --beta-anneal-steps "$BETA_TARGET" --beta-stop-step "$BETA_STOP"

@@ -53,6 +53,8 @@ def problem(row: dict, where: str) -> Problem:
                           f"(problem, and answer or solution)")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ConfigError(f"--data: {where}: no answer (a string or a number; a solution's last \\boxed{{}})")
+    if not question.strip():
+        raise ConfigError(f"--data: {where}: empty problem")
     answer = str(answer)
     gold = last_boxed(answer) if "\\boxed" in answer else answer
     if not (gold or "").strip():

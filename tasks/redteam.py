@@ -426,7 +426,7 @@ class RedteamScorer(Scorer):
         else:
             with engine.beside():
                 classifier = SequenceClassifier(cfg.classifier_path, engine.device, cfg.dtype, cfg.unsafe_label,
-                                                cfg.micro_batch)
+                                                cfg.score_batch)
         self.score = Reward(victim, classifier, engine.tokenizer.eos_token_id, cfg.seed)
 
     def reward(self, prompts, responses, completions, answers) -> list[float]:
@@ -440,7 +440,7 @@ class RedteamScorer(Scorer):
         if self.embedder is None:
             with self.engine.beside():
                 self.embedder = Embedder(self.cfg.embedding_model_path, self.engine.device, self.cfg.dtype,
-                                         self.cfg.micro_batch)
+                                         self.cfg.score_batch)
         return self.embedder
 
     def annotate(self, trajectories, completions):
@@ -495,11 +495,11 @@ class BestBuffer(ReplayBuffer):
 
     FLAGS = {**ReplayBuffer.FLAGS, "beta": "beta", "similarity": "dedup_similarity", "edit": "dedup_edit"}
 
-    def __init__(self, capacity: int, recency: float, reward_inv_temp: float, beta: float = 1.0,
-                 similarity: float = 0.0, edit: float = 0.0, group_of=None):
+    def __init__(self, capacity: int, recency: float, reward_inv_temp: float, duplicates: str = "count",
+                 beta: float = 1.0, similarity: float = 0.0, edit: float = 0.0, group_of=None):
         self.beta, self.similarity, self.edit = beta, similarity, edit
         self.group_of = None if group_of is None else [int(p) for p in group_of]  # prompt id -> its first copy's
-        super().__init__(capacity, recency, reward_inv_temp)
+        super().__init__(capacity, recency, reward_inv_temp, duplicates)
 
     @classmethod
     def from_config(cls, cfg, prompts: list[list[int]]) -> "BestBuffer":

@@ -62,7 +62,7 @@ class Scorer:
         if self.cfg.reward_model_path:
             with engine.beside():  # a transformers model beside vLLM (runtime/vllm_env.py)
                 self.score = RewardModel(self.cfg.reward_model_path, engine.device, self.cfg.dtype, engine.tokenizer,
-                                         self.cfg.non_eos_penalty, batch=self.cfg.micro_batch)
+                                         self.cfg.non_eos_penalty, batch=self.cfg.score_batch)
         else:
             self.score = batched(task.reward)
 
@@ -130,7 +130,7 @@ def read_jsonl(path: str, problem) -> list[Problem]:
         raise ConfigError(f"--data: {path} does not exist")
     problems = []
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors write one) is dropped
             lines = f.read().split("\n")  # not splitlines(): JSON strings may hold U+2028
     except UnicodeDecodeError as e:
         raise ConfigError(f"--data: {path} is not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None

@@ -80,14 +80,14 @@ class TldrScorer(Scorer):
             else:
                 with engine.beside():
                     self.judge = RewardModel(cfg.eval_reward_model_path, engine.device, cfg.dtype, engine.tokenizer,
-                                             cfg.non_eos_penalty, batch=cfg.micro_batch)
+                                             cfg.non_eos_penalty, batch=cfg.score_batch)
         eos = engine.tokenizer.eos_token_id
         references = [engine.tokenizer(a).input_ids for a in answers]
         references = [r if r[-1:] == [eos] else r + [eos] for r in references]
         # the judge reads its score where transformers' pooling does (load_and_eval.py's pipeline)
         ours = self.judge.score([p + r for p, r in zip(prompts, responses)], pooling=True)
         theirs = self.judge.score([p + r for p, r in zip(prompts, references)], pooling=True)
-        kl, nll = response_kl_nll(self.policy, self.initial_pi_ref(), list(zip(prompts, responses)), cfg.micro_batch,
+        kl, nll = response_kl_nll(self.policy, self.initial_pi_ref(), list(zip(prompts, responses)), cfg.score_batch,
                                   engine.device)
         length = np.array([max(1, len(r)) for r in responses])
         scores = {"score": list(rewards), "win_rate": list(np.greater(ours, theirs)),

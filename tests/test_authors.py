@@ -194,7 +194,6 @@ def evaluation_rows_checks(tiny_neox, tiny_rm):
     from searcher import Engine
     from test_weight_sync import config, perturbed
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-    from vllm import SamplingParams
     tok = AutoTokenizer.from_pretrained(tiny_neox)
     cfg = config(tiny_neox, task="tldr", eval_temperature=0.01, seed=7, max_new_tokens=10, score="win_rate",
                  reward_model_path=tiny_rm, eval_reward_model_path=tiny_rm)
@@ -210,9 +209,7 @@ def evaluation_rows_checks(tiny_neox, tiny_rm):
             policy = perturbed(tiny_neox, 1).eval()
         engine.load(list(weights.gather(policy)), 2)
         scores, _ = engine.evaluate(prompts, answers)
-        params = SamplingParams(temperature=0.01, max_tokens=10, seed=7)
-        outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        responses = [list(o.outputs[0].token_ids) for o in outputs]
+        responses, _ = engine.respond(prompts)  # the same seeded samples (a seed a problem, from its prompt)
         with engine.beside():  # GPT-NeoX beside vLLM's Transformers backend: see searcher.py
             ref = AutoModelForCausalLM.from_pretrained(tiny_neox, dtype=torch.float32).eval()
             judge = AutoModelForSequenceClassification.from_pretrained(tiny_rm, dtype=torch.float32).eval()

@@ -313,7 +313,7 @@ def test_the_reuse_cap_earns_credit_only_for_what_the_buffer_kept():
     buf = ReplayBuffer(100, recency=1.0, reward_inv_temp=0.0)
     buf.set_reference(4)  # pi_ref is the policy of step 4
     fleet = Fleet.__new__(Fleet)  # its counters only: no searcher is spawned
-    fleet.received, fleet.kept, fleet.newest = 0, 0, 4
+    fleet.received, fleet.kept, fleet.newest, fleet.asked, fleet.evaluated = 0, 0, 4, [], []
     old = [traj(p, [100 + i], version=3) for p in range(B) for i in range(2 * K)]  # scored under pi_ref 0
     for t in old:
         t.pi_ref_version = 0
@@ -323,7 +323,64 @@ def test_the_reuse_cap_earns_credit_only_for_what_the_buffer_kept():
     fleet.add(buf, old + new)
     assert (fleet.received, fleet.kept, len(buf)) == (3 * B * K, B * K, B * K)
     trainer = types.SimpleNamespace(cfg=Config(prompts_per_step=B, samples_per_prompt=K, max_reuse=1.0), fleet=fleet,
-                                    buffer=buf, cap=ReuseCap(1.0, bank=100 * B * K), step=4)
+                                    buffer=buf, cap=ReuseCap(1.0, bank=100 * B * K), step=4, held_since=None)
     assert tba.Trainer.waiting_for(trainer, 0) is None  # one step's worth was kept: one step
     trainer.cap.draw(B * K)
     assert tba.Trainer.waiting_for(trainer, 0).startswith("fresh data: 8 trajectories drawn for training, 8 kept")
+
+
+def test_draws_follow_the_searchers_multiplicities():
+    """--duplicates count: a response the searchers sent 6 times out of 8 fills about 6 / 8 of a group's draws, as
+    the raw rounds would (collapse: one copy like any other, about 1 / 3), recent and whole-buffer draws alike; a
+    checkpoint keeps the counts."""
+    from buffer import draw
+    counts = {}
+    for mode in ("count", "collapse"):
+        for recency in (1.0, 0.0):
+            buf = ReplayBuffer(capacity=10, recency=recency, reward_inv_temp=0.0, duplicates=mode)
+            buf.add([traj(0, [5]) for _ in range(6)] + [traj(0, [6]), traj(0, [7])])
+            buf = ReplayBuffer.from_state(buf.state())
+            assert len(buf) == 3 and buf.multiplicity(0) == {np.array([5], np.int32).tobytes(): 6,
+                                                             np.array([6], np.int32).tobytes(): 1,
+                                                             np.array([7], np.int32).tobytes(): 1}
+            rng = np.random.default_rng(0)
+            drawn = [int(t.response[0]) for _ in range(400) for t in buf.sample(1, 4, rng)[0]]
+            counts[mode, recency] = drawn.count(5) / len(drawn)
+    for recency in (1.0, 0.0):
+        assert abs(counts["count", recency] - 6 / 8) < 0.04, counts
+        assert abs(counts["collapse", recency] - 1 / 3) < 0.04, counts
+    # without replacement from the multiset: 8 copies, K = 8 draws take each copy once
+    assert sorted(draw(np.array([6, 1, 1]), np.ones(3), 8, np.random.default_rng(1))) == [0] * 6 + [1, 2]
+
+
+def test_the_recent_pool_counts_only_its_windows_copies():
+    buf = ReplayBuffer(capacity=10, recency=1.0, reward_inv_temp=0.0)
+    buf.add([traj(0, [5]) for _ in range(5)])
+    buf.mark_sync()
+    buf.add([traj(0, [5]), traj(0, [6])])  # one copy of each since the sync
+    key = lambda r: np.array([r], np.int32).tobytes()
+    assert buf.multiplicity(0, since=1) == {key(5): 1, key(6): 1} and buf.multiplicity(0)[key(5)] == 6
+
+
+def test_a_lag_round_is_used_once_when_two_rounds_share_a_prompt():
+    """--lag: two searchers' rounds both drew prompt 7 (n = 2 each), the second also 5 and 9: each trajectory is in
+    at most one group of the batch, and every group is n responses of one prompt; rounds of a step already trained
+    are dropped on arrival, and a checkpoint keeps none of the steps to come."""
+    buf = ReplayBuffer(capacity=10, recency=1.0, reward_inv_temp=0.0)
+    rounds = [traj(p, [p, i, s], version=0) for s, prompts in ((0, [7, 3]), (1, [7, 5, 9])) for p in prompts
+              for i in range(2)]
+    for t in rounds:
+        t.for_step = 4
+    buf.add(rounds)
+    batch = buf.sample_round(4, 4, 2, 2, np.random.default_rng(0))
+    used = [id(t) for g in batch for t in g]
+    assert len(used) == len(set(used)) == 8  # B = 4 groups of K = 2, no trajectory twice
+    assert all(len({t.prompt_id for t in g}) == 1 for g in batch)
+    assert sorted(g[0].prompt_id for g in batch) in ([3, 5, 7, 7], [3, 7, 7, 9], [5, 7, 7, 9], [3, 5, 7, 9])
+    late = traj(1, [1], version=0)
+    late.for_step = 4
+    ahead = traj(1, [2], version=1)
+    ahead.for_step = 6
+    assert buf.add([late, ahead]) == [ahead] and buf.waiting(4) == 0 and buf.waiting(6) == 1
+    back = ReplayBuffer.from_state(buf.state())
+    assert back.waiting() == 0 and back.next_round == 5  # remade by the resumed searchers, with the same seeds

@@ -760,7 +760,7 @@ def tldr_searcher(folder, size: str):
     """run_tldr.sh's searcher 0 at SIZE: policy and reward model of that size, the 6.9B judge, bf16, 512-token
     prompts and 128 new tokens, 8 x 20 a step, 20 sequences a pass."""
     return Config(task="tldr", dtype="bfloat16", model_path=pythia(folder, size), max_model_len=640,
-                      prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, ref_reset_every=0,
+                      prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, score_batch=20, ref_reset_every=0,
                       reward_model_path=pythia(folder, size, "reward"), searchers=3, searcher_memory=None,
                       eval_reward_model_path=pythia(folder, "6.9b", "reward"))
 
@@ -874,7 +874,7 @@ def test_the_synchronous_trainer_counts_its_own_state_beside_the_engine(tmp_path
     gsm8k = tasks.get("gsm8k")
     P = 1_011_781_632  # Pythia 1B's published total
     cfg = Config(task="gsm8k", dtype="bfloat16", model_path=pythia(tmp_path, "1b"), max_model_len=640,
-                 prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, searchers=0, trainer_memory=0.2,
+                 prompts_per_step=8, search_samples_per_prompt=20, micro_batch=20, score_batch=20, searchers=0, trainer_memory=0.2,
                  trainer_dtype="float32", ref_reset_every=0)
     state = "the trainer's weights, gradients and AdamW state"
     beside = gpu.memory_needs(cfg, gsm8k)[1]

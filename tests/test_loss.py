@@ -198,21 +198,23 @@ def per_token_batch(B=3, K=4, T=6, seed=0):
     mask = (torch.arange(T)[None, None, :] < length[..., None]).double()
     lp = lambda: -torch.rand(B, K, T, generator=g, dtype=torch.float64) * 3 * mask
     reward = (torch.rand(B, K, generator=g, dtype=torch.float64) > 0.5).double()
+    prompt_length = torch.randint(3, 40, (B, 1), generator=g).double().expand(B, K)  # one prompt a group
     return dict(token_logp=lp().requires_grad_(True), behaviour_logps=lp(), ref_logps=lp(), token_mask=mask,
-                reward=reward, length=length)
+                reward=reward, length=length, prompt_length=prompt_length)
 
 
 def test_drgrpo_on_policy_gradient_is_dr_grpos():
     """On-policy (mu = pi_theta) the ratio is 1 and the gradient is Dr. GRPO's: -A_i / |y_i| on each token of
-    response i (the mean over B x K), or / the generation budget."""
+    response i (the mean over B x K), or / its prompt + response length, or / the generation budget."""
     from loss import drgrpo_loss
     x = per_token_batch()
     x["behaviour_logps"] = x["token_logp"].detach().clone()
     B, K = x["reward"].shape
     A = x["reward"] - x["reward"].mean(1, keepdim=True)
-    for norm, by in (("length", x["length"]), ("constant", torch.full_like(x["length"], 12.0))):
+    for norm, by in (("response", x["length"]), ("sequence", x["prompt_length"] + x["length"]),
+                     ("budget", torch.full_like(x["length"], 12.0))):
         x["token_logp"].grad = None
-        drgrpo_loss(**x, drgrpo_norm=norm, budget=12)[0].backward()
+        drgrpo_loss(**x, norm=norm, budget=12)[0].backward()
         expected = -(A / by)[..., None] * x["token_mask"] / (B * K)
         assert torch.allclose(x["token_logp"].grad, expected, atol=1e-12), norm
 
@@ -230,7 +232,8 @@ def test_drgrpo_truncates_the_ratio_at_c():
     assert torch.allclose(x["token_logp"].grad, expected, atol=1e-12) and (ratio * x["token_mask"] > 8).any()
 
 
-def tbprime_reference(token_logp, behaviour_logps, ref_logps, token_mask, reward, length, beta, weights, cap=8.0):
+def tbprime_reference(token_logp, behaviour_logps, ref_logps, token_mask, reward, length, beta, weights, cap=8.0,
+                      **_):
     """Their update transcribed term by term, with loops: -w_t [A_i - beta (KL_i - mean_K KL^mu)] / |y_i|, KL the
     detached sum of clamp(log pi - log pi_ref, +-10), w_t = min(pi / mu, c) (with gradient) or log pi's gradient."""
     B, K, T = token_logp.shape
@@ -260,6 +263,51 @@ def test_tbprime_matches_the_authors_formula(weights):
     assert abs(loss.item() - ref.item()) < 1e-10 and torch.allclose(grad, ref_grad, atol=1e-12)
 
 
+def their_sample_loss(logp, logp_behav, logp_ref, reward, group_mean_reward, group_mean_kl, prompt_len, beta=0.005,
+                      kind="tb", IS=True):
+    """One sample's loss in the authors' MATH code (tba-prime at 71c1716), transcribed with plain floats: the token
+    sum over the response divided by `seq_lens`, the prompt's and the response's tokens (train.py:465-468,
+    data.py:278, 647, loss.py:427-428), at their micro-batch of 1 (configs/training/MATH.toml:12). "tb": loss.py:
+    137-156 (the KL detached, clamped at +-10; the mean KL under mu from train.py:316-341); "ratio" (Dr. GRPO):
+    loss.py:259-266. The batch's objective is the mean over its samples."""
+    import math
+    clamp = lambda x, lo, hi: max(lo, min(hi, x))
+    R = len(logp)
+    if kind == "tb":
+        kl = sum(clamp(a - b, -10, 10) for a, b in zip(logp, logp_ref))
+        A = (reward - group_mean_reward) - beta * (kl - group_mean_kl)
+        tok = [-clamp(math.exp(a - b), 0, 8) * A for a, b in zip(logp, logp_behav)] if IS else [-a * A for a in logp]
+    else:
+        A = reward - group_mean_reward
+        tok = [-clamp(math.exp(a - b), 0, 8) * A for a, b in zip(logp, logp_behav)]
+    return sum(tok) / (prompt_len + R)
+
+
+@pytest.mark.parametrize("kind", ["tb", "ratio"])
+def test_the_sequence_normaliser_is_the_authors(kind):
+    """--norm sequence: tbprime (IS on and off) and drgrpo give the authors' loss, the mean over samples of their
+    per-sample formula, its value (their gradient flows through the same terms: log pi's, with the clamp's)."""
+    from loss import drgrpo_loss, tbprime_loss
+    x = per_token_batch(seed=4)
+    B, K = x["reward"].shape
+    for IS in ((True, False) if kind == "tb" else (True,)):
+        ours = (tbprime_loss(**x, beta=0.005, importance_weights=IS, norm="sequence") if kind == "tb" else
+                drgrpo_loss(**x, norm="sequence"))[0]
+        total = 0.0
+        for b in range(B):
+            n = [int(x["length"][b, j]) for j in range(K)]
+            tokens = lambda name, j: x[name][b, j, :n[j]].tolist()
+            kl_mu = [sum(max(-10, min(10, a - r)) for a, r in zip(tokens("behaviour_logps", j), tokens("ref_logps", j)))
+                     for j in range(K)]
+            for i in range(K):
+                total += their_sample_loss(tokens("token_logp", i), tokens("behaviour_logps", i), tokens("ref_logps", i),
+                                           float(x["reward"][b, i]), float(x["reward"][b].mean()), sum(kl_mu) / K,
+                                           int(x["prompt_length"][b, i]), kind=kind, IS=IS)
+        assert abs(ours.item() - total / (B * K)) < 1e-10, (kind, IS)
+        assert abs(ours.item() - (tbprime_loss(**x, beta=0.005, importance_weights=IS) if kind == "tb" else
+                                  drgrpo_loss(**x))[0].item()) > 1e-6  # the response normaliser is another
+
+
 def test_tbprime_on_policy_is_tbs_gradient_up_to_scale_and_length():
     """mu = pi_theta, no KL clamp active: d tbprime / d log pi_theta(y_it) = beta / (2 |y_i|) x d TB / d log pi_theta(y_i)."""
     from loss import tb_loss, tbprime_loss
@@ -274,10 +322,11 @@ def test_tbprime_on_policy_is_tbs_gradient_up_to_scale_and_length():
     assert torch.allclose(x["token_logp"].grad, expected, atol=1e-12)
 
 
-@pytest.mark.parametrize("loss_name", ["tb", "drgrpo"])
-def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_name):
-    """tba.backward with --micro-batch 3 < K = 4 (a pass without gradient for the group's statistics, then passes
-    of 3 sequences) gives the gradient and the loss of one pass over whole prompts."""
+@pytest.mark.parametrize("loss_name, micro_batch", [("tb", 3), ("drgrpo", 3), ("tbprime", 1), ("tb", 1)])
+def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_name, micro_batch):
+    """tba.backward with --micro-batch below K = 4 (passes without gradient for the group's statistics, then passes
+    with it) gives the gradient and the loss of one pass over whole prompts, and no forward pass sees more than
+    --micro-batch sequences (rank 0's memory at MATH's 16 x 4,096 tokens: docs/gpu.md)."""
     import dataclasses
     import numpy as np
     import tba
@@ -295,10 +344,13 @@ def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_na
             t.logp_behaviour = float(t.behaviour_logps.sum())
     cfg = lambda mb: Config(samples_per_prompt=4, micro_batch=mb, loss=loss_name, temperature=1.0)
     grads, losses = [], []
-    for mb in (8, 3):
+    for mb in (8, micro_batch):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
+        seen = []
+        model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(len(kwargs["input_ids"])), with_kwargs=True)
         sums = tba.backward(model, groups, 2, prompts, 0, torch.device("cpu"), cfg(mb), 0.05)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         losses.append(sums["loss"])
+        assert max(seen) == min(mb, 4 if mb < 4 else 8), seen  # whole prompts (both) at 8; else at most mb
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)  # the log-softmax is float32: sums in another order
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-8) and grads[0].abs().max() > 1e-4

@@ -21,7 +21,14 @@ def test_the_formula_predicts_the_measured_peak(tmp_path):
     for how, kept, predicted, measured, error in rows:
         assert abs(float(error)) < 15, p.stdout  # the formula within 15% of the measured peak
     assert float(rows[1][1]) < float(rows[0][1]), p.stdout  # recomputation keeps less a token a layer
-    qwen = dict(re.findall(r"Qwen2.5-7B, .*?, rank (\d)(?: and up)?: about (\d+) GB", p.stdout))
-    assert set(qwen) == {"0", "1"}, p.stdout  # run_math.sh's trainer: rank 0 holds the shared bf16 copy too
-    assert 14 <= int(qwen["0"]) - int(qwen["1"]) <= 16, p.stdout  # its 15.2 GB
-    assert int(qwen["1"]) >= 31, p.stdout  # at least the shard of weights, gradients and AdamW: 16 x 7.62e9 / 4 bytes
+    qwen = {(loss, rank): int(gb) for loss, rank, gb in re.findall(
+        r"Qwen2.5-7B, run_math.sh's trainer, LOSS=(\w+) .*?, rank (\d)(?: and up)?: about (\d+) GB of 80", p.stdout)}
+    assert set(qwen) == {(loss, rank) for loss in ("tb", "drgrpo") for rank in "01"}, p.stdout
+    # rank 0: the shared bf16 copy (15.2 GB) and 4 searchers' CUDA contexts (2 GB); TBA′ also pi_ref's copy
+    assert 16 <= qwen["drgrpo", "0"] - qwen["drgrpo", "1"] <= 18, p.stdout
+    assert 31 <= qwen["tb", "0"] - qwen["tb", "1"] <= 33, p.stdout
+    assert qwen["tb", "1"] == qwen["drgrpo", "1"] >= 31, p.stdout  # at least weights, gradients, AdamW: 16 x 7.62e9 / 4
+    # with --micro-batch 1 the statistics pass holds one sequence's logits, not a group's 16 (19.9 GB)
+    assert re.search(r"the statistics pass 1\.5\)", p.stdout), p.stdout
+    host = dict(re.findall(r"--lag (\d+): rank 0's host RAM .*?: (\d+) GB pinned", p.stdout))
+    assert host == {"2": "46", "10": "168"}, p.stdout  # (L + 1) x 15.2 GB

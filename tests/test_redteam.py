@@ -56,7 +56,7 @@ def models(tmp_path_factory):
 def engine_for(models, victim, classifier, kind, n=3, attacker="llama", **extra):
     """A searcher's Engine on the CPU: the attacker's, the victim's and (a judge) the judge's vLLM engines."""
     cfg = Config(task="redteam", model=models[attacker], prompts_per_step=2, samples_per_prompt=4, max_new_tokens=12,
-                 victim_responses=n, micro_batch=4, device="cpu", threads=1, model_path=models[attacker],
+                 victim_responses=n, micro_batch=4, score_batch=4, device="cpu", threads=1, model_path=models[attacker],
                  max_model_len=128, dtype="float32", search_samples_per_prompt=4, victim_path=models[victim],
                  classifier_path=models[classifier], classifier_kind=kind, embedding_model_path=models["embedder"],
                  **extra)
@@ -413,7 +413,7 @@ def paper_setting(root, llama: bool):
     embedder = save("embedder:Model", transformers.BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                                                               intermediate_size=1536))
     return Config(task="redteam", model=attacker, prompts_per_step=16, samples_per_prompt=8, max_new_tokens=20,
-                  victim_responses=5, micro_batch=128, model_path=attacker, victim_path=victim, classifier_path=classifier,
+                  victim_responses=5, micro_batch=128, score_batch=128, model_path=attacker, victim_path=victim, classifier_path=classifier,
                   embedding_model_path=embedder, classifier_kind=kind, dtype=dtype, search_samples_per_prompt=8,
                   max_model_len=50 + 20)
 

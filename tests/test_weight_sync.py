@@ -23,7 +23,7 @@ from tasks.task import Data
 def config(model, **kw):
     return Config(**{**dict(model=model, prompts_per_step=3, samples_per_prompt=4, temperature=0.7, max_new_tokens=6,
                             device="cpu", threads=1, model_path=model, max_model_len=512, dtype="float32",
-                            search_samples_per_prompt=4, round_prompts=3), **kw})
+                            search_samples_per_prompt=4, round_prompts=3, score_batch=256), **kw})
 
 
 def share(model, ctx, with_ref=False):

@@ -572,7 +572,7 @@ def sync_cost(model_path: str, cfg, repeat: int) -> dict:
 
     def publish_once():  # the trainer's side: gather (a no-op on one rank) and copy into the shared tensors
         version[0] += 1
-        weights.publish(shared, weights.gather(model), version[0], lambda: None, 60)
+        weights.write(shared, weights.gather(model), version[0], lambda: None, 60)
 
     def reload_once():
         shared.version.value += 1
@@ -747,10 +747,11 @@ def main():
 def table(r: dict) -> str:
     m = r["machine"]
     lines = [f"machine: {m['cpu']}, {m['cores']} cores ({m['threads_per_process']} thread(s) per process), "
-             f"torch {m['torch']}; tba.py flags: {' '.join(r['flags']) or '(the embedded default)'}", "",
-             "1. time to target (held-out greedy accuracy >= start + 0.15), seconds from launch",
-             f"   {'seed':>4} {'sync (s)':>9} {'async (s)':>10} {'ratio':>6}  | from the first step: "
-             f"{'sync':>5} {'async':>6} {'ratio':>6} | steps sync/async | s/step sync/async"]
+             f"torch {m['torch']}; tba.py flags: {' '.join(r['flags']) or '(the embedded default)'}", ""]
+    if r["time_to_target"]:  # parts 1-5: only those that ran
+        lines += ["1. time to target (held-out greedy accuracy >= start + 0.15), seconds from launch",
+                  f"   {'seed':>4} {'sync (s)':>9} {'async (s)':>10} {'ratio':>6}  | from the first step: "
+                  f"{'sync':>5} {'async':>6} {'ratio':>6} | steps sync/async | s/step sync/async"]
     for seed in r["seeds"] if r["time_to_target"] else []:
         a, s = (next(x for x in r["time_to_target"] if x["seed"] == seed and x["searchers"] == n) for n in (1, 0))
         both = a["reached"] and s["reached"]
@@ -762,17 +763,21 @@ def table(r: dict) -> str:
                      f"{str(s['step']) + '/' + str(a['step']):<16} | "
                      f"{s['seconds_per_step'] or 0:.3f}/{a['seconds_per_step'] or 0:.3f}")
     util = [x["utilisation"] for x in r["time_to_target"] if x["searchers"] == 1 and x["utilisation"] is not None]
-    lines.append(f"2. trainer utilisation (TBA runs): {', '.join(f'{u:.3f}' for u in util)}")
-    lines.append("3. weight sync: publish + reload + prefix reset vs plain copy_ of the same bytes")
+    if r["time_to_target"]:
+        lines.append(f"2. trainer utilisation (TBA runs): {', '.join(f'{u:.3f}' for u in util)}")
+    if r.get("sync_cost"):
+        lines.append("3. weight sync: publish + reload + prefix reset vs plain copy_ of the same bytes")
     for name, c in r.get("sync_cost", {}).items():
         lines.append(f"   {name:>10}: {c['parameters'] / 1e6:.1f}M params, publish {c['publish'] * 1e3:.2f} ms + "
                      f"reload {c['reload'] * 1e3:.2f} ms vs copy {c['plain_copy'] * 1e3:.2f} ms: {c['ratio']:.1f}x")
     s = r.get("searcher_overhead")
-    lines.append("4. -" if s is None else f"4. searcher: {s['trajectories_per_s']:.0f} trajectories/s, {s['tokens_per_s']:.0f} tokens/s vs "
-                 f"bare vLLM {s['bare_trajectories_per_s']:.0f}/s, {s['bare_tokens_per_s']:.0f} tokens/s: {s['ratio']:.2f}")
+    if s is not None:
+        lines.append(f"4. searcher: {s['trajectories_per_s']:.0f} trajectories/s, {s['tokens_per_s']:.0f} tokens/s vs "
+                     f"bare vLLM {s['bare_trajectories_per_s']:.0f}/s, {s['bare_tokens_per_s']:.0f} tokens/s: {s['ratio']:.2f}")
     t = r.get("trainer_overhead")
-    lines.append("5. -" if t is None else f"5. trainer: {t['tokens_per_s']:.0f} tokens/s per TB update vs bare forward+backward "
-                 f"{t['bare_tokens_per_s']:.0f}: {t['ratio']:.2f}")
+    if t is not None:
+        lines.append(f"5. trainer: {t['tokens_per_s']:.0f} tokens/s per TB update vs bare forward+backward "
+                     f"{t['bare_tokens_per_s']:.0f}: {t['ratio']:.2f}")
     mem = r.get("memory")
     if mem:
         lines.append(f"6. memory of a {mem['minutes']:.0f}-minute TBA run ({mem['steps']} steps), all processes: "

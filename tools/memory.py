@@ -142,29 +142,47 @@ def main(argv=None):
 QWEN_7B = dict(params=7.62e9, hidden=3584, ffn=18944, layers=28, vocab=152064)  # Qwen/Qwen2.5-7B's config.json
 
 
-def qwen_7b(fits: dict, vocab: int, ranks: int = 4, tokens: int = 4096):
+def qwen_7b(fits: dict, vocab: int, ranks: int = 4, tokens: int = 4096, searchers: int = 4):
     """run_math.sh's trainer: Qwen2.5-7B over `ranks` GPUs (FSDP2 shards weights, gradients and AdamW), micro-batch
-    1 of up to `tokens` (--context), activation checkpointing. What a pass keeps is scaled from the fit at this
-    script's shape (vocabulary `vocab`): a block's checkpoint (its input) by the hidden width, the fixed part (logits, log-softmax
-    chunks) by the vocabulary; the one block recomputed at a time in the backward pass by the fit without
-    checkpointing, scaled by the MLP's width. An estimate: no GPU ran it."""
+    1 of up to `tokens` (--context), activation checkpointing, for each loss. What a pass keeps is scaled from the fit
+    at this script's shape (vocabulary `vocab`): a block's checkpoint (its input) by the hidden width, the fixed part
+    (logits, log-softmax chunks) by the vocabulary; the one block recomputed at a time in the backward pass by the fit
+    without checkpointing, scaled by the MLP's width. Every term rank 0 holds at once: the shard of weights, AdamW and
+    the gradients (alive through the group's 128 micro-batches of accumulation), a pass's activations (the larger of
+    the gradient pass and the statistics pass without gradient, both of --micro-batch 1 sequence: tba.backward), FSDP2's
+    gathered units, its CUDA context, and on rank 0 the shared bf16 copy for the searchers (runtime/weights.py), TBA′'s
+    second one for pi_ref (--ref-reset-every), and the CUDA context each searcher opens on GPU 0 to map them (CUDA
+    IPC). And rank 0's host RAM for --lag L: L + 1 pinned bf16 copies (runtime/weights.Outbox.keep). An estimate: no
+    GPU ran it."""
     q, P = QWEN_7B, QWEN_7B["params"]
     (ckpt_layer, fixed), (full_layer, _) = fits[True], fits[False]
     kept = (ckpt_layer * q["hidden"] / RHO["hidden"] * q["layers"] + fixed * q["vocab"] / vocab) * tokens
     block = full_layer * q["ffn"] / RHO["ffn"] * tokens  # one block's activations, live while it is recomputed
+    statistics = tokens * q["vocab"] * 2 + 2**28  # the pass without gradient: one sequence's bf16 logits, a chunk
     shard = int(P / ranks)
-    state = max(gpu.trainer_bytes(shard, shard, "float32", gradients=False) + kept + block,
-                gpu.trainer_bytes(shard, shard, "float32"))
+    state = gpu.trainer_bytes(shard, shard, "float32")  # weights, gradients (accumulating), AdamW's moments
     gathered = 2 * 2 * q["vocab"] * q["hidden"]  # FSDP2's bf16 all-gather of the largest units (embeddings, lm_head)
-    shared, context = 2 * P, 0.5e9  # rank 0: the bf16 copy for the searchers' reload (runtime/weights.py); CUDA
-    for rank, extra in ((0, shared), (1, 0)):
-        total = state + gathered + context + extra
-        print(f"Qwen2.5-7B, run_math.sh's trainer ({ranks} GPUs, 1 x {tokens} tokens a pass, activation "
-              f"checkpointing), rank {rank}{'' if rank == 0 else ' and up'}: about {total / 1e9:.0f} GB (weights, "
-              f"gradients and AdamW shard {gpu.trainer_bytes(shard, shard, 'float32') / 1e9:.1f}, kept for the "
-              f"backward pass {kept / 1e9:.1f}, a recomputed block {block / 1e9:.1f}, gathered weights "
-              f"{gathered / 1e9:.1f}{f', shared copy {shared / 1e9:.1f}' if extra else ''}, CUDA context "
-              f"{context / 1e9:.1f}; count about 10% more)")
+    context, copy = 0.5e9, 2 * P  # a CUDA context; one bf16 copy of the weights
+    for loss, name, pi_ref in (("tb", "TBA′", True), ("drgrpo", "Dr. GRPO", False)):
+        rank0 = dict(shard=state, activations=max(kept + block, statistics), gathered=gathered, context=context,
+                     shared=copy, pi_ref=copy if pi_ref else 0.0, searchers=searchers * context)
+        other = sum(rank0[k] for k in ("shard", "activations", "gathered", "context"))
+        for rank, total in ((0, sum(rank0.values())), (1, other)):
+            terms = (f"weights, gradients and AdamW shard {state / 1e9:.1f}, a pass's activations "
+                     f"{rank0['activations'] / 1e9:.1f} (kept {kept / 1e9:.1f}, a recomputed block {block / 1e9:.1f}; "
+                     f"the statistics pass {statistics / 1e9:.1f}), gathered weights {gathered / 1e9:.1f}, CUDA context "
+                     f"{context / 1e9:.1f}")
+            if rank == 0:
+                terms += (f", shared copy {copy / 1e9:.1f}" + (f", pi_ref's shared copy {copy / 1e9:.1f}" if pi_ref else "")
+                          + f", {searchers} searchers' CUDA contexts {searchers * context / 1e9:.1f}")
+            print(f"Qwen2.5-7B, run_math.sh's trainer, LOSS={loss} ({name}; {ranks} GPUs, 1 x {tokens} tokens a pass, "
+                  f"activation checkpointing), rank {rank}{'' if rank == 0 else ' and up'}: about {total / 1e9:.0f} GB "
+                  f"of 80 ({terms}; count about 10% more)")
+    for lag in (2, 10):
+        print(f"Qwen2.5-7B, --lag {lag}: rank 0's host RAM for the weights of the last {lag} steps and the current: "
+              f"{(lag + 1) * copy / 1e9:.0f} GB pinned ({lag + 1} bf16 copies); a checkpoint holds them too, beside the "
+              f"model ({P * 4 / 1e9:.0f} GB) and AdamW ({P * 8 / 1e9:.0f} GB): about "
+              f"{((lag + 1) * copy + P * 12) / 1e9:.0f} GB")
 
 
 if __name__ == "__main__":
