@@ -113,6 +113,12 @@ def lagged_step(cfg, round_: int) -> int:
     return round_ if cfg.lag is not None and round_ < cfg.steps else -1
 
 
+def evaluation_seed(seed: int, prompt: list[int]) -> tuple:
+    """A held-out problem's sampling seed (--eval-temperature above 0): from the run's and its prompt, so that each
+    problem's noise is its own and the same at every evaluation, in whatever part it falls."""
+    return seed, seeds.EVALUATION, zlib.crc32(np.asarray(prompt, np.int64).tobytes())
+
+
 def max_tokens(cfg, prompt: list[int]) -> int:
     """A response's length limit: --max-new-tokens, or what --context leaves after its prompt if that is less."""
     return min(cfg.max_new_tokens, cfg.context - len(prompt)) if cfg.context else cfg.max_new_tokens
@@ -153,10 +159,12 @@ class Engine:
         self.scorer = task.scorer(self, task, evaluates)
 
     # --- searching -------------------------------------------------------------------------
-    def generate(self, prompt_ids, n: int, seed: tuple) -> list[tuple[int, list]]:
+    def generate(self, prompt_ids, n: int, seed: tuple, plain: bool = False) -> list[tuple[int, list]]:
         """vLLM's n samples of each prompt, seeded from `seed` and the prompt: (prompt id, its n completions) for
-        each prompt done (--keep-full: those done first, of this call or an earlier one; runtime/decoding.py)."""
-        return self.decoder.generate(self.to_requests(prompt_ids, n, seed))
+        each prompt done (--keep-full: those done first, of this call or an earlier one; runtime/decoding.py).
+        `plain`: a round of these prompts alone, stepped, whatever the run's decoder (the emulation's calibration)."""
+        decoder = decoding.Stepped(self.llm, self.clock, None, lambda: "plain") if plain else self.decoder
+        return decoder.generate(self.to_requests(prompt_ids, n, seed))
 
     def to_requests(self, prompt_ids, n: int, seed: tuple) -> list[decoding.Request]:
         return [decoding.Request(int(p), self.prompts[p], n, self.explore(seed, p), max_tokens(self.cfg, self.prompts[p]),
@@ -308,10 +316,9 @@ class Engine:
 
     def respond(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[str]]:
         """One response to each prompt, greedy or at --eval-temperature: token ids and text."""
-        sampled = self.cfg.eval_temperature > 0  # a seed a problem, from its prompt: reproducible, its noise its own
+        sampled = self.cfg.eval_temperature > 0
         params = [decoding.sampling_params(self.cfg.eval_temperature, max_tokens(self.cfg, p), logprobs=None,
-                                           seed=(self.cfg.seed, seeds.EVALUATION, zlib.crc32(np.asarray(p, np.int64)))
-                                           if sampled else None) for p in prompts]
+                                           seed=evaluation_seed(self.cfg.seed, p) if sampled else None) for p in prompts]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs], [o.outputs[0].text for o in outputs]
 

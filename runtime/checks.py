@@ -329,6 +329,7 @@ def check_task(cfg):
                  f"belongs to the {name} task")
     cfg = dataclasses.replace(cfg, **task.check(cfg))
     train, test = task.load(cfg.data)
+    train, test = ([dataclasses.replace(p, prompt=task.prompt(cfg, p.prompt)) for p in part] for part in (train, test))
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
     train = train * -(-cfg.prompts_per_step // len(train)) if task.fill else train
     if cfg.model == "tiny":

@@ -92,6 +92,11 @@ class Config:
     victim_max_new_tokens: int | None = arg(None, "redteam: the victim's response length (default: 64 with a chat "
                                                   "template, 30 without)")
     victim_responses: int = arg(5, "redteam: the victim's responses to each attack (the reward is their mean)")
+    math_grader: str = arg("math-verify", "math: a boxed answer equal to the solution's by string after Hendrycks' "
+                                          "normalisation, or by math-verify (math-verify) | by the authors' sympy "
+                                          "check with its guards (authors)", choices=("math-verify", "authors"))
+    math_prompt: str = arg("braces", "math: the instruction's example boxes as meant, \\boxed{12} (braces) | as the "
+                                     "authors' f-string printed them, \\boxed12 (authors)", choices=("braces", "authors"))
     buffer_keep: str = arg("newest", "newest (TBA's buffer) | best (Lee et al.'s: the best by log R per prompt)")
     dedup_similarity: float = arg(0.0, "--buffer-keep best: attacks whose embeddings' cosine is above this are "
                                        "near-duplicates; 0 = off")
@@ -106,8 +111,8 @@ class Config:
     explore_temp_min: float = arg(0.0, "half of a searcher's requests sample at a temperature drawn from [this, "
                                        "--explore-temp-max]; 0 = off")
     explore_temp_max: float = arg(0.0, "the top of the exploration temperatures")
-    lora_rank: int = arg(0, "train a LoRA adapter of this rank (at most the targets' width) on peft's default "
-                            "targets; 0 = all weights")
+    lora_rank: int = arg(0, "train a LoRA adapter of this rank (at most the targets' width) on the modules peft "
+                            "targets for the architecture; 0 = all weights")
     lora_alpha: int = arg(16, "LoRA's alpha (with --lora-rank): the update is (alpha / rank) B A")
     trainer_dtype: str = arg("float32", "the trainer's weights: float32 | bfloat16 (AdamW's moments stay float32)")
     # ===== plumbing: processes, devices, memory, files ====================================================

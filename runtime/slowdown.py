@@ -180,14 +180,12 @@ def calibrate(engine, count: int, n: int, timed: bool = True):
     seconds a generated token costs it (the clock's linear cost: one step of a round's sequences), warm and (the
     caller sees to it) alone. Prompts and seeds of their
     own: the run's samples do not change; the prefix cache is emptied around them."""
-    from runtime.decoding import Stepped
     cfg, clock = engine.cfg, engine.clock
     rng = np.random.default_rng([cfg.seed, seeds.CALIBRATION])
     ids = rng.choice(len(engine.prompts), min(count, len(engine.prompts)), replace=False)
     engine.llm.reset_prefix_cache()
     clock.account()  # a plain round, stepped: whatever the run's decoder (--keep-full's first call returns none)
-    done = Stepped(engine.llm, clock, None, lambda: "calibration").generate(
-        engine.to_requests(ids, n, (cfg.seed, seeds.CALIBRATION, seeds.CALIBRATION, int(timed))))
+    done = engine.generate(ids, n, (cfg.seed, seeds.CALIBRATION, seeds.CALIBRATION, int(timed)), plain=True)
     seconds = clock.account()["generate"]
     engine.llm.reset_prefix_cache()
     if timed:

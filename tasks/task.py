@@ -19,7 +19,8 @@ code asks the entry, never the task's name:
 - `score`: the evaluation's headline figure; `max_prompt`: longer prompts (in tokens) are dropped;
   `fill`: the training prompts are repeated to fill a batch of B (one instruction searched as B copies);
   `chat`: each prompt is a user turn of the model's chat template, with the assistant's turn begun
-  (runtime/checks.py tokenizes them; a model without a template is refused).
+  (runtime/checks.py tokenizes them; a model without a template is refused); `prompt(cfg, text)`: a problem's
+  prompt as the flags make it (the math task's instruction, ours or the authors' exact one).
 Bad data raises ConfigError with a one-line message; tba.py prints it and exits with 2.
 """
 
@@ -121,6 +122,7 @@ class Task:
     max_prompt: int | None = None
     fill: bool = False
     chat: bool = False
+    prompt: Callable = lambda cfg, text: text  # a problem's prompt as the run's flags make it (math: the instruction)
 
 
 # --- loaders the tasks share ------------------------------------------------------------------------

@@ -16,6 +16,9 @@ sys.path.insert(1, os.path.join(ROOT, "tools"))  # bench, plot and trl_grpo, imp
 DATA = os.path.join(ROOT, "tests", "data", "gsm8k")
 TLDR = os.path.join(ROOT, "tests", "data", "tldr")
 MATH = os.path.join(ROOT, "tests", "data", "math")
+# the device of the Engine tests (tests/test_weight_sync.py, test_lag.py, test_slowdown.py): the CPU here, a GPU
+# where vLLM's CUDA build is installed (tests/gpu_engine_check.sh sets it)
+DEVICE = os.environ.get("TBA_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -145,3 +148,8 @@ def classes_kept(module):
             for name, value in attrs.items():
                 if vars(c).get(name) is not value:
                     setattr(c, name, value)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "engine: starts a vLLM engine, a process of the run or a whole run (the "
+                                       "one-minute loop leaves these out: python -m pytest -q -m 'not engine' tests)")

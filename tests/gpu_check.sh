@@ -14,8 +14,9 @@
 # Exit status: pytest's (0 all passed, 1 tests failed, 2 interrupted, 3 internal error, 4 usage error, 5 none
 # collected), 124 (or 137) past GPU_CHECK_TIMEOUT, or before anything runs: 10 a package missing
 # (torch, transformers, numpy; also after pytest passed when a test skipped or errored for one), 11 torch
-# sees no CUDA device, 12 torch is not 2.13 (the version the GPU path was written against), 13 the import
-# check failed or imported vLLM.
+# sees no CUDA device, 13 the import check failed or imported vLLM. A torch other than 2.13 (the version the GPU
+# path was written against) runs the checks, with a warning in the summary. Then tools/gpu_probe.py prints the
+# weight path's, a MATH step's and the seeded sampler's figures (probe.jsonl; docs/gpu.md).
 set -uo pipefail
 here=$PWD
 absolute() { case $1 in /*) echo "$1" ;; */*) echo "$here/$1" ;; *) echo "$1" ;; esac; }  # before the cd
@@ -49,9 +50,9 @@ print("torch", torch.__version__, "CUDA", torch.version.cuda, "devices", n,
       [(torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) for i in range(n)])
 print("transformers", transformers.__version__, "installed:",
       {m: importlib.util.find_spec(m) is not None for m in ("pynvml", "vllm")})
-if not torch.__version__.startswith("2.13."):
-    print(f"torch {torch.__version__}: the GPU path is written against torch 2.13 (vLLM 0.32 pins 2.13.0)")
-    sys.exit(12)
+if not torch.__version__.startswith("2.13."):  # the trainer's side needs no vLLM: checked on this torch, said so
+    print(f"warning: torch {torch.__version__}: the GPU path is written against torch 2.13 (vLLM 0.32 pins 2.13.0); "
+          f"the checks run on this one, and what they show holds for it")
 if torch.version.cuda is None or n == 0:
     print("torch sees no CUDA device: nothing of the GPU path can be checked here")
     sys.exit(11)
@@ -93,4 +94,8 @@ missing=$(grep -E "^(SKIPPED|ERROR).*(could not import|No module named|ModuleNot
   [ -z "$missing" ] || echo "== parts skipped or errored for a missing package (above): the check is incomplete (exit status 10)"
 } | tee -a "$SUMMARY"
 if [ "$rc" -eq 0 ] && [ -n "$missing" ]; then rc=10; fi
+if [ "${GPU_CHECK_PROBE:-1}" = 1 ]; then  # the figures at Qwen2.5-7B's shapes: under 4 minutes on one GPU
+  timeout -k 30 300 "$PY" tools/gpu_probe.py > "$DEST/probe.jsonl" 2>> "$DEST/pytest.log"
+  echo "== probe exit status $? ($(wc -l < "$DEST/probe.jsonl") figures in probe.jsonl)" | tee -a "$SUMMARY"
+fi
 exit "$rc"

@@ -21,6 +21,7 @@ def authors_beta(u: int, start: float, final: float, stop: int, target: int) -> 
     return final
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("setting,stop,target,steps", [("table3", 32, 128, 256), ("table1", 78, 312, 625)])
 def test_tldr_beta_is_the_authors_at_every_update(setting, stop, target, steps):
     _, cfg = dry_run(script="scripts/run_tldr.sh", SETTING=setting)
@@ -30,12 +31,14 @@ def test_tldr_beta_is_the_authors_at_every_update(setting, stop, target, steps):
     assert tba.beta_at(cfg, stop - 2) > 0.5 and tba.beta_at(cfg, stop - 1) == 0.05  # the jump, at update `stop`
 
 
+@pytest.mark.engine
 def test_gsm8k_beta_is_the_authors_at_every_update():
     _, cfg = dry_run()
     for u in range(1, cfg.steps + 1):  # kl_coef_decay_stop_iter = kl_coef_decay_target_iter = 500
         assert tba.beta_at(cfg, u - 1) == pytest.approx(authors_beta(u, 0.014, 0.004, 500, 500), rel=1e-12), u
 
 
+@pytest.mark.engine
 def test_tldr_linear_learning_rate_at_every_update():
     """transformers' get_linear_schedule_with_warmup, no warmup: lr (N - s) / N after s scheduler steps;
     tba.py's update u is taken after u - 1 of them (the authors' loop steps the scheduler once more,
@@ -74,6 +77,7 @@ def test_new_flags_refuse_bad_values(args, match, tmp_path, monkeypatch, capsys)
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
 
 
+@pytest.mark.engine
 def test_bf16_trainer_checkpoint_and_exact_resume(tiny_model, tmp_path):
     """--trainer-dtype bfloat16 (synchronous, fixed seed): the weights are bf16 in the checkpoint and AdamW's
     moments float32 (policy.AdamW), and 4 steps straight equal 2 steps, a checkpoint, then a resume to 4 (the same
@@ -124,6 +128,7 @@ def direct_kl_nll(policy, ref, prompt, response):
     return kl, nll
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device visible"))])
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
@@ -233,6 +238,7 @@ def evaluation_rows_checks(tiny_neox, tiny_rm):
     assert scores["win_rate"] == np.mean(np.greater(ours, theirs))
 
 
+@pytest.mark.engine
 def test_tldr_evaluation_rows(tiny_neox, tiny_rm):
     """See evaluation_rows."""
     import multiprocessing

@@ -15,6 +15,7 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 BENCH = [sys.executable, "-W", "always::ResourceWarning", os.path.join(ROOT, "tools", "bench.py")]
 
 
+@pytest.mark.engine
 def test_bench_quick(tiny_model, tmp_path):
     out = tmp_path / "bench"
     p = subprocess.run([*BENCH, "--quick", "--out", str(out), "--",
@@ -43,12 +44,15 @@ def test_bench_quick(tiny_model, tmp_path):
         assert line in p.stdout
 
 
+@pytest.mark.engine
 def test_bench_equal_hardware_quick(tiny_model, tmp_path):
-    """Part 9 on a tiny budget (X in {1, 4}, one searcher: the one-process baseline, the synchronous baseline on
-    the searcher, streaming): rows, G, T and the ideal, the exact lag's sameness across X, the picture."""
+    """Part 9 on a tiny budget (one searcher, G_1 / T = 1 with both phases emulated: the synchronous baseline on the
+    searcher, then streaming at least as long): one calibration handed to both runs, rows with G, T, the ideal,
+    throughput apart from learning, the accuracy at the synchronous run's time, the CPU used and the share over
+    budget; the picture."""
     out = tmp_path / "bench"
     p = subprocess.run([*BENCH, "--quick", "--parts", "9", "--out", str(out),
-                        "--", "--model", tiny_model, "--steps", "4", "--prompts-per-step", "4",
+                        "--", "--model", tiny_model, "--steps", "6", "--prompts-per-step", "4",
                         "--samples-per-prompt", "4", "--max-new-tokens", "6"],
                        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=900)
@@ -56,23 +60,37 @@ def test_bench_equal_hardware_quick(tiny_model, tmp_path):
     assert "unclosed file" not in p.stdout, p.stdout[-3000:]
     with open(out / "bench.json") as f:
         eh = json.load(f)["equal_hardware"]
-    assert sorted((r["x"], r["mode"]) for r in eh["rows"]) == sorted(
-        (x, m) for x in (1, 4) for m in ("one process", "sync", "stream"))
+    costs = json.loads((out / "calibration.json").read_text())
+    assert costs == {k: eh["costs"][k] for k in ("seconds_per_token", "train_step")} and all(v > 0 for v in costs.values())
+    assert sorted((r["ratio"], r["mode"]) for r in eh["rows"]) == [(1.0, "stream"), (1.0, "sync")]
     for r in eh["rows"]:
         assert r["G"] > 0 and r["T"] > 0 and r["ideal"] == pytest.approx((r["G"] + r["T"]) / max(r["G"], r["T"]))
-        assert 1 <= r["steps"] <= 4 and r["curve"][0][0] == 0
-        if r["mode"] == "sync":  # the synchronous baseline on the searcher: every batch of the current weights
-            assert r["staleness"] == 0 and r["speedup"] in (None, pytest.approx(1.0))
-    sync4 = next(r for r in eh["rows"] if r["x"] == 4 and r["mode"] == "sync")
-    assert sync4["same_as_x1"]  # the exact lag's samples do not depend on the slowdown: the same curve
-    g1, g4 = (next(r["G"] for r in eh["rows"] if r["x"] == x and r["mode"] == "sync") for x in (1, 4))
-    assert g4 > g1  # the emulated device is slower
-    assert set(eh["summary"]["cells"]) == {f"1 {x:g} {m}" for x in (1, 4) for m in ("one process", "sync", "stream")}
+        assert r["steps_per_s"] > 0 and r["cpu"] > 0 and 0 <= r["over_budget"] and r["curve"][0][0] == 0
+        config = json.loads((out / f"hardware-n1-r1-linear-{r['mode']}-seed0" / "config.json").read_text())
+        assert (config["generation_slowdown"], config["train_slowdown"]) == (r["x"], r["y"]) and r["y"] > 1
+        assert config["calibration"] == str(out / "calibration.json")  # the same costs for both modes
+        if r["mode"] == "sync":
+            assert r["staleness"] == 0 and r["speedup"] == pytest.approx(1.0)
+    sync, stream = sorted(eh["rows"], key=lambda r: r["mode"] != "sync")
+    if sync["reached"]:  # streaming ran at least as long as the synchronous run took: its accuracy at that time
+        assert stream["accuracy_at_sync"] is not None
+    assert set(eh["summary"]["cells"]) == {f"1 1.0 {sync['x']} {sync['y']} linear {m}" for m in ("sync", "stream")}
     if HAS_MATPLOTLIB:
         assert (out / "equal_hardware.png").stat().st_size > 0
     else:  # the README's test line installs no matplotlib: the numbers are complete, the picture skipped
         assert not (out / "equal_hardware.png").exists() and "9. picture skipped: matplotlib is not installed" in p.stdout
     assert "9. asynchrony on equal hardware" in p.stdout
+
+
+def test_a_point_gives_its_ratio_of_round_to_step():
+    """Part 9's point: Y makes the training step STEP seconds, X makes N searchers' synchronous round `ratio` x that,
+    from the calibration's costs (a batch's tokens split over the N searchers)."""
+    import bench
+    costs = dict(seconds_per_token=2e-4, train_step=0.1, tokens_per_batch=1000)
+    for ratio, n in ((0.5, 4), (2, 4), (4, 1)):
+        x, y = bench.point(costs, ratio, n)
+        T, G = y * costs["train_step"], x * costs["tokens_per_batch"] / n * costs["seconds_per_token"]
+        assert T == pytest.approx(bench.STEP, rel=0.01) and G / T == pytest.approx(ratio, rel=0.01)
 
 
 def test_a_missing_matplotlib_skips_the_picture(tmp_path, monkeypatch, capsys):
@@ -91,17 +109,3 @@ def test_a_missing_matplotlib_skips_the_picture(tmp_path, monkeypatch, capsys):
         plot.main(["--slowdown", str(tmp_path / "bench.json"), "-o", str(tmp_path / "x.png")])
     assert e.value.code == 2 and capsys.readouterr().err.strip() == (
         "plot.py: matplotlib is not installed (pip install matplotlib); no picture drawn")
-
-
-def test_a_star_at_an_x_already_run_is_not_run_again(tmp_path, monkeypatch, capsys):
-    """Part 9's X star (where the synchronous round takes as long as its step) is not run again when it falls
-    on an X already run (4 searchers on 2 cores: the round is longer than the step at X = 1): run twice into
-    the same folders, the second set's times came out negative."""
-    import bench
-    runs = []
-    monkeypatch.setattr(bench, "run_until_target", lambda searchers, seed, cap, run, *rest: runs.append(run) or dict(reached=True, seconds=10.0, step=20))
-    monkeypatch.setattr(bench, "hardware_row", lambda run, r: dict(reached=True, seconds=10.0, from_first_step=5.0,
-                                                                   G=1.0, T=0.1, step=20, staleness=0.0, curve=[]))
-    eh = bench.equal_hardware([0], str(tmp_path), [], 60, False, [4], [1.0, "star"], ["sync"], 0.25, 5)
-    assert len(runs) == len(set(runs)) == 2 and eh["slowdowns"] == [1.0]  # one process and sync at X = 1 only
-    assert "9. N 4: the synchronous round takes as long as its step at X = 1 or below, already run" in capsys.readouterr().out

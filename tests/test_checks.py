@@ -62,6 +62,7 @@ def recompute_rank(path, port, results):
             dist.destroy_process_group()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_activation_checkpointing_saves_less_and_changes_no_gradient(arch, tmp_path):
     import models
@@ -74,6 +75,7 @@ def test_activation_checkpointing_saves_less_and_changes_no_gradient(arch, tmp_p
     assert got["saved"][1] < 0.6 * got["saved"][0], got["saved"]  # the blocks' activations are not kept
 
 
+@pytest.mark.engine
 def test_activation_checkpointing_gives_the_same_run(tiny_model, tmp_path):
     """The synchronous run, same seed, with and without: the same loss rows and final weights."""
     from transformers import AutoModelForCausalLM
@@ -112,6 +114,7 @@ def test_scoring_builds_no_kv_cache(tiny_neox, tiny_rm):
 
 
 # ===== VLLM_ENABLE_V1_MULTIPROCESSING ===========================================================
+@pytest.mark.engine
 def test_vllm_multiprocessing_is_refused(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     p = run_tba(["--model", tiny_model, "--steps", "1", *SMALL, "--out", str(tmp_path / "run")], tmp_path)
@@ -131,6 +134,7 @@ def checkpoint(tiny_model, tmp_path_factory):
     return tmp / "a" / "checkpoint"
 
 
+@pytest.mark.engine
 def test_resume_without_model_weights_is_refused(tiny_model, checkpoint, tmp_path):
     import shutil
     broken = tmp_path / "broken"
@@ -144,6 +148,7 @@ def test_resume_without_model_weights_is_refused(tiny_model, checkpoint, tmp_pat
         f"model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json; an incomplete checkpoint?)"]
 
 
+@pytest.mark.engine
 def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, checkpoint, tmp_path):
     flags = ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint)]
     p = run_tba([*flags, "--temperature", "0.5", "--out", str(tmp_path / "b")], tmp_path)
@@ -173,12 +178,14 @@ def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, c
 
 
 # ===== the run scripts ============================================================================
+@pytest.mark.engine
 def test_run_tldr_recomputes_activations_for_2_8b_only():
     from test_run_scripts import dry_run
     for size, on in (("410m", False), ("1b", False), ("2.8b", True)):
         assert dry_run(script="scripts/run_tldr.sh", SIZE=size)[1].activation_checkpointing is on
 
 
+@pytest.mark.engine
 def test_run_gsm8k_header_examples_are_accepted():
     """The GPU splits its header suggests pass tba.py's check of B against the trainer ranks."""
     from test_run_scripts import dry_run
@@ -229,6 +236,7 @@ def refusal_rank(rank, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.engine
 def test_a_refusal_on_one_rank_reaches_all():
     results = mp.get_context("spawn").Queue()
     mp.start_processes(refusal_rank, args=(free_port(), results), nprocs=2, start_method="spawn")

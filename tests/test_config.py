@@ -28,6 +28,7 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     assert not (tmp_path / "runs").exists()  # nothing was started or written
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("args,match", [
     (["--recency", "1.5"], "--recency"),
     (["--recency", "-0.1"], "--recency"),
@@ -99,6 +100,7 @@ def test_help_says_each_default_once():
     assert helps["--steps"].endswith("(default: 200)") and helps["--max-reuse"].count("default") == 1
 
 
+@pytest.mark.engine
 def test_bad_models(tmp_path, monkeypatch, capsys):
     refuse(["--model", str(tmp_path / "missing")], tmp_path, monkeypatch, capsys, "--model")
     refuse(["--model", "./missing"], tmp_path, monkeypatch, capsys, "does not exist")
@@ -108,6 +110,7 @@ def test_bad_models(tmp_path, monkeypatch, capsys):
     refuse(["--model", "rho-math-1b"], tmp_path, monkeypatch, capsys, "'realtreetune/rho-1b-sft-GSM8K'")  # the alias
 
 
+@pytest.mark.engine
 def test_a_file_is_not_a_model_folder(tmp_path, monkeypatch, capsys):
     (tmp_path / "notes.txt").write_text("not a model")
     refuse(["--model", str(tmp_path / "notes.txt")], tmp_path, monkeypatch, capsys,
@@ -119,6 +122,7 @@ def test_a_file_is_not_a_model_folder(tmp_path, monkeypatch, capsys):
         resolve_model("some/file.txt")
 
 
+@pytest.mark.engine
 def test_model_without_weights(tiny_model, tmp_path, monkeypatch, capsys):
     """A config and a tokenizer but no weights: one line before anything starts (every process started, then
     two tracebacks); the same check as a checkpoint's model/."""
@@ -131,6 +135,7 @@ def test_model_without_weights(tiny_model, tmp_path, monkeypatch, capsys):
            f"pytorch_model.bin, pytorch_model.bin.index.json)")
 
 
+@pytest.mark.engine
 def test_an_unnamespaced_hub_id_resolves_from_the_cache(tmp_path):
     """`gpt2` is a hub id (the hub takes ids without a namespace): found in the local Hugging Face cache, offline,
     laid out as the hub lays it out (models--gpt2/snapshots/HASH/..., refs/main); `distilgpt2`, not cached, is a
@@ -156,6 +161,7 @@ def test_an_unnamespaced_hub_id_resolves_from_the_cache(tmp_path):
         "--model: './gpt2' does not exist (not 'tiny', an alias, a folder or a hub id)"], p.stdout
 
 
+@pytest.mark.engine
 def test_model_without_tokenizer(tiny_model, tmp_path, monkeypatch, capsys):
     """config.json and weights only: one line naming --model and what is missing (transformers' own
     error is about sentencepiece and tiktoken, with exit 1)."""
@@ -167,6 +173,7 @@ def test_model_without_tokenizer(tiny_model, tmp_path, monkeypatch, capsys):
     refuse(["--model", str(folder)], tmp_path, monkeypatch, capsys, "has no tokenizer")
 
 
+@pytest.mark.engine
 def test_unwritable_out_folder(tiny_model, tmp_path, monkeypatch, capsys):
     (tmp_path / "file").write_text("not a folder")
     refuse(["--model", tiny_model, "--out", str(tmp_path / "file" / "run")], tmp_path, monkeypatch, capsys,
@@ -174,6 +181,7 @@ def test_unwritable_out_folder(tiny_model, tmp_path, monkeypatch, capsys):
     assert (tmp_path / "file").read_text() == "not a folder"
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("nodes,world,local,args,match", [
     ("2", "3", "1", [], "--nproc-per-node: every node must run the same number of trainer ranks; this node runs 1"),
     ("2", "3", "2", [], "this node runs 2, but the 2 nodes run 3 in all"),
@@ -198,6 +206,7 @@ def test_a_node_needs_gpus_for_its_own_ranks_and_searchers(tiny_model, monkeypat
         checks.check(cfg, world=4)  # 4 ranks in all over two nodes; 2 + 3 on this one
 
 
+@pytest.mark.engine
 def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):
     import shutil
     folder = tmp_path / "noeos"
@@ -295,6 +304,7 @@ def test_reuse_cap_and_round_defaults(tiny_model, tmp_path, monkeypatch):
     assert (cfg.max_reuse, cfg.round_prompts) == (0, 8)
 
 
+@pytest.mark.engine
 def test_torchrun_report_names_the_error(tiny_model, tmp_path):
     """Under torchrun, the refusal is the worker's one line, and torchrun's failure report names it
     (through the error file) instead of 'error_file: <N/A>'; torchrun itself exits with 1."""
@@ -306,6 +316,7 @@ def test_torchrun_report_names_the_error(tiny_model, tmp_path):
     assert "traceback : tba.py: error: --recency" in p.stderr and "<N/A>" not in p.stderr
 
 
+@pytest.mark.engine
 def test_command_line_exit_status_and_one_line(tiny_model, tmp_path):
     """The same refusal seen from a shell: `python tba.py ...` prints one line and exits with 2."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tba.py"), "--model", tiny_model, "--recency", "2"],

@@ -52,6 +52,7 @@ def run_small(tiny_model, tmp_path, *args, torchrun=None):
     return out, p
 
 
+@pytest.mark.engine
 def test_async_run(tiny_model, tmp_path):
     out, p = run_small(tiny_model, tmp_path, "--steps", "6", "--sync-every", "2", "--eval-every", "3")
     train, evals = check_rows(metrics(out), 6)
@@ -65,6 +66,7 @@ def test_async_run(tiny_model, tmp_path):
     check_final(out, tiny_model)
 
 
+@pytest.mark.engine
 def test_the_trainer_waits_for_data_under_the_reuse_cap(tiny_model, tmp_path):
     """--max-reuse 1 with generation slowed (the trainer outpaces the searcher): it waits for data
     after the first step instead of replaying, and never draws more than it has received; the
@@ -79,6 +81,7 @@ def test_the_trainer_waits_for_data_under_the_reuse_cap(tiny_model, tmp_path):
     assert f"| {train[-1]['reuse']:.2f} draws a trajectory |" in p.stdout
 
 
+@pytest.mark.engine
 def test_synchronous_run(tiny_model, tmp_path):
     out, _ = run_small(tiny_model, tmp_path, "--searchers", "0", "--steps", "4", "--eval-every", "2")
     train, evals = check_rows(metrics(out), 4)
@@ -87,6 +90,7 @@ def test_synchronous_run(tiny_model, tmp_path):
     check_final(out, tiny_model)
 
 
+@pytest.mark.engine
 def test_fsdp_two_ranks(tiny_model, tmp_path):
     """torchrun --nproc_per_node=2: FSDP2 over two trainer ranks (gloo), one searcher; with the RLOO
     baseline and TBA′ resets of pi_ref every 2 steps."""
@@ -98,6 +102,7 @@ def test_fsdp_two_ranks(tiny_model, tmp_path):
     check_final(out, tiny_model)
 
 
+@pytest.mark.engine
 def test_synchronous_lag_sets_the_staleness(tiny_model, tmp_path):
     """--lag L in the synchronous mode (k = 1, m = 1): every batch is exactly L steps stale once the
     run is L steps in (the initial weights until then); with the GRPO baseline."""
@@ -128,6 +133,7 @@ def check_tldr(out, steps, initial=0):
     return train, evals
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_gpt_neox_tldr_with_a_reward_model(mode, tiny_neox, tiny_rm, tmp_path):
     """A Pythia-shaped policy (GPT-NeoX, through vLLM's Transformers backend, BPE tokens) trained on
@@ -141,6 +147,7 @@ def test_gpt_neox_tldr_with_a_reward_model(mode, tiny_neox, tiny_rm, tmp_path):
     check_final(out, tiny_neox)
 
 
+@pytest.mark.engine
 def test_tldr_under_torchrun_with_two_ranks(tiny_model, tiny_rm, tmp_path):
     """The Llama-shaped tiny policy (character tokens) with the GPT-NeoX reward model (BPE tokens: the
     text is tokenized again), two FSDP2 ranks, the GRPO baseline."""
@@ -150,6 +157,7 @@ def test_tldr_under_torchrun_with_two_ranks(tiny_model, tiny_rm, tmp_path):
     check_final(out, tiny_model)
 
 
+@pytest.mark.engine
 def test_gsm8k_task(tiny_model, tmp_path):
     """GSM8K on the CPU with a tiny model: accuracy is about 0; prompts, rewards and eval rows are checked."""
     out = tmp_path / "run"

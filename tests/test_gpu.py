@@ -127,6 +127,7 @@ def test_too_few_gpus_are_refused(monkeypatch):
         gpu.check_gpus(types.SimpleNamespace(searchers=1, dtype="auto"), local=2)
 
 
+@pytest.mark.engine
 @needs_gpu
 def test_compute_mode_finds_the_gpu_by_uuid():
     """compute_mode maps a torch ordinal to NVML by UUID, prefixing torch's bare UUID with "GPU-":
@@ -162,6 +163,7 @@ def fake_allocator(monkeypatch, conf):
     return written
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("conf,inside", [
     ("expandable_segments:True", "expandable_segments:False"),
     ("expandable_segments:True,max_split_size_mb:256", "expandable_segments:False,max_split_size_mb:256"),
@@ -240,6 +242,7 @@ def expandable_consumer(tensors, report, device):
         report.put({"error": traceback.format_exc()})
 
 
+@pytest.mark.engine
 @needs_gpu
 def test_tensors_allocated_for_sharing_avoid_expandable_segments(monkeypatch):
     ctx = mp.get_context("spawn")
@@ -306,6 +309,7 @@ def handoff_reader(shared, stop, out, device):
         out.put({"error": traceback.format_exc()})
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("kind", KINDS)
 def test_handoff_of_shared_tensors_to_a_spawned_reader(kind):
     """As tba.run: the reader is spawned first, the tensors (bf16 as on GPUs, with a tied name and
@@ -450,6 +454,7 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
             dist.destroy_process_group()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
 @pytest.mark.parametrize("weights_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", KINDS)
@@ -529,6 +534,7 @@ def cpu_rank_on_a_gpu_node(port, path, results):
             dist.destroy_process_group()
 
 
+@pytest.mark.engine
 def test_a_cpu_run_stays_on_the_cpu_where_cuda_is_the_accelerator(tmp_path):
     """On a GPU node the "cpu" cases of these tests (and tools/memory.py) ran on cuda:0: fully_shard without a
     mesh took CUDA, torch's accelerator there, and the backend came from torch.cuda.is_available(). Faked
@@ -613,6 +619,7 @@ def node_rank(kind, rank, port, path, results):
             dist.destroy_process_group()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per node's rank)"))])
 def test_the_leaders_gloo_group_beside_nccl(kind, tmp_path):
@@ -800,6 +807,7 @@ def test_tldr_searchers_fit_a_40_gb_card_with_the_computed_share(tmp_path, monke
            "the judge 12.4, the CUDA context 1.0: 31.3 GiB" in line and "\n" not in line
 
 
+@pytest.mark.engine
 def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tmp_path, monkeypatch):
     """Through config.check on faked GPUs: the share is computed for this node's searcher GPUs (the smallest),
     unless --searcher-memory is given; a card too small is refused in one line; a share outside (0, 1) too."""
@@ -826,6 +834,7 @@ def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tmp_path, monkeypatch):
 
 
 # ===== a GPU engine's step budget: passed to vLLM, and the one the memory estimate assumes ========================
+@pytest.mark.engine
 def test_gpu_engines_get_the_step_budget_the_estimate_assumes(tmp_path, monkeypatch):
     """vLLM would pick its step budget by card (8,192 tokens and 256 sequences on an A100, 16,384 and 1,024 on an
     H100 or H200): on a GPU llm_options passes gpu.BATCH_TOKENS and gpu.BATCH_SEQS (a whole sequence if longer),

@@ -103,7 +103,7 @@ def run(tmp_path):
         file = tmp_path / "t" / f"test_{tests.replace(' ', '_')}.py"
         file.write_text(textwrap.dedent(TESTS[tests]))
         env = dict(os.environ, FAKE_GPUS=str(gpus), FAKE_TESTS=str(file), FAKE_PRELUDE=str(tmp_path / "prelude.py"),
-                   GPU_CHECK_OUT=str(folder), **{f"FAKE_{k.upper()}": v for k, v in fake.items()})
+                   GPU_CHECK_OUT=str(folder), GPU_CHECK_PROBE="0", **{f"FAKE_{k.upper()}": v for k, v in fake.items()})
         env.pop("OUT", None)
         p = subprocess.run(["bash", SCRIPT, str(stub)], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=300)
@@ -114,6 +114,7 @@ def run(tmp_path):
     return go
 
 
+@pytest.mark.engine
 def test_the_summary_names_each_failed_test_and_does_not_say_checked(run):
     code, summary, log = run(gpus=2, tests="mixed")
     assert code == 1
@@ -125,6 +126,7 @@ def test_the_summary_names_each_failed_test_and_does_not_say_checked(run):
     assert "== ran, NOT all passed: on 2 GPUs" in summary and "== checked" not in summary
 
 
+@pytest.mark.engine
 def test_a_passing_run_says_what_it_checked_on_the_gpus_found(run):
     code, summary, _ = run(gpus=1, tests="passing")
     assert code == 0
@@ -132,6 +134,7 @@ def test_a_passing_run_says_what_it_checked_on_the_gpus_found(run):
     assert "== checked on 1 GPU: " in summary and "NOT covered (they need 2 GPUs)" in summary
 
 
+@pytest.mark.engine
 def test_a_skip_for_a_missing_package_fails_the_check(run):
     code, summary, _ = run(gpus=2, tests="a package missing")
     assert code == 10
@@ -139,13 +142,36 @@ def test_a_skip_for_a_missing_package_fails_the_check(run):
     assert "the check is incomplete (exit status 10)" in summary and "== checked" not in summary
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("fake,code,said", [
     (dict(missing="transformers"), 10, "missing packages: transformers"),
-    (dict(torch="2.12.1"), 12, "torch 2.12.1: the GPU path is written against torch 2.13"),
     (dict(gpus=0), 11, "torch sees no CUDA device"),
-], ids=["no-transformers", "torch-2.12", "no-gpu"])
+], ids=["no-transformers", "no-gpu"])
 def test_the_setup_refuses_before_anything_runs(run, fake, code, said):
     got, summary, log = run(**{"gpus": 2, **fake})
     assert got == code, summary
     assert said in summary and f"setup check failed (exit status {code}): nothing was run" in summary
     assert log is None  # pytest never started
+
+
+@pytest.mark.engine
+def test_another_torch_runs_the_checks_with_a_warning(run):
+    """A GPU machine often has another torch (2.11, no vLLM): the trainer's side is checked on it, said in the summary."""
+    code, summary, log = run(gpus=1, tests="passing", torch="2.11.0")
+    assert code == 0 and log is not None and "== checked on 1 GPU" in summary
+    assert "warning: torch 2.11.0: the GPU path is written against torch 2.13" in summary
+
+
+@pytest.mark.engine
+def test_the_probe_runs_reduced_on_the_cpu(tmp_path):
+    """tools/gpu_probe.py --reduced: the same code at a toy's shapes, one JSON line a figure."""
+    import json
+    from conftest import env
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_probe.py"), "--reduced"], cwd=tmp_path,
+                       env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    figures = {row["figure"]: row for row in map(json.loads, p.stdout.splitlines())}
+    assert set(figures) == {"machine", "weight write into the shared copy", "lag: weights to the host",
+                            "MATH step peak memory", "seeded sampling a decoding step", "done"}
+    assert figures["weight write into the shared copy"]["seconds"] > 0 and figures["lag: weights to the host"]["gigabytes"] > 0
+    assert figures["seeded sampling a decoding step"]["sequences"] == 256

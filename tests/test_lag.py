@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import metrics, run_tba
+from conftest import DEVICE, metrics, run_tba
 from test_faults import assert_all_gone, assert_checkpoint, searcher_pids, start, wait_for_steps
 
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
@@ -28,6 +28,7 @@ def assert_exact(rows, lag):
                                                                               r["staleness_max"])
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("searchers,lag", [(1, 0), (1, 2), (2, 1), (2, 3)])
 def test_staleness_is_exactly_the_lag(tiny_model, tmp_path, searchers, lag):
     """With L = 0 the trainer waits for each step's rounds (a wait in every step) and the searchers wait for
@@ -45,6 +46,7 @@ def test_staleness_is_exactly_the_lag(tiny_model, tmp_path, searchers, lag):
     assert [r["version"] for r in metrics(out) if r["kind"] == "eval"] == [0, 4, 8]
 
 
+@pytest.mark.engine
 def test_two_trainer_ranks(tiny_model, tmp_path):
     out = tmp_path / "run"
     p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "1", "--lag", "1", "--steps", "6", "--eval-every", "0",
@@ -53,6 +55,7 @@ def test_two_trainer_ranks(tiny_model, tmp_path):
     assert_exact(train_rows(out), 1)
 
 
+@pytest.mark.engine
 def test_a_resumed_run_keeps_the_lag_and_learns_the_same(tiny_model, tmp_path):
     """6 steps straight and 3 + 3 resumed at L = 2 with one searcher: the same staleness, and the same weights
     (the checkpoint keeps the last L steps' weights, from which the resumed searcher's rounds are sampled,
@@ -68,11 +71,16 @@ def test_a_resumed_run_keeps_the_lag_and_learns_the_same(tiny_model, tmp_path):
     p = run_tba([*flags, "--steps", "6", "--resume", str(tmp_path / "a" / "checkpoint")], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:]
     assert_exact(train_rows(tmp_path / "a"), 2)
+    # no round twice: the checkpoint keeps none of the steps to come, which the resumed searcher makes again
+    straight_rows, resumed_rows = train_rows(tmp_path / "straight"), train_rows(tmp_path / "a")
+    assert [r["samples"] for r in resumed_rows] == [r["samples"] for r in straight_rows]
+    assert resumed_rows[-1]["reuse"] == pytest.approx(straight_rows[-1]["reuse"])  # each trajectory drawn once
     straight = load_file(tmp_path / "straight" / "final" / "model.safetensors")
     resumed = load_file(tmp_path / "a" / "final" / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+@pytest.mark.engine
 def test_a_reset_publishes_the_lagged_policy_and_the_current_pi_ref(tiny_model, tmp_path):
     """TBA′ with --lag: at a reset (every 3 steps) pi_ref becomes the current weights at once, while the policy
     the searchers sample with stays L behind; no round is lost to the reset (each group is one round's)."""
@@ -83,11 +91,14 @@ def test_a_reset_publishes_the_lagged_policy_and_the_current_pi_ref(tiny_model, 
     rows = train_rows(out)
     assert_exact(rows, 2)
     assert [r["reference"] for r in rows] == [0, 0, 3, 3]
+    # each batch scored under the pi_ref of its step (the reset's, from the batch after it on)
+    assert [r["batch_reference"] for r in rows] == [0, 0, 0, 3]
     state = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)
     assert state["pi_ref_version"] == 3 and state["synced_version"] <= 4 - 2 + 1  # pi_ref: now; policy: L behind
     assert sorted(state["history"]) == [2, 3, 4]
 
 
+@pytest.mark.engine
 def test_the_synchronous_baseline_in_one_process_has_the_lag_too(tiny_model, tmp_path):
     out = tmp_path / "run"
     p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "0", "--lag", "3", "--steps", "6", "--eval-every", "0",
@@ -96,6 +107,7 @@ def test_the_synchronous_baseline_in_one_process_has_the_lag_too(tiny_model, tmp
     assert_exact(train_rows(out), 3)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("how", ["killed", "stopped"])
 def test_a_killed_or_stopped_searcher_ends_the_run_in_one_line(tiny_model, tmp_path, how):
     """Killed: the run stops within seconds naming it; stopped (SIGSTOP): once it has sent nothing for
@@ -113,15 +125,16 @@ def test_a_killed_or_stopped_searcher_ends_the_run_in_one_line(tiny_model, tmp_p
             os.killpg(proc.pid, signal.SIGKILL)
     lines = [line for line in output.splitlines() if line.startswith("tba.py: error")]
     assert proc.returncode == 1 and len(lines) == 1, output[-3000:]
-    if how == "killed":
-        assert re.fullmatch(r"tba.py: error: searcher 0 \(pid \d+\) died with exit code -9", lines[0]), lines
+    if how == "killed":  # the trainer lives: it keeps its progress
+        assert re.fullmatch(r"tba.py: error: searcher 0 \(pid \d+\) died with exit code -9; checkpoint in .*", lines[0]), lines
     else:
         assert "has sent nothing for" in lines[0] and "checkpoint in" in lines[0], lines
-        assert_checkpoint(out)
+    assert_checkpoint(out)
     assert_all_gone(pids)  # the stopped searcher too: killed as the run stopped
 
 
 # --- in-flight updates: a round in flight receives new weights ------------------------------------------
+@pytest.mark.engine
 def test_a_round_in_flight_receives_new_weights(tiny_model):
     """The real engine, stepped: the trainer publishes new weights while a round is being generated, and the
     searcher loads them between two decoding steps. The versions recorded within the round differ, each token
@@ -138,7 +151,7 @@ def test_a_round_in_flight_receives_new_weights(tiny_model):
     prompts = [tok(p.prompt).input_ids for p in splits()[0][:4]]
     cfg = dataclasses.replace(config(tiny_model, inflight=True, max_new_tokens=8, temperature=1.0),
                               max_model_len=64)
-    engine = Engine(cfg, "cpu", 0.1, prompts, ["0"] * 4)
+    engine = Engine(cfg, DEVICE, 0.1, prompts, ["0"] * 4)
     shared = share(load(tiny_model), mp.get_context("spawn"))
     inbox = weights.Inbox(shared, 0, None, lambda: None, 10)
     steps = [0]
@@ -167,6 +180,7 @@ def test_a_round_in_flight_receives_new_weights(tiny_model):
 
 
 # --- --keep-full: a finished response's slot takes a new request at once ------------------------------------
+@pytest.mark.engine
 def test_the_engine_is_kept_full_and_every_response_comes_back_once(tiny_model):
     """The real engine, stepped with --keep-full: the first call fills the engine and returns nothing; each later
     call's requests enter as finished ones leave, so every decoding step runs with a round's sequences (plain
@@ -183,7 +197,7 @@ def test_the_engine_is_kept_full_and_every_response_comes_back_once(tiny_model):
     n, per_call = 4, 4
     cfg = dataclasses.replace(config(tiny_model, inflight=True, keep_full=True, max_new_tokens=8, temperature=1.0,
                                      round_prompts=per_call, search_samples_per_prompt=n), max_model_len=64)
-    engine = Engine(cfg, "cpu", 0.1, prompts, ["0"] * len(prompts))
+    engine = Engine(cfg, DEVICE, 0.1, prompts, ["0"] * len(prompts))
     llm = engine.llm.llm_engine
     counts = []
     assert isinstance(engine.decoder, decoding.Full)
@@ -218,6 +232,7 @@ def test_the_engine_is_kept_full_and_every_response_comes_back_once(tiny_model):
     engine.close()
 
 
+@pytest.mark.engine
 def test_a_run_with_the_engine_kept_full(tiny_model, tmp_path):
     """tba.py --inflight --keep-full: the run ends, its evaluations come (each drains the engine first: streaming,
     of the newest weights), and the trainer learns from each trajectory once."""
@@ -229,4 +244,20 @@ def test_a_run_with_the_engine_kept_full(tiny_model, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[-1]["samples"] >= 6 * 4 * 4 and rows[-1]["reuse"] <= 1.0 + 1e-9
     evals = [r["step"] for r in metrics(out) if r["kind"] == "eval"]
-    assert len(evals) == 3 and evals[0] == 0 and evals[-1] == 6, evals
+    assert evals == [0, 3, 6], evals  # the grid asked for: each of the step it names, the engine kept full
+
+
+@pytest.mark.engine
+def test_a_seeded_lag_with_resets_is_the_same_twice(tiny_model, tmp_path):
+    """TBA′ at --lag 2, pi_ref reset every 4 steps, two searchers: every batch scored under the pi_ref of its step
+    (each round waits for it before scoring), so two runs of one seed give the same rows."""
+    rows = []
+    for run in ("a", "b"):
+        p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "2", "--lag", "2", "--ref-reset-every", "4",
+                     "--steps", "9", "--eval-every", "0", "--seed", "5", "--out", str(tmp_path / run)], tmp_path)
+        assert p.returncode == 0, p.stdout[-3000:]
+        rows.append(train_rows(tmp_path / run))
+    keys = ("step", "loss", "reward", "log_z", "staleness", "reference", "batch_reference")
+    assert [[r[k] for k in keys] for r in rows[0]] == [[r[k] for k in keys] for r in rows[1]]
+    # the batch of step s is scored under the reset at or before s (rows count steps from 1)
+    assert [r["batch_reference"] for r in rows[0]] == [(r["step"] - 1) // 4 * 4 for r in rows[0]]

@@ -63,6 +63,7 @@ def load(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_lora_run_checkpoints_and_resumes_exactly(arch, request, tmp_path):
     """Synchronous, fixed seed: 4 steps straight == 2 steps, a checkpoint, a resume to 4, bit for bit. The
@@ -93,6 +94,7 @@ def test_lora_run_checkpoints_and_resumes_exactly(arch, request, tmp_path):
     assert ckpt_model.keys() == w0.keys()  # the merged model, a plain one
 
 
+@pytest.mark.engine
 def test_searchers_get_the_merged_weights(tiny_gpt2, tmp_path):
     """Two trainer ranks (FSDP2 shards the frozen weights and the adapter) and one searcher: searcher 0's
     final evaluation, with the weights it was sent, scores what greedy decoding of the saved merged model

@@ -28,11 +28,12 @@ def rows(split: str) -> list[dict]:
 
 # --- the data --------------------------------------------------------------------------------------
 def test_the_shipped_slice_loads_in_both_formats():
+    from runtime.config import Config
     train, test = TASK.load(MATH)
     assert len(train) == 40 and len(test) == 60
     instruction = " Place your answer at end exactly inside latex box for example \\boxed{12} or \\boxed{51}."
-    assert all(p.prompt.endswith(instruction) for p in train + test)
-    assert train[0].prompt == rows("train")[0]["prompt"] + instruction
+    assert all(TASK.prompt(Config(task="math"), p.prompt).endswith(instruction) for p in train + test)
+    assert train[0].prompt == rows("train")[0]["prompt"]  # the instruction joins with the flags (`prompt`)
     truths = [json.loads(r["verification_info"])["ground_truth"] for r in rows("train")]
     assert [p.answer for p in train] == [last_boxed(t) if "\\boxed" in t else t for t in truths]
     assert sum("\\boxed" in t for t in truths) == 13  # both kinds of ground truth
@@ -129,7 +130,7 @@ def test_prompts_are_chat_turns(chat_models, tmp_path, monkeypatch):
     for kind in ("chat", "bos"):
         cfg, data, _ = check(chat_models[kind], tmp_path)
         tokenizer = AutoTokenizer.from_pretrained(chat_models[kind])
-        assert tokenizer.decode(data.prompts[0]) == f"<s>user: {train[0].prompt}\nassistant:"
+        assert tokenizer.decode(data.prompts[0]) == f"<s>user: {TASK.prompt(cfg, train[0].prompt)}\nassistant:"
         assert tokenizer.decode(data.test_prompts[-1]) == f"<s>user: {test[-1].prompt}\nassistant:"
         assert data.prompts[0].count(tokenizer.bos_token_id) == 1  # the template's, not added again
         assert data.answers == [p.answer for p in train]
@@ -165,6 +166,7 @@ def test_context_bounds_prompt_and_response(chat_models, tmp_path, monkeypatch):
 
 
 # --- a run -----------------------------------------------------------------------------------------
+@pytest.mark.engine
 def test_a_math_run_with_a_context(chat_models, tmp_path):
     """A synchronous run of the math task (its reward's checking process in a process running vLLM): the prompts
     are chat turns, and a response stops where --context leaves no more room after its prompt."""
@@ -191,3 +193,19 @@ def test_a_math_run_with_a_context(chat_models, tmp_path):
     for n, end, cap in zip(arrays["length"], ends, caps):
         ended = arrays["response"][end - 1] == tokenizer.eos_token_id
         assert n == cap or (ended and n < cap), (n, cap)
+
+
+def test_the_authors_grader_and_prompt_are_switches():
+    """--math-grader authors: their sympy check with its guards (stricter than math-verify: unreduced fractions,
+    exponents in braces); --math-prompt authors: their instruction as their f-string printed it."""
+    from runtime.config import Config
+    from tasks import math as m
+    assert m.grade_answer_sympy("\\frac{1}{2}", "0.5") and m.grade_answer_sympy("(1,2)", "(1, 2)")
+    assert m.grade_answer_sympy("x^2+1", "1+x^2") and m.grade_answer_sympy("5\\%", "5")
+    assert not m.grade_answer_sympy("\\frac{2}{4}", "\\frac{1}{2}")  # unreduced: a string match or nothing
+    assert not m.grade_answer_sympy("2^{10}", "1024")  # their guard: no braced exponent reaches sympy
+    assert not m.grade_answer_sympy("3.5", "3")  # an integer answer wants an integer
+    assert m.authors_reward("so \\boxed{0.5}", "\\frac12") == 1.0 and m.authors_reward("\\boxed12", "12") == 0.0
+    assert m.prompt(Config(task="math"), "2+2?").endswith("for example \\boxed{12} or \\boxed{51}.")
+    assert m.prompt(Config(task="math", math_prompt="authors"), "2+2?") == (
+        "2+2? Place your answer at end exactly inside latex box for example \\boxed12 or \\boxed51.")

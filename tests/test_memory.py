@@ -2,6 +2,7 @@
 model of rho-math-1b's layer width, predicts the peak measured on a third (bytes, not time), and
 activation checkpointing keeps less for the backward pass."""
 
+import pytest
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import sys
 from conftest import ROOT, env
 
 
+@pytest.mark.engine
 def test_the_formula_predicts_the_measured_peak(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "memory.py"), "--layers", "1", "2", "3",
                         "--K", "2", "--prompt", "24", "--response", "16", "--vocab", "1024"],

@@ -56,6 +56,7 @@ def kill_all(pids):
             pass
 
 
+@pytest.mark.engine
 def test_two_nodes_learn_with_node_1s_trajectories(tiny_model, tmp_path):
     """Both launches complete; rank 0 trains on node 1's trajectories, which come from weights that
     node 1's leader received (versions past 0), under a reuse cap that counts both nodes' data, and
@@ -107,12 +108,13 @@ def in_flow(port: int, args, out, tmp, outputs=(None, None)):
         raise
     return node0, node1
 
+@pytest.mark.engine
 @pytest.mark.parametrize("lost", ["node 1", "node 0", "node 1's searcher"])
 def test_a_lost_node_stops_every_node(lost, tiny_model, tmp_path):
     """kill -9 of a whole 'node' (launcher, trainer, searcher) or of one searcher on node 1, mid-run:
     the other node stops within --timeout with a non-zero status and a line saying what was lost,
     and no process is left on either."""
-    out, port, timeout = tmp_path / "run", free_port(), 60
+    out, port, timeout = tmp_path / "run", free_port(), 40
     args = ["--model", tiny_model, *SMALL, "--steps", "100000", "--eval-every", "0", "--timeout", str(timeout),
             "--out", str(out)]
     node0, node1 = in_flow(port, args, out, tmp_path)
@@ -137,12 +139,13 @@ def test_a_lost_node_stops_every_node(lost, tiny_model, tmp_path):
         kill_all(tree(node0) + tree(node1))  # only if the test failed: by now none of them is left
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("node", [1, 0])
 def test_a_silent_searcher_of_any_node_stops_the_run_after_a_checkpoint(node, tiny_model, tmp_path):
     """SIGSTOP one node's searcher (alive, silent: stuck in vLLM, a wedged GPU): rank 0 warns, naming
     the node and the searcher, and after --timeout the run stops after a checkpoint of the last step
     with one line naming them; both launches exit, and nothing is left on either."""
-    out, port, timeout = tmp_path / "run", free_port(), 24
+    out, port, timeout = tmp_path / "run", free_port(), 15  # --start-timeout (600) covers the start-up
     args = ["--model", tiny_model, *SMALL, "--steps", "100000", "--eval-every", "0", "--timeout", str(timeout),
             "--out", str(out)]
     logs = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
@@ -257,6 +260,7 @@ def cast_worker(rank, port, results):
     os._exit(0)  # a finished gloo rank ("terminate called without an active exception": tba.py's end says why)
 
 
+@pytest.mark.engine
 def test_gathering_in_bf16_gives_the_same_weights():
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
@@ -311,6 +315,7 @@ def alone(rank, port, results):
             dist.destroy_process_group()
 
 
+@pytest.mark.engine
 def test_the_leaders_group_outlasts_the_timeout_while_rank_0_is_alone():
     reports = two_nodes(alone, timeout=60)
     assert reports[0]["said"] == [["from rank 0"], ["from rank 1"]], reports
@@ -376,6 +381,7 @@ def searcherless_fleet(path, out, world):
     return fleet, model
 
 
+@pytest.mark.engine
 def test_a_weight_lock_never_freed_on_node_1_stops_the_run_like_a_silent_searcher(tiny_model, tmp_path):
     line = ("node 1: the weight-sync lock was not free for 2 s: a searcher stopped while it read the weights "
             "(--timeout 2)")
@@ -385,6 +391,7 @@ def test_a_weight_lock_never_freed_on_node_1_stops_the_run_like_a_silent_searche
     assert node1["seconds"] >= 2
 
 
+@pytest.mark.engine
 def test_a_searcher_of_node_1_killed_holding_the_weight_lock_is_named_to_rank_0(tiny_model, tmp_path):
     """Not a closed connection: node 1's leader takes part in the all-gathers and reports the death at
     the next meeting, so node 0 stops naming the node and the searcher."""
@@ -395,6 +402,7 @@ def test_a_searcher_of_node_1_killed_holding_the_weight_lock_is_named_to_rank_0(
     assert (node0["version"], node1["version"]) == (2, 0) and node1["seconds"] < 2  # no wait for the dead
 
 
+@pytest.mark.engine
 def test_only_node_0s_first_searcher_evaluates(monkeypatch):
     """Every node spawns its searchers alike, numbered from node x searchers, but the evaluation channel
     goes to node 0's first only: the others build no evaluation models (a TL;DR policy copy)."""
@@ -444,6 +452,7 @@ def test_take_hears_every_message():
     assert [m["kind"] for m in heard] == ["search", "beat"]
 
 
+@pytest.mark.engine
 def test_a_host_name_on_loopback_is_refused_when_the_master_is_another_machine(monkeypatch, capsys):
     """gloo listens where this machine's name resolves: 127.0.1.1 on stock Debian/Ubuntu. With the
     master on another machine and no GLOO_SOCKET_IFNAME, every CPU collective would wait until

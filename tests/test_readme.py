@@ -45,5 +45,32 @@ def test_the_reading_order_names_what_exists():
                 assert name.split(".")[-1] in defined, f"{path} has no {name}"
 
 
+def reading_order() -> list[tuple[str, str]]:
+    """(file, name) of each function or class the reading order names."""
+    stops = re.findall(r"^\d+\. (.*(?:\n   .*)*)", section("Read the code in this order"), re.M)
+    return [(path, name) for stop in stops
+            for path, names in re.findall(r"`([\w/]+\.py)`(?:, |'s )((?:`[\w.]+`(?:,| and| )*)*)", stop)
+            for name in re.findall(r"`([\w.]+)`", names)]
+
+
+PATH_BUDGET = 700  # lines: the learner's path of one TBA step in the default run (issue 42: 808 before, at most 700)
+
+
+def test_the_learners_path_stays_short():
+    """The functions and classes the reading order names, each counted whole (docstring and comments too): at most
+    PATH_BUDGET lines. A mode that joins the path is one call there, its body in a room of its own."""
+    lines = {}
+    for path, name in reading_order():
+        tree = ast.parse(open(os.path.join(ROOT, path)).read())
+        scope = tree.body
+        for part in name.split("."):
+            node = next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
+            scope = node.body
+        lines[f"{path}:{name}"] = node.end_lineno - node.lineno + 1
+    assert len(lines) >= 40, lines  # the path named, not a part of it
+    total = sum(lines.values())
+    assert total <= PATH_BUDGET, f"the reading order's functions hold {total} lines (budget {PATH_BUDGET}): {lines}"
+
+
 def test_the_readme_is_short():
     assert len(README.splitlines()) <= 300

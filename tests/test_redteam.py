@@ -130,6 +130,7 @@ def greedy(victim, attacks, tokens):
     return [o.outputs[0].text for o in outputs for _ in range(victim.n)]
 
 
+@pytest.mark.engine
 def test_victim_prompt_and_sampling(models, engines):
     """The chat victim reads the attack as a user turn with Lee et al.'s chat sampling, the other one Lee et al.'s
     Alpaca template with GPT-2's; vLLM gets n, the temperature, top-p and the length, and honours them (a near-zero
@@ -201,6 +202,7 @@ def refused(models, tmp_path, args):
     return lines[0]
 
 
+@pytest.mark.engine
 def test_bad_input_is_refused_in_one_line(models, tmp_path):
     import shutil
     base = flags(models, tmp_path / "out")
@@ -226,6 +228,7 @@ def evals(out):
     return [r for r in metrics(out) if r["kind"] == "eval"]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("attacker,classifier,searchers", [("gpt_neox", "judge_chat", 0), ("llama", "classifier", 1)])
 def test_runs_end_to_end(models, tmp_path, attacker, classifier, searchers):
     """Both kinds of classifier, the judge with a chat template on vLLM beside the victim's and the attacker's engines;
@@ -261,6 +264,7 @@ def test_runs_end_to_end(models, tmp_path, attacker, classifier, searchers):
         assert pareto.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and pareto.stat().st_size > 10000
 
 
+@pytest.mark.engine
 def test_attack_success_rises_and_attacks_stay_diverse(models, tmp_path):
     """A short synchronous run: the attacker learns to put the trigger in its attacks (the victim then
     repeats it and the classifier calls that unsafe), and TB keeps sampling many different attacks."""
@@ -275,6 +279,7 @@ def test_attack_success_rises_and_attacks_stay_diverse(models, tmp_path):
     assert last["diversity"] >= 0.5 * first["diversity"] and last["unique"] >= 0.5, (first, last)  # no collapse
 
 
+@pytest.mark.engine
 def test_models_that_would_share_vllms_workspace_are_refused_on_a_gpu(models, tmp_path):
     """On a GPU the attacker's, the victim's and a judge's engines share vLLM 0.32's one workspace a process, which
     MoE layers, Marlin-quantized linears and MLA attention draw on: such a victim, judge or attacker is refused in
@@ -328,6 +333,7 @@ def test_the_attack_prompt_or_data(tmp_path):
     assert redteam.eval_counts(1, None) == [1024] and redteam.eval_counts(3, 8) == [3, 3, 2]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("judge", ["gpt2, Verdict:", "gpt2, <|end_header_id|>", "trigger", "trigger, Guard"])
 def test_judge_on_vllm_equals_transformers(models, engines, tmp_path, judge):
     """The judge's log P(unsafe) on its vLLM engine equals a transformers forward of the same unpadded prompt (float32):
@@ -454,6 +460,7 @@ def test_memory_split_of_the_papers_settings(tmp_path, monkeypatch, llama):
             gpu.check_memory(cfg, redteam.TASK, 1)
 
 
+@pytest.mark.engine
 def test_lee_et_al_recipe_runs_and_resumes(models, tmp_path):
     """Their recipe's options together, with a searcher under torchrun: the best buffer with near-duplicates by
     the embedder's cosine (the searcher embeds each attack) and by edit distance, LoRA, weight decay, the reward

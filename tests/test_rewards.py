@@ -176,6 +176,7 @@ def test_a_call_past_its_limit_is_killed_and_the_next_starts_a_new_child():
         Bounded("json:no_such_function", 5.0)()
 
 
+@pytest.mark.engine
 def test_a_child_nobody_watches_ends_itself():
     """A child stuck in C after its parent went (no kill comes) is ended by its CPU limit: its call's seconds + 2.
     The match never ends (catastrophic backtracking) and checks no signal."""

@@ -22,6 +22,7 @@ def dry_run(*args, script="run_gsm8k.sh", **environ):
     return command, checks.parse(Config, command[command.index("tba.py") + 1:])
 
 
+@pytest.mark.engine
 def test_run_gsm8k_dry_run_has_the_papers_settings(tmp_path):
     command, cfg = dry_run()
     assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"]
@@ -38,6 +39,7 @@ def test_run_gsm8k_dry_run_has_the_papers_settings(tmp_path):
     assert dry_run(SEARCHERS="7")[1].max_reuse == 0.556
 
 
+@pytest.mark.engine
 def test_run_tldr_dry_run_has_the_authors_settings():
     command, cfg = dry_run(script="scripts/run_tldr.sh")
     assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=1"]
@@ -67,6 +69,7 @@ def test_run_tldr_dry_run_has_the_authors_settings():
     assert p.returncode == 2 and p.stderr.strip() == "run_tldr.sh: SETTING must be table3 or table1, got table2"
 
 
+@pytest.mark.engine
 def test_run_gsm8k_passes_arguments_through_and_splits_gpus():
     command, cfg = dry_run("--steps", "5", "--data", "/some/gsm8k", TRAINERS="2", SEARCHERS="6")
     assert "--nproc_per_node=2" in command
@@ -88,6 +91,7 @@ def test_schedules():
     assert {tba.beta_at(constant, s) for s in range(10)} == {constant.beta}
 
 
+@pytest.mark.engine
 def test_run_redteam_dry_run_has_the_papers_settings():
     p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_redteam.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env={k: v for k, v in os.environ.items() if k != "ATTACKER"})
@@ -111,6 +115,7 @@ def test_run_redteam_dry_run_has_the_papers_settings():
     assert (cfg.model, cfg.steps, cfg.searchers) == ("/some/attacker", 7, 2)
 
 
+@pytest.mark.engine
 def test_run_redteam_llama_dry_run_has_the_papers_settings():
     """The paper's Llama run: Llama 3.2 1B against Llama 3.1 8B Instruct, Llama Guard 3 8B judging, bf16, on 1 + 7
     GPUs, with Lee et al.'s Llama settings; models by hub id or local folder."""
@@ -131,6 +136,7 @@ def test_run_redteam_llama_dry_run_has_the_papers_settings():
     assert (cfg.steps, cfg.searchers, command[2]) == (7, 6, "--nproc_per_node=2")
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("script,environ", [("run_gsm8k.sh", {}), ("scripts/run_tldr.sh", {}),
                                             ("scripts/run_tldr.sh", {"SETTING": "table1"}),
                                             ("scripts/run_redteam.sh", {"ATTACKER": "save/gpt2-sft"}),
@@ -152,6 +158,7 @@ MATH_TB = dict(loss="tbprime", ref_reset_every=50, beta=0.005, beta_final=None, 
 MATH_DRGRPO = dict(loss="drgrpo", ref_reset_every=0)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("environ,expected", [
     ({}, dict(MATH_TB, lag=2, importance_weights=True, eval_temperature=1.0)),
     ({"LAG": "10", "IS": "off"}, dict(MATH_TB, lag=10, importance_weights=False, eval_temperature=1.0)),
@@ -170,6 +177,7 @@ def test_run_math_dry_run_has_the_issues_settings(environ, expected):
     assert cfg.round_prompts is None and checks.check_lag(dataclasses.replace(cfg, round_prompts=8), 4) is None
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("environ,message", [
     ({"LOSS": "grpo"}, "LOSS must be tb or drgrpo, got grpo"),
     ({"LAG": "3"}, "LAG must be 2 or 10 (the paper's lags), got 3"),
@@ -185,6 +193,7 @@ def test_run_math_refuses_unknown_choices(environ, message):
     assert p.returncode == 2 and p.stderr.strip() == f"run_math.sh: {message}" and not p.stdout
 
 
+@pytest.mark.engine
 def test_run_math_passes_arguments_through_and_splits_gpus():
     command, cfg = dry_run("--data", "/some/math", "--steps", "5", script="run_math.sh", TRAINERS="2", SEARCHERS="6")
     assert (command[2], cfg.data, cfg.steps, cfg.searchers) == ("--nproc_per_node=2", "/some/math", 5, 6)

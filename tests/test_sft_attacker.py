@@ -57,6 +57,7 @@ def nll(path, instructions):
         return sft.loss_of(model, rows, tok.pad_token_id, "cpu").item()
 
 
+@pytest.mark.engine
 def test_sft_learns_the_instructions(tmp_path):
     data = rm.instructions(60)
     (tmp_path / "sft.json").write_text(json.dumps(data))
@@ -70,6 +71,7 @@ def test_sft_learns_the_instructions(tmp_path):
     assert after < 0.5 * before, (before, after)  # measured: 6.29 -> 1.72 nats a token
 
 
+@pytest.mark.engine
 def test_bad_input_is_refused_in_one_line(tmp_path):
     (tmp_path / "bad.json").write_text('[{"instruction": "ok"}, {"text": "no instruction"}]')
     (tmp_path / "broken.json").write_text("[{")

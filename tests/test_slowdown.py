@@ -6,9 +6,10 @@ the calibrations in config.json and its summary line."""
 import json
 import time
 
+import numpy as np
 import pytest
 
-from conftest import metrics
+from conftest import DEVICE, metrics
 from runtime.slowdown import slow_down
 from test_e2e import run_small
 
@@ -23,6 +24,7 @@ def test_slow_down_sleeps_until_x_times_the_cost_alone():
     assert slow_down(0.3, 0.02, 6.0) == 0.0  # took longer than charged: no sleep, never a negative one
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("searchers, x", [(0, 100.0), (1, 5.0)], ids=["synchronous", "async"])
 def test_both_paths_honour_the_slowdown(searchers, x, tiny_model, tmp_path):
     out, p = run_small(tiny_model, tmp_path, "--steps", "3", "--eval-every", "2", "--searchers", str(searchers),
@@ -49,6 +51,7 @@ def test_both_paths_honour_the_slowdown(searchers, x, tiny_model, tmp_path):
         assert last["slept"] <= last["time"]  # one searcher: the sleeps of the rounds received fit in the run
 
 
+@pytest.mark.engine
 def test_slowdown_below_one_is_refused(tiny_model, tmp_path):
     from conftest import run_tba
     p = run_tba(["--model", tiny_model, "--generation-slowdown", "0.5", "--out", str(tmp_path / "r")], tmp_path)
@@ -56,6 +59,7 @@ def test_slowdown_below_one_is_refused(tiny_model, tmp_path):
         "tba.py: error: --generation-slowdown: must be 1 (off) or more, got 0.5"
 
 
+@pytest.mark.engine
 def test_only_search_rounds_are_slowed(tiny_model, monkeypatch):
     """The emulation slows the searchers' generation, each decoding step of it, never the evaluation: counted
     by the calls to slow_down in one engine (a comparison of times would depend on the machine's load)."""
@@ -67,7 +71,7 @@ def test_only_search_rounds_are_slowed(tiny_model, monkeypatch):
     monkeypatch.setattr(slowdown, "slow_down", lambda generate, alone, factor: calls.append((factor, alone)) or 0.0)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompts, answers = [tok("12+34=").input_ids, tok("47+85=").input_ids], ["46", "132"]
-    engine = searcher.Engine(config(tiny_model, generation_slowdown=100.0), "cpu", 0.1, prompts, answers)
+    engine = searcher.Engine(config(tiny_model, generation_slowdown=100.0), DEVICE, 0.1, prompts, answers)
     try:
         engine.clock.seconds_per_token = 1e-4  # as calibrated: s a generated token costs this engine alone
         scores, _ = engine.evaluate(prompts, answers)
@@ -79,3 +83,90 @@ def test_only_search_rounds_are_slowed(tiny_model, monkeypatch):
         assert len(trajectories) == 8 and made["slept"] == 0.0
     finally:
         engine.close()
+
+
+# --- the emulated device time, unit by unit -------------------------------------------------------------------
+def test_a_training_step_lasts_y_times_its_cost_alone():
+    """--train-slowdown Y: a step of compute (here a sleep of 0.05 s, its cost alone by the calibration) and its charge
+    last Y x 0.05 s, within 10%; without a calibration the first 3 steps run unslowed and give the cost alone."""
+    from runtime.slowdown import TrainClock
+    clock = TrainClock(3.0, seconds=0.05)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        time.sleep(0.05)
+        clock.charge(time.perf_counter() - t0)
+        assert time.perf_counter() - t0 == pytest.approx(0.15, rel=0.1)
+    assert clock.charged == pytest.approx(0.45) and clock.over == 0.0
+    own = TrainClock(4.0)
+    assert [own.charge(s) for s in (0.2, 0.1, 0.3)] == [0.0, 0.0, 0.0] and own.seconds == 0.2  # the median
+    assert TrainClock(1.0).charge(5.0) == 0.0  # off
+
+
+def test_real_compute_above_the_charge_is_over_budget():
+    from runtime.slowdown import Clock, TrainClock
+    clock = Clock(2.0, seconds_per_token=1e-3)
+    clock.step(0.5, 10)  # charged 2 x 10 x 1 ms = 0.02 s, took 0.5 s
+    made = clock.account()
+    assert made["charged"] == pytest.approx(0.02) and made["over"] == pytest.approx(0.48) and made["slept"] == 0.0
+    train = TrainClock(2.0, seconds=0.01)
+    train.charge(0.1)
+    assert train.over == pytest.approx(0.08)
+
+
+def test_a_gpu_shaped_step_costs_a_fixed_part_and_a_little_a_sequence():
+    """--decode-cost gpu: the same cost as linear at a round's full batch, about half of it for one sequence
+    (GPU_PER_SEQUENCE = 0.016 from vLLM's published step times), where linear charges 1 / 64 of it."""
+    from runtime.slowdown import GPU_PER_SEQUENCE, Clock
+    gpu, linear = Clock(10.0, 1e-3, "gpu", full=64), Clock(10.0, 1e-3, "linear", full=64)
+    assert gpu.alone(64) == pytest.approx(linear.alone(64))
+    assert gpu.alone(1) / gpu.alone(64) == pytest.approx((1 + GPU_PER_SEQUENCE) / (1 + 64 * GPU_PER_SEQUENCE))
+    assert linear.alone(1) / linear.alone(64) == pytest.approx(1 / 64)
+
+
+def test_a_long_tailed_response_holds_its_slot_for_its_emulated_steps():
+    """--response-lengths gsm8k: a response vLLM finished after 3 steps stays in its slot (and runs for the clock) until
+    3 x its draw from the tail have passed; the draws follow GSM8K_TAIL and are reproducible from the seed."""
+    import types
+    from runtime.slowdown import GSM8K_TAIL, Tails, tail
+    engine = types.SimpleNamespace(get_num_unfinished_requests=lambda: 0, has_unfinished_requests=lambda: False)
+    slots = Tails(engine)
+    slots.admit("a", (0, 1, 2, 0))
+    out = types.SimpleNamespace(request_id="a", outputs=[types.SimpleNamespace(token_ids=[5, 6, 7])])
+    end = max(3, round(3 * tail((0, 1, 2, 0))))
+    left = [slots.leave([out] if step == 2 else []) for step in range(end + 1)]
+    assert [i for i, x in enumerate(left) if x] == [end - 1] and slots.running() == 0 and not slots.busy()
+    draws = [tail((0, i)) for i in range(2000)]
+    assert draws[:3] == [tail((0, i)) for i in range(3)] and min(GSM8K_TAIL) <= min(draws) <= max(draws) <= max(GSM8K_TAIL)
+    assert np.median(draws) == pytest.approx(1.0, abs=0.05) and np.quantile(draws, 0.95) == pytest.approx(1.989, abs=0.1)
+
+
+def test_a_calibration_file_is_plain_json_of_two_costs(tmp_path):
+    from runtime.errors import ConfigError
+    from runtime.slowdown import read_calibration
+    good = tmp_path / "costs.json"
+    good.write_text(json.dumps({"seconds_per_token": 2e-4, "train_step": 0.1, "note": "idle"}))
+    assert read_calibration(str(good)) == {"seconds_per_token": 2e-4, "train_step": 0.1}
+    for text, why in (("not json", "does not read as JSON"), ('{"seconds_per_token": 0, "train_step": 1}', "positive"),
+                      ('{"train_step": 1}', "positive")):
+        good.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^--calibration: .*{why}"):
+            read_calibration(str(good))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("searchers", [0, 1])
+def test_both_phases_emulated_from_one_calibration(searchers, tiny_model, tmp_path):
+    """--train-slowdown and --calibration, with --searchers 0 and with a searcher: the costs alone are the file's (no
+    engine times itself), recorded in config.json; every training step is charged Y x the file's step; the summary
+    says both slowdowns."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"seconds_per_token": 1e-4, "train_step": 0.05}))
+    out, p = run_small(tiny_model, tmp_path, "--steps", "4", "--eval-every", "0", "--searchers", str(searchers),
+                       "--generation-slowdown", "3", "--train-slowdown", "2", "--calibration", str(costs))
+    saved = json.load(open(out / "config.json"))
+    assert (saved["train_slowdown"], saved["calibration"], saved["train_step"]) == (2.0, str(costs), 0.05)
+    assert set(saved["seconds_per_token"].values()) == {1e-4}
+    assert "generation slowed 3x (emulated) | training slowed 2x (emulated)" in p.stdout
+    train = [r for r in metrics(out) if r["kind"] == "train"]
+    assert [r["train_charged"] for r in train] == pytest.approx([0.1 * (i + 1) for i in range(4)])
+    assert all(r["train_slept"] <= r["train_charged"] and r["over_budget"] >= 0 for r in train)

@@ -57,20 +57,21 @@ def freeze_searcher(proc, out, then=3, window=60):
     raise AssertionError("the trainer made no progress with the searcher stopped")
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("cap", ["reuse cap", "staleness bound"])
 def test_silent_searcher_halts_training_warns_and_stops(cap, tiny_model, tmp_path):
     """The issue's probe: SIGSTOP the searcher. The trainer takes a few more steps at most: as many as
     the reuse cap's bank allows (k steps here), or, with the cap off, up to --max-staleness steps past
     the newest data. It says what it waits for, warns naming the searcher, and after --timeout of
     silence stops with status 1 naming it, after a checkpoint of the last step."""
-    out, S, timeout = tmp_path / "run", 6, 30
+    out, S, timeout = tmp_path / "run", 6, 12  # --start-timeout (600) covers the start-up: --timeout the silence
     bound = ["--max-reuse", "1"] if cap == "reuse cap" else ["--max-reuse", "0", "--max-staleness", str(S)]
     proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, *bound, "--sync-every", "2",
                   "--timeout", str(timeout), "--out", str(out)], tmp_path)
     try:
         wait_for_steps(proc, out, 3)
         everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        pid, stopped_at = freeze_searcher(proc, out, window=20)  # < --timeout
+        pid, stopped_at = freeze_searcher(proc, out, window=8)  # < --timeout
         t0 = time.time()
         output = proc.communicate(timeout=timeout + 120)[0]
     finally:
@@ -94,7 +95,7 @@ def test_silent_searcher_halts_training_warns_and_stops(cap, tiny_model, tmp_pat
     assert_all_gone(everything)
 
 
-SLOW_EVALUATION = """# the test's stand-in for a long evaluation: each part of searcher 0's evaluation takes 16 s more
+SLOW_EVALUATION = """# the test's stand-in for a long evaluation: each part of searcher 0's evaluation takes 6 s more
 import os, time
 if os.environ.get("TBA_TEST_EVAL_PARTS"):
     from tasks import task
@@ -102,18 +103,19 @@ if os.environ.get("TBA_TEST_EVAL_PARTS"):
     def evaluate_part(self, prompts, answers):
         with open(os.environ["TBA_TEST_EVAL_PARTS"], "a") as f:
             f.write(f"{time.time()}\\n")
-        time.sleep(16)
+        time.sleep(6)
         return real(self, prompts, answers)
     task.Scorer.evaluate_part = evaluate_part
 """
 
 
+@pytest.mark.engine
 def test_an_evaluation_longer_than_the_timeout_is_not_silence(tiny_model, tmp_path):
     """Searcher 0's first evaluation outlasts --timeout (2 parts, of 256 and 144 problems, each made
-    16 s slower by a sitecustomize the test writes: 32 s against --timeout 24): it beats after each
+    6 s slower by a sitecustomize the test writes: 12 s against --timeout 9): it beats after each
     part, so the run goes on, with no warning; stopped (SIGSTOP) in the middle of its next evaluation,
     it is silent, and the run stops after --timeout with a checkpoint, naming it."""
-    out, timeout, parts = tmp_path / "run", 24, tmp_path / "parts.txt"
+    out, timeout, parts = tmp_path / "run", 9, tmp_path / "parts.txt"
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SLOW_EVALUATION)
@@ -153,6 +155,7 @@ def test_an_evaluation_longer_than_the_timeout_is_not_silence(tiny_model, tmp_pa
     assert_all_gone(everything)
 
 
+@pytest.mark.engine
 def test_ctrl_c_in_the_final_evaluation_wait_with_two_ranks(tiny_model, tmp_path):
     """Two trainer ranks; the searcher stops before the end, so rank 0 waits for the final
     evaluation; Ctrl-C there: both ranks write the checkpoint together (its gathers are collective)
@@ -183,11 +186,12 @@ def test_ctrl_c_in_the_final_evaluation_wait_with_two_ranks(tiny_model, tmp_path
     assert_all_gone(everything)
 
 
+@pytest.mark.engine
 def test_two_ranks_outlast_the_process_group_timeout_while_rank_0_waits(tiny_model, tmp_path):
     """Rank 0 waits for an initial buffer that takes longer than --timeout to fill (messages keep
     coming, so nothing is wrong); rank 1 waits for it in collectives. It must not time out: rank 0
     answers it every slice of the wait."""
-    out, timeout = tmp_path / "run", 30
+    out, timeout = tmp_path / "run", 10
     proc = start(["--model", tiny_model, "--steps", "2", *SMALL, "--timeout", str(timeout), "--buffer-capacity",
                   "1000", "--initial-buffer", "200000", "--out", str(out)], tmp_path, ranks=2)
     waited = lambda: max(map(int, re.findall(r"waiting for the initial buffer \(.*\((\d+) s so far\)",
@@ -254,6 +258,7 @@ def test_take_counts_what_arrives_and_the_newest_version():
     fleet.watch = types.SimpleNamespace(heard=lambda msg: heard.append(msg) or [], check=lambda: [])
     fleet.log = types.SimpleNamespace(eval=lambda *row: rows.append(row), searched=lambda msg: None)
     fleet.received = fleet.kept = 0
+    fleet.heard, fleet.dead, fleet.silent = True, None, None
     fleet.newest, fleet.published, fleet.evaluated = -1, {4: (1.0, 0.0)}, []
     buffer = ReplayBuffer(10, 0.5, 0.0)
     assert fleet.take(buffer, lambda: True) == 0.0 and q.empty() and len(heard) == 4
@@ -299,6 +304,7 @@ def test_watch_hears_an_evaluations_beats_and_names_the_node(monkeypatch):
         watch.check()
 
 
+@pytest.mark.engine
 def test_max_staleness_is_checked(tmp_path):
     from conftest import run_tba
     p = run_tba(["--max-staleness", "-1"], tmp_path)
@@ -334,6 +340,7 @@ def lock_rank(path, out, port, results):
             dist.destroy_process_group()
 
 
+@pytest.mark.engine
 def test_a_searcher_stopped_holding_the_lock_stops_the_run_like_a_silent_one(tiny_model, tmp_path):
     from conftest import report_of
     got = report_of(lock_rank, tiny_model, str(tmp_path / "run"))

@@ -111,6 +111,7 @@ def run(task, folder, tiny_model, out, *extra):
     return [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"]
 
 
+@pytest.mark.engine
 def test_a_run_searches_rewards_and_evaluates_with_the_entry(folder, tiny_model, tmp_path):
     """Every trajectory has the entry's reward, and the evaluation scores the held-out problems with it."""
     train, evals = run("digit", folder, tiny_model, tmp_path / "run")
@@ -119,6 +120,7 @@ def test_a_run_searches_rewards_and_evaluates_with_the_entry(folder, tiny_model,
     assert evals[0]["example"]["prompt"] in {f"{a}+{b}=" for a, b in [(10, 20), (10, 21), (10, 22), (10, 23)]}
 
 
+@pytest.mark.engine
 def test_a_task_scored_by_a_model_of_its_own(folder, tiny_model, tiny_rm, tmp_path):
     """The scored task's model gives every trajectory its reward (recomputed here from the checkpoint's buffer),
     and its evaluation's own rows are the run's: `score` (the headline) and `length`."""

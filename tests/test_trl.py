@@ -13,6 +13,7 @@ import torch
 from conftest import ROOT, env
 
 
+@pytest.mark.engine
 def test_greedy_accuracy_is_the_searchers(tiny_model, tmp_path):
     """trl_grpo.greedy_accuracy (transformers, one batch) gives what searcher.Engine.evaluate (vLLM,
     temperature 0, stop at EOS, arith_reward) gives, on the 400 held-out problems; also for perturbed
@@ -54,6 +55,7 @@ def test_reached_tolerates_float_sums():
     assert bench.reached([(1.0, 0, 0.0), (2.0, 10, 0.0)], 0.0) == (2.0, 10)  # never the start itself
 
 
+@pytest.mark.engine
 def test_part8_skips_in_one_line(tiny_model, tmp_path):
     out = tmp_path / "bench"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench.py"), "--parts", "8", "--quick",
@@ -74,6 +76,7 @@ def trl_python():
     pytest.skip("no TRL environment ($TBA_TRL_PYTHON or ~/.cache/tba/trl-venv; bench.py --parts 8 makes one)")
 
 
+@pytest.mark.engine
 def test_trl_grpo_short_run(tiny_model, tmp_path):
     python, out = trl_python(), tmp_path / "trl"
     p = subprocess.run([python, os.path.join(ROOT, "tools", "trl_grpo.py"), "--model", tiny_model, "--out", str(out),

@@ -45,6 +45,7 @@ def test_plain_lines_when_not_a_terminal(logged_run):
     assert len([r for r in metrics(out) if r["kind"] == "train"]) == 5  # metrics.jsonl keeps every step
 
 
+@pytest.mark.engine
 def test_progress_bar_in_a_terminal(tiny_model, tmp_path):
     """Under a pseudo-terminal: a tqdm bar with the time left and the latest values, and the
     evaluations printed above it; no plain step lines."""
@@ -76,6 +77,7 @@ def test_progress_bar_in_a_terminal(tiny_model, tmp_path):
     assert not any(line.lstrip("\r").startswith("step ") for line in text.splitlines())
 
 
+@pytest.mark.engine
 def test_plot_draws_a_run(logged_run, tmp_path):
     pytest.importorskip("matplotlib")
     out, _ = logged_run
@@ -88,6 +90,7 @@ def test_plot_draws_a_run(logged_run, tmp_path):
     assert p.returncode != 0 and p.stderr.strip() == f"plot.py: {tmp_path} has no metrics.jsonl (not a run folder)"
 
 
+@pytest.mark.engine
 def test_plot_draws_trl_runs_and_the_study(tmp_path):
     """The benchmark's pictures: a trl_grpo.py run folder (train rows without staleness or wait, labelled by its
     TRL version) beside a tba.py one, and part 7's study from a bench.json."""
@@ -131,6 +134,7 @@ def test_wandb_gets_the_same_rows(logged_run):
         assert key.encode() in data and json.dumps(value).encode() in data, (key, value)
 
 
+@pytest.mark.engine
 def test_wandb_missing_is_one_line(tiny_model, tmp_path, monkeypatch, capsys):
     """Without the package: one line saying how to install it, status 2, before anything starts."""
     import tba

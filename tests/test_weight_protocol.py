@@ -196,6 +196,7 @@ def run_protocol(kind: str, mode: str) -> dict:
 KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("kind", KINDS)
 def test_reader_never_sees_mixed_versions(kind):
     out = run_protocol(kind, "locked")
@@ -204,12 +205,14 @@ def test_reader_never_sees_mixed_versions(kind):
     assert len(out["seen"]) >= 3, f"the reader read too few versions to stress anything: {out['seen']}"
 
 
+@pytest.mark.engine
 def test_check_detects_a_reader_that_ignores_the_lock():
     """CPU negative control: without the lock, reads straddle publishes and the check sees it."""
     out = run_protocol("cpu", "nolock")
     assert out["bad"] >= 1, f"no mixed or mislabelled read in {out['syncs']} unlocked reads"
 
 
+@pytest.mark.engine
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="no CUDA device (on the CPU the race cannot occur: CPU copies finish before copy_ returns)")
 def test_releasing_the_lock_before_the_copies_finish_is_detected():

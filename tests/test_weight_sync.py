@@ -6,6 +6,8 @@ import queue as queue_module
 import time
 
 import pytest
+
+from conftest import DEVICE
 import torch
 import torch.multiprocessing as mp
 
@@ -22,7 +24,7 @@ from tasks.task import Data
 
 def config(model, **kw):
     return Config(**{**dict(model=model, prompts_per_step=3, samples_per_prompt=4, temperature=0.7, max_new_tokens=6,
-                            device="cpu", threads=1, model_path=model, max_model_len=512, dtype="float32",
+                            device=DEVICE.split(":")[0], threads=1, model_path=model, max_model_len=512, dtype="float32",
                             search_samples_per_prompt=4, round_prompts=3, score_batch=256), **kw})
 
 
@@ -56,6 +58,7 @@ def trainer_logprobs(model, pairs, temperature):
         return sequence_logprobs(model, *collate(pairs, 0, "cpu"), temperature).tolist()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_engine_matches_trainer_after_sync(arch, request):
     """Llama (character tokens, vLLM's native code) and GPT-NeoX (BPE tokens, vLLM's Transformers
@@ -69,7 +72,7 @@ def test_engine_matches_trainer_after_sync(arch, request):
     response = tok("132").input_ids + [tok.eos_token_id]
     model = perturbed(tiny_model, 0)
     shared = share(model, mp.get_context("spawn"))
-    engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"])
+    engine = Engine(cfg, DEVICE, 0.1, [prompt], ["132"])
     sample = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True, logprobs=0)
     before = engine.llm.generate([{"prompt_token_ids": prompt}], sample, use_tqdm=False)[0].outputs[0]
     for version, seed in ((2, 1), (4, 2)):
@@ -94,6 +97,7 @@ def test_engine_matches_trainer_after_sync(arch, request):
     engine.close()
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_engine_loads_a_model_directly_with_its_tied_names(arch, request):
     """The synchronous trainer's evaluation loads its current weights into its engine directly
@@ -106,7 +110,7 @@ def test_engine_loads_a_model_directly_with_its_tied_names(arch, request):
     cfg = config(tiny_model)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompt, response = tok("47+85=").input_ids, tok("132").input_ids + [tok.eos_token_id]
-    engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"])
+    engine = Engine(cfg, DEVICE, 0.1, [prompt], ["132"])
     try:
         for version, seed in ((2, 1), (4, 2)):
             with engine.beside():
@@ -123,6 +127,7 @@ def load(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
+@pytest.mark.engine
 def test_reference_reset_reaches_the_searcher(tiny_model):
     """TBA′: after the trainer publishes the weights of step 6 as pi_ref too, the searcher's
     logp_ref of a fixed response is the trainer's log-prob under those weights (float32, 1e-4), and
@@ -132,7 +137,7 @@ def test_reference_reset_reaches_the_searcher(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompt, response = tok("47+85=").input_ids, tok("132").input_ids + [tok.eos_token_id]
     shared = share(load(tiny_model), mp.get_context("spawn"), with_ref=True)
-    engine = Engine(cfg, "cpu", 0.1, [prompt], ["132"])
+    engine = Engine(cfg, DEVICE, 0.1, [prompt], ["132"])
     before = engine.logprobs(engine.pi_ref(), [(prompt, response)], 0.7)[0]
     model = perturbed(tiny_model, 5)
     weights.write(shared, weights.gather(model), 6, lambda: None, 10, to=("policy", "pi_ref"))
@@ -148,6 +153,7 @@ def test_reference_reset_reaches_the_searcher(tiny_model):
     engine.close()
 
 
+@pytest.mark.engine
 def test_searcher_process_after_sync(tiny_model):
     """The real searcher process: trajectories sampled after a sync carry vLLM's log-probs at the
     sampling temperature, equal to the trainer's for the published weights, and pi_ref's."""

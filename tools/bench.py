@@ -39,18 +39,19 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line and without tba.py's runs
    for it, when that cannot be done.
 9. (only with --parts 9; hours on 2 CPU cores) asynchrony on equal hardware, emulated: the regime TBA is
-   for, where generation dominates (a 1B policy writing long answers on GPUs of its own), made on any
-   machine by `--generation-slowdown X` (each decoding step takes X times its engine's cost alone,
-   calibrated once; it sleeps the rest, using no core, so N searchers share the cores as N devices of
-   their own would share nothing). For N searchers, X in --slowdowns (star: where the synchronous run's
-   round takes as long as its step) and each mode of --modes (MODES: the synchronous baseline on the same
-   N searchers, --lag 0; one-step off-policy, --lag 1; streaming TBA; streaming with weights loaded into
-   rounds in flight), per seed: seconds to start + --gain (0.25; evaluations every 5 steps) from launch
-   and from the first step, the steps it took, the staleness; the speed-up over the synchronous run of
-   the same N, X and seed, and the ideal (G + T) / max(G, T) from its round time G and step time T; the
-   searchers' scaling (streaming with the most searchers against one); and, with each X, the one-process
-   baseline (--searchers 0): hardware and asynchrony together. Also drawn: OUT/equal_hardware.png
-   (`python tools/plot.py --slowdown OUT/bench.json` draws it again).
+   for, both phases on devices of their own, made on any machine (runtime/slowdown.py): each decoding step of
+   a searcher takes X times its cost alone (--generation-slowdown), each training step Y times its own
+   (--train-slowdown), sleeping the rest, from costs measured once on one idle core (`calibrate_costs`, handed
+   to every run: --calibration). For the most of --searchers N and each point of --ratios (G_N / T: the
+   synchronous round against the step, T = STEP), every mode of --modes (MODES: the synchronous baseline on
+   the same N searchers, --lag 0, which runs first; one-step off-policy; streaming between rounds; in-flight;
+   kept full), per seed: throughput (steps a second) apart from learning (steps to start + --gain, 0.15,
+   evaluations every --eval-every 2), seconds to it from launch and from the first step, accuracy at the
+   synchronous run's time, the speed-up over that run and the ideal (G + T) / max(G, T), the CPU used, and the
+   real compute over the charges (a CPU-bound cell gives no speed-up). Then --tails at G_N = T with
+   GPU-shaped decoding and long tails, and streaming on the fewest searchers at the most generation-bound
+   point (scaling). --slowdowns X adds points of X alone, each run calibrating itself (CPU packing, as
+   measured before). Also drawn: OUT/equal_hardware.png (`python tools/plot.py --slowdown OUT/bench.json`).
 10. (only with --parts 10) fresher data per step, in that regime (X = 10) with 1, 2 and 4 searchers:
    time to start + 0.15 with the defaults and with one lever changed at a time (a round of B prompts
    or of half the default B / N, k = 2, m = 0.5, R = 2), against the synchronous run.
@@ -128,8 +129,9 @@ def at_least(accuracy: float, level: float) -> bool:
 
 
 def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: list[str], full: bool,
-                     gain: float = 0.15) -> dict:
-    """Launch tba.py; stop it when an evaluation reaches start + `gain` (unless `full`), or at the time cap."""
+                     gain: float = 0.15, until: float = 0.0) -> dict:
+    """Launch tba.py; stop it when an evaluation reaches start + `gain` (unless `full`) and `until` seconds have
+    passed (from launch, less the trainer's overhead), or at the time cap. Its processes' CPU seconds are summed."""
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", str(searchers), "--seed", str(seed),
            "--out", out, *flags]
     launched = time.time()
@@ -144,11 +146,14 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
         evals = [r for r in rows if r["kind"] == "eval"]
         return rows, next((e for e in evals[1:] if at_least(e["accuracy"], evals[0]["accuracy"] + gain)), None)
 
-    rows, hit = [], None
+    rows, hit, cpu = [], None, {}
+    late = lambda: rows and offset_of() + rows[-1]["time"] - rows[-1]["overhead"] < until
+    offset_of = lambda: json.loads(read_text(os.path.join(out, "config.json")))["started"] - launched
     try:
-        while (hit is None or full) and time.time() - launched < cap and proc.poll() is None:
+        while (hit is None or full or late()) and time.time() - launched < cap and proc.poll() is None:
             time.sleep(0.5)
             rows, hit = read()
+            cpu.update(cpu_seconds(proc.pid))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the whole run: trainer and searchers
@@ -173,8 +178,25 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
         first_step_seconds=clock(train[0]) - train[0]["seconds"] + train[0]["wait"] if train else None,
         seconds_per_step=span / (len(train) - 1) if len(train) > 1 else None,
         utilisation=1 - sum(busy) / span if span > 0 else None,
-        curve=[(clock(e), e["step"], e["accuracy"]) for e in evals],
+        curve=[(clock(e), e["step"], e["accuracy"]) for e in evals], cpu=sum(cpu.values()),
     )
+
+
+def cpu_seconds(pid: int) -> dict:
+    """{pid: CPU seconds so far} of a process and its descendants (those gone keep their last reading)."""
+    import psutil
+    out = {}
+    try:
+        tree = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for p in tree:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system + t.children_user + t.children_system
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 # --- 6: memory of a long TBA run ----------------------------------------------------------------------
@@ -247,118 +269,167 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
     return dict(losses=losses, lags=lags, settings=settings, flags=STUDY + flags + extra, rows=rows)
 
 
-# --- 9: asynchrony on equal hardware, generation-bound, emulated ------------------------------------
+# --- 9: asynchrony on equal hardware, both phases on devices of their own, emulated --------------------------------
 MODES = {"sync": ["--lag", "0"],      # the synchronous baseline on the searchers' hardware: each step waits
          "lag1": ["--lag", "1"],      # one-step off-policy: every batch sampled by the weights of the step before
          "stream": ["--no-inflight"],  # TBA: searchers stream rounds, weights reach them between rounds
          "inflight": ["--inflight"],  # ... and between the decoding steps of a round in flight (the default)
          "recompute": ["--inflight", "--inflight-kv", "recompute"],  # ... with the KV cache recomputed
-         "full": ["--inflight", "--keep-full"]}  # ... and a finished prompt's slot takes a new prompt at once
+         "full": ["--inflight", "--keep-full"]}  # ... and a finished response's slot takes a new request at once
+GPU_TAILS = ["--decode-cost", "gpu", "--response-lengths", "gsm8k"]  # a GPU's decoding step, a real model's lengths
+STEP = 0.4  # s: the emulated training step T of part 9's points (--train-slowdown Y = STEP / its cost alone)
+
+
+def calibrate_costs(out: str, flags: list[str]) -> dict:
+    """The emulated costs alone, measured once on this (idle) machine and handed to every run of part 9
+    (--calibration): a one-process run pinned to one core (the thread a searcher or the trainer gets in a run with
+    searchers on 2 cores) times one engine's generated token and a training step, each alone (runtime/slowdown.py);
+    its rounds give the tokens a round of B prompts makes. Returns {seconds_per_token, train_step, tokens_per_batch,
+    file}."""
+    run = os.path.join(out, "calibration")
+    cmd = ["taskset", "-c", "0", sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", "0", "--steps", "8",
+           "--eval-every", "0", "--generation-slowdown", "1.01", "--train-slowdown", "1.01", "--out", run, *flags]
+    with open(run + ".log", "w") as log:
+        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
+            raise RuntimeError(f"the calibration run failed: {read_text(run + '.log')[-2000:]}")
+    config = json.loads(read_text(os.path.join(run, "config.json")))
+    train, _, _ = plot.read(run)
+    per_token = config["seconds_per_token"]["trainer"]
+    tokens = train[-1]["charged"] / 1.01 / per_token / train[-1]["step"]  # a round of B prompts a step
+    costs = dict(seconds_per_token=per_token, train_step=config["train_step"], tokens_per_batch=tokens,
+                 file=os.path.join(out, "calibration.json"))
+    with open(costs["file"], "w") as f:
+        json.dump({k: costs[k] for k in ("seconds_per_token", "train_step")}, f)
+    print(f"9. calibration (one core, alone): {per_token * 1e3:.3f} ms a generated token, a training step "
+          f"{costs['train_step']:.3f} s, {tokens:.0f} tokens a batch of prompts", flush=True)
+    return costs
+
+
+def point(costs: dict, ratio: float, n: int) -> tuple[float, float]:
+    """(X, Y) where the synchronous round of N searchers takes `ratio` x the training step: T = STEP, and
+    G_N = X x (a batch's tokens / N) x s a token (each searcher makes B / N prompts' rounds beside the others)."""
+    y = max(1.0, STEP / costs["train_step"])
+    x = max(1.0, ratio * y * costs["train_step"] * n / (costs["tokens_per_batch"] * costs["seconds_per_token"]))
+    return round(x, 2), round(y, 2)
 
 
 def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, counts: list[int],
-                   slowdowns: list, modes: list[str], gain: float, eval_every: int, run_one=None) -> dict:
-    """Part 9: for N searchers (each an emulated device of its own) x --generation-slowdown X x mode (MODES) x
-    seed, time to start + `gain` against the synchronous baseline on the same N searchers (--lag 0). X "star"
-    is where the synchronous run's round time G_N equals its step time T (from its runs at X = 1 and 10:
-    G_N(X) = X g + h). With each X, the one-process baseline (--searchers 0) as a reference line: hardware and
-    asynchrony together."""
+                   ratios: list[float], slowdowns: list[float], modes: list[str], gain: float, eval_every: int,
+                   tails: list[str], run_one=None) -> dict:
+    """Part 9: for N searchers, each point (a ratio G_N / T with both phases emulated from one shared calibration, or
+    a --generation-slowdown X alone, each run calibrating itself: the CPU packing of earlier measurements) x mode x
+    seed, time to start + `gain` against the synchronous baseline on the same N searchers (--lag 0), which runs
+    first, so that every other mode runs at least as long (its accuracy at the baseline's time). `tails`: the modes
+    run again at ratio 1 with GPU-shaped decoding and long tails. The searchers' scaling: streaming at the same X, Y
+    on the fewest searchers, against the most."""
+    costs = calibrate_costs(out, flags) if ratios else None
+    cells = [dict(n=n, ratio=r, x=point(costs, r, max(counts))[0], y=point(costs, r, max(counts))[1], shape="linear",
+                  modes=modes) for r in ratios for n in [max(counts)]]
+    cells += [dict(n=max(counts), ratio=None, x=x, y=1.0, shape="linear", modes=modes) for x in slowdowns]
+    if tails and ratios:
+        cells.append(dict(n=max(counts), ratio=1.0, x=round(max(1.5, point(costs, 1.0, max(counts))[0] / GPU_SHAPE), 2),
+                          y=cells[0]["y"], shape="gpu+tails", modes=tails))
+    if len(counts) > 1 and ratios:  # the fewest searchers at the most generation-bound point's X and Y
+        top = max((c for c in cells if c["ratio"]), key=lambda c: c["ratio"])
+        cells.append(dict(top, n=min(counts), modes=["stream"]))
     rows = []
-    for n in counts:
-        for x in slowdowns:
-            if x == "star":
-                x = star(rows, n)
-                if any(r["searchers"] == n and r["x"] == x for r in rows):  # G_N reaches T at or below an X run
-                    print(f"9. N {n}: the synchronous round takes as long as its step at X = {x:g} or below, "
-                          f"already run", flush=True)
-                    continue
-            for mode in ["one process", *modes]:
-                for seed in seeds:
-                    searchers = 0 if mode == "one process" else n
-                    name = f"hardware-x{x:g}-searchers{n}-{mode.replace(' ', '')}-seed{seed}"
-                    run = os.path.join(out, name)
-                    extra = ["--eval-every", str(eval_every), "--generation-slowdown", f"{x:g}",
-                             *MODES.get(mode, []), *flags]
-                    r = (run_one or (lambda f: f()))(lambda: run_until_target(searchers, seed, cap, run, extra, False, gain))
-                    rows.append(dict(hardware_row(run, r), x=x, searchers=n, mode=mode, seed=seed))
-                    print(f"9. N {n} X {x:g} {mode} seed {seed}: start + {gain:g} "
-                          f"{'at %.1f s, step %d' % (r['seconds'], r['step']) if r['reached'] else 'not reached'}, "
-                          f"stale {rows[-1]['staleness']:.2f}", flush=True)
-    against_sync(rows)
-    return dict(searchers=counts, slowdowns=sorted({r["x"] for r in rows}), modes=modes, gain=gain, cap=cap, rows=rows,
-                summary=hardware_summary(rows, counts))
+    for cell in cells:
+        for seed in seeds:
+            sync = None
+            for mode in (["sync"] if "sync" not in cell["modes"] else []) + cell["modes"]:
+                name = (f"hardware-n{cell['n']}-{'r%g' % cell['ratio'] if cell['ratio'] else 'x%g' % cell['x']}-"
+                        f"{cell['shape'].replace('+', '')}-{mode}-seed{seed}")
+                run = os.path.join(out, name)
+                extra = ["--eval-every", str(eval_every), "--generation-slowdown", f"{cell['x']:g}",
+                         *(["--train-slowdown", f"{cell['y']:g}", "--calibration", costs["file"]] if cell["ratio"] else []),
+                         *(GPU_TAILS if cell["shape"] == "gpu+tails" else []), *MODES.get(mode, []), *flags]
+                until = sync["seconds"] if sync and sync["reached"] else 0.0
+                r = (run_one or (lambda f: f()))(lambda: run_until_target(cell["n"], seed, cap, run, extra, False, gain,
+                                                                          until=until))
+                rows.append(dict(hardware_row(run, r, sync), searchers=cell["n"], ratio=cell["ratio"], x=cell["x"],
+                                 y=cell["y"], shape=cell["shape"], mode=mode, seed=seed))
+                sync = rows[-1] if mode == "sync" else sync
+                print(f"9. N {cell['n']} {'G/T %g' % cell['ratio'] if cell['ratio'] else 'X %g' % cell['x']} "
+                      f"{cell['shape']} {mode} seed {seed}: start + {gain:g} "
+                      f"{'at %.1f s, step %d' % (r['seconds'], r['step']) if r['reached'] else 'not reached'}, "
+                      f"{rows[-1]['steps_per_s']:.2f} steps/s, over budget {rows[-1]['over_budget']:.0%}", flush=True)
+    return dict(searchers=counts, gain=gain, cap=cap, costs=costs, rows=rows, summary=hardware_summary(rows))
 
 
-def against_sync(rows: list[dict]):
-    """Each row of part 9 against the synchronous run on the same hardware (same N, X and seed): its speed-ups, the
-    ideal from that run's G and T, and for the synchronous runs at X > 1 whether they learn as at X = 1."""
-    for r in rows:
-        sync = next(s for s in rows if (s["searchers"], s["x"], s["seed"], s["mode"]) == (r["searchers"], r["x"], r["seed"], "sync"))
-        both = r["reached"] and sync["reached"]
-        r["G"], r["T"] = sync["G"], sync["T"]
-        r["ideal"] = (sync["G"] + sync["T"]) / max(sync["G"], sync["T"]) if sync["G"] and sync["T"] else None
-        r["speedup"] = sync["seconds"] / r["seconds"] if both else None
-        r["speedup_first_step"] = sync["from_first_step"] / r["from_first_step"] if both else None
-        if r["mode"] == "sync" and r["x"] != 1:  # the exact lag's samples do not depend on timing: same curve
-            x1 = next((s for s in rows if (s["searchers"], s["x"], s["seed"], s["mode"]) == (r["searchers"], 1, r["seed"], "sync")), None)
-            r["same_as_x1"] = x1 is not None and all(dict(x1["curve"]).get(step, acc) == acc for step, acc in r["curve"])
+GPU_SHAPE = 2.0  # the gpu+tails cell's X: ratio 1's, over about how much more a round costs there (a longer round's
+# tail runs at a GPU step's fixed cost; measured G / T is printed with each cell)
 
 
-def star(rows: list[dict], n: int) -> float:
-    """The X where the synchronous run's round time equals its step time: G(X) = X g + h, from X = 1 and 10."""
-    sync = lambda x: [r for r in rows if r["searchers"] == n and r["x"] == x and r["mode"] == "sync" and r["G"]]
-    one, ten = sync(1), sync(10)
-    G1, T = np.mean([r["G"] for r in one]), np.mean([r["T"] for r in one])
-    if not ten:
-        return round(max(1.0, T / G1), 1)
-    g = (np.mean([r["G"] for r in ten]) - G1) / 9
-    return round(max(1.0, (T - (G1 - g)) / g), 1) if g > 0 else 1.0
-
-
-def hardware_row(run: str, r: dict) -> dict:
-    """Part 9's figures of one run: its folder and run_until_target's dict `r`. G and T (the synchronous
-    runs'): the median round wait and the median step without it, the first step left out."""
+def hardware_row(run: str, r: dict, sync: dict | None) -> dict:
+    """Part 9's figures of one run: its folder, run_until_target's dict `r` and the synchronous run of its cell and
+    seed (None: this is it). G and T (the synchronous runs'): the median round wait and the median step without it,
+    the first step left out. Throughput (steps a second, from the first step) apart from learning (steps to the
+    target); time to the target from launch and from the first step; the accuracy at the synchronous run's time to
+    the target (equal wall time, from the first step); the real compute over its charges (over budget, a share of
+    the charges); the CPU the run's processes used."""
     train, evals, config = plot.read(run)
     later = train[1:] or train
     G = float(np.median([t["wait"] + t["sync"] for t in later])) if later else None
     T = float(np.median([t["seconds"] - t["wait"] - t["sync"] - t["search"] for t in later])) if later else None
-    if config["searchers"] == 0:  # the one-process baseline searches itself
-        G = float(np.median([t["search"] for t in later])) if later else None
-    return dict(reached=r["reached"], start=r["start_accuracy"], seconds=r["seconds"], step=r["step"],
-                from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None,
-                first_step=r["first_step_seconds"], G=G, T=T, steps=train[-1]["step"] if train else 0,
-                staleness=float(np.mean([t["staleness"] for t in train])) if train else None,
-                staleness_last=float(np.mean([t.get("staleness_last", t["staleness"]) for t in train])) if train else None,
-                curve=[(e["step"], e["accuracy"]) for e in evals])
+    last = train[-1] if train else {}
+    charged = last.get("charged", 0.0) + last.get("train_charged", 0.0)
+    at = None
+    if sync and sync["reached"]:  # the latest evaluation by the synchronous run's time to the target
+        seen = [acc for t, _, acc in r["curve"] if t - r["first_step_seconds"] <= sync["from_first_step"] + 1e-9]
+        at = seen[-1] if seen else None
+    span = later[-1]["time"] - train[0]["time"] - (later[-1]["overhead"] - train[0]["overhead"]) if len(train) > 1 else 0
+    row = dict(reached=r["reached"], start=r["start_accuracy"], seconds=r["seconds"], step=r["step"],
+               from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None,
+               first_step=r["first_step_seconds"], G=G, T=T, steps=last.get("step", 0),
+               steps_per_s=(len(train) - 1) / span if span > 0 else 0.0,
+               staleness=float(np.mean([t["staleness"] for t in train])) if train else None,
+               staleness_last=float(np.mean([t.get("staleness_last", t["staleness"]) for t in train])) if train else None,
+               over_budget=last.get("over_budget", 0.0) / charged if charged else 0.0, cpu=r["cpu"],
+               accuracy_at_sync=at, curve=[(e["step"], e["accuracy"]) for e in evals])
+    if sync is None:
+        row.update(speedup=1.0, speedup_first_step=1.0, ideal=(G + T) / max(G, T) if G and T else None)
+    else:
+        both = row["reached"] and sync["reached"]
+        row.update(G=sync["G"], T=sync["T"], ideal=sync["ideal"],
+                   speedup=sync["seconds"] / row["seconds"] if both else None,
+                   speedup_first_step=sync["from_first_step"] / row["from_first_step"] if both else None)
+    return row
 
 
-def hardware_summary(rows: list[dict], counts: list[int]) -> dict:
-    """Per N, X and mode: the median over seeds of the speed-ups, the steps to target and the staleness; the
-    ideal; and the searchers' scaling (streaming with the most searchers against one, from the first step)."""
+def hardware_summary(rows: list[dict]) -> dict:
+    """Per cell (N, point, shape) and mode: medians over seeds; CPU-bound where any run was over budget by more
+    than 10% of its charges (no speed-up is then claimed for it); and the searchers' scaling."""
     out = {}
-    keys = sorted({(r["searchers"], r["x"], r["mode"]) for r in rows}, key=str)
     med = lambda v: float(np.median(v)) if v else None
-    for n, x, mode in keys:
-        these = [r for r in rows if (r["searchers"], r["x"], r["mode"]) == (n, x, mode)]
-        out[f"{n} {x:g} {mode}"] = dict(
-            searchers=n, x=x, mode=mode, reached=sum(r["reached"] for r in these), runs=len(these),
-            speedup=med([r["speedup"] for r in these if r["speedup"]]),
-            speedup_first_step=med([r["speedup_first_step"] for r in these if r["speedup_first_step"]]),
-            steps=med([r["step"] for r in these if r["reached"]]), staleness=med([r["staleness"] for r in these]),
-            ideal=med([r["ideal"] for r in these if r["ideal"]]), G=med([r["G"] for r in these if r["G"]]),
-            T=med([r["T"] for r in these if r["T"]]),
+    key = lambda r: (r["searchers"], r["ratio"], r["x"], r["y"], r["shape"], r["mode"])
+    for k in sorted({key(r) for r in rows}, key=str):
+        these = [r for r in rows if key(r) == k]
+        bound = max(r["over_budget"] for r in these) > 0.1
+        out[" ".join(map(str, k))] = dict(
+            searchers=k[0], ratio=k[1], x=k[2], y=k[3], shape=k[4], mode=k[5], runs=len(these),
+            reached=sum(r["reached"] for r in these), cpu_bound=bound,
+            speedup=None if bound else med([r["speedup"] for r in these if r["speedup"]]),
+            speedup_first_step=None if bound else med([r["speedup_first_step"] for r in these if r["speedup_first_step"]]),
+            steps=med([r["step"] for r in these if r["reached"]]), steps_per_s=med([r["steps_per_s"] for r in these]),
+            staleness=med([r["staleness"] for r in these]), ideal=med([r["ideal"] for r in these if r["ideal"]]),
+            G=med([r["G"] for r in these if r["G"]]), T=med([r["T"] for r in these if r["T"]]),
+            seconds=med([r["seconds"] for r in these if r["seconds"]]),
             from_first_step=med([r["from_first_step"] for r in these if r["from_first_step"]]),
-            seconds=med([r["seconds"] for r in these if r["seconds"]]))
+            accuracy_at_sync=med([r["accuracy_at_sync"] for r in these if r["accuracy_at_sync"] is not None]),
+            over_budget=max(r["over_budget"] for r in these), cpu=med([r["cpu"] for r in these]))
     scaling = {}
-    if len(counts) > 1:
-        for x in sorted({r["x"] for r in rows if r["mode"] == "stream"}):
-            a, b = (out.get(f"{n} {x:g} stream") for n in (max(counts), min(counts)))
-            if a and b and a["from_first_step"] and b["from_first_step"]:
-                scaling[f"{x:g}"] = dict(ratio=b["from_first_step"] / a["from_first_step"], ideal=max(counts) / min(counts))
+    for c in out.values():
+        if c["mode"] == "stream" and c["ratio"]:
+            other = [d for d in out.values() if d["mode"] == "stream" and d["ratio"] == c["ratio"] and d["shape"] ==
+                     c["shape"] and d["searchers"] != c["searchers"]]
+            for d in other:
+                if c["searchers"] > d["searchers"] and c["from_first_step"] and d["from_first_step"]:
+                    scaling[f"{c['ratio']:g}"] = dict(ratio=d["from_first_step"] / c["from_first_step"],
+                                                      ideal=c["searchers"] / d["searchers"], many=c["searchers"],
+                                                      few=d["searchers"])
     return dict(cells=out, scaling=scaling)
 
 
-# --- 11: a search round's cost against its size -----------------------------------------------------
 def round_cost(cfg, prompts, answers, sizes: list[int], repeat: int) -> dict:
     """One searcher's engine in this process: the seconds of a search round (vLLM's generation, then the
     whole round: rewards and pi_ref's log-probs) of p prompts x K, for each p, warm; its fixed part and its
@@ -665,11 +736,16 @@ def main():
     p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
     p.add_argument("--searchers", type=int, nargs="+", default=[1, 4],
                    help="parts 9 and 10: the searcher counts N (each beside the synchronous run on N searchers)")
-    p.add_argument("--slowdowns", nargs="+", default=["1", "10", "30", "star"],
-                   help="part 9: the --generation-slowdown values X; star: where the round takes as long as a step")
-    p.add_argument("--modes", nargs="+", default=["sync", "lag1", "stream", "inflight"], choices=list(MODES),
-                   help="part 9: the runs beside each one-process baseline (MODES)")
-    p.add_argument("--gain", type=float, default=0.25, help="part 9: the target, held-out accuracy >= start + GAIN")
+    p.add_argument("--ratios", type=float, nargs="*", default=[0.5, 1, 2, 4],
+                   help="part 9: the points G_N / T, both phases emulated from one calibration (--train-slowdown too)")
+    p.add_argument("--slowdowns", type=float, nargs="*", default=[],
+                   help="part 9: points of --generation-slowdown X alone, each run calibrating itself (CPU packing)")
+    p.add_argument("--modes", nargs="+", default=["sync", "lag1", "stream", "inflight", "full"], choices=list(MODES),
+                   help="part 9: the modes at each point (MODES)")
+    p.add_argument("--tails", nargs="*", default=["sync", "stream", "inflight", "full"], choices=list(MODES),
+                   help="part 9: the modes at G_N = T again with GPU-shaped decoding and long tails (none: skipped)")
+    p.add_argument("--gain", type=float, default=0.15, help="part 9: the target, held-out accuracy >= start + GAIN")
+    p.add_argument("--eval-every", type=int, default=2, help="part 9: steps between evaluations")
     p.add_argument("--lags", type=int, nargs="+", default=[0, 2, 10], help="part 12: the exact lags L")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
@@ -709,11 +785,10 @@ def main():
     if 7 in args.parts:
         result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
     if 9 in args.parts:
-        slowdowns = [1.0, 4.0] if args.quick else [x if x == "star" else float(x) for x in args.slowdowns]
-        result["equal_hardware"] = equal_hardware(args.seeds, out, flags, args.cap, args.quick,
-                                                  [1] if args.quick else args.searchers, slowdowns,
-                                                  ["sync", "stream"] if args.quick else args.modes,
-                                                  0.05 if args.quick else args.gain, 2 if args.quick else 5)
+        result["equal_hardware"] = equal_hardware(
+            args.seeds, out, flags, args.cap, args.quick, [1] if args.quick else args.searchers,
+            [1.0] if args.quick else args.ratios, args.slowdowns, ["sync", "stream"] if args.quick else args.modes,
+            0.05 if args.quick else args.gain, args.eval_every, [] if args.quick else args.tails)
     if 12 in args.parts:
         result["miniature"] = miniature(args.seeds, out, flags, args.quick, args.lags)
     if 10 in args.parts:
@@ -826,21 +901,31 @@ def table(r: dict) -> str:
     eh = r.get("equal_hardware")
     if eh:
         fmt = lambda t, f="{:.1f}": f.format(t) if t is not None else "-"
-        lines += [f"9. asynchrony on equal hardware (--generation-slowdown X emulates N searchers' devices of their "
-                  f"own; every mode runs on the same N): time to held-out accuracy >= start + {eh['gain']:g}, medians "
-                  f"over seeds; speed-ups over the synchronous baseline on the same N searchers (--lag 0); G: its round, "
-                  f"T: its step, ideal (G + T) / max(G, T); one process: --searchers 0 (hardware and asynchrony together)",
-                  f"   {'N':>2} {'X':>5} {'mode':<11} | {'reached':>7} | {'launch (s)':>10} {'1st step (s)':>12} | "
-                  f"{'speed-up':>8} {'1st step':>8} {'ideal':>6} | {'steps':>5} | {'stale':>5} | {'G (s)':>6} {'T (s)':>6}"]
-        for key, c in eh["summary"]["cells"].items():
-            lines.append(f"   {c['searchers']:>2} {c['x']:>5g} {c['mode']:<11} | {c['reached']:>3}/{c['runs']:<3} | "
-                         f"{fmt(c['seconds']):>10} {fmt(c['from_first_step']):>12} | {fmt(c['speedup'], '{:.2f}x'):>8} "
-                         f"{fmt(c['speedup_first_step'], '{:.2f}x'):>8} {fmt(c['ideal'], '{:.2f}'):>6} | "
-                         f"{fmt(c['steps'], '{:.0f}'):>5} | {fmt(c['staleness'], '{:.2f}'):>5} | "
-                         f"{fmt(c['G'], '{:.3f}'):>6} {fmt(c['T'], '{:.3f}'):>6}")
-        for x, sc in eh["summary"]["scaling"].items():
-            lines.append(f"   searcher scaling at X = {x}: streaming with {max(eh['searchers'])} searchers reaches the "
-                         f"target {sc['ratio']:.2f}x sooner than with {min(eh['searchers'])}, from the first step "
+        c0 = eh["costs"]
+        lines += [f"9. asynchrony on equal hardware, emulated: every mode on the same N searchers, each a device of its own, "
+                  f"and the trainer a device of its own; G/T: the synchronous round against its step (--generation-slowdown X, "
+                  f"--train-slowdown Y from one calibration" + (f": {c0['seconds_per_token'] * 1e3:.3f} ms a token, "
+                  f"a step {c0['train_step']:.3f} s alone" if c0 else "") + "; G/T '-': X alone, each run its own "
+                  f"calibration, CPU packing); time to held-out accuracy >= start + {eh['gain']:g}, medians over seeds; "
+                  f"speed-ups over --lag 0 on the same searchers; ideal (G + T) / max(G, T); acc@sync: accuracy at the "
+                  f"synchronous run's time to the target; over: real compute above the charges (CPU-bound above 10%: "
+                  f"no speed-up given)",
+                  f"   {'N':>2} {'G/T':>4} {'X':>6} {'Y':>5} {'decoding':<9} {'mode':<8} | {'reached':>7} | "
+                  f"{'launch (s)':>10} {'1st step':>8} | {'speed-up':>8} {'1st step':>8} {'ideal':>5} | {'steps':>5} "
+                  f"{'step/s':>6} | {'acc@sync':>8} | {'stale':>5} | {'G (s)':>6} {'T (s)':>6} | {'CPU (s)':>7} {'over':>5}"]
+        for c in eh["summary"]["cells"].values():
+            lines.append(f"   {c['searchers']:>2} {fmt(c['ratio'], '{:g}'):>4} {c['x']:>6g} {c['y']:>5g} {c['shape']:<9} "
+                         f"{c['mode']:<8} | {c['reached']:>3}/{c['runs']:<3} | {fmt(c['seconds']):>10} "
+                         f"{fmt(c['from_first_step']):>8} | "
+                         f"{'CPU-bound' if c['cpu_bound'] else fmt(c['speedup'], '{:.2f}x'):>8} "
+                         f"{'' if c['cpu_bound'] else fmt(c['speedup_first_step'], '{:.2f}x'):>8} "
+                         f"{fmt(c['ideal'], '{:.2f}'):>5} | {fmt(c['steps'], '{:.0f}'):>5} {fmt(c['steps_per_s'], '{:.2f}'):>6} | "
+                         f"{fmt(c['accuracy_at_sync'], '{:.3f}'):>8} | {fmt(c['staleness'], '{:.2f}'):>5} | "
+                         f"{fmt(c['G'], '{:.3f}'):>6} {fmt(c['T'], '{:.3f}'):>6} | {fmt(c['cpu'], '{:.0f}'):>7} "
+                         f"{c['over_budget']:>5.0%}")
+        for ratio, sc in eh["summary"]["scaling"].items():
+            lines.append(f"   searcher scaling at G/T {ratio} (the same X, Y): streaming with {sc['many']} searchers "
+                         f"reaches the target {sc['ratio']:.2f}x sooner than with {sc['few']}, from the first step "
                          f"(ideal {sc['ideal']:.0f})")
     rc = r.get("round_cost")
     if rc:

@@ -156,37 +156,40 @@ def study(bench_json: str, out: str):
 
 
 def equal_hardware(bench_json: str, out: str):
-    """bench.py part 9: one column per number of searchers N. Top: each mode's speed-up in time to the target over
-    the synchronous baseline on the same N searchers (--lag 0), from the first step, against X, with the ideal
-    (G + T) / max(G, T) dashed; dots: each seed, lines: medians. Bottom: the steps each needed to reach it."""
+    """bench.py part 9 along G_N / T (both phases emulated, the most searchers, linear decoding): left, each mode's
+    speed-up in time to the target over the synchronous baseline on the same searchers (--lag 0), from the first
+    step, with the ideal (G + T) / max(G, T) dashed (dots: seeds, lines: medians); middle, its throughput in steps a
+    second; right, the steps it needed (learning)."""
     plt = pyplot()
     with open(bench_json) as f:
         eh = json.load(f)["equal_hardware"]
-    counts = eh["searchers"]
-    fig, axes = plt.subplots(2, len(counts), figsize=(5.6 * len(counts), 8), squeeze=False)
+    rows = [r for r in eh["rows"] if r["ratio"] and r["shape"] == "linear" and r["searchers"] == max(eh["searchers"])]
+    if not rows:
+        raise BadRun(f"{bench_json} holds no point of part 9 with both phases emulated")
+    ratios = sorted({r["ratio"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
     median = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
-    for col, n in enumerate(counts):
-        top, bottom = axes[0, col], axes[1, col]
-        cells = [c for c in eh["summary"]["cells"].values() if c["searchers"] == n]
-        xs = sorted({c["x"] for c in cells})
-        ideal = [next((c["ideal"] for c in cells if c["x"] == x and c["mode"] == "sync"), None) for x in xs]
-        top.plot(xs, [i if i is not None else float("nan") for i in ideal], "--", color="gray", label="ideal")
-        for i, mode in enumerate(["one process", *eh["modes"]]):
-            rows = [r for r in eh["rows"] if r["searchers"] == n and r["mode"] == mode]
-            got = [[r["speedup_first_step"] for r in rows if r["x"] == x and r["speedup_first_step"]] for x in xs]
-            for x, g in zip(xs, got):
-                top.plot([x] * len(g), g, "o", color=f"C{i}", alpha=0.4, markersize=4)
-            top.plot(xs, [median(g) for g in got], "-", color=f"C{i}", label=mode)
-            steps = [[r["step"] for r in rows if r["x"] == x and r["step"]] for x in xs]
-            bottom.plot(xs, [median(v) for v in steps], "o-", color=f"C{i}", label=mode)
-        top.axhline(1, color="gray", linewidth=0.8, linestyle=":")
-        top.set(xscale="log", xlabel="generation slowdown X", ylabel="speed-up over the synchronous run (x)",
-                title=f"{n} searcher{'s' if n > 1 else ''}")
-        bottom.set(xscale="log", xlabel="generation slowdown X", ylabel=f"steps to start + {eh['gain']:g}")
-        for ax in (top, bottom):
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.suptitle("asynchrony on equal hardware, emulated (each searcher an X-times-slower device of its own)", fontsize=9)
+    fig, (speed, rate, steps) = plt.subplots(1, 3, figsize=(16, 4.8))
+    ideal = [median([r["ideal"] for r in rows if r["ratio"] == x and r["mode"] == "sync" and r["ideal"]]) for x in ratios]
+    speed.plot(ratios, ideal, "--", color="gray", label="ideal")
+    for i, mode in enumerate(modes):
+        mine = [r for r in rows if r["mode"] == mode]
+        for ax, key in ((speed, "speedup_first_step"), (rate, "steps_per_s"), (steps, "step")):
+            got = [[r[key] for r in mine if r["ratio"] == x and r[key]] for x in ratios]
+            for x, g in zip(ratios, got):
+                ax.plot([x] * len(g), g, "o", color=f"C{i}", alpha=0.35, markersize=4)
+            ax.plot(ratios, [median(g) for g in got], "-", color=f"C{i}", label=mode)
+    speed.axhline(1, color="gray", linewidth=0.8, linestyle=":")
+    speed.set(ylabel="speed-up over --lag 0, from the first step (x)")
+    rate.set(ylabel="throughput (steps a second)")
+    steps.set(ylabel=f"learning: steps to start + {eh['gain']:g}")
+    for ax in (speed, rate, steps):
+        ax.set(xscale="log", xlabel="G / T (the synchronous round over the training step)")
+        ax.set_xticks(ratios, [f"{x:g}" for x in ratios])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"asynchrony on equal hardware, emulated: {max(eh['searchers'])} searchers and the trainer on devices "
+                 f"of their own", fontsize=9)
     save(fig, out)
 
 
