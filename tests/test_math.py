@@ -131,7 +131,7 @@ def test_prompts_are_chat_turns(chat_models, tmp_path, monkeypatch):
         cfg, data, _ = check(chat_models[kind], tmp_path)
         tokenizer = AutoTokenizer.from_pretrained(chat_models[kind])
         assert tokenizer.decode(data.prompts[0]) == f"<s>user: {TASK.prompt(cfg, train[0].prompt)}\nassistant:"
-        assert tokenizer.decode(data.test_prompts[-1]) == f"<s>user: {test[-1].prompt}\nassistant:"
+        assert tokenizer.decode(data.test_prompts[-1]) == f"<s>user: {TASK.prompt(cfg, test[-1].prompt)}\nassistant:"
         assert data.prompts[0].count(tokenizer.bos_token_id) == 1  # the template's, not added again
         assert data.answers == [p.answer for p in train]
         assert cfg.max_model_len == max(map(len, data.prompts + data.test_prompts)) + 64
