@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The paper's MATH run (Bartoldson et al., 2025, Sec. 6): TBA′ (TB with pi_ref reset every 50 steps) against
 # Dr. GRPO, Qwen 2.5 7B on MATH, evaluated on MATH-500, at an exact lag of 2 or 10 steps, on one 8-GPU node.
-# The settings are issue 37's, the paper's; the authors' released code (bbartoldson/tba-prime) and its
-# configs differ in places (Qwen2.5-7B-Instruct, lr 3e-6, 16 x 16, 1,024 tokens, beta 0.001, 3 updates a
-# rollout, no pi_ref reset): docs/departures.md, "The MATH run", says which and why these.
+# The settings are the paper's and the authors' experiment files' (bbartoldson/tba-prime at 71c1716):
+# docs/departures.md, "The MATH run", says where ours still differ. Trainer rank 0 holds about 71 GB under TBA′
+# (56 GB under Dr. GRPO) of an 80 GB card, by `python tools/memory.py` (an estimate: no GPU ran it); with LAG=10
+# its host holds 11 pinned bf16 copies of the weights (168 GB; LAG=2: 46 GB).
 #
 #   bash run_math.sh                          # TBA′, lag 2, importance weights on
 #   bash run_math.sh --dry-run                # print the command and settings, start nothing
@@ -73,6 +74,8 @@ settings=(
   --dtype bfloat16                          # vLLM, pi_ref and the compute in bf16; float32 weights and AdamW, as
   --trainer-dtype float32                   # theirs (FSDP2 bf16 params over float32 weights: train.py:59-68)
   --eval-every 5                            # MATH-500, all 500 problems, one response each
+  --save-every 100                          # a checkpoint (model, AdamW, the lag's L steps of weights: about 137 GB
+                                            # at LAG=2, 260 GB at 10) every 100 steps
   --eval-temperature "$EVAL_T"              # EVAL=sampled: the training temperature; greedy: 0
 )
 source scripts/launch.sh

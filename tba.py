@@ -67,7 +67,7 @@ from runtime.local import LocalFleet
 from runtime.processes import Signals, fork_server
 from runtime.hub import load_tokenizer
 from runtime.log import Log
-from runtime.policy import AdamW, load_policy
+from runtime.policy import AdamW, LaggedCopy, load_policy
 from runtime.ranks import (broadcast, broadcast_batch, fail, first_refusal, init_distributed, machine_device,
                            raise_stop)
 from runtime.weights import gather
@@ -92,6 +92,7 @@ def train(t: "Trainer"):
         if batch is None:  # rank 0 stops the run (a signal, a silent searcher): every rank with it
             t.stop(saved=t.step > first_step)
         mine = batch[t.rank * len(batch) // t.world:(t.rank + 1) * len(batch) // t.world]
+        rescored = t.rescore(mine)  # --behaviour-logprobs trainer: the lagged weights' log-probs (policy.LaggedCopy)
         # ===== loss (TB unless --loss) and update ================================================
         beta, lr = beta_at(cfg, t.step), lr_at(cfg, t.step)
         tempering = dict(gamma=gamma_at(cfg, t.step), reward_temp=reward_temp_at(cfg, t.step))  # Lee et al.'s log R
@@ -109,6 +110,8 @@ def train(t: "Trainer"):
         t.opt.step()
         t.opt.zero_grad(set_to_none=True)
         t.step += 1
+        if t.lagged:
+            t.lagged.record(t.model, t.step)
         t.fleet.signals.training = True  # from now on a signal stops the run after a checkpoint
         # ===== sync weights to the searchers every k steps; TBA′: reset pi_ref every rho ========
         t_sync = time.time()
@@ -120,7 +123,7 @@ def train(t: "Trainer"):
         t.clock.charge(time.time() - t_train)  # --train-slowdown: the step lasts Y x its cost alone (emulated)
         # ===== log ===============================================================================
         t.log.train_row(t.step, batch, stats, t.fleet, t.buffer, t.cap, t.clock, beta=beta, lr=lr, **tempering,
-                        wait=wait, sync=sync, search=search, seconds=time.time() - t_step)
+                        wait=wait, sync=sync, search=search, seconds=time.time() - t_step, **rescored)
         # ===== evaluate ==========================================================================
         if cfg.eval_every and t.step % cfg.eval_every == 0 and t.step < cfg.steps:
             t.evaluate()
@@ -175,6 +178,11 @@ class Trainer:
                                                    rounds))
             if ckpt:
                 self.restore(ckpt)
+            self.lagged = None  # --behaviour-logprobs trainer: a second copy at the lagged weights
+            if cfg.behaviour_logprobs == "trainer":
+                self.lagged = LaggedCopy(path, self.device, cfg.dtype, cfg.trainer_dtype, cfg.lag)
+                self.lagged.restore((ckpt or {}).get("history", {}), getattr(torch, cfg.trainer_dtype))
+                self.lagged.record(self.model, self.step)
             self.fleet.share(self.model, self.step, ckpt, newest=self.buffer.newest_version())
         except BaseException:
             self.close()
@@ -232,6 +240,16 @@ class Trainer:
                      if cfg.lag is not None else self.buffer.sample(cfg.prompts_per_step, cfg.samples_per_prompt, rng))
             self.cap.draw(cfg.prompts_per_step * cfg.samples_per_prompt)
         return broadcast_batch(batch, self.rank)
+
+    def rescore(self, groups) -> dict:
+        """--behaviour-logprobs trainer: this rank's trajectories' behaviour log-probs recomputed with the weights that
+        sampled them (step - L), and the row's field of how far vLLM's were; else nothing."""
+        if not self.lagged:
+            return {}
+        cfg = self.cfg
+        gap = self.lagged.rescore(groups, self.step, self.data.prompts, self.pad, self.device, cfg.temperature,
+                                  cfg.micro_batch)
+        return {"behaviour_gap": gap}
 
     def stop(self, saved: bool):
         """Every rank: stop for rank 0's reason, after a checkpoint if `saved` (a step was taken)."""

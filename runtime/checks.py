@@ -21,7 +21,7 @@ import typing
 import numpy as np
 
 import tasks
-from loss import LOSSES, reads
+from loss import LOSSES, reads, tb_loss
 from runtime import lora, nodes, ranks, vllm_env
 from runtime.checkpoint import check_resumed_flags, load_checkpoint
 from runtime.errors import ConfigError
@@ -131,7 +131,7 @@ def check(cfg, world: int):
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
     need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
     need(cfg.is_cap >= 1, "is-cap", f"truncates an importance ratio: at least 1, got {cfg.is_cap}")
-    for flag in ("norm", "decode_cost", "response_lengths", "duplicates"):
+    for flag in ("norm", "decode_cost", "response_lengths", "duplicates", "behaviour_logprobs"):
         need(getattr(cfg, flag) in choices(cfg, flag), flag.replace("_", "-"), f"unknown {getattr(cfg, flag)!r} "
              f"(choose from {', '.join(choices(cfg, flag))})")
     try:
@@ -216,6 +216,8 @@ def check_lag(cfg, searchers: int):
          "--searchers 0 the trainer searches between its steps")
     need(not cfg.keep_full or cfg.inflight, "keep-full", "keeps requests in flight from one round to the next, which "
          "new weights reach only in flight: streaming with --inflight (the default with searchers)")
+    need(cfg.behaviour_logprobs == "vllm" or not cfg.lora_rank, "behaviour-logprobs", "trainer keeps a copy of all the "
+         "weights; with --lora-rank the adapter's are not kept: leave it at vllm")
     if cfg.lag is None:
         return
     need(not cfg.inflight, "inflight", "streams weights into rounds in flight; with --lag each round is sampled by "
@@ -266,6 +268,9 @@ ACTS_ONLY = (
     ("max_reuse", lambda c: c.lag is None and c.searchers > 0, "the streaming trainer's replay of what searchers "
      "sent: with --lag every batch is its step's rounds, with --searchers 0 every step searches its own data"),
     ("inflight_kv", lambda c: c.inflight, "in-flight updates (--inflight, streaming with searchers)"),
+    ("behaviour_logprobs", lambda c: c.lag is not None and "behaviour_logps" in reads(LOSSES.get(c.loss, tb_loss)),
+     "--lag, for a loss that reads per-token behaviour log-probs (--loss drgrpo, tbprime): the weights that sampled "
+     "a batch are then one step's"),
     ("clip", lambda c: c.loss == "grpo", "--loss grpo's importance ratio"),
     ("is_cap", lambda c: c.loss in ("drgrpo", "tbprime"), "the per-token losses' importance ratio (--loss drgrpo, "
      "tbprime)"),

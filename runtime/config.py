@@ -53,6 +53,9 @@ class Config:
     norm: str = arg("response", "drgrpo, tbprime: each response's token sum divided by its length (response) | its "
                                 "prompt's and its own (sequence: the authors' MATH runs) | --max-new-tokens (budget: "
                                 "Liu et al.'s Dr. GRPO)", choices=("response", "sequence", "budget"))
+    behaviour_logprobs: str = arg("vllm", "--lag: the importance ratio's behaviour log-probs are vLLM's, of the tokens "
+                                          "as sampled (vllm) | recomputed by the trainer with the weights of step n - L "
+                                          "(trainer: the authors')", choices=("vllm", "trainer"))
     lag: int | None = arg(None, "L: every batch of step n is sampled by the weights of step n - L exactly (0: "
                                 "synchronous, the searchers waiting for each step's weights); default: stream")
     inflight: bool | None = arg(None, "streaming: searchers load new weights between the decoding steps of a round in "

@@ -89,3 +89,56 @@ def recompute_blocks(model, blocks: set):
     from torch.distributed._composable import checkpoint
     for module in [m for m in model.modules() if type(m).__name__ in blocks]:
         checkpoint(module)
+
+
+class LaggedCopy:
+    """--behaviour-logprobs trainer (with --lag L): the behaviour log-probs of a batch recomputed by the trainer, as
+    the authors' MATH trainer does (their model_for_logprob_only, recompute_logprobs: train.py:139-141, 238-244,
+    290-301), so that the importance ratio compares the trainer's own log-probs, not vLLM's. A second copy of the
+    policy, sharded as it is; each rank keeps the shards of the last L + 1 steps' weights on the host (`record`),
+    and before step s loads those of step s - L, which sampled the batch, and rescores this rank's trajectories
+    (`rescore`). Every rank runs the same passes (FSDP2's all-gathers)."""
+
+    def __init__(self, path: str, device, dtype: str, weights_dtype: str, lag: int):
+        self.model = load_policy(path, device, dtype, weights_dtype).eval().requires_grad_(False)
+        self.lag, self.ring = lag, {}  # step -> this rank's shards of that step's weights (CPU)
+
+    def record(self, model, step: int):
+        """The shards of `model`'s weights after step `step`; the steps no batch will need go."""
+        self.ring[step] = [local(p).detach().to("cpu", copy=True) for p in model.parameters()]
+        for old in [v for v in self.ring if v < step - self.lag]:
+            del self.ring[old]
+
+    def restore(self, history: dict, dtype):
+        """A resumed run: the weights of the L steps before the checkpoint's (its history: full weights in the sync
+        dtype, on every rank), each sharded through the copy into the ring."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        for v, full in sorted(history.items()):
+            set_model_state_dict(self.model, {n: t.to(dtype) for n, t in full.items()},
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+            self.record(self.model, int(v))
+
+    @torch.no_grad()
+    def rescore(self, groups, step: int, prompts, pad, device, temperature: float, micro_batch: int) -> float:
+        """Each trajectory's behaviour log-probs (per token and summed) under the weights of step `step` - L, in
+        passes of at most `micro_batch` sequences; returns the mean absolute change of the summed ones (vLLM's
+        against the trainer's)."""
+        from loss import collate, response_logprobs
+        for p, saved in zip(self.model.parameters(), self.ring[max(0, step - self.lag)]):
+            local(p).copy_(saved)
+        trajectories, gap = [t for g in groups for t in g], []
+        for i in range(0, len(trajectories), micro_batch):
+            part = trajectories[i:i + micro_batch]
+            pairs = [(prompts[t.prompt_id], t.response) for t in part]
+            per = response_logprobs(self.model, *collate(pairs, pad, device), temperature, [len(p) for p, _ in pairs],
+                                    [len(r) for _, r in pairs]).float().cpu().numpy()
+            for t, row in zip(part, per):
+                t.behaviour_logps = row[:len(t.response)].copy()
+                gap.append(abs(float(t.behaviour_logps.sum()) - t.logp_behaviour))
+                t.logp_behaviour = float(t.behaviour_logps.sum())
+        return float(sum(gap) / max(1, len(gap)))
+
+
+def local(p):
+    """A parameter's tensor on this rank: its FSDP2 shard, or itself."""
+    return p.to_local() if hasattr(p, "to_local") else p.data

@@ -261,3 +261,20 @@ def test_a_seeded_lag_with_resets_is_the_same_twice(tiny_model, tmp_path):
     assert [[r[k] for k in keys] for r in rows[0]] == [[r[k] for k in keys] for r in rows[1]]
     # the batch of step s is scored under the reset at or before s (rows count steps from 1)
     assert [r["batch_reference"] for r in rows[0]] == [(r["step"] - 1) // 4 * 4 for r in rows[0]]
+
+
+@pytest.mark.engine
+def test_the_trainer_recomputes_the_behaviour_log_probs_with_the_lagged_weights(tiny_model, tmp_path):
+    """--behaviour-logprobs trainer (the authors'): each batch rescored by the trainer's copy at the weights of step
+    s - L. They sampled it, so on the CPU in float32 the trainer's log-probs equal vLLM's (any other step's weights
+    would differ: lr 1e-3 moves them); the same after a resume, whose copy is rebuilt from the checkpoint's history."""
+    flags = ["--model", tiny_model, *SMALL, "--searchers", "1", "--lag", "2", "--loss", "drgrpo",
+             "--behaviour-logprobs", "trainer", "--eval-every", "0"]
+    out = tmp_path / "run"
+    p = run_tba([*flags, "--steps", "4", "--save-every", "4", "--out", str(out)], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    p = run_tba([*flags, "--steps", "7", "--resume", str(out / "checkpoint")], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    assert all(r["behaviour_gap"] < 1e-4 for r in rows), [r["behaviour_gap"] for r in rows]
