@@ -64,7 +64,7 @@ from runtime.config import Config
 from runtime.errors import ConfigError, Dead, Silent, Stop
 from runtime.fleet import Fleet
 from runtime.local import LocalFleet
-from runtime.processes import Signals, fork_server
+from runtime.processes import Signals, fork_server, quiet_resource_tracker
 from runtime.hub import load_tokenizer
 from runtime.log import Log
 from runtime.policy import AdamW, LaggedCopy, load_policy
@@ -155,7 +155,8 @@ class Trainer:
                        resumed={"step": self.step} if ckpt else None)
         try:
             # the searchers first: their vLLM engines start while the trainer loads its model
-            self.fleet = (Fleet(cfg, data, self.rank, self.world, self.log, signals, self.step) if cfg.searchers
+            self.fleet = (Fleet(cfg, data, self.rank, self.world, self.log, signals, self.step, str(self.device))
+                          if cfg.searchers
                           else LocalFleet(cfg, data, self.log, signals, self.device))
             self.tokenizer = load_tokenizer(cfg.model_path)  # for padding and the final model's folder
             pad = self.tokenizer.pad_token_id
@@ -278,7 +279,7 @@ class Trainer:
         """The task's evaluation of the current weights on the held-out problems (by searcher 0, or here). Streaming
         searchers that hold older weights (--sync-every above 1, a resumed run's) are sent these first: every
         evaluation is of the step it names, in every mode."""
-        if self.cfg.searchers and self.cfg.lag is None and self.synced != self.step:
+        if self.cfg.searchers and self.cfg.lag is None and self.cfg.evaluator == "searcher" and self.synced != self.step:
             self.sync_weights()
         self.fleet.request_eval(self.step)
 
@@ -455,6 +456,7 @@ def run(cfg, data, ckpt):
 def main(argv=None):
     cfg = parse(Config, sys.argv[1:] if argv is None else argv, __doc__.split("\n\n")[0])
     vllm_env.quiet_loading()
+    quiet_resource_tracker()  # before the first lock starts it
     if argv is None and cfg.searchers and os.environ.get("LOCAL_RANK", "0") == "0" and machine_device() == "cpu":
         fork_server()  # its import of vLLM for the searchers (5 s) runs beside this rank's checks and model load
         # (from the command line only: a caller of main() in its own process, a test, starts it with its searchers)

@@ -85,6 +85,8 @@ def check(cfg, world: int):
     need(cfg.searchers >= 0, "searchers", "must be 0 or more")
     need(cfg.searchers > 0 or world == 1, "searchers", "0 (the synchronous baseline) runs in one trainer process; "
          f"got {world} (vLLM cannot share a multi-process group)")
+    need(cfg.evaluator == "searcher" or world == 1, "evaluator", f"trainer runs an engine in the trainer's process, "
+         f"which needs one trainer rank, got {world} (vLLM cannot share a multi-process group)")
     need(cfg.beta > 0, "beta", "must be positive")
     cfg = dataclasses.replace(cfg, beta_final=cfg.beta if cfg.beta_final is None else cfg.beta_final)
     need(cfg.beta_final > 0, "beta-final", "must be positive")
@@ -131,7 +133,7 @@ def check(cfg, world: int):
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
     need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
     need(cfg.is_cap >= 1, "is-cap", f"truncates an importance ratio: at least 1, got {cfg.is_cap}")
-    for flag in ("norm", "decode_cost", "response_lengths", "duplicates", "behaviour_logprobs"):
+    for flag in ("norm", "decode_cost", "response_lengths", "duplicates", "behaviour_logprobs", "evaluator"):
         need(getattr(cfg, flag) in choices(cfg, flag), flag.replace("_", "-"), f"unknown {getattr(cfg, flag)!r} "
              f"(choose from {', '.join(choices(cfg, flag))})")
     try:
@@ -278,6 +280,7 @@ ACTS_ONLY = (
     ("norm", lambda c: c.loss in ("drgrpo", "tbprime"), "the per-token losses (--loss drgrpo, tbprime)"),
     ("reward_temp", lambda c: c.loss == "tb", "TB's log R (--loss tb)"),
     ("gamma_final", lambda c: c.loss == "tb", "TB's log R (--loss tb)"),
+    ("evaluator", lambda c: c.searchers > 0, "a run with searchers (with --searchers 0 the trainer evaluates)"),
     ("decode_cost", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above 1)"),
     ("response_lengths", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above "
      "1)"),

@@ -34,6 +34,7 @@ import torch
 import searcher
 from runtime import nodes
 from runtime.errors import Dead, Silent
+from runtime.local import evaluate_here
 from runtime.processes import Channels, Watch, fork_server
 from runtime.ranks import wait_together
 from runtime.weights import WAIT, Outbox, create, join_gathers
@@ -43,7 +44,7 @@ class Fleet:
     """This node's searchers and every wait on them (the module docstring gives the verbs). On several nodes
     each node's leader (LOCAL_RANK 0) does for its node what rank 0 does on one; rank 0 holds the buffer."""
 
-    def __init__(self, cfg, data, rank: int, world: int, log, signals, step: int = 0):
+    def __init__(self, cfg, data, rank: int, world: int, log, signals, step: int = 0, device: str = "cpu"):
         self.cfg, self.data, self.rank, self.world, self.log, self.signals = cfg, data, rank, world, log, signals
         self.step = step  # the trainer's: where a resumed run's searchers begin (--lag: round r is step r's)
         local = nodes.layout(world)[1]
@@ -64,12 +65,15 @@ class Fleet:
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = create(ctx, cfg.searchers) if self.leader else None
         self.out = Outbox(self.shared, cfg.lag, cfg.timeout)  # the weights' way out, --lag's history
+        self.evaluator = None  # --evaluator trainer: an engine in this process evaluates (runtime/local.evaluate_here)
         if self.leader and cfg.searchers:  # first: their vLLM engines start while the trainer loads its model
             try:
                 self.spawn(ctx)
             except BaseException:  # a signal, a failed start: the searchers already started stop too
                 self.close()
                 raise
+        if cfg.evaluator == "trainer":  # one trainer rank (runtime.checks)
+            self.evaluator = searcher.Engine(cfg, device, cfg.trainer_memory, data.prompts, data.answers)
 
     def spawn(self, ctx):
         """This node's `--searchers` processes (searcher.run). Searcher i of this node runs on GPU (trainer
@@ -83,7 +87,8 @@ class Fleet:
                                  (ctx.Value("i", 0), ctx.Lock()), ctx.Value("q", -1), ctx.Value("q", -1))
         start = fork_server() if cfg.device == "cpu" else ctx
         for i in range(cfg.searchers):
-            own = self.channels._replace(evals=self.channels.evals if i == 0 and self.rank == 0 else None)
+            evaluates = i == 0 and self.rank == 0 and cfg.evaluator == "searcher"
+            own = self.channels._replace(evals=self.channels.evals if evaluates else None)
             dev = f"cuda:{local + i}" if cfg.device == "cuda" else "cpu"
             p = start.Process(target=searcher.run, name=f"searcher-{self.first + i}", daemon=True,
                               args=(self.first + i, cfg, self.shared, own, self.data, dev, self.step))
@@ -92,15 +97,15 @@ class Fleet:
             self.procs.append(p)
 
     def beside(self):
-        """Build the trainer's model inside this (nothing to do: the engines are in the searchers)."""
-        return contextlib.nullcontext()
+        """Build the trainer's model inside this (beside --evaluator trainer's engine; else nothing to do)."""
+        return self.evaluator.beside() if self.evaluator else contextlib.nullcontext()
 
     def share(self, model, version: int, saved: dict | None = None, newest: int = -1):
         """The shared weights (every rank gathers; each leader allocates them once), at `version`, or with
         `saved` (a checkpoint's) the older weights the searchers held, --lag's history and TBA′'s pi_ref; then
         handed to the searchers, which may read them from now on (shared memory / CUDA IPC handles, not copies)."""
         self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved)
-        self.newest = newest
+        self.newest, self.model = newest, model  # (--evaluator trainer evaluates it as it is)
         if not self.leader:
             return
         for _ in self.procs:
@@ -351,7 +356,10 @@ class Fleet:
         evaluates them at the start of a round, before it loads newer ones (searcher.Requests); streaming, the
         next step waits until it holds them (`evaluation_pending`), so that the next weights cannot replace them
         first; with --lag its rounds reach them in order, and past its last round it asks for them (`wants`)."""
-        if self.rank == 0:
+        if self.evaluator:  # --evaluator trainer: here, now
+            evaluate_here(self.evaluator, self.model, step, self.cfg, self.data, self.log)
+            self.evaluated.append(step)
+        elif self.rank == 0:
             self.asked.append(step)
             self.channels.asked.value = step  # before the request: a searcher that sees newer weights sees it asked
             self.channels.evals.put(step)
@@ -380,6 +388,8 @@ class Fleet:
 
     def close(self):
         """Stop the searchers: ask (they finish their round), then kill; nothing is left behind."""
+        if self.evaluator:
+            self.evaluator.close()
         if self.channels is None:
             return
         self.channels.stop.set()

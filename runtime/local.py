@@ -86,15 +86,9 @@ class LocalFleet:
         return True
 
     def request_eval(self, step: int):
-        """Evaluate now, on the held-out problems, the weights of step `step` as a sync sends them (its dtype,
-        tied names too)."""
-        t0 = time.time()
-        if self.engine.version != step:
-            self.engine.load(every_name(self.model, getattr(torch, self.cfg.dtype)), step)
-        scores, example = self.engine.evaluate(self.data.test_prompts, self.data.test_answers)
-        self.log.eval(step, scores, example, time.time() - t0, self.log.clock())
+        """Evaluate now, with this process's engine (`evaluate_here`)."""
+        evaluate_here(self.engine, self.model, step, self.cfg, self.data, self.log)
         self.evaluated.append(step)
-        self.log.overhead += time.time() - t0
 
     def evaluation_pending(self) -> None:
         return None  # it evaluates at once (request_eval)
@@ -109,3 +103,15 @@ class LocalFleet:
 
     def close(self):
         self.engine.close()
+
+
+def evaluate_here(engine, model, step: int, cfg, data, log):
+    """An evaluation in the trainer's process, on the held-out problems, of the weights of step `step` as a sync sends
+    them (its dtype, tied names too): --searchers 0's, and with --evaluator trainer the searchers' run's; its time is
+    the trainer's overhead, left out of the run's time as a checkpoint's is."""
+    t0 = time.time()
+    if engine.version != step:
+        engine.load(every_name(model, getattr(torch, cfg.dtype)), step)
+    scores, example = engine.evaluate(data.test_prompts, data.test_answers)
+    log.eval(step, scores, example, time.time() - t0, log.clock())
+    log.overhead += time.time() - t0

@@ -23,6 +23,15 @@ from runtime import vllm_env
 from runtime.errors import Silent, Stop
 
 
+def quiet_resource_tracker():
+    """A searcher killed (-9, a crashed vLLM) leaves a semaphore of its own in multiprocessing's resource tracker,
+    the trainer's, which unlinks it at the trainer's exit and warns that it leaked, two lines after the run's one
+    (multiprocessing/resource_tracker.py:254). The run has said what happened: the tracker, started by the
+    trainer's first lock, inherits a filter for that warning alone."""
+    quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
+
+
 class Signals:
     """SIGINT and SIGTERM: before the first step one stops the run at once (nothing to save, Stop);
     after it, the first asks the trainer to stop after a checkpoint (`first`), and a second one

@@ -59,7 +59,7 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--eval-limit", "0"], "--eval-limit"),
     (["--out", "/proc/x"], "--out: cannot write to /proc/x"),
     (["--max-reuse", "-1"], "--max-reuse: must be 0 (no cap) or more"),
-    (["--searchers", "0", "--max-reuse", "1"], "--max-reuse: caps the asynchronous trainer's replay"),
+    (["--searchers", "0", "--max-reuse", "1"], "--max-reuse: acts only in the streaming trainer's replay"),
     (["--round-prompts", "0"], "--round-prompts: must be at least 1"),
     (["--searchers", "0", "--round-prompts", "4"], "--round-prompts: sizes a searcher's round"),
     # Lee et al.'s red-teaming recipe
@@ -82,7 +82,7 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--gamma-anneal-steps", "10"], "--gamma-anneal-steps: anneals gamma from 1 to --gamma-final, and --gamma-final is 1"),
     (["--weight-decay", "-0.01"], "--weight-decay"),
     (["--reward-temp", "0"], "--reward-temp: must be positive"),
-    (["--reward-temp", "2", "--loss", "rloo"], "--reward-temp: T_R and gamma shape TB's log R"),
+    (["--reward-temp", "2", "--loss", "rloo"], "--reward-temp: acts only in TB's log R"),
     (["--gamma-final", "-1"], "--gamma-final"),
     (["--explore-temp-min", "0.5"], "--explore-temp-min: the exploration temperatures need"),
     (["--explore-temp-min", "2", "--explore-temp-max", "0.5"], "--explore-temp-min"),

@@ -104,10 +104,10 @@ def test_fsdp_two_ranks(tiny_model, tmp_path):
 
 @pytest.mark.engine
 def test_synchronous_lag_sets_the_staleness(tiny_model, tmp_path):
-    """--lag L in the synchronous mode (k = 1, m = 1): every batch is exactly L steps stale once the
-    run is L steps in (the initial weights until then); with the GRPO baseline."""
+    """--lag L in the synchronous mode (k = 1; each batch its step's rounds): every batch is exactly L steps stale
+    once the run is L steps in (the initial weights until then); with the GRPO baseline."""
     out, _ = run_small(tiny_model, tmp_path, "--searchers", "0", "--steps", "7", "--eval-every", "0", "--lag", "3",
-                       "--sync-every", "1", "--recency", "1", "--loss", "grpo")
+                       "--loss", "grpo")
     train, _ = check_rows(metrics(out), 7, loss="grpo")
     assert [r["staleness"] for r in train] == [0, 1, 2, 3, 3, 3, 3]
     assert all(r["staleness_max"] == r["staleness"] for r in train)

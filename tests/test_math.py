@@ -175,8 +175,9 @@ def test_a_math_run_with_a_context(chat_models, tmp_path):
     problems = [{"problem": f"What is {n} + {n}?" + " Think." * n, "answer": str(2 * n)} for n in range(1, 7)]
     data = write(tmp_path / "data", problems[:4], problems[4:])
     tokenizer = AutoTokenizer.from_pretrained(chat_models["chat"])
-    prompts = [checks.encode(tokenizer, p.prompt, True) for p in TASK.load(data)[0]]
-    context = max(len(checks.encode(tokenizer, p.prompt, True)) for p in sum(TASK.load(data), [])) + 6
+    asked = lambda p: TASK.prompt(Config(task="math"), p.prompt)  # the problem and its instruction, as a run's
+    prompts = [checks.encode(tokenizer, asked(p), True) for p in TASK.load(data)[0]]
+    context = max(len(checks.encode(tokenizer, asked(p), True)) for p in sum(TASK.load(data), [])) + 6
     out = tmp_path / "run"
     p = run_tba(["--model", chat_models["chat"], "--task", "math", "--data", data, "--searchers", "0", "--steps", "2",
                  "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "48", "--context",

@@ -221,3 +221,22 @@ def test_each_held_out_problem_has_its_own_seed():
     assert len({evaluation_seed(3, p) for p in prompts}) == 3  # the problems' noise is their own
     assert [evaluation_seed(3, p) for p in prompts] == [evaluation_seed(3, list(p)) for p in prompts]  # reproducible
     assert evaluation_seed(4, prompts[0]) != evaluation_seed(3, prompts[0])
+
+
+@pytest.mark.engine
+def test_the_trainer_can_evaluate_instead_of_searcher_0(tiny_model, tmp_path):
+    """--evaluator trainer (bench.py part 9's: no mode's step waits on searcher 0's evaluation): every evaluation of
+    the grid, made in the trainer's process, its time the trainer's overhead."""
+    out = tmp_path / "run"
+    p = run_tba(["--model", tiny_model, *SMALL, "--steps", "4", "--eval-every", "2", "--evaluator", "trainer",
+                 "--out", str(out)], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert evals(out) == [0, 2, 4]
+    train = [r for r in metrics(out) if r["kind"] == "train"]
+    before = [r["seconds"] for r in metrics(out) if r["kind"] == "eval" and r["step"] < train[-1]["step"]]
+    assert len(before) == 2 and train[-1]["overhead"] >= sum(before) - 1e-6  # its time the trainer's overhead
+
+
+def test_the_trainers_evaluator_needs_one_rank():
+    with pytest.raises(ConfigError, match=r"^--evaluator: trainer runs an engine in the trainer's process"):
+        checks.check(Config(evaluator="trainer", prompts_per_step=4), 2)

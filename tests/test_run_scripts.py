@@ -153,19 +153,20 @@ MATH_COMMON = dict(model="Qwen/Qwen2.5-7B", task="math", searchers=4, steps=420,
                    weight_decay=0.01, adam_betas="0.9,0.99", grad_clip=1.0, temperature=1.0, context=4096,
                    max_new_tokens=4096, micro_batch=1, activation_checkpointing=True, dtype="bfloat16",
                    trainer_dtype="float32", eval_every=5, eval_limit=None, is_cap=8.0, max_reuse=None,
-                   initial_buffer=0, sync_every=1)
+                   initial_buffer=0, sync_every=1, save_every=100)
 MATH_TB = dict(loss="tbprime", ref_reset_every=50, beta=0.005, beta_final=None, beta_anneal_steps=0)
 MATH_DRGRPO = dict(loss="drgrpo", ref_reset_every=0)
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("environ,expected", [
-    ({}, dict(MATH_TB, lag=2, importance_weights=True, eval_temperature=1.0)),
+    ({}, dict(MATH_TB, lag=2, importance_weights=True, eval_temperature=1.0, norm="sequence")),  # the authors'
+    ({"NORM": "response"}, dict(MATH_TB, lag=2, norm="response")),
     ({"LAG": "10", "IS": "off"}, dict(MATH_TB, lag=10, importance_weights=False, eval_temperature=1.0)),
     ({"EVAL": "greedy", "IS": "on"}, dict(MATH_TB, lag=2, importance_weights=True, eval_temperature=0.0)),
-    ({"LOSS": "drgrpo"}, dict(MATH_DRGRPO, lag=2, drgrpo_norm="length", eval_temperature=1.0)),
-    ({"LOSS": "drgrpo", "NORM": "constant", "LAG": "10", "EVAL": "greedy"},
-     dict(MATH_DRGRPO, lag=10, drgrpo_norm="constant", eval_temperature=0.0)),
+    ({"LOSS": "drgrpo"}, dict(MATH_DRGRPO, lag=2, norm="sequence", eval_temperature=1.0)),
+    ({"LOSS": "drgrpo", "NORM": "budget", "LAG": "10", "EVAL": "greedy"},
+     dict(MATH_DRGRPO, lag=10, norm="budget", eval_temperature=0.0)),
 ])
 def test_run_math_dry_run_has_the_issues_settings(environ, expected):
     command, cfg = dry_run(script="run_math.sh", **environ)
@@ -183,11 +184,12 @@ def test_run_math_dry_run_has_the_issues_settings(environ, expected):
     ({"LAG": "3"}, "LAG must be 2 or 10 (the paper's lags), got 3"),
     ({"IS": "maybe"}, "IS must be on or off, got maybe"),
     ({"LOSS": "drgrpo", "IS": "off"}, "IS is TBA′'s (LOSS=tb), got IS=off with LOSS=drgrpo"),
-    ({"NORM": "constant"}, "NORM is Dr. GRPO's (LOSS=drgrpo), got NORM=constant with LOSS=tb"),
-    ({"LOSS": "drgrpo", "NORM": "sum"}, "NORM must be length or constant, got sum"),
+    ({"NORM": "sum"}, "NORM must be response, sequence or budget, got sum"),
+    ({"TRAINERS": "3"}, "TRAINERS must divide B = 32, got 3"),
     ({"EVAL": "best"}, "EVAL must be sampled or greedy, got best"),
 ])
 def test_run_math_refuses_unknown_choices(environ, message):
+    """(TRAINERS and SEARCHERS that are no numbers are refused for every script by scripts/launch.sh: below.)"""
     p = subprocess.run(["bash", os.path.join(ROOT, "run_math.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env=dict(os.environ, **environ))
     assert p.returncode == 2 and p.stderr.strip() == f"run_math.sh: {message}" and not p.stdout
@@ -197,3 +199,14 @@ def test_run_math_refuses_unknown_choices(environ, message):
 def test_run_math_passes_arguments_through_and_splits_gpus():
     command, cfg = dry_run("--data", "/some/math", "--steps", "5", script="run_math.sh", TRAINERS="2", SEARCHERS="6")
     assert (command[2], cfg.data, cfg.steps, cfg.searchers) == ("--nproc_per_node=2", "/some/math", 5, 6)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("script", ["run_gsm8k.sh", "run_math.sh", "scripts/run_tldr.sh"])
+@pytest.mark.parametrize("environ", [{"TRAINERS": "abc"}, {"SEARCHERS": "0"}, {"TRAINERS": "1.5"}])
+def test_a_gpu_split_that_is_no_number_is_refused_at_the_dry_run(script, environ):
+    p = subprocess.run(["bash", os.path.join(ROOT, script), "--dry-run"], capture_output=True, text=True, timeout=30,
+                       env=dict(os.environ, **environ))
+    name, value = next(iter(environ.items()))
+    assert p.returncode == 2 and not p.stdout, p.stdout
+    assert p.stderr.strip() == f"{os.path.basename(script)}: {name} must be a number of GPUs, at least 1, got '{value}'"

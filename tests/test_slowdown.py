@@ -68,7 +68,7 @@ def test_only_search_rounds_are_slowed(tiny_model, monkeypatch):
     from transformers import AutoTokenizer
     from test_weight_sync import config
     calls = []
-    monkeypatch.setattr(slowdown, "slow_down", lambda generate, alone, factor: calls.append((factor, alone)) or 0.0)
+    monkeypatch.setattr(slowdown, "slow_down", lambda generate, alone, factor, limit=0: calls.append((factor, alone)) or 0.0)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     prompts, answers = [tok("12+34=").input_ids, tok("47+85=").input_ids], ["46", "132"]
     engine = searcher.Engine(config(tiny_model, generation_slowdown=100.0), DEVICE, 0.1, prompts, answers)

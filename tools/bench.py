@@ -48,7 +48,9 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    kept full), per seed: throughput (steps a second) apart from learning (steps to start + --gain, 0.15,
    evaluations every --eval-every 2), seconds to it from launch and from the first step, accuracy at the
    synchronous run's time, the speed-up over that run and the ideal (G + T) / max(G, T), the CPU used, and the
-   real compute over the charges (a CPU-bound cell gives no speed-up). Then --tails at G_N = T with
+   real compute over the charges (a CPU-bound cell gives no speed-up). The trainer evaluates (--evaluator
+   trainer: its time left out, as a checkpoint's), so that no mode's step waits on searcher 0's evaluation.
+   Then --tails at G_N = T with
    GPU-shaped decoding and long tails, and streaming on the fewest searchers at the most generation-bound
    point (scaling). --slowdowns X adds points of X alone, each run calibrating itself (CPU packing, as
    measured before). Also drawn: OUT/equal_hardware.png (`python tools/plot.py --slowdown OUT/bench.json`).
@@ -230,7 +232,7 @@ def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
 
 
 # --- 7: off-policy robustness ---------------------------------------------------------------------
-STUDY = ["--searchers", "0", "--sync-every", "1", "--recency", "1", "--eval-every", "10"]
+STUDY = ["--searchers", "0", "--sync-every", "1", "--eval-every", "10"]  # --lag: each batch its step's rounds
 
 
 def lagged_run(part: int, run: str, loss: str, args: list[str], lag: int, seed: int, tail: list[str]) -> tuple[dict, dict]:
@@ -331,22 +333,23 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, qui
                           y=cells[0]["y"], shape="gpu+tails", modes=tails))
     if len(counts) > 1 and ratios:  # the fewest searchers at the most generation-bound point's X and Y
         top = max((c for c in cells if c["ratio"]), key=lambda c: c["ratio"])
-        cells.append(dict(top, n=min(counts), modes=["stream"]))
+        cells.append(dict(top, n=min(counts), modes=["stream"], baseline=False))  # against the most's stream
     rows = []
     for cell in cells:
         for seed in seeds:
             sync = None
-            for mode in (["sync"] if "sync" not in cell["modes"] else []) + cell["modes"]:
+            for mode in (["sync"] if "sync" not in cell["modes"] and cell.get("baseline", True) else []) + cell["modes"]:
                 name = (f"hardware-n{cell['n']}-{'r%g' % cell['ratio'] if cell['ratio'] else 'x%g' % cell['x']}-"
                         f"{cell['shape'].replace('+', '')}-{mode}-seed{seed}")
                 run = os.path.join(out, name)
-                extra = ["--eval-every", str(eval_every), "--generation-slowdown", f"{cell['x']:g}",
+                extra = ["--eval-every", str(eval_every), "--evaluator", "trainer", "--generation-slowdown", f"{cell['x']:g}",
                          *(["--train-slowdown", f"{cell['y']:g}", "--calibration", costs["file"]] if cell["ratio"] else []),
                          *(GPU_TAILS if cell["shape"] == "gpu+tails" else []), *MODES.get(mode, []), *flags]
                 until = sync["seconds"] if sync and sync["reached"] else 0.0
                 r = (run_one or (lambda f: f()))(lambda: run_until_target(cell["n"], seed, cap, run, extra, False, gain,
                                                                           until=until))
-                rows.append(dict(hardware_row(run, r, sync), searchers=cell["n"], ratio=cell["ratio"], x=cell["x"],
+                rows.append(dict(hardware_row(run, r, sync, baseline=mode == "sync"), searchers=cell["n"],
+                                 ratio=cell["ratio"], x=cell["x"],
                                  y=cell["y"], shape=cell["shape"], mode=mode, seed=seed))
                 sync = rows[-1] if mode == "sync" else sync
                 print(f"9. N {cell['n']} {'G/T %g' % cell['ratio'] if cell['ratio'] else 'X %g' % cell['x']} "
@@ -360,9 +363,9 @@ GPU_SHAPE = 2.0  # the gpu+tails cell's X: ratio 1's, over about how much more a
 # tail runs at a GPU step's fixed cost; measured G / T is printed with each cell)
 
 
-def hardware_row(run: str, r: dict, sync: dict | None) -> dict:
+def hardware_row(run: str, r: dict, sync: dict | None, baseline: bool = False) -> dict:
     """Part 9's figures of one run: its folder, run_until_target's dict `r` and the synchronous run of its cell and
-    seed (None: this is it). G and T (the synchronous runs'): the median round wait and the median step without it,
+    seed (`baseline`: this is it; None: the cell has none). G and T (the synchronous runs'): the median round wait and the median step without it,
     the first step left out. Throughput (steps a second, from the first step) apart from learning (steps to the
     target); time to the target from launch and from the first step; the accuracy at the synchronous run's time to
     the target (equal wall time, from the first step); the real compute over its charges (over budget, a share of
@@ -386,8 +389,10 @@ def hardware_row(run: str, r: dict, sync: dict | None) -> dict:
                staleness_last=float(np.mean([t.get("staleness_last", t["staleness"]) for t in train])) if train else None,
                over_budget=last.get("over_budget", 0.0) / charged if charged else 0.0, cpu=r["cpu"],
                accuracy_at_sync=at, curve=[(e["step"], e["accuracy"]) for e in evals])
-    if sync is None:
+    if baseline:
         row.update(speedup=1.0, speedup_first_step=1.0, ideal=(G + T) / max(G, T) if G and T else None)
+    elif sync is None:  # a cell without its baseline (the scaling's): no speed-up over one
+        row.update(speedup=None, speedup_first_step=None, ideal=None)
     else:
         both = row["reached"] and sync["reached"]
         row.update(G=sync["G"], T=sync["T"], ideal=sync["ideal"],
@@ -639,7 +644,7 @@ def sync_cost(model_path: str, cfg, repeat: int) -> dict:
     shared = weights.create(torch.multiprocessing.get_context("spawn"))
     weights.allocate(shared, weights.gather(model), weights.aliases(model), trainer, getattr(torch, cfg.dtype))
     engine = Engine(dataclasses.replace(cfg, model_path=model_path), searcher_device, 0.2, [[1, 2, 3]], ["0"])
-    version = [0]
+    version, inbox = [0], weights.Inbox(shared, 0, None, lambda: None, 60)
 
     def publish_once():  # the trainer's side: gather (a no-op on one rank) and copy into the shared tensors
         version[0] += 1
@@ -647,7 +652,7 @@ def sync_cost(model_path: str, cfg, repeat: int) -> dict:
 
     def reload_once():
         shared.version.value += 1
-        engine.sync(shared, lambda: None, 60)  # reload into vLLM + prefix-cache reset, synchronised
+        engine.sync(inbox)  # reload into vLLM + prefix-cache reset, synchronised
 
     unique = {t.data_ptr(): t for t in shared.tensors.values()}.values()
     nbytes = sum(t.numel() * t.element_size() for t in unique)
