@@ -344,7 +344,8 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, qui
                 run = os.path.join(out, name)
                 extra = ["--eval-every", str(eval_every), "--evaluator", "trainer", "--generation-slowdown", f"{cell['x']:g}",
                          *(["--train-slowdown", f"{cell['y']:g}", "--calibration", costs["file"]] if cell["ratio"] else []),
-                         *(GPU_TAILS if cell["shape"] == "gpu+tails" else []), *MODES.get(mode, []), *flags]
+                         *(GPU_TAILS if cell["shape"] == "gpu+tails" else []), *MODES.get(mode, []),
+                         *(without_streaming(flags) if "--lag" in MODES.get(mode, []) else flags)]
                 until = sync["seconds"] if sync and sync["reached"] else 0.0
                 r = (run_one or (lambda f: f()))(lambda: run_until_target(cell["n"], seed, cap, run, extra, False, gain,
                                                                           until=until))
@@ -357,6 +358,22 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, qui
                       f"{'at %.1f s, step %d' % (r['seconds'], r['step']) if r['reached'] else 'not reached'}, "
                       f"{rows[-1]['steps_per_s']:.2f} steps/s, over budget {rows[-1]['over_budget']:.0%}", flush=True)
     return dict(searchers=counts, gain=gain, cap=cap, costs=costs, rows=rows, summary=hardware_summary(rows))
+
+
+def without_streaming(flags: list[str]) -> list[str]:
+    """The user's flags for a --lag run: those that act only streaming (the buffer's sampling: tba.py refuses them
+    with --lag, runtime/checks.ACTS_ONLY) left out, so that one study of them (`-- --recency 1`) keeps its baseline."""
+    from runtime.checks import ACTS_ONLY
+    streaming = {"--" + flag.replace("_", "-") for flag, _, where in ACTS_ONLY if where.startswith("streaming")}
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f in streaming:
+            skip = True
+        else:
+            out.append(f)
+    return out
 
 
 GPU_SHAPE = 2.0  # the gpu+tails cell's X: ratio 1's, over about how much more a round costs there (a longer round's
