@@ -73,8 +73,8 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
             if channels.stop.is_set():
                 break
             # ===== the weights: the newest published, or (--lag) exactly those of step round - L ===
-            for_step = lagged_step(cfg, round_)
-            weights.wait_for(max(0, for_step - cfg.lag) if for_step >= 0 else requests.wanted(cfg, engine.version), beat)
+            for_step, version = lagged(cfg, round_, lambda: requests.wanted(engine.version))
+            weights.wait_for(version, beat)
             # ===== evaluate, if asked: the weights of the step asked for, held until now (after a first round:
             # the trainer gets its first data first) =================================================
             if round_ > first_round and requests.due(engine.version):
@@ -86,14 +86,15 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
                 send(channels.queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores,
                                           example=example, seconds=time.time() - t0), channels.stop)
             engine.sync(weights)
+            weights.announce(lagged(cfg, round_ + 1, lambda: None)[1])  # --lag: held, it needs the next round's now
             # ===== search: sample, score, pi_ref's log-probs; send to the trainer =================
-            if for_step >= 0 or cfg.lag is None:
+            if for_step is not None:
                 t0 = time.time()
                 rng = np.random.default_rng([cfg.seed, index, round_, seeds.SEARCH_PROMPTS])  # a resumed run's too
                 ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
                 search(*engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
                                       for_step=for_step), t0)  # (--keep-full: nothing from the call that fills it)
-            else:  # --lag, every round made: only evaluations are left to do
+            else:  # every round made (--lag): only evaluations are left to do
                 time.sleep(WAIT / 4)
     except Dead:
         sys.exit(3)
@@ -107,10 +108,13 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
         channels.queue.cancel_join_thread()  # never block exit on undelivered data
 
 
-def lagged_step(cfg, round_: int) -> int:
-    """--lag: the trainer step whose batch round `round_` makes (no batch needs a round past --steps: -1 then);
-    streaming: -1."""
-    return round_ if cfg.lag is not None and round_ < cfg.steps else -1
+def lagged(cfg, round_: int, wanted) -> tuple[int | None, int | None]:
+    """(the trainer step whose batch round `round_` makes, the weights' version it needs) with --lag: (round, round
+    - L); past --steps no batch needs a round: (None, the next evaluation's weights, `wanted()`). Streaming: (-1,
+    None), any step's, the newest weights."""
+    if cfg.lag is None:
+        return -1, None
+    return (round_, max(0, round_ - cfg.lag)) if round_ < cfg.steps else (None, wanted())
 
 
 def evaluation_seed(seed: int, prompt: list[int]) -> tuple:
@@ -431,8 +435,8 @@ class Requests:
     def done(self, version: int):
         self.pending = [step for step in self.pending if step > version]
 
-    def wanted(self, cfg, held: int) -> int | None:
+    def wanted(self, held: int) -> int | None:
         """--lag, past the last round: the weights of the next evaluation asked for, newer than those `held` (the
-        trainer serves them once asked: `wants`); None: none (or streaming)."""
+        trainer serves them once asked: `wants`); None: none."""
         ahead = [step for step in self.read() if step > held]
-        return min(ahead) if cfg.lag is not None and ahead else None
+        return min(ahead) if ahead else None

@@ -110,8 +110,6 @@ def train(t: "Trainer"):
         t.opt.step()
         t.opt.zero_grad(set_to_none=True)
         t.step += 1
-        if t.lagged:
-            t.lagged.record(t.model, t.step)
         t.fleet.signals.training = True  # from now on a signal stops the run after a checkpoint
         # ===== sync weights to the searchers every k steps; TBA′: reset pi_ref every rho ========
         t_sync = time.time()
@@ -183,7 +181,6 @@ class Trainer:
             if cfg.behaviour_logprobs == "trainer":
                 self.lagged = LaggedCopy(path, self.device, cfg.dtype, cfg.trainer_dtype, cfg.lag)
                 self.lagged.restore((ckpt or {}).get("history", {}), getattr(torch, cfg.trainer_dtype))
-                self.lagged.record(self.model, self.step)
             self.fleet.share(self.model, self.step, ckpt, newest=self.buffer.newest_version())
         except BaseException:
             self.close()
@@ -248,6 +245,7 @@ class Trainer:
         if not self.lagged:
             return {}
         cfg = self.cfg
+        self.lagged.record(self.model, self.step)  # the weights of this step, for the batch L steps on
         gap = self.lagged.rescore(groups, self.step, self.data.prompts, self.pad, self.device, cfg.temperature,
                                   cfg.micro_batch)
         return {"behaviour_gap": gap}

@@ -85,7 +85,7 @@ def check(cfg, world: int):
     need(cfg.searchers >= 0, "searchers", "must be 0 or more")
     need(cfg.searchers > 0 or world == 1, "searchers", "0 (the synchronous baseline) runs in one trainer process; "
          f"got {world} (vLLM cannot share a multi-process group)")
-    need(cfg.evaluator == "searcher" or world == 1, "evaluator", f"trainer runs an engine in the trainer's process, "
+    need(cfg.evaluator == "searcher" or world == 1, "evaluator", f"after runs an engine in the trainer's process, "
          f"which needs one trainer rank, got {world} (vLLM cannot share a multi-process group)")
     need(cfg.beta > 0, "beta", "must be positive")
     cfg = dataclasses.replace(cfg, beta_final=cfg.beta if cfg.beta_final is None else cfg.beta_final)

@@ -142,10 +142,10 @@ class Config:
                                           "(emulated by sleeping); 1 = off")
     train_slowdown: float = arg(1.0, "experiment knob: each training step (sample, loss, update, sync) takes Y times "
                                      "its cost alone (emulated by sleeping); 1 = off")
-    evaluator: str = arg("searcher", "experiment knob: searcher 0 evaluates between its rounds (searcher) | an engine of "
-                                     "the trainer's own does, its time left out of the run's like a checkpoint's "
-                                     "(trainer: a comparison whose baseline would wait on searcher 0's evaluations)",
-                         choices=("searcher", "trainer"))
+    evaluator: str = arg("searcher", "experiment knob: searcher 0 evaluates between its rounds (searcher) | the trainer "
+                                     "keeps each evaluation's weights on the host and evaluates them after the last "
+                                     "step, each row at the time its weights were made (after: a comparison of "
+                                     "asynchrony that no evaluation may disturb)", choices=("searcher", "after"))
     calibration: str | None = arg(None, "experiment knob: a JSON file of the emulated costs alone (seconds_per_token, "
                                         "train_step: tools/bench.py measures them), instead of each run's own")
     decode_cost: str = arg("linear", "experiment knob, with --generation-slowdown: a decoding step costs each running "

@@ -37,7 +37,7 @@ from runtime.errors import Dead, Silent
 from runtime.local import evaluate_here
 from runtime.processes import Channels, Watch, fork_server
 from runtime.ranks import wait_together
-from runtime.weights import WAIT, Outbox, create, join_gathers
+from runtime.weights import WAIT, Outbox, create, every_name, join_gathers
 
 
 class Fleet:
@@ -65,14 +65,15 @@ class Fleet:
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = create(ctx, cfg.searchers) if self.leader else None
         self.out = Outbox(self.shared, cfg.lag, cfg.timeout)  # the weights' way out, --lag's history
-        self.evaluator = None  # --evaluator trainer: an engine in this process evaluates (runtime/local.evaluate_here)
+        self.evaluator = None  # --evaluator after: an engine in this process evaluates after the last step
+        self.snapshots = []    # --evaluator after: (step, its weights on the host, when they were made)
         if self.leader and cfg.searchers:  # first: their vLLM engines start while the trainer loads its model
             try:
                 self.spawn(ctx)
             except BaseException:  # a signal, a failed start: the searchers already started stop too
                 self.close()
                 raise
-        if cfg.evaluator == "trainer":  # one trainer rank (runtime.checks)
+        if cfg.evaluator == "after":  # one trainer rank (runtime.checks)
             self.evaluator = searcher.Engine(cfg, device, cfg.trainer_memory, data.prompts, data.answers)
 
     def spawn(self, ctx):
@@ -97,7 +98,7 @@ class Fleet:
             self.procs.append(p)
 
     def beside(self):
-        """Build the trainer's model inside this (beside --evaluator trainer's engine; else nothing to do)."""
+        """Build the trainer's model inside this (beside --evaluator after's engine; else nothing to do)."""
         return self.evaluator.beside() if self.evaluator else contextlib.nullcontext()
 
     def share(self, model, version: int, saved: dict | None = None, newest: int = -1):
@@ -105,7 +106,7 @@ class Fleet:
         `saved` (a checkpoint's) the older weights the searchers held, --lag's history and TBA′'s pi_ref; then
         handed to the searchers, which may read them from now on (shared memory / CUDA IPC handles, not copies)."""
         self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved)
-        self.newest, self.model = newest, model  # (--evaluator trainer evaluates it as it is)
+        self.newest, self.model = newest, model  # (--evaluator after keeps its weights at each evaluation's step)
         if not self.leader:
             return
         for _ in self.procs:
@@ -356,9 +357,11 @@ class Fleet:
         evaluates them at the start of a round, before it loads newer ones (searcher.Requests); streaming, the
         next step waits until it holds them (`evaluation_pending`), so that the next weights cannot replace them
         first; with --lag its rounds reach them in order, and past its last round it asks for them (`wants`)."""
-        if self.evaluator:  # --evaluator trainer: here, now
-            evaluate_here(self.evaluator, self.model, step, self.cfg, self.data, self.log)
-            self.evaluated.append(step)
+        if self.evaluator:  # --evaluator after: the weights kept, evaluated after the last step (`wait_for_eval`)
+            t0 = time.time()
+            named = [(n, t.detach().to("cpu", copy=True)) for n, t in every_name(self.model, getattr(torch, self.cfg.dtype))]
+            self.snapshots.append((step, named, self.log.clock()))
+            self.log.overhead += time.time() - t0
         elif self.rank == 0:
             self.asked.append(step)
             self.channels.asked.value = step  # before the request: a searcher that sees newer weights sees it asked
@@ -375,7 +378,12 @@ class Fleet:
 
     def wait_for_eval(self, buffer, step: int | None = None):
         """Wait for the evaluation of step `step` (None: of every step asked so far), taking whatever else comes
-        (node 0's: the evaluation is its searcher 0's; every rank waits with rank 0)."""
+        (node 0's: the evaluation is its searcher 0's; every rank waits with rank 0). --evaluator after: the kept
+        weights evaluated now, each row with the time its weights were made."""
+        for v, named, made in self.snapshots:
+            evaluate_here(self.evaluator, named, v, self.cfg, self.data, self.log, made)
+            self.evaluated.append(v)
+        self.snapshots = []
         done = lambda: all(s in self.evaluated for s in (self.asked if step is None else [step]))
         what = "every evaluation asked" if step is None else f"the final evaluation (of step {step})"
         return self.wait_for(buffer, done, lambda: f"{what} from searcher 0")

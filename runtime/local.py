@@ -105,13 +105,13 @@ class LocalFleet:
         self.engine.close()
 
 
-def evaluate_here(engine, model, step: int, cfg, data, log):
-    """An evaluation in the trainer's process, on the held-out problems, of the weights of step `step` as a sync sends
-    them (its dtype, tied names too): --searchers 0's, and with --evaluator trainer the searchers' run's; its time is
-    the trainer's overhead, left out of the run's time as a checkpoint's is."""
+def evaluate_here(engine, weights, step: int, cfg, data, log, made: tuple | None = None):
+    """An evaluation in the trainer's process, on the held-out problems, of the weights of step `step`: a model's, as a
+    sync sends them (its dtype, tied names too; --searchers 0's), or (name, tensor) pairs kept from it (--evaluator
+    after, `made`: when they were). Its time is the trainer's overhead, left out of the run's time as a checkpoint's."""
     t0 = time.time()
     if engine.version != step:
-        engine.load(every_name(model, getattr(torch, cfg.dtype)), step)
+        engine.load(every_name(weights, getattr(torch, cfg.dtype)) if hasattr(weights, "parameters") else weights, step)
     scores, example = engine.evaluate(data.test_prompts, data.test_answers)
-    log.eval(step, scores, example, time.time() - t0, log.clock())
+    log.eval(step, scores, example, time.time() - t0, made or log.clock())
     log.overhead += time.time() - t0

@@ -104,7 +104,7 @@ class LaggedCopy:
         self.lag, self.ring = lag, {}  # step -> this rank's shards of that step's weights (CPU)
 
     def record(self, model, step: int):
-        """The shards of `model`'s weights after step `step`; the steps no batch will need go."""
+        """The shards of `model`'s weights at step `step` (before its update); the steps no batch will need go."""
         self.ring[step] = [local(p).detach().to("cpu", copy=True) for p in model.parameters()]
         for old in [v for v in self.ring if v < step - self.lag]:
             del self.ring[old]

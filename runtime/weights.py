@@ -264,6 +264,11 @@ class Inbox:
                 last_beat = time.time()
             time.sleep(0.01)
 
+    def announce(self, version: int | None):
+        """--lag: the version this searcher's next round needs, said as soon as it holds this round's, so that the
+        trainer may publish it while this round is made (a searcher needs a version only until it has loaded it)."""
+        self.shared.wants[self.me] = -1 if version is None else version
+
     def versions(self) -> tuple[int, int]:
         """(the policy's version, pi_ref's) in the shared copy now."""
         return self.shared.version.value, self.shared.pi_ref_version.value

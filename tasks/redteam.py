@@ -495,11 +495,11 @@ class BestBuffer(ReplayBuffer):
 
     FLAGS = {**ReplayBuffer.FLAGS, "beta": "beta", "similarity": "dedup_similarity", "edit": "dedup_edit"}
 
-    def __init__(self, capacity: int, recency: float, reward_inv_temp: float, duplicates: str = "count",
-                 beta: float = 1.0, similarity: float = 0.0, edit: float = 0.0, group_of=None):
+    def __init__(self, capacity: int, recency: float, reward_inv_temp: float, beta: float = 1.0,
+                 similarity: float = 0.0, edit: float = 0.0, group_of=None, **knobs):
         self.beta, self.similarity, self.edit = beta, similarity, edit
         self.group_of = None if group_of is None else [int(p) for p in group_of]  # prompt id -> its first copy's
-        super().__init__(capacity, recency, reward_inv_temp, duplicates)
+        super().__init__(capacity, recency, reward_inv_temp, **knobs)  # TBA's other knobs, whatever they are
 
     @classmethod
     def from_config(cls, cfg, prompts: list[list[int]]) -> "BestBuffer":

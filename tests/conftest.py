@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,18 +25,32 @@ DEVICE = os.environ.get("TBA_TEST_DEVICE", "cpu")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """The `tiny` model's shape (0.65M parameters, character tokenizer) with room for GSM8K prompts,
-    warm-started (about 15 s) until about 20% of arith answers are right: rewards vary, so training
+    warm-started (about 15 s, once: kept in $TBA_TEST_CACHE, default ~/.cache/tba/tests) until about 20% of arith
+    answers are right: rewards vary, so training
     has a signal (with all rewards 0 and the policy equal to pi_ref, the TB gradient is exactly zero).
     Smaller models plateau below 10% here, too rarely right for runs of 4 prompts x 4 samples."""
+    import hashlib
     from runtime import tiny
-    path = str(tmp_path_factory.mktemp("tiny") / "model")
     r = tiny.RECIPE
+    # kept between sessions (the one-minute loop builds it once), under a name that changes with its recipe
+    key = hashlib.sha256((open(tiny.__file__).read() + json.dumps(r, sort_keys=True) + "600 64 0.2 1024").encode())
+    cache = os.path.join(os.environ.get("TBA_TEST_CACHE", os.path.expanduser("~/.cache/tba/tests")),
+                         f"tiny-{key.hexdigest()[:16]}")
+    if os.path.isfile(os.path.join(cache, "warm_start.json")):
+        return cache
+    path = str(tmp_path_factory.mktemp("tiny") / "model")
     model, tokenizer = tiny.make_model(path, r["hidden"], r["layers"], r["heads"], r["ffn"], max_len=1024)  # GSM8K fits
     done = tiny.warm_start(model, tokenizer, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2)
     model.save_pretrained(path)
-    with open(os.path.join(path, "warm_start.json"), "w") as f:  # for tests/test_tiny.py
+    with open(os.path.join(path, "warm_start.json"), "w") as f:  # for tests/test_tiny.py; written last: complete
         json.dump(done, f)
-    return path
+    try:  # another session may have made it meanwhile: then its copy stands
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        shutil.copytree(path, cache + f".{os.getpid()}")
+        os.replace(cache + f".{os.getpid()}", cache)
+    except OSError:
+        return path
+    return cache
 
 
 @pytest.fixture(scope="session")
@@ -153,3 +168,13 @@ def classes_kept(module):
 def pytest_configure(config):
     config.addinivalue_line("markers", "engine: starts a vLLM engine, a process of the run or a whole run (the "
                                        "one-minute loop leaves these out: python -m pytest -q -m 'not engine' tests)")
+
+
+ENGINE_FIXTURES = {"checkpoint", "logged_run", "run"}  # fixtures that run tba.py (test_checks, test_watch, test_gpu_check)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test whose fixture starts a run is an engine test too."""
+    for item in items:
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)

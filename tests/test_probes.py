@@ -224,19 +224,25 @@ def test_each_held_out_problem_has_its_own_seed():
 
 
 @pytest.mark.engine
-def test_the_trainer_can_evaluate_instead_of_searcher_0(tiny_model, tmp_path):
-    """--evaluator trainer (bench.py part 9's: no mode's step waits on searcher 0's evaluation): every evaluation of
-    the grid, made in the trainer's process, its time the trainer's overhead."""
-    out = tmp_path / "run"
-    p = run_tba(["--model", tiny_model, *SMALL, "--steps", "4", "--eval-every", "2", "--evaluator", "trainer",
-                 "--out", str(out)], tmp_path)
-    assert p.returncode == 0, p.stdout[-3000:]
-    assert evals(out) == [0, 2, 4]
-    train = [r for r in metrics(out) if r["kind"] == "train"]
-    before = [r["seconds"] for r in metrics(out) if r["kind"] == "eval" and r["step"] < train[-1]["step"]]
-    assert len(before) == 2 and train[-1]["overhead"] >= sum(before) - 1e-6  # its time the trainer's overhead
+def test_the_evaluations_can_come_after_the_run(tiny_model, tmp_path):
+    """--evaluator after (bench.py part 9's: no evaluation disturbs a mode): the trainer keeps the weights of each step
+    of the grid and evaluates them after the last, each row at the time its weights were made; the same scores as
+    searcher 0's evaluation of those weights (greedy, --lag 1: the same weights in both runs)."""
+    rows = {}
+    for evaluator in ("after", "searcher"):
+        out = tmp_path / evaluator
+        p = run_tba(["--model", tiny_model, *SMALL, "--steps", "4", "--eval-every", "2", "--lag", "1", "--seed", "2",
+                     "--evaluator", evaluator, "--out", str(out)], tmp_path)
+        assert p.returncode == 0, p.stdout[-3000:]
+        rows[evaluator] = [r for r in metrics(out) if r["kind"] == "eval"]
+    assert [r["step"] for r in rows["after"]] == [0, 2, 4]
+    assert [r["accuracy"] for r in rows["after"]] == [r["accuracy"] for r in rows["searcher"]]
+    train = {r["step"]: r for r in metrics(tmp_path / "after") if r["kind"] == "train"}
+    kinds = [r["kind"] for r in metrics(tmp_path / "after")]
+    assert kinds.index("eval") > max(i for i, k in enumerate(kinds) if k == "train")  # after the last step
+    assert rows["after"][1]["time"] <= train[3]["time"]  # the time its weights were made (after step 2)
 
 
 def test_the_trainers_evaluator_needs_one_rank():
-    with pytest.raises(ConfigError, match=r"^--evaluator: trainer runs an engine in the trainer's process"):
-        checks.check(Config(evaluator="trainer", prompts_per_step=4), 2)
+    with pytest.raises(ConfigError, match=r"^--evaluator: after runs an engine in the trainer's process"):
+        checks.check(Config(evaluator="after", prompts_per_step=4), 2)

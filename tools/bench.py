@@ -48,11 +48,12 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    kept full), per seed: throughput (steps a second) apart from learning (steps to start + --gain, 0.15,
    evaluations every --eval-every 2), seconds to it from launch and from the first step, accuracy at the
    synchronous run's time, the speed-up over that run and the ideal (G + T) / max(G, T), the CPU used, and the
-   real compute over the charges (a CPU-bound cell gives no speed-up). The trainer evaluates (--evaluator
-   trainer: its time left out, as a checkpoint's), so that no mode's step waits on searcher 0's evaluation.
+   real compute over the charges (a CPU-bound cell gives no speed-up). The trainer keeps each evaluation's
+   weights and evaluates them after the last step (--evaluator after), so that no evaluation disturbs a mode:
+   none waits on searcher 0's, and no searcher generates while the clock stands still for one; every run
+   goes --steps (40) to its end.
    Then --tails at G_N = T with
-   GPU-shaped decoding and long tails, and streaming on the fewest searchers at the most generation-bound
-   point (scaling). --slowdowns X adds points of X alone, each run calibrating itself (CPU packing, as
+   GPU-shaped decoding and long tails, and streaming on the fewest searchers at G_N / T = 2 (scaling). --slowdowns X adds points of X alone, each run calibrating itself (CPU packing, as
    measured before). Also drawn: OUT/equal_hardware.png (`python tools/plot.py --slowdown OUT/bench.json`).
 10. (only with --parts 10) fresher data per step, in that regime (X = 10) with 1, 2 and 4 searchers:
    time to start + 0.15 with the defaults and with one lever changed at a time (a round of B prompts
@@ -300,8 +301,8 @@ def calibrate_costs(out: str, flags: list[str]) -> dict:
     tokens = train[-1]["charged"] / 1.01 / per_token / train[-1]["step"]  # a round of B prompts a step
     costs = dict(seconds_per_token=per_token, train_step=config["train_step"], tokens_per_batch=tokens,
                  file=os.path.join(out, "calibration.json"))
-    with open(costs["file"], "w") as f:
-        json.dump({k: costs[k] for k in ("seconds_per_token", "train_step")}, f)
+    with open(costs["file"], "w") as f:  # tba.py reads the first two (--calibration); --costs, all three
+        json.dump({k: costs[k] for k in ("seconds_per_token", "train_step", "tokens_per_batch")}, f)
     print(f"9. calibration (one core, alone): {per_token * 1e3:.3f} ms a generated token, a training step "
           f"{costs['train_step']:.3f} s, {tokens:.0f} tokens a batch of prompts", flush=True)
     return costs
@@ -315,24 +316,34 @@ def point(costs: dict, ratio: float, n: int) -> tuple[float, float]:
     return round(x, 2), round(y, 2)
 
 
+def reuse_costs(given: str, out: str) -> dict:
+    """--costs: an earlier part 9's calibration.json (its three costs), copied in, so that two comparisons run on
+    the same emulated hardware."""
+    costs = json.loads(read_text(given))
+    costs["file"] = os.path.join(out, "calibration.json")
+    with open(costs["file"], "w") as f:
+        json.dump({k: costs[k] for k in ("seconds_per_token", "train_step", "tokens_per_batch")}, f)
+    return costs
+
+
 def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, counts: list[int],
                    ratios: list[float], slowdowns: list[float], modes: list[str], gain: float, eval_every: int,
-                   tails: list[str], run_one=None) -> dict:
+                   tails: list[str], run_one=None, given: str | None = None) -> dict:
     """Part 9: for N searchers, each point (a ratio G_N / T with both phases emulated from one shared calibration, or
     a --generation-slowdown X alone, each run calibrating itself: the CPU packing of earlier measurements) x mode x
     seed, time to start + `gain` against the synchronous baseline on the same N searchers (--lag 0), which runs
     first, so that every other mode runs at least as long (its accuracy at the baseline's time). `tails`: the modes
     run again at ratio 1 with GPU-shaped decoding and long tails. The searchers' scaling: streaming at the same X, Y
     on the fewest searchers, against the most."""
-    costs = calibrate_costs(out, flags) if ratios else None
+    costs = (reuse_costs(given, out) if given else calibrate_costs(out, flags)) if ratios else None
     cells = [dict(n=n, ratio=r, x=point(costs, r, max(counts))[0], y=point(costs, r, max(counts))[1], shape="linear",
                   modes=modes) for r in ratios for n in [max(counts)]]
     cells += [dict(n=max(counts), ratio=None, x=x, y=1.0, shape="linear", modes=modes) for x in slowdowns]
     if tails and ratios:
         cells.append(dict(n=max(counts), ratio=1.0, x=round(max(1.5, point(costs, 1.0, max(counts))[0] / GPU_SHAPE), 2),
                           y=cells[0]["y"], shape="gpu+tails", modes=tails))
-    if len(counts) > 1 and ratios:  # the fewest searchers at the most generation-bound point's X and Y
-        top = max((c for c in cells if c["ratio"]), key=lambda c: c["ratio"])
+    if len(counts) > 1 and ratios:  # the fewest searchers at a generation-bound point's X and Y (G_N / T = 2)
+        top = min((c for c in cells if c["ratio"] and c["shape"] == "linear"), key=lambda c: abs(c["ratio"] - 2))
         cells.append(dict(top, n=min(counts), modes=["stream"], baseline=False))  # against the most's stream
     rows = []
     for cell in cells:
@@ -342,7 +353,7 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, qui
                 name = (f"hardware-n{cell['n']}-{'r%g' % cell['ratio'] if cell['ratio'] else 'x%g' % cell['x']}-"
                         f"{cell['shape'].replace('+', '')}-{mode}-seed{seed}")
                 run = os.path.join(out, name)
-                extra = ["--eval-every", str(eval_every), "--evaluator", "trainer", "--generation-slowdown", f"{cell['x']:g}",
+                extra = ["--eval-every", str(eval_every), "--evaluator", "after", "--generation-slowdown", f"{cell['x']:g}",
                          *(["--train-slowdown", f"{cell['y']:g}", "--calibration", costs["file"]] if cell["ratio"] else []),
                          *(GPU_TAILS if cell["shape"] == "gpu+tails" else []), *MODES.get(mode, []),
                          *(without_streaming(flags) if "--lag" in MODES.get(mode, []) else flags)]
@@ -768,6 +779,7 @@ def main():
                    help="part 9: the modes at G_N = T again with GPU-shaped decoding and long tails (none: skipped)")
     p.add_argument("--gain", type=float, default=0.15, help="part 9: the target, held-out accuracy >= start + GAIN")
     p.add_argument("--eval-every", type=int, default=2, help="part 9: steps between evaluations")
+    p.add_argument("--costs", default=None, help="part 9: an earlier run's OUT/calibration.json instead of a new one")
     p.add_argument("--lags", type=int, nargs="+", default=[0, 2, 10], help="part 12: the exact lags L")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
@@ -810,7 +822,7 @@ def main():
         result["equal_hardware"] = equal_hardware(
             args.seeds, out, flags, args.cap, args.quick, [1] if args.quick else args.searchers,
             [1.0] if args.quick else args.ratios, args.slowdowns, ["sync", "stream"] if args.quick else args.modes,
-            0.05 if args.quick else args.gain, args.eval_every, [] if args.quick else args.tails)
+            0.05 if args.quick else args.gain, args.eval_every, [] if args.quick else args.tails, given=args.costs)
     if 12 in args.parts:
         result["miniature"] = miniature(args.seeds, out, flags, args.quick, args.lags)
     if 10 in args.parts:
