@@ -421,7 +421,7 @@ def test_only_node_0s_first_searcher_evaluates(monkeypatch):
 
     ctx = types.SimpleNamespace(Queue=lambda maxsize=0: object(), Event=object, Value=lambda *a: object(), Lock=object,
                                 Process=Process)
-    cfg = types.SimpleNamespace(searchers=2, device="cuda")  # the context given (the CPU's is a fork server)
+    cfg = types.SimpleNamespace(searchers=2, device="cuda", evaluator="searcher")  # the CPU's context is a fork server
     for rank, expected in ((0, [("searcher-0", 0, True), ("searcher-1", 1, False)]),
                            (2, [("searcher-2", 2, False), ("searcher-3", 3, False)])):  # nodes of 2 ranks
         spawned.clear()
