@@ -94,6 +94,16 @@ def test_a_point_gives_its_ratio_of_round_to_step():
         assert T == pytest.approx(bench.STEP, rel=0.01) and G / T == pytest.approx(ratio, rel=0.01)
 
 
+def test_part9_in_parts_is_read_as_one(tmp_path):
+    """plot.py --slowdown A B: a sweep run in two invocations drawn as one (every row, every searcher count)."""
+    import plot
+    for name, n, ratio in (("a", 4, 1.0), ("b", 1, 2.0)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"equal_hardware": {
+            "gain": 0.15, "searchers": [n], "rows": [dict(searchers=n, ratio=ratio, mode="sync")]}}))
+    eh = plot.read_part9([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert eh["searchers"] == [1, 4] and [r["ratio"] for r in eh["rows"]] == [1.0, 2.0] and eh["gain"] == 0.15
+
+
 def test_a_missing_matplotlib_skips_the_picture(tmp_path, monkeypatch, capsys):
     """Without matplotlib (here: its import made to fail), bench.py's picture is skipped with one line
     saying why and how to draw it later; plot.py alone refuses in one line, status 2."""

@@ -108,7 +108,7 @@ def picture(bench_json: str, png: str):
     """Part 9's picture, or one line saying why there is none: the numbers are complete in bench.json
     without it, and `python tools/plot.py --slowdown BENCH_JSON` draws it later."""
     try:
-        plot.equal_hardware(bench_json, png)
+        plot.equal_hardware([bench_json], png)
     except plot.NoMatplotlib as e:
         print(f"9. picture skipped: {e}; `python tools/plot.py --slowdown {bench_json}` draws it later", flush=True)
 

@@ -2,7 +2,7 @@
 
     python tools/plot.py RUN_DIR [RUN_DIR ...] [-o FILE.png]    # one or several runs side by side
     python tools/plot.py --study BENCH_JSON [-o FILE.png]        # bench.py part 7: score against staleness
-    python tools/plot.py --slowdown BENCH_JSON [-o FILE.png]     # bench.py part 9: asynchrony on equal hardware
+    python tools/plot.py --slowdown BENCH_JSON... [-o FILE.png]  # bench.py part 9: asynchrony on equal hardware
 
 A run picture has six panels, one line per run: the held-out score (accuracy, or win rate for
 tldr) against seconds of training (wall time minus the trainer's evaluation and checkpoint time,
@@ -155,17 +155,26 @@ def study(bench_json: str, out: str):
     save(fig, out)
 
 
-def equal_hardware(bench_json: str, out: str):
-    """bench.py part 9 along G_N / T (both phases emulated, the most searchers, linear decoding): left, each mode's
+def read_part9(bench_jsons: list[str]) -> dict:
+    """Part 9 of one or more bench.json as one: the first's settings, every file's rows and searcher counts."""
+    parts = []
+    for bench_json in bench_jsons:
+        with open(bench_json) as f:
+            parts.append(json.load(f)["equal_hardware"])
+    return dict(parts[0], searchers=sorted({n for part in parts for n in part["searchers"]}),
+                rows=[r for part in parts for r in part["rows"]])
+
+
+def equal_hardware(bench_jsons: list[str], out: str):
+    """bench.py part 9 (one or more bench.json, their rows together: a sweep run in parts) along G_N / T (both phases emulated, the most searchers, linear decoding): left, each mode's
     speed-up in time to the target over the synchronous baseline on the same searchers (--lag 0), from the first
     step, with the ideal (G + T) / max(G, T) dashed (dots: seeds, lines: medians); middle, its throughput in steps a
     second; right, the steps it needed (learning)."""
     plt = pyplot()
-    with open(bench_json) as f:
-        eh = json.load(f)["equal_hardware"]
+    eh = read_part9(bench_jsons)
     rows = [r for r in eh["rows"] if r["ratio"] and r["shape"] == "linear" and r["searchers"] == max(eh["searchers"])]
     if not rows:
-        raise BadRun(f"{bench_json} holds no point of part 9 with both phases emulated")
+        raise BadRun(f"{' '.join(bench_jsons)}: no point of part 9 with both phases emulated")
     ratios = sorted({r["ratio"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     median = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
@@ -178,7 +187,7 @@ def equal_hardware(bench_json: str, out: str):
             got = [[r[key] for r in mine if r["ratio"] == x and r[key]] for x in ratios]
             for x, g in zip(ratios, got):
                 ax.plot([x] * len(g), g, "o", color=f"C{i}", alpha=0.35, markersize=4)
-            ax.plot(ratios, [median(g) for g in got], "-", color=f"C{i}", label=mode)
+            ax.plot(ratios, [median(g) for g in got], "-s", color=f"C{i}", label=mode, markersize=5)  # one point too
     speed.axhline(1, color="gray", linewidth=0.8, linestyle=":")
     speed.set(ylabel="speed-up over --lag 0, from the first step (x)")
     rate.set(ylabel="throughput (steps a second)")
@@ -186,6 +195,7 @@ def equal_hardware(bench_json: str, out: str):
     for ax in (speed, rate, steps):
         ax.set(xscale="log", xlabel="G / T (the synchronous round over the training step)")
         ax.set_xticks(ratios, [f"{x:g}" for x in ratios])
+        ax.minorticks_off()  # the log axis's own labels would print over the points
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"asynchrony on equal hardware, emulated: {max(eh['searchers'])} searchers and the trainer on devices "
@@ -233,7 +243,8 @@ def draw(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="*", help="run folders (each with metrics.jsonl)")
     p.add_argument("--study", help="bench.json of bench.py part 7 (off-policy robustness)")
-    p.add_argument("--slowdown", help="bench.json of bench.py part 9 (the generation-bound regime, emulated)")
+    p.add_argument("--slowdown", nargs="+", help="bench.json of bench.py part 9 (the generation-bound regime, "
+                   "emulated); several: their rows together")
     p.add_argument("-o", "--out", default=None, help="the PNG to write, its folder made if need be "
                    "(default: plot.png, off_policy.png or equal_hardware.png)")
     p.add_argument("--title", default=None, help="a title above a run picture")
