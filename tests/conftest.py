@@ -167,7 +167,7 @@ def classes_kept(module):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "engine: starts a vLLM engine, a process of the run or a whole run (the "
-                                       "one-minute loop leaves these out: python -m pytest -q -m 'not engine' tests)")
+                                       "quick loop leaves these out: python -m pytest -q -m 'not engine' tests)")
     if config.option.durations is None:  # the slowest tests named at the end (CI's log too: the 20-minute budget)
         config.option.durations = 15
 

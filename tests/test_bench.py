@@ -102,6 +102,14 @@ def test_part9_in_parts_is_read_as_one(tmp_path):
             "gain": 0.15, "searchers": [n], "rows": [dict(searchers=n, ratio=ratio, mode="sync")]}}))
     eh = plot.read_part9([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert eh["searchers"] == [1, 4] and [r["ratio"] for r in eh["rows"]] == [1.0, 2.0] and eh["gain"] == 0.15
+    # another target, or a file without part 9: refused in one line (plot.main: status 2), not drawn together
+    (tmp_path / "c.json").write_text(json.dumps({"equal_hardware": {"gain": 0.25, "searchers": [4], "rows": []}}))
+    (tmp_path / "d.json").write_text(json.dumps({"settings": {}}))
+    for other, line in (("c", f"{tmp_path / 'c.json'}: another target or other emulated costs than {tmp_path / 'a.json'}"),
+                        ("d", f"{tmp_path / 'd.json'} holds no part 9 (bench.py --parts 9)")):
+        with pytest.raises(plot.BadRun) as e:
+            plot.read_part9([str(tmp_path / "a.json"), str(tmp_path / f"{other}.json")])
+        assert str(e.value) == line
 
 
 def test_a_missing_matplotlib_skips_the_picture(tmp_path, monkeypatch, capsys):

@@ -156,18 +156,28 @@ def study(bench_json: str, out: str):
 
 
 def read_part9(bench_jsons: list[str]) -> dict:
-    """Part 9 of one or more bench.json as one: the first's settings, every file's rows and searcher counts."""
+    """Part 9 of one or more bench.json as one (a sweep run in parts): every file's rows and searcher counts. Files
+    of another target or other emulated costs (bench.py --costs shares them) are refused, not drawn together."""
     parts = []
     for bench_json in bench_jsons:
-        with open(bench_json) as f:
-            parts.append(json.load(f)["equal_hardware"])
+        try:
+            with open(bench_json) as f:
+                part = json.load(f).get("equal_hardware")
+        except (OSError, ValueError, AttributeError) as e:
+            raise BadRun(f"{bench_json} does not read as a bench.json ({type(e).__name__})") from None
+        if not (isinstance(part, dict) and {"gain", "searchers", "rows"} <= part.keys()):
+            raise BadRun(f"{bench_json} holds no part 9 (bench.py --parts 9)")
+        same = lambda p: (p["gain"], {k: v for k, v in (p.get("costs") or {}).items() if k != "file"})
+        if parts and same(part) != same(parts[0]):
+            raise BadRun(f"{bench_json}: another target or other emulated costs than {bench_jsons[0]}")
+        parts.append(part)
     return dict(parts[0], searchers=sorted({n for part in parts for n in part["searchers"]}),
                 rows=[r for part in parts for r in part["rows"]])
 
 
 def equal_hardware(bench_jsons: list[str], out: str):
-    """bench.py part 9 (one or more bench.json, their rows together: a sweep run in parts) along G_N / T (both phases emulated, the most searchers, linear decoding): left, each mode's
-    speed-up in time to the target over the synchronous baseline on the same searchers (--lag 0), from the first
+    """bench.py part 9 (read_part9: one or more bench.json) along G_N / T (both phases emulated, the most searchers,
+    linear decoding): left, each mode's speed-up in time to the target over the synchronous baseline on the same searchers (--lag 0), from the first
     step, with the ideal (G + T) / max(G, T) dashed (dots: seeds, lines: medians); middle, its throughput in steps a
     second; right, the steps it needed (learning)."""
     plt = pyplot()
