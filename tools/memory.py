@@ -2,6 +2,7 @@
 
     python tools/memory.py                 # rho-math-1b's layer shape, scaled down to a few layers, on the CPU
     python tools/memory.py --layers 2 4    # the layer counts measured
+    python tools/memory.py --narrow 4      # a layer 4 times narrower (where bf16 matrix products are slow)
 
 The trainer step (policy.load_policy with bf16 compute, tba.backward, AdamW) runs on the CPU under
 PyTorch's MemTracker (torch/distributed/_tools/mem_tracker.py), which attributes every live tensor
@@ -11,7 +12,9 @@ rho-math-1b's layer shape (hidden 2048, MLP 5632, 32 heads with 4 key/value head
 are. From the measurements: the bytes kept for the backward pass per token and layer (with and
 without --activation-checkpointing) and a fixed part (logits and their gradients, which grow with
 tokens, not layers); the formula then predicts the peak of a model of another depth, which is
-measured too, and prints both. Finally it extrapolates to rho-math-1b at the paper's settings and to
+measured too, and prints both. --narrow N divides the layer's widths and heads by N (the test's shape: a
+CPU without AVX-512 multiplies bf16 matrices in PyTorch's reference loop, 16x the work at full width taking
+minutes); what is kept scales with the widths, and the extrapolations scale from the shape measured. Finally it extrapolates to rho-math-1b at the paper's settings and to
 Qwen2.5-7B at run_math.sh's.
 """
 
@@ -36,11 +39,19 @@ from buffer import Trajectory
 RHO = dict(hidden=2048, ffn=5632, heads=32, kv_heads=4, vocab=32000, layers=22, tie=False)  # realtreetune/rho-1b-sft-GSM8K
 
 
-def make(path, layers, vocab):
+def shape(narrow: int) -> dict:
+    """rho-math-1b's layer with its widths and heads divided by `narrow` (the head width kept)."""
+    if narrow < 1 or RHO["kv_heads"] % narrow:
+        raise SystemExit(f"--narrow {narrow}: must divide rho-math-1b's {RHO['kv_heads']} key/value heads")
+    return dict(RHO, hidden=RHO["hidden"] // narrow, ffn=RHO["ffn"] // narrow, heads=RHO["heads"] // narrow,
+                kv_heads=RHO["kv_heads"] // narrow)
+
+
+def make(path, layers, vocab, s=RHO):
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=RHO["hidden"], intermediate_size=RHO["ffn"], num_attention_heads=RHO["heads"],
-                         num_key_value_heads=RHO["kv_heads"], num_hidden_layers=layers, vocab_size=vocab,
-                         max_position_embeddings=2048, tie_word_embeddings=RHO["tie"])
+    config = LlamaConfig(hidden_size=s["hidden"], intermediate_size=s["ffn"], num_attention_heads=s["heads"],
+                         num_key_value_heads=s["kv_heads"], num_hidden_layers=layers, vocab_size=vocab,
+                         max_position_embeddings=2048, tie_word_embeddings=s["tie"])
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
 
@@ -95,18 +106,20 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=200, help="prompt tokens")
     p.add_argument("--response", type=int, default=128, help="longest response tokens")
     p.add_argument("--vocab", type=int, default=RHO["vocab"])
+    p.add_argument("--narrow", type=int, default=1, help="divide the layer's widths and heads by this (1, 2 or 4)")
     args = p.parse_args(argv)
+    s = shape(args.narrow)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     init()
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for L in args.layers:
-            make(os.path.join(tmp, str(L)), L, args.vocab)
+            make(os.path.join(tmp, str(L)), L, args.vocab, s)
             for recompute in (False, True):
                 out[L, recompute] = measure(os.path.join(tmp, str(L)), args.K, args.prompt, args.response, recompute)
     a, b, c = args.layers
     tokens = out[a, False]["tokens"]
-    print(f"rho-math-1b's layer shape, {args.K} sequences x up to {args.prompt + args.response} tokens "
+    print(f"rho-math-1b's layer shape{f' narrowed {args.narrow}x' if args.narrow > 1 else ''}, {args.K} sequences x up to {args.prompt + args.response} tokens "
           f"({tokens} token slots), vocabulary {args.vocab}, bf16 compute, CPU")
     fits = {}
     for recompute in (False, True):
@@ -129,23 +142,23 @@ def main(argv=None):
     shared, contexts = 2 * P, 0.5e9 * 4  # the bf16 copy for the searchers; CUDA contexts (trainer + 3 searchers)
     for recompute in (False, True):
         per_token_layer, per_token = fits[recompute]
-        kept = per_token_layer * T * RHO["layers"] + per_token * T
+        kept = per_token_layer * RHO["hidden"] / s["hidden"] * T * RHO["layers"] + per_token * T
         state = gpu.trainer_bytes(int(P), int(P), "float32", gradients=False)
         total = max(state + kept, gpu.trainer_bytes(int(P), int(P), "float32")) + shared + contexts
         print(f"rho-math-1b, 20 x 750 tokens a pass, {'with' if recompute else 'without'} activation checkpointing: "
               f"about {total / 1e9:.0f} GB on the trainer GPU (weights and AdamW {state / 1e9:.1f}, kept for the "
               f"backward pass {kept / 1e9:.1f}, shared copy {shared / 1e9:.1f}, CUDA contexts {contexts / 1e9:.1f})")
-    qwen_7b(fits, args.vocab)
+    qwen_7b(fits, args.vocab, s)
     return out
 
 
 QWEN_7B = dict(params=7.62e9, hidden=3584, ffn=18944, layers=28, vocab=152064)  # Qwen/Qwen2.5-7B's config.json
 
 
-def qwen_7b(fits: dict, vocab: int, ranks: int = 4, tokens: int = 4096, searchers: int = 4):
+def qwen_7b(fits: dict, vocab: int, s: dict = RHO, ranks: int = 4, tokens: int = 4096, searchers: int = 4):
     """run_math.sh's trainer: Qwen2.5-7B over `ranks` GPUs (FSDP2 shards weights, gradients and AdamW), micro-batch
     1 of up to `tokens` (--context), activation checkpointing, for each loss. What a pass keeps is scaled from the fit
-    at this script's shape (vocabulary `vocab`): a block's checkpoint (its input) by the hidden width, the fixed part
+    at the shape measured (`s`, vocabulary `vocab`): a block's checkpoint (its input) by the hidden width, the fixed part
     (logits, log-softmax chunks) by the vocabulary; the one block recomputed at a time in the backward pass by the fit
     without checkpointing, scaled by the MLP's width. Every term rank 0 holds at once: the shard of weights, AdamW and
     the gradients (alive through the group's 128 micro-batches of accumulation), a pass's activations (the larger of
@@ -156,8 +169,8 @@ def qwen_7b(fits: dict, vocab: int, ranks: int = 4, tokens: int = 4096, searcher
     GPU ran it."""
     q, P = QWEN_7B, QWEN_7B["params"]
     (ckpt_layer, fixed), (full_layer, _) = fits[True], fits[False]
-    kept = (ckpt_layer * q["hidden"] / RHO["hidden"] * q["layers"] + fixed * q["vocab"] / vocab) * tokens
-    block = full_layer * q["ffn"] / RHO["ffn"] * tokens  # one block's activations, live while it is recomputed
+    kept = (ckpt_layer * q["hidden"] / s["hidden"] * q["layers"] + fixed * q["vocab"] / vocab) * tokens
+    block = full_layer * q["ffn"] / s["ffn"] * tokens  # one block's activations, live while it is recomputed
     statistics = tokens * q["vocab"] * 2 + 2**28  # the pass without gradient: one sequence's bf16 logits, a chunk
     shard = int(P / ranks)
     state = gpu.trainer_bytes(shard, shard, "float32")  # weights, gradients (accumulating), AdamW's moments
