@@ -166,10 +166,22 @@ def classes_kept(module):
 
 
 def pytest_configure(config):
+    share_the_cores()
     config.addinivalue_line("markers", "engine: starts a vLLM engine, a process of the run or a whole run (the "
                                        "quick loop leaves these out: python -m pytest -q -m 'not engine' tests)")
     if config.option.durations is None:  # the slowest tests named at the end (CI's log too: the 20-minute budget)
         config.option.durations = 15
+
+
+def share_the_cores():
+    """Under `pytest -n N` (pytest-xdist), worker i and the runs it starts keep to every N-th core from i: a
+    run splits the cores it is given (checks: sched_getaffinity), and two workers' OpenMP threads on the
+    same cores wait on each other at every parallel region (the tiny model's warm start: 25 s alone, 280 s
+    beside another)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker and count > 1 and len(cores) >= count:
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
 
 
 ENGINE_FIXTURES = {"checkpoint", "logged_run", "run"}  # fixtures that run tba.py (test_checks, test_watch, test_gpu_check)

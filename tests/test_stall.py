@@ -33,6 +33,15 @@ def train_steps(out):
     return sum(r["kind"] == "train" for r in metrics(out))
 
 
+def wait_for_a_second_round(proc, out, timeout=120):
+    """Until the trainer has learnt from data of weights past step 0: the searcher has sent two rounds at least (on
+    a loaded machine the trainer can take its first steps on the first round alone)."""
+    deadline = time.time() + timeout
+    while not any(r["kind"] == "train" and r["staleness"] < r["step"] - 1 for r in metrics(out)):
+        assert proc.poll() is None and time.time() < deadline, (out.parent / "output.txt").read_text()[-3000:]
+        time.sleep(0.2)
+
+
 def freeze_searcher(proc, out, then=3, window=60):
     """SIGSTOP the searcher while it holds no weight-sync lock: a searcher stopped inside its reload
     (a few ms of each round) stops the trainer's next publish instead, a different fault (see
@@ -70,6 +79,7 @@ def test_silent_searcher_halts_training_warns_and_stops(cap, tiny_model, tmp_pat
                   "--timeout", str(timeout), "--out", str(out)], tmp_path)
     try:
         wait_for_steps(proc, out, 3)
+        wait_for_a_second_round(proc, out)  # the warning needs the searcher's usual gap between two rounds
         everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         pid, stopped_at = freeze_searcher(proc, out, window=8)  # < --timeout
         t0 = time.time()
