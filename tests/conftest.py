@@ -22,35 +22,43 @@ MATH = os.path.join(ROOT, "tests", "data", "math")
 DEVICE = os.environ.get("TBA_TEST_DEVICE", "cpu")
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """The `tiny` model's shape (0.65M parameters, character tokenizer) with room for GSM8K prompts,
-    warm-started (about 15 s, once: kept in $TBA_TEST_CACHE, default ~/.cache/tba/tests) until about 20% of arith
-    answers are right: rewards vary, so training
-    has a signal (with all rewards 0 and the policy equal to pi_ref, the TB gradient is exactly zero).
-    Smaller models plateau below 10% here, too rarely right for runs of 4 prompts x 4 samples."""
+def cached_model(name: str, recipe: str, build) -> str:
+    """The folder of a model that `build(path)` makes and saves, kept under $TBA_TEST_CACHE (default
+    ~/.cache/tba/tests) by a name that changes with `recipe` (the code and settings it is made by): made once,
+    by whichever pytest worker asks first while the others wait on its lock, and reused by later sessions."""
+    import fcntl
     import hashlib
+    root = os.environ.get("TBA_TEST_CACHE", os.path.expanduser("~/.cache/tba/tests"))
+    cache = os.path.join(root, f"{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}")
+    done = os.path.join(cache, "warm_start.json")  # written last: complete
+    os.makedirs(root, exist_ok=True)
+    with open(cache + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        if not os.path.isfile(done):
+            part = cache + f".{os.getpid()}"
+            shutil.rmtree(part, ignore_errors=True)
+            with open(os.path.join(build(part), "warm_start.json"), "w") as f:  # for tests/test_tiny.py
+                json.dump(build.done, f)
+            shutil.rmtree(cache, ignore_errors=True)
+            os.replace(part, cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The `tiny` model's shape (0.65M parameters, character tokenizer) with room for GSM8K prompts,
+    warm-started (about 15 s, once: cached_model) until about 20% of arith answers are right: rewards vary, so
+    training has a signal (with all rewards 0 and the policy equal to pi_ref, the TB gradient is exactly zero).
+    Smaller models plateau below 10% here, too rarely right for runs of 4 prompts x 4 samples."""
     from runtime import tiny
     r = tiny.RECIPE
-    # kept between sessions (the one-minute loop builds it once), under a name that changes with its recipe
-    key = hashlib.sha256((open(tiny.__file__).read() + json.dumps(r, sort_keys=True) + "600 64 0.2 1024").encode())
-    cache = os.path.join(os.environ.get("TBA_TEST_CACHE", os.path.expanduser("~/.cache/tba/tests")),
-                         f"tiny-{key.hexdigest()[:16]}")
-    if os.path.isfile(os.path.join(cache, "warm_start.json")):
-        return cache
-    path = str(tmp_path_factory.mktemp("tiny") / "model")
-    model, tokenizer = tiny.make_model(path, r["hidden"], r["layers"], r["heads"], r["ffn"], max_len=1024)  # GSM8K fits
-    done = tiny.warm_start(model, tokenizer, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2)
-    model.save_pretrained(path)
-    with open(os.path.join(path, "warm_start.json"), "w") as f:  # for tests/test_tiny.py; written last: complete
-        json.dump(done, f)
-    try:  # another session may have made it meanwhile: then its copy stands
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        shutil.copytree(path, cache + f".{os.getpid()}")
-        os.replace(cache + f".{os.getpid()}", cache)
-    except OSError:
+
+    def build(path):
+        model, tokenizer = tiny.make_model(path, r["hidden"], r["layers"], r["heads"], r["ffn"], max_len=1024)  # GSM8K fits
+        build.done = tiny.warm_start(model, tokenizer, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2)
+        model.save_pretrained(path)
         return path
-    return cache
+    return cached_model("tiny", open(tiny.__file__).read() + json.dumps(r, sort_keys=True) + "600 64 0.2 1024", build)
 
 
 @pytest.fixture(scope="session")
@@ -174,14 +182,15 @@ def pytest_configure(config):
 
 
 def share_the_cores():
-    """Under `pytest -n N` (pytest-xdist), worker i and the runs it starts keep to every N-th core from i: a
-    run splits the cores it is given (checks: sched_getaffinity), and two workers' OpenMP threads on the
-    same cores wait on each other at every parallel region (the tiny model's warm start: 25 s alone, 280 s
-    beside another)."""
+    """Under `pytest -n N` (pytest-xdist), worker i and the runs it starts keep to every N-th core from i, or
+    with more workers than cores to core i mod cores (the README's -n 3 on 2 cores: two workers take turns on
+    one): a run splits the cores it is given (checks: sched_getaffinity), and two workers' OpenMP threads on
+    the same cores wait on each other at every parallel region (the tiny model's warm start: 25 s alone,
+    280 s beside another)."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    cores = sorted(os.sched_getaffinity(0))
-    if worker and count > 1 and len(cores) >= count:
-        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) % count::count])
+    cores, i = sorted(os.sched_getaffinity(0)), int((worker or "gw0").removeprefix("gw"))
+    if worker and count > 1:
+        os.sched_setaffinity(0, cores[i % count::count] if len(cores) >= count else [cores[i % len(cores)]])
 
 
 ENGINE_FIXTURES = {"checkpoint", "logged_run", "run"}  # fixtures that run tba.py (test_checks, test_watch, test_gpu_check)

@@ -2,6 +2,7 @@
 FSDP2 trains the adapter, and checkpoints resume exactly; on GPT-2 (Conv1D weights, stored (in, out)) and
 Llama (Linear, tied embeddings)."""
 
+import json
 import os
 
 import pytest
@@ -11,7 +12,7 @@ from runtime import lora
 import models
 from runtime import tiny
 from runtime import weights
-from conftest import metrics, run_tba
+from conftest import cached_model, metrics, run_tba
 from tasks.arith import splits as arith_splits
 
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-2",
@@ -19,18 +20,22 @@ SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-toke
 TARGETS = {"gpt2": (".attn.c_attn.",), "llama": (".self_attn.q_proj.", ".self_attn.v_proj.")}  # peft's defaults
 
 
-@pytest.fixture(scope="module")
-def tiny_gpt2(tmp_path_factory):
+@pytest.fixture(scope="session")
+def tiny_gpt2():
     """A GPT-2 of the `tiny` model's shape and character tokenizer, warm-started on arith to about 20%
-    (about 30 s): rewards vary, so the adapter has a gradient (B = 0 at the start: the policy is pi_ref). Its
-    accuracy is checked on 256 problems, not 512: this GPT-2 is checked after almost every step (from 10%)."""
-    path = str(tmp_path_factory.mktemp("gpt2") / "model")
+    (about 30 s, once: conftest.cached_model): rewards vary, so the adapter has a gradient (B = 0 at the start:
+    the policy is pi_ref). Its accuracy is checked on 256 problems, not 512: this GPT-2 is checked after almost
+    every step (from 10%)."""
     r, tok = tiny.RECIPE, tiny.make_tokenizer()
-    model, _ = models.make_model(path, hidden=r["hidden"], layers=r["layers"], heads=r["heads"], ffn=r["ffn"],
-                                 max_len=256, arch="gpt2", tokenizer=tok)
-    tiny.warm_start(model, tok, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2, check=256)
-    model.save_pretrained(path)
-    return path
+
+    def build(path):
+        model, _ = models.make_model(path, hidden=r["hidden"], layers=r["layers"], heads=r["heads"], ffn=r["ffn"],
+                                     max_len=256, arch="gpt2", tokenizer=tok)
+        build.done = tiny.warm_start(model, tok, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2, check=256)
+        model.save_pretrained(path)
+        return path
+    recipe = "".join(open(f.__file__).read() for f in (tiny, models)) + json.dumps(r, sort_keys=True) + "gpt2 600 64 0.2 256"
+    return cached_model("tiny-gpt2", recipe, build)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
