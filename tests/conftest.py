@@ -22,10 +22,14 @@ MATH = os.path.join(ROOT, "tests", "data", "math")
 DEVICE = os.environ.get("TBA_TEST_DEVICE", "cpu")
 
 
+BUILD_WAIT = 1800  # s a worker waits for another's build of a cached model (a warm start: minutes on busy cores)
+
+
 def cached_model(name: str, recipe: str, build) -> str:
-    """The folder of a model that `build(path)` makes and saves, kept under $TBA_TEST_CACHE (default
-    ~/.cache/tba/tests) by a name that changes with `recipe` (the code and settings it is made by): made once,
-    by whichever pytest worker asks first while the others wait on its lock, and reused by later sessions."""
+    """The folder of a model that `build(path)` makes and saves there, returning what its warm start did (kept
+    as warm_start.json, for tests/test_tiny.py); under $TBA_TEST_CACHE (default ~/.cache/tba/tests) by a name
+    that changes with `recipe` (the code and settings it is made by): made once, by whichever pytest worker asks
+    first while the others wait on its lock, and reused by later sessions."""
     import fcntl
     import hashlib
     root = os.environ.get("TBA_TEST_CACHE", os.path.expanduser("~/.cache/tba/tests"))
@@ -33,12 +37,21 @@ def cached_model(name: str, recipe: str, build) -> str:
     done = os.path.join(cache, "warm_start.json")  # written last: complete
     os.makedirs(root, exist_ok=True)
     with open(cache + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        deadline = time.time() + BUILD_WAIT
+        while True:  # the lock goes with its holder's death; a holder that stops answering meets the deadline
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    raise TimeoutError(f"another worker has built {cache} for over {BUILD_WAIT} s") from None
+                time.sleep(1)
         if not os.path.isfile(done):
             part = cache + f".{os.getpid()}"
             shutil.rmtree(part, ignore_errors=True)
-            with open(os.path.join(build(part), "warm_start.json"), "w") as f:  # for tests/test_tiny.py
-                json.dump(build.done, f)
+            warm = build(part)
+            with open(os.path.join(part, "warm_start.json"), "w") as f:
+                json.dump(warm, f)
             shutil.rmtree(cache, ignore_errors=True)
             os.replace(part, cache)
     return cache
@@ -55,9 +68,9 @@ def tiny_model():
 
     def build(path):
         model, tokenizer = tiny.make_model(path, r["hidden"], r["layers"], r["heads"], r["ffn"], max_len=1024)  # GSM8K fits
-        build.done = tiny.warm_start(model, tokenizer, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2)
+        done = tiny.warm_start(model, tokenizer, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2)
         model.save_pretrained(path)
-        return path
+        return done
     return cached_model("tiny", open(tiny.__file__).read() + json.dumps(r, sort_keys=True) + "600 64 0.2 1024", build)
 
 
@@ -188,8 +201,8 @@ def share_the_cores():
     the same cores wait on each other at every parallel region (the tiny model's warm start: 25 s alone,
     280 s beside another)."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    cores, i = sorted(os.sched_getaffinity(0)), int((worker or "gw0").removeprefix("gw"))
     if worker and count > 1:
+        cores, i = sorted(os.sched_getaffinity(0)), int(worker.removeprefix("gw"))
         os.sched_setaffinity(0, cores[i % count::count] if len(cores) >= count else [cores[i % len(cores)]])
 
 

@@ -31,9 +31,9 @@ def tiny_gpt2():
     def build(path):
         model, _ = models.make_model(path, hidden=r["hidden"], layers=r["layers"], heads=r["heads"], ffn=r["ffn"],
                                      max_len=256, arch="gpt2", tokenizer=tok)
-        build.done = tiny.warm_start(model, tok, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2, check=256)
+        done = tiny.warm_start(model, tok, steps=600, batch=64, lr=r["sft_lr"], seed=0, target=0.2, check=256)
         model.save_pretrained(path)
-        return path
+        return done
     recipe = "".join(open(f.__file__).read() for f in (tiny, models)) + json.dumps(r, sort_keys=True) + "gpt2 600 64 0.2 256"
     return cached_model("tiny-gpt2", recipe, build)
 
