@@ -240,7 +240,8 @@ class ReplayBuffer:
                 batch.append([pool_t[i] for i in draw(np.array([copies.get(t.response.tobytes(), 1) for t in pool_t]),
                                                       weights, K, rng)])
                 continue
-            idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=weights / weights.sum())
+            p = None if recent else weights / weights.sum()  # uniform as None: NumPy draws another stream for a p
+            idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=p)
             batch.append([pool_t[i] for i in idx])
         return batch
 

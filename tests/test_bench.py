@@ -84,14 +84,19 @@ def test_bench_equal_hardware_quick(tiny_model, tmp_path):
 
 
 def test_a_point_gives_its_ratio_of_round_to_step():
-    """Part 9's point: Y makes the training step STEP seconds, X makes N searchers' synchronous round `ratio` x that,
-    from the calibration's costs (a batch's tokens split over the N searchers)."""
+    """Part 9's point: Y makes the training step STEP seconds (MIN_Y x a step alone where that is longer), X makes
+    N searchers' synchronous round `ratio` x that, from the calibration's costs (a batch's tokens over N searchers)."""
     import bench
     costs = dict(seconds_per_token=2e-4, train_step=0.1, tokens_per_batch=1000)
     for ratio, n in ((0.5, 4), (2, 4), (4, 1)):
         x, y = bench.point(costs, ratio, n)
         T, G = y * costs["train_step"], x * costs["tokens_per_batch"] / n * costs["seconds_per_token"]
         assert T == pytest.approx(bench.STEP, rel=0.01) and G / T == pytest.approx(ratio, rel=0.01)
+    # a step alone slower than STEP (a busy machine's calibration): T = MIN_Y x it, the trainer still emulated
+    slow = dict(costs, train_step=0.5)
+    x, y = bench.point(slow, 1.0, 4)
+    T, G = y * slow["train_step"], x * slow["tokens_per_batch"] / 4 * slow["seconds_per_token"]
+    assert y == bench.MIN_Y > 1 and G / T == pytest.approx(1.0, rel=0.01)
 
 
 def test_part9_in_parts_is_read_as_one(tmp_path):

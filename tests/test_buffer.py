@@ -384,3 +384,14 @@ def test_a_lag_round_is_used_once_when_two_rounds_share_a_prompt():
     assert buf.add([late, ahead]) == [ahead] and buf.waiting(4) == 0 and buf.waiting(6) == 1
     back = ReplayBuffer.from_state(buf.state())
     assert back.waiting() == 0 and back.next_round == 5  # remade by the resumed searchers, with the same seeds
+
+
+def test_collapse_draws_the_recent_pool_as_the_authors_buffer_did():
+    """--duplicates collapse, recent draws: NumPy's uniform choice without a p, not with an explicit uniform p,
+    which draws another stream: a seeded run keeps the batches it had before the multiplicities came."""
+    buf = ReplayBuffer(capacity=10, recency=1.0, reward_inv_temp=0.0, duplicates="collapse")
+    buf.add([traj(0, [j]) for j in range(6)])
+    drawn = [int(t.response[0]) for t in buf.sample(1, 3, np.random.default_rng(4))[0]]
+    rng = np.random.default_rng(4)
+    rng.random(), rng.integers(1)  # recent or not, the prompt
+    assert drawn == rng.choice(6, size=3, replace=False).tolist()

@@ -281,6 +281,7 @@ MODES = {"sync": ["--lag", "0"],      # the synchronous baseline on the searcher
          "full": ["--inflight", "--keep-full"]}  # ... and a finished response's slot takes a new request at once
 GPU_TAILS = ["--decode-cost", "gpu", "--response-lengths", "gsm8k"]  # a GPU's decoding step, a real model's lengths
 STEP = 0.4  # s: the emulated training step T of part 9's points (--train-slowdown Y = STEP / its cost alone)
+MIN_Y = 1.25  # T is at least this times a step alone (a slow or loaded machine's): the trainer's step stays emulated
 
 
 def calibrate_costs(out: str, flags: list[str]) -> dict:
@@ -290,7 +291,8 @@ def calibrate_costs(out: str, flags: list[str]) -> dict:
     its rounds give the tokens a round of B prompts makes. Returns {seconds_per_token, train_step, tokens_per_batch,
     file}."""
     run = os.path.join(out, "calibration")
-    cmd = ["taskset", "-c", "0", sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", "0", "--steps", "8",
+    core = str(min(os.sched_getaffinity(0)))  # the first core this process may use (core 0 may not be one)
+    cmd = ["taskset", "-c", core, sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", "0", "--steps", "8",
            "--eval-every", "0", "--generation-slowdown", "1.01", "--train-slowdown", "1.01", "--out", run, *flags]
     with open(run + ".log", "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
@@ -309,9 +311,10 @@ def calibrate_costs(out: str, flags: list[str]) -> dict:
 
 
 def point(costs: dict, ratio: float, n: int) -> tuple[float, float]:
-    """(X, Y) where the synchronous round of N searchers takes `ratio` x the training step: T = STEP, and
-    G_N = X x (a batch's tokens / N) x s a token (each searcher makes B / N prompts' rounds beside the others)."""
-    y = max(1.0, STEP / costs["train_step"])
+    """(X, Y) where the synchronous round of N searchers takes `ratio` x the training step: T = STEP (or MIN_Y x
+    a step alone, where that is longer), and G_N = X x (a batch's tokens / N) x s a token (each searcher makes
+    B / N prompts' rounds beside the others)."""
+    y = max(MIN_Y, STEP / costs["train_step"])
     x = max(1.0, ratio * y * costs["train_step"] * n / (costs["tokens_per_batch"] * costs["seconds_per_token"]))
     return round(x, 2), round(y, 2)
 
