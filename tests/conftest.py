@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models made here (no downloads; tests/models.py) and a runner for `tba.py` as a subprocess."""
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -20,9 +21,28 @@ MATH = os.path.join(ROOT, "tests", "data", "math")
 # the device of the Engine tests (tests/test_weight_sync.py, test_lag.py, test_slowdown.py): the CPU here, a GPU
 # where vLLM's CUDA build is installed (tests/gpu_engine_check.sh sets it)
 DEVICE = os.environ.get("TBA_TEST_DEVICE", "cpu")
+SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]  # a toy run
 
 
 BUILD_WAIT = 1800  # s a worker waits for another's build of a cached model (a warm start: minutes on busy cores)
+
+
+@contextlib.contextmanager
+def locked(path: str, what: str):
+    """Hold the file lock at `path` (polled: it goes with its holder's death, and a holder that stops answering
+    meets BUILD_WAIT's deadline, `what` it was doing named in the error)."""
+    import fcntl
+    with open(path, "w") as lock:
+        deadline = time.time() + BUILD_WAIT
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    raise TimeoutError(f"another worker has {what} for over {BUILD_WAIT} s") from None
+                time.sleep(1)
+        yield
 
 
 def cached_model(name: str, recipe: str, build) -> str:
@@ -30,22 +50,12 @@ def cached_model(name: str, recipe: str, build) -> str:
     as warm_start.json, for tests/test_tiny.py); under $TBA_TEST_CACHE (default ~/.cache/tba/tests) by a name
     that changes with `recipe` (the code and settings it is made by): made once, by whichever pytest worker asks
     first while the others wait on its lock, and reused by later sessions."""
-    import fcntl
     import hashlib
     root = os.environ.get("TBA_TEST_CACHE", os.path.expanduser("~/.cache/tba/tests"))
     cache = os.path.join(root, f"{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}")
     done = os.path.join(cache, "warm_start.json")  # written last: complete
     os.makedirs(root, exist_ok=True)
-    with open(cache + ".lock", "w") as lock:
-        deadline = time.time() + BUILD_WAIT
-        while True:  # the lock goes with its holder's death; a holder that stops answering meets the deadline
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.time() > deadline:
-                    raise TimeoutError(f"another worker has built {cache} for over {BUILD_WAIT} s") from None
-                time.sleep(1)
+    with locked(cache + ".lock", f"built {cache}"):
         if not os.path.isfile(done):
             part = cache + f".{os.getpid()}"
             shutil.rmtree(part, ignore_errors=True)
@@ -106,6 +116,68 @@ def run_tba(args, tmp, timeout=300, torchrun=None):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", *cmd[1:]]
     return subprocess.run(cmd, cwd=str(tmp), env=env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout)
+
+
+@pytest.fixture
+def refusal(tmp_path, monkeypatch, capfd):
+    """`refusal(args)`: tba.main(args) in this process, for a run that is refused before anything starts (no
+    subprocess: its imports and the searchers' fork server cost seconds of CPU each). Returns (exit status, the
+    lines printed to stdout and stderr, captured at the file descriptors, so a warning or a C library's output
+    counts too). The command line's own refusals are tested as subprocesses (test_config, test_checks)."""
+    import tba
+
+    def call(args):
+        monkeypatch.chdir(tmp_path)
+        for k, v in env(tmp_path).items():
+            if os.environ.get(k) != v:
+                monkeypatch.setenv(k, v)
+        monkeypatch.delenv("RANK", raising=False)
+        capfd.readouterr()
+        try:
+            tba.main([str(a) for a in args])
+            status = 0
+        except SystemExit as e:
+            status = e.code
+        out = capfd.readouterr()
+        return status, (out.out + out.err).strip().splitlines()
+    return call
+
+
+def shared_run(tmp_path_factory, name: str, args, **kw):
+    """One tba.py run (`args`, its --out given here) that several tests read and none writes into, made once a
+    session: by the first pytest worker to ask, while the others wait on its lock. Returns (its --out folder,
+    the CompletedProcess: a test asserts its returncode, so a failed run fails each test that reads it)."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the session's, shared by its workers
+    folder, done = root / f"shared-{name}", root / f"shared-{name}.json"  # written last: complete
+    with locked(str(folder) + ".lock", f"run {folder}"):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            p = run_tba([*args, "--out", str(folder / "run")], folder, **kw)
+            done.write_text(json.dumps(dict(given=[str(a) for a in args], args=p.args, returncode=p.returncode,
+                                            stdout=p.stdout)))
+    p = json.loads(done.read_text())
+    assert p["given"] == [str(a) for a in args], f"two shared runs named {name!r}: {p['given']} and {args}"
+    return folder / "run", subprocess.CompletedProcess(p["args"], p["returncode"], p["stdout"])
+
+
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+
+
+@pytest.fixture
+def logged_run(tiny_model, tmp_path_factory):
+    """(its --out, its output) of a short synchronous run whose output is a pipe (not a terminal), with --wandb
+    where it is installed (offline): made once a session (shared_run) for test_watch and test_e2e."""
+    wandb = ["--wandb", "tba-tests"] if HAS_WANDB else []
+    os.environ["WANDB_MODE"] = "offline"  # run_tba's environment copies os.environ
+    try:
+        out, p = shared_run(tmp_path_factory, "logged", ["--model", tiny_model, *SMALL, "--searchers", "0", "--steps",
+                                                         "5", "--eval-every", "2", "--log-every", "2", *wandb])
+    finally:
+        os.environ.pop("WANDB_MODE")
+    assert p.returncode == 0, p.stdout[-3000:]
+    return out, p.stdout
 
 
 def metrics(out):

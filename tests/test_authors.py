@@ -10,7 +10,7 @@ import tba
 from runtime.config import Config
 
 
-from conftest import metrics, run_tba
+from conftest import SMALL, metrics, run_tba
 from test_run_scripts import dry_run
 
 
@@ -74,7 +74,6 @@ def test_new_flags_refuse_bad_values(args, match, tmp_path, monkeypatch, capsys)
     refuse(args, tmp_path, monkeypatch, capsys, match)
 
 
-SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
 
 
 @pytest.mark.engine

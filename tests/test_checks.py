@@ -19,7 +19,7 @@ from runtime.config import Config
 from buffer import ReplayBuffer
 from conftest import free_port, metrics, report_of, run_tba
 from runtime.errors import ConfigError
-from test_faults import SMALL
+from test_faults import SMALL, SYNC_CHECKPOINT, sync_checkpoint
 
 
 # ===== --activation-checkpointing =================================================================
@@ -76,17 +76,20 @@ def test_activation_checkpointing_saves_less_and_changes_no_gradient(arch, tmp_p
 
 
 @pytest.mark.engine
-def test_activation_checkpointing_gives_the_same_run(tiny_model, tmp_path):
-    """The synchronous run, same seed, with and without: the same loss rows and final weights."""
+def test_activation_checkpointing_gives_the_same_run(tiny_model, tmp_path, tmp_path_factory):
+    """The synchronous run, same seed, with and without: the same loss rows and final weights (the plain run is
+    the shared one of test_faults.sync_checkpoint)."""
     from transformers import AutoModelForCausalLM
-    common = ["--model", tiny_model, "--searchers", "0", "--steps", "4", "--seed", "5", *SMALL]
-    for name, extra in (("plain", []), ("recompute", ["--activation-checkpointing"])):
-        p = run_tba([*common, *extra, "--out", str(tmp_path / name)], tmp_path)
-        assert p.returncode == 0, p.stdout[-3000:]
-    rows = {n: [(r["step"], r["loss"], r["reward"]) for r in metrics(tmp_path / n) if r["kind"] == "train"]
-            for n in ("plain", "recompute")}
-    assert rows["plain"] == rows["recompute"] and len(rows["plain"]) == 4
-    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / n / "final").state_dict() for n in ("plain", "recompute"))
+    plain, p = sync_checkpoint(tmp_path_factory, tiny_model)
+    assert p.returncode == 0, p.stdout[-3000:]
+    recompute = tmp_path / "recompute"
+    p = run_tba(["--model", tiny_model, *SYNC_CHECKPOINT, "--activation-checkpointing", "--out", str(recompute)],
+                tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    rows = {n: [(r["step"], r["loss"], r["reward"]) for r in metrics(out) if r["kind"] == "train"]
+            for n, out in (("plain", plain), ("recompute", recompute))}
+    assert rows["plain"] == rows["recompute"] and len(rows["plain"]) == 2
+    a, b = (AutoModelForCausalLM.from_pretrained(out / "final").state_dict() for out in (plain, recompute))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -127,37 +130,33 @@ def test_vllm_multiprocessing_is_refused(tiny_model, tmp_path, monkeypatch):
 # ===== resume edge cases ==========================================================================
 @pytest.fixture(scope="module")
 def checkpoint(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ckpt")
-    p = run_tba(["--model", tiny_model, "--searchers", "0", "--steps", "2", "--save-every", "2", *SMALL,
-                 "--out", str(tmp / "a")], tmp)
+    out, p = sync_checkpoint(tmp_path_factory, tiny_model)
     assert p.returncode == 0, p.stdout[-3000:]
-    return tmp / "a" / "checkpoint"
+    return out / "checkpoint"
 
 
 @pytest.mark.engine
-def test_resume_without_model_weights_is_refused(tiny_model, checkpoint, tmp_path):
+def test_resume_without_model_weights_is_refused(tiny_model, checkpoint, tmp_path, refusal):
     import shutil
     broken = tmp_path / "broken"
     shutil.copytree(checkpoint, broken)
     os.remove(broken / "model" / "model.safetensors")
-    p = run_tba(["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(broken),
-                 "--out", str(tmp_path / "b")], tmp_path)
-    assert p.returncode == 2, p.stdout[-3000:]
-    assert p.stdout.strip().splitlines() == [
+    status, lines = refusal(["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(broken),
+                             "--out", str(tmp_path / "b")])
+    assert status == 2 and lines == [
         f"tba.py: error: --resume: {broken / 'model'} holds no weights (none of model.safetensors, "
         f"model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json; an incomplete checkpoint?)"]
 
 
 @pytest.mark.engine
-def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, checkpoint, tmp_path):
+def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, checkpoint, tmp_path, refusal):
     flags = ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint)]
-    p = run_tba([*flags, "--temperature", "0.5", "--out", str(tmp_path / "b")], tmp_path)
-    assert p.returncode == 2, p.stdout[-3000:]
-    assert p.stdout.strip().splitlines() == [
+    status, lines = refusal([*flags, "--temperature", "0.5", "--out", str(tmp_path / "b")])
+    assert status == 2 and lines == [
         "tba.py: error: --resume: --temperature 0.5 (was 1.0) cannot change mid-run (the checkpoint's buffer was "
         "searched, scored and kept with the old value)"]
-    p = run_tba([*flags, "--buffer-capacity", "50", "--out", str(tmp_path / "d")], tmp_path)
-    assert p.returncode == 2 and "--buffer-capacity 50 (was 100) cannot change mid-run" in p.stdout, p.stdout[-3000:]
+    status, lines = refusal([*flags, "--buffer-capacity", "50", "--out", str(tmp_path / "d")])
+    assert status == 2 and len(lines) == 1 and "--buffer-capacity 50 (was 100) cannot change mid-run" in lines[0], lines
     # --buffer-keep belongs to the redteam task (refused with arith): its change is refused the same way
     import dataclasses
     import json

@@ -7,7 +7,7 @@ import numpy as np
 
 import pytest
 
-from conftest import DATA, TLDR, metrics, run_tba
+from conftest import DATA, SMALL, TLDR, metrics, run_tba, shared_run
 from rewards import gsm8k_reward
 
 TRAIN_FIELDS = {"kind": str, "step": int, "time": float, "loss": float, "reward": float,
@@ -15,7 +15,6 @@ TRAIN_FIELDS = {"kind": str, "step": int, "time": float, "loss": float, "reward"
                 "samples": int, "reference": int, "reuse": float}
 LOSS_FIELDS = {"tb": ["log_z"], "rloo": ["kl"], "grpo": ["clip_frac", "kl"]}  # each loss's own statistics
 EVAL_FIELDS = {"kind": str, "step": int, "time": float, "accuracy": float, "version": int}
-SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
 
 
 def check_rows(rows, steps, batch=4 * 4, loss="tb"):
@@ -66,13 +65,21 @@ def test_async_run(tiny_model, tmp_path):
     check_final(out, tiny_model)
 
 
+def capped_slow_run(tmp_path_factory, tiny_model):
+    """(its --out, its process) of a streaming run under --max-reuse 1 with generation slowed 20x, made once a
+    session (shared_run: test_slowdown reads it too)."""
+    out, p = shared_run(tmp_path_factory, "capped-slow", ["--model", tiny_model, *SMALL, "--steps", "6", "--eval-every",
+                                                          "0", "--max-reuse", "1", "--generation-slowdown", "20"])
+    assert p.returncode == 0, p.stdout[-3000:]
+    return out, p
+
+
 @pytest.mark.engine
-def test_the_trainer_waits_for_data_under_the_reuse_cap(tiny_model, tmp_path):
+def test_the_trainer_waits_for_data_under_the_reuse_cap(tiny_model, tmp_path_factory):
     """--max-reuse 1 with generation slowed (the trainer outpaces the searcher): it waits for data
     after the first step instead of replaying, and never draws more than it has received; the
     summary line gives the draws per trajectory."""
-    out, p = run_small(tiny_model, tmp_path, "--steps", "6", "--eval-every", "0", "--max-reuse", "1",
-                       "--generation-slowdown", "20")
+    out, p = capped_slow_run(tmp_path_factory, tiny_model)
     train, _ = check_rows(metrics(out), 6)
     B_K = 4 * 4
     for r in train:  # each step drew B x K, and the draws stayed within the trajectories received
@@ -81,12 +88,11 @@ def test_the_trainer_waits_for_data_under_the_reuse_cap(tiny_model, tmp_path):
     assert f"| {train[-1]['reuse']:.2f} draws a trajectory |" in p.stdout
 
 
-@pytest.mark.engine
-def test_synchronous_run(tiny_model, tmp_path):
-    out, _ = run_small(tiny_model, tmp_path, "--searchers", "0", "--steps", "4", "--eval-every", "2")
-    train, evals = check_rows(metrics(out), 4)
+def test_synchronous_run(tiny_model, logged_run):
+    out, _ = logged_run  # conftest's: --searchers 0 --steps 5 --eval-every 2
+    train, evals = check_rows(metrics(out), 5)
     assert all(r["wait"] == 0 for r in train)
-    assert [e["version"] for e in evals] == [0, 2, 4]
+    assert [e["version"] for e in evals] == [0, 2, 4, 5]
     check_final(out, tiny_model)
 
 
@@ -102,12 +108,19 @@ def test_fsdp_two_ranks(tiny_model, tmp_path):
     check_final(out, tiny_model)
 
 
+def synchronous_lag_run(tmp_path_factory, tiny_model):
+    """The --out of a synchronous run at --lag 3 with the GRPO baseline, made once a session (test_lag reads it)."""
+    out, p = shared_run(tmp_path_factory, "sync-lag", ["--model", tiny_model, *SMALL, "--searchers", "0", "--steps", "7",
+                                                       "--eval-every", "0", "--lag", "3", "--loss", "grpo"])
+    assert p.returncode == 0, p.stdout[-3000:]
+    return out
+
+
 @pytest.mark.engine
-def test_synchronous_lag_sets_the_staleness(tiny_model, tmp_path):
+def test_synchronous_lag_sets_the_staleness(tiny_model, tmp_path_factory):
     """--lag L in the synchronous mode (k = 1; each batch its step's rounds): every batch is exactly L steps stale
     once the run is L steps in (the initial weights until then); with the GRPO baseline."""
-    out, _ = run_small(tiny_model, tmp_path, "--searchers", "0", "--steps", "7", "--eval-every", "0", "--lag", "3",
-                       "--loss", "grpo")
+    out = synchronous_lag_run(tmp_path_factory, tiny_model)
     train, _ = check_rows(metrics(out), 7, loss="grpo")
     assert [r["staleness"] for r in train] == [0, 1, 2, 3, 3, 3, 3]
     assert all(r["staleness_max"] == r["staleness"] for r in train)

@@ -13,10 +13,19 @@ import torch
 
 from runtime.config import Config
 from runtime import checkpoint
-from conftest import ROOT, env, metrics, run_tba
+from conftest import ROOT, env, metrics, run_tba, shared_run
 
 SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3",
          "--eval-every", "0"]
+
+
+def sync_checkpoint(tmp_path_factory, tiny_model):
+    """(its --out, its process) of a synchronous 2-step run saved at step 2 (`SYNC_CHECKPOINT`), made once a session
+    (conftest.shared_run) for the tests that copy or resume its checkpoint."""
+    return shared_run(tmp_path_factory, "sync-checkpoint", ["--model", tiny_model, *SYNC_CHECKPOINT])
+
+
+SYNC_CHECKPOINT = ["--searchers", "0", "--steps", "2", "--save-every", "2", *SMALL]
 
 
 def start(args, tmp, torchrun=False):
@@ -262,17 +271,23 @@ def test_resume_gives_the_same_weights(extra, tiny_model, tmp_path):
     assert max((wa[k] - start[k]).abs().max().item() for k in wa) > 1e-3  # and they did train
 
 
+def capped_checkpoint(tmp_path_factory, tiny_model):
+    """(its --out, its process) of a streaming run under --max-reuse 1 saved at step 3, made once a session
+    (shared_run: test_probes resumes it too)."""
+    return shared_run(tmp_path_factory, "capped-checkpoint", ["--model", tiny_model, *SMALL, "--max-reuse", "1",
+                                                              "--steps", "3", "--save-every", "3"])
+
+
 @pytest.mark.engine
-def test_async_resume_carries_the_reuse_counts(tiny_model, tmp_path):
+def test_async_resume_carries_the_reuse_counts(tiny_model, tmp_path, tmp_path_factory):
     """--max-reuse's counts are in the checkpoint: after --resume the draws and the trajectories received go
     on from the checkpoint's, so that the cap holds over the whole run."""
     common = ["--model", tiny_model, *SMALL, "--max-reuse", "1"]
-    a = run_tba([*common, "--steps", "3", "--save-every", "3", "--out", str(tmp_path / "a")], tmp_path)
-    assert a.returncode == 0, a.stdout[-3000:]
-    credit, counted, drawn = assert_checkpoint(tmp_path / "a")["reuse"]
+    a, p = capped_checkpoint(tmp_path_factory, tiny_model)
+    assert p.returncode == 0, p.stdout[-3000:]
+    credit, counted, drawn = assert_checkpoint(a)["reuse"]
     assert drawn == 3 * 16 and drawn <= counted and 0 <= credit <= counted - drawn
-    b = run_tba([*common, "--steps", "5", "--resume", str(tmp_path / "a" / "checkpoint"), "--out", str(tmp_path / "b")],
-                tmp_path)
+    b = run_tba([*common, "--steps", "5", "--resume", str(a / "checkpoint"), "--out", str(tmp_path / "b")], tmp_path)
     assert b.returncode == 0, b.stdout[-3000:]
     rows = [r for r in metrics(tmp_path / "b") if r["kind"] == "train"]
     assert [r["step"] for r in rows] == [4, 5] and rows[0]["samples"] >= counted
@@ -291,25 +306,24 @@ class RunsCode:
 
 
 @pytest.mark.engine
-def test_checkpoint_that_could_run_code_is_refused(tiny_model, tmp_path):
+def test_checkpoint_that_could_run_code_is_refused(tiny_model, tmp_path, tmp_path_factory, refusal):
     """Checkpoints are tensors and plain data: one that holds a pickled object is refused in one
     line, before anything runs, and the object's code never runs."""
     import shutil
-    run = run_tba(["--model", tiny_model, "--searchers", "0", "--steps", "2", "--save-every", "2", *SMALL,
-                   "--out", str(tmp_path / "a")], tmp_path)
+    a, run = sync_checkpoint(tmp_path_factory, tiny_model)
     assert run.returncode == 0, run.stdout[-3000:]
     marker = tmp_path / "code-ran"
     evil = tmp_path / "evil"
-    shutil.copytree(tmp_path / "a" / "checkpoint", evil)
+    shutil.copytree(a / "checkpoint", evil)
     state = torch.load(evil / "trainer.pt", weights_only=True)
     torch.save(dict(state, first_eval=RunsCode(marker)), evil / "trainer.pt")
-    p = run_tba(["--model", tiny_model, "--resume", str(evil), "--out", str(tmp_path / "b")], tmp_path)
-    assert p.returncode == 2 and not marker.exists(), p.stdout[-3000:]
-    assert p.stdout.strip().splitlines()[-1].startswith(f"tba.py: error: --resume: {evil} does not parse")
-    shutil.copy(tmp_path / "a" / "checkpoint" / "trainer.pt", evil / "trainer.pt")
+    status, lines = refusal(["--model", tiny_model, "--resume", str(evil), "--out", str(tmp_path / "b")])
+    assert status == 2 and not marker.exists(), lines
+    assert lines[-1].startswith(f"tba.py: error: --resume: {evil} does not parse")
+    shutil.copy(a / "checkpoint" / "trainer.pt", evil / "trainer.pt")
     (evil / "buffer.npz").write_bytes(b"not an archive")
-    p = run_tba(["--model", tiny_model, "--resume", str(evil), "--out", str(tmp_path / "b")], tmp_path)
-    assert p.returncode == 2 and "does not parse as a checkpoint" in p.stdout.strip().splitlines()[-1]
+    status, lines = refusal(["--model", tiny_model, "--resume", str(evil), "--out", str(tmp_path / "b")])
+    assert status == 2 and "does not parse as a checkpoint" in lines[-1], lines
 
 
 def test_checkpoint_swap_is_atomic(tmp_path):

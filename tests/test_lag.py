@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE, metrics, run_tba
+from conftest import DEVICE, SMALL, metrics, run_tba
 from test_faults import assert_all_gone, assert_checkpoint, searcher_pids, start, wait_for_steps
 
-SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
 
 
 def train_rows(out):
@@ -30,12 +29,13 @@ def assert_exact(rows, lag):
 
 @pytest.mark.engine
 @pytest.mark.parametrize("searchers,lag", [(1, 0), (1, 2), (2, 1), (2, 3)])
-def test_staleness_is_exactly_the_lag(tiny_model, tmp_path, searchers, lag):
+def test_staleness_is_exactly_the_lag(tiny_model, tmp_path_factory, searchers, lag):
     """With L = 0 the trainer waits for each step's rounds (a wait in every step) and the searchers wait for
-    each step's weights (staleness 0); with L >= 1 exactly L. The evaluations come, of the weights asked for."""
-    out = tmp_path / "run"
-    p = run_tba(["--model", tiny_model, *SMALL, "--searchers", str(searchers), "--lag", str(lag), "--steps", "8",
-                 "--eval-every", "4", "--out", str(out)], tmp_path)
+    each step's weights (staleness 0); with L >= 1 exactly L. The evaluations come, of the weights asked for (the
+    runs of test_probes' evaluation grid: one searcher at L = 2 is one of them)."""
+    from test_probes import grid_run
+    out, p = grid_run(tmp_path_factory, tiny_model, ["--lag", str(lag), *(["--searchers", "2"] if searchers > 1 else [])],
+                      8)
     assert p.returncode == 0, p.stdout[-3000:]
     rows = train_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -43,7 +43,7 @@ def test_staleness_is_exactly_the_lag(tiny_model, tmp_path, searchers, lag):
     assert rows[-1]["samples"] >= 8 * 4 * 4 and rows[-1]["reuse"] <= 1.0 + 1e-9  # each trajectory used once
     if lag == 0:
         assert all(r["wait"] > 0 for r in rows), [r["wait"] for r in rows]
-    assert [r["version"] for r in metrics(out) if r["kind"] == "eval"] == [0, 4, 8]
+    assert [r["version"] for r in metrics(out) if r["kind"] == "eval"] == [0, 2, 4, 6, 8]
 
 
 @pytest.mark.engine
@@ -99,12 +99,9 @@ def test_a_reset_publishes_the_lagged_policy_and_the_current_pi_ref(tiny_model, 
 
 
 @pytest.mark.engine
-def test_the_synchronous_baseline_in_one_process_has_the_lag_too(tiny_model, tmp_path):
-    out = tmp_path / "run"
-    p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "0", "--lag", "3", "--steps", "6", "--eval-every", "0",
-                 "--out", str(out)], tmp_path)
-    assert p.returncode == 0, p.stdout[-3000:]
-    assert_exact(train_rows(out), 3)
+def test_the_synchronous_baseline_in_one_process_has_the_lag_too(tiny_model, tmp_path_factory):
+    from test_e2e import synchronous_lag_run
+    assert_exact(train_rows(synchronous_lag_run(tmp_path_factory, tiny_model)), 3)
 
 
 @pytest.mark.engine
@@ -233,18 +230,17 @@ def test_the_engine_is_kept_full_and_every_response_comes_back_once(tiny_model):
 
 
 @pytest.mark.engine
-def test_a_run_with_the_engine_kept_full(tiny_model, tmp_path):
-    """tba.py --inflight --keep-full: the run ends, its evaluations come (each drains the engine first: streaming,
-    of the newest weights), and the trainer learns from each trajectory once."""
-    out = tmp_path / "run"
-    p = run_tba(["--model", tiny_model, *SMALL, "--inflight", "--keep-full", "--steps", "6", "--eval-every", "3",
-                 "--out", str(out)], tmp_path)
+def test_a_run_with_the_engine_kept_full(tiny_model, tmp_path_factory):
+    """tba.py --keep-full (--inflight by default): the run ends, its evaluations come (each drains the engine
+    first: streaming, of the newest weights), and the trainer learns from each trajectory once (test_probes' run)."""
+    from test_probes import grid_run
+    out, p = grid_run(tmp_path_factory, tiny_model, ["--keep-full"], 8)
     assert p.returncode == 0, p.stdout[-3000:]
     rows = train_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, 7))
-    assert rows[-1]["samples"] >= 6 * 4 * 4 and rows[-1]["reuse"] <= 1.0 + 1e-9
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["samples"] >= 8 * 4 * 4 and rows[-1]["reuse"] <= 1.0 + 1e-9
     evals = [r["step"] for r in metrics(out) if r["kind"] == "eval"]
-    assert evals == [0, 3, 6], evals  # the grid asked for: each of the step it names, the engine kept full
+    assert evals == [0, 2, 4, 6, 8], evals  # the grid asked for: each of the step it names, the engine kept full
 
 
 @pytest.mark.engine

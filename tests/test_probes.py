@@ -3,7 +3,6 @@ anything is written, every evaluation at the step asked for, a round never count
 run keeping its progress, and flags refused where they would change nothing."""
 
 import dataclasses
-import json
 import math
 import os
 
@@ -11,12 +10,11 @@ import numpy as np
 import pytest
 
 from buffer import ReplayBuffer, Trajectory, to_arrays
-from conftest import metrics, run_tba
+from conftest import SMALL, metrics, run_tba, shared_run
 from runtime import checks
 from runtime.config import Config
 from runtime.errors import ConfigError
 
-SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
 
 
 def evals(out):
@@ -54,20 +52,19 @@ def test_a_loss_the_buffer_cannot_feed_is_refused():
 
 
 @pytest.mark.engine
-def test_a_refused_resume_writes_nothing(tiny_model, tmp_path):
-    """The probe's commands: a streaming checkpoint resumed with --lag 2 is refused in one line, and the run's
-    config.json is the checkpoint's run's still."""
-    out = tmp_path / "stream"
-    p = run_tba(["--model", tiny_model, *SMALL, "--steps", "3", "--save-every", "3", "--eval-every", "0",
-                 "--out", str(out)], tmp_path)
+def test_a_refused_resume_writes_nothing(tiny_model, tmp_path_factory, refusal):
+    """The probe's commands: a streaming checkpoint (test_faults' shared one, saved at step 3) resumed with --lag 2
+    is refused in one line, and the run's config.json is the checkpoint's run's still."""
+    from test_faults import capped_checkpoint
+    out, p = capped_checkpoint(tmp_path_factory, tiny_model)
     assert p.returncode == 0, p.stdout[-3000:]
     before = (out / "config.json").read_text()
-    p = run_tba(["--model", tiny_model, *SMALL, "--steps", "5", "--lag", "2", "--eval-every", "0",
-                 "--resume", str(out / "checkpoint")], tmp_path)
-    lines = [line for line in p.stdout.splitlines() if line.startswith("tba.py: error:")]
-    assert p.returncode == 2 and lines == ["tba.py: error: --lag: 2 samples the rounds after step 3 with the weights "
+    status, said = refusal(["--model", tiny_model, *SMALL, "--steps", "5", "--lag", "2", "--eval-every", "0",
+                            "--resume", str(out / "checkpoint")])
+    lines = [line for line in said if line.startswith("tba.py: error:")]
+    assert status == 2 and lines == ["tba.py: error: --lag: 2 samples the rounds after step 3 with the weights "
                                            "of steps 1-2, and the checkpoint keeps none of them: resume with --lag 0 "
-                                           "or less"], p.stdout[-3000:]
+                                           "or less"], said
     assert (out / "config.json").read_text() == before
 
 
@@ -105,16 +102,21 @@ def test_a_flag_that_would_change_nothing_is_refused(given, acts):
 
 
 # --- 4, 6, 7: every evaluation asked for happens, of the step it names, in every mode ----------------------------
+def grid_run(tmp_path_factory, tiny_model, mode: list, steps: int):
+    """(its --out, its process) of a run of `mode` evaluated every 2 steps, made once a session (shared_run:
+    test_lag reads these runs too)."""
+    return shared_run(tmp_path_factory, "grid" + "".join(mode), ["--model", tiny_model, *SMALL, "--steps", str(steps),
+                                                                 "--eval-every", "2", *mode])
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("mode, steps, grid", [
     (["--lag", "2"], 8, [0, 2, 4, 6, 8]), (["--lag", "20"], 5, [0, 2, 4, 5]),  # past the last lagged round too
     ([], 8, [0, 2, 4, 6, 8]), (["--keep-full"], 8, [0, 2, 4, 6, 8]),          # in flight, and kept full
     (["--no-inflight", "--sync-every", "3"], 8, [0, 2, 4, 6, 8]),              # searchers holding older weights
 ])
-def test_every_evaluation_is_of_the_step_asked_for(mode, steps, grid, tiny_model, tmp_path):
-    out = tmp_path / "run"
-    p = run_tba(["--model", tiny_model, *SMALL, "--steps", str(steps), "--eval-every", "2", *mode,
-                 "--out", str(out)], tmp_path)
+def test_every_evaluation_is_of_the_step_asked_for(mode, steps, grid, tiny_model, tmp_path_factory):
+    out, p = grid_run(tmp_path_factory, tiny_model, mode, steps)
     assert p.returncode == 0, p.stdout[-3000:]
     assert evals(out) == grid and all(r["version"] == r["step"] for r in metrics(out) if r["kind"] == "eval")
 

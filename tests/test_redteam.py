@@ -195,33 +195,32 @@ def flags(models, out, attacker="llama", classifier="classifier", **extra):
     return args
 
 
-def refused(models, tmp_path, args):
-    p = run_tba(args, tmp_path, timeout=120)
-    lines = p.stdout.strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("tba.py: error: --"), p.stdout
+def refused(refusal, args):
+    status, lines = refusal(args)
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("tba.py: error: --"), lines
     return lines[0]
 
 
 @pytest.mark.engine
-def test_bad_input_is_refused_in_one_line(models, tmp_path):
+def test_bad_input_is_refused_in_one_line(models, tmp_path, refusal):
     import shutil
     base = flags(models, tmp_path / "out")
     drop = lambda flag: base[:base.index(flag)] + base[base.index(flag) + 2:]
-    assert "--victim: the redteam task needs" in refused(models, tmp_path, drop("--victim"))
-    assert "--classifier: the redteam task needs" in refused(models, tmp_path, drop("--classifier"))
+    assert "--victim: the redteam task needs" in refused(refusal, drop("--victim"))
+    assert "--classifier: the redteam task needs" in refused(refusal, drop("--classifier"))
     no_label = str(models["root"] / "no_label")
     rm.make_trigger_classifier(no_label, models["tokenizer"], labels=("ok", "bad"))
-    line = refused(models, tmp_path, [*drop("--classifier"), "--classifier", no_label])
+    line = refused(refusal, [*drop("--classifier"), "--classifier", no_label])
     assert "--classifier:" in line and "no unsafe label (labels: ok, bad)" in line
     no_tokenizer = str(models["root"] / "no_tokenizer")
     shutil.copytree(models["victim"], no_tokenizer)
     for f in os.listdir(no_tokenizer):
         if f.startswith(("tokenizer", "special_tokens", "chat_template")):
             os.remove(os.path.join(no_tokenizer, f))
-    assert "--victim:" in refused(models, tmp_path, [*drop("--victim"), "--victim", no_tokenizer])
-    assert "--victim:" in refused(models, tmp_path, ["--victim", models["victim"]])  # arith has no victim
+    assert "--victim:" in refused(refusal, [*drop("--victim"), "--victim", no_tokenizer])
+    assert "--victim:" in refused(refusal, ["--victim", models["victim"]])  # arith has no victim
     not_lm = str(models["root"] / "embedder")
-    assert "is not a causal LM" in refused(models, tmp_path, [*drop("--victim"), "--victim", not_lm])
+    assert "is not a causal LM" in refused(refusal, [*drop("--victim"), "--victim", not_lm])
 
 
 def evals(out):

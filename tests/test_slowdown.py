@@ -11,7 +11,7 @@ import pytest
 
 from conftest import DEVICE, metrics
 from runtime.slowdown import slow_down
-from test_e2e import run_small
+from test_e2e import capped_slow_run, run_small
 
 
 def test_slow_down_sleeps_until_x_times_the_cost_alone():
@@ -25,10 +25,11 @@ def test_slow_down_sleeps_until_x_times_the_cost_alone():
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("searchers, x", [(0, 100.0), (1, 5.0)], ids=["synchronous", "async"])
-def test_both_paths_honour_the_slowdown(searchers, x, tiny_model, tmp_path):
-    out, p = run_small(tiny_model, tmp_path, "--steps", "3", "--eval-every", "2", "--searchers", str(searchers),
-                       "--generation-slowdown", str(x))
+@pytest.mark.parametrize("searchers, x", [(0, 100.0), (1, 20.0)], ids=["synchronous", "async"])
+def test_both_paths_honour_the_slowdown(searchers, x, tiny_model, tmp_path, tmp_path_factory):
+    """The async case reads test_e2e's run under the reuse cap (generation slowed 20x)."""
+    out, p = (run_small(tiny_model, tmp_path, "--steps", "3", "--eval-every", "2", "--searchers", "0",
+                        "--generation-slowdown", str(x)) if searchers == 0 else capped_slow_run(tmp_path_factory, tiny_model))
     saved = json.load(open(out / "config.json"))
     assert saved["generation_slowdown"] == x
     engine = "trainer" if searchers == 0 else "0"
@@ -52,11 +53,9 @@ def test_both_paths_honour_the_slowdown(searchers, x, tiny_model, tmp_path):
 
 
 @pytest.mark.engine
-def test_slowdown_below_one_is_refused(tiny_model, tmp_path):
-    from conftest import run_tba
-    p = run_tba(["--model", tiny_model, "--generation-slowdown", "0.5", "--out", str(tmp_path / "r")], tmp_path)
-    assert p.returncode == 2 and p.stdout.strip().splitlines()[-1] == \
-        "tba.py: error: --generation-slowdown: must be 1 (off) or more, got 0.5"
+def test_slowdown_below_one_is_refused(tiny_model, tmp_path, refusal):
+    status, lines = refusal(["--model", tiny_model, "--generation-slowdown", "0.5", "--out", str(tmp_path / "r")])
+    assert status == 2 and lines[-1] == "tba.py: error: --generation-slowdown: must be 1 (off) or more, got 0.5"
 
 
 @pytest.mark.engine

@@ -314,12 +314,8 @@ def test_watch_hears_an_evaluations_beats_and_names_the_node(monkeypatch):
         watch.check()
 
 
-@pytest.mark.engine
-def test_max_staleness_is_checked(tmp_path):
-    from conftest import run_tba
-    p = run_tba(["--max-staleness", "-1"], tmp_path)
-    assert p.returncode == 2 and p.stdout.strip().splitlines() == [
-        "tba.py: error: --max-staleness: must be 0 (no bound) or more"], p.stdout
+def test_max_staleness_is_checked(refusal):
+    assert refusal(["--max-staleness", "-1"]) == (2, ["tba.py: error: --max-staleness: must be 0 (no bound) or more"])
 
 
 def lock_rank(path, out, port, results):

@@ -2,7 +2,6 @@
 picture of a run, and the optional Weights & Biases logging (offline)."""
 
 import glob
-import importlib.util
 import json
 import os
 import pty
@@ -14,26 +13,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, env, metrics, run_tba
+from conftest import HAS_WANDB, ROOT, SMALL, env, metrics
 
-SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--lr", "1e-3"]
-HAS_WANDB = importlib.util.find_spec("wandb") is not None
-
-
-@pytest.fixture(scope="module")
-def logged_run(tiny_model, tmp_path_factory):
-    """A short synchronous run whose output is a pipe (not a terminal), with --wandb where it is installed."""
-    tmp = tmp_path_factory.mktemp("watch")
-    out = tmp / "run"
-    wandb = ["--wandb", "tba-tests"] if HAS_WANDB else []
-    os.environ["WANDB_MODE"] = "offline"  # run_tba's environment copies os.environ
-    try:
-        p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "0", "--steps", "5", "--eval-every", "2",
-                     "--log-every", "2", *wandb, "--out", str(out)], tmp)
-    finally:
-        os.environ.pop("WANDB_MODE")
-    assert p.returncode == 0, p.stdout[-3000:]
-    return out, p.stdout
 
 
 def test_plain_lines_when_not_a_terminal(logged_run):
