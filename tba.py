@@ -474,7 +474,7 @@ def main(argv=None):
     if world > 1:
         refusal = first_refusal(refusal)
     if refusal:
-        if dist.is_initialized():
+        if world > 1 and dist.is_initialized():  # the ranks' group, made above: not a caller's (a vLLM engine's)
             dist.destroy_process_group()
         fail(f"tba.py: error: {refusal}", 2, rank_env)
     try:

@@ -339,3 +339,16 @@ def test_lee_et_al_schedules():
     held = Config(reward_temp=2.0, gamma_final=1.2)  # no anneal lengths: --reward-temp and --gamma-final throughout
     assert [tba.reward_temp_at(held, s) for s in (0, 500, 4999)] == [2.0, 2.0, 2.0]
     assert [tba.gamma_at(held, s) for s in (0, 4999)] == [1.2, 1.2]
+
+
+def test_a_refusal_leaves_a_callers_process_group(tmp_path, monkeypatch, capsys):
+    """tba.main called in a process that already has a one-rank group (a vLLM engine's, as in the tests' own
+    processes): a refusal of one rank destroys no group it did not make."""
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        refuse(["--model", str(tmp_path / "none")], tmp_path, monkeypatch, capsys, "--model")
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
