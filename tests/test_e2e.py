@@ -96,15 +96,24 @@ def test_synchronous_run(tiny_model, logged_run):
     check_final(out, tiny_model)
 
 
+def two_ranks_run(tmp_path_factory, tiny_model):
+    """The --out of a run of two trainer ranks and one searcher at --lag 1 with the RLOO baseline and TBA′ resets
+    every 2 steps, made once a session (shared_run: test_lag reads it too)."""
+    out, p = shared_run(tmp_path_factory, "two-ranks", ["--model", tiny_model, *SMALL, "--steps", "6", "--eval-every",
+                                                        "0", "--lag", "1", "--loss", "rloo", "--ref-reset-every", "2"],
+                        torchrun=2)
+    assert p.returncode == 0, p.stdout[-3000:]
+    return out
+
+
 @pytest.mark.engine
-def test_fsdp_two_ranks(tiny_model, tmp_path):
-    """torchrun --nproc_per_node=2: FSDP2 over two trainer ranks (gloo), one searcher; with the RLOO
+def test_fsdp_two_ranks(tiny_model, tmp_path_factory):
+    """torchrun --nproc_per_node=2: FSDP2 over two trainer ranks (gloo), one searcher at --lag 1; with the RLOO
     baseline and TBA′ resets of pi_ref every 2 steps."""
-    out, _ = run_small(tiny_model, tmp_path, "--steps", "4", "--eval-every", "0", "--loss", "rloo",
-                       "--ref-reset-every", "2", torchrun=2)
-    train, _ = check_rows(metrics(out), 4, loss="rloo")
+    out = two_ranks_run(tmp_path_factory, tiny_model)
+    train, _ = check_rows(metrics(out), 6, loss="rloo")
     assert json.load(open(out / "config.json"))["threads"] >= 1
-    assert [r["reference"] for r in train] == [0, 2, 2, 4]
+    assert [r["reference"] for r in train] == [0, 2, 2, 4, 4, 6]
     check_final(out, tiny_model)
 
 

@@ -47,12 +47,10 @@ def test_staleness_is_exactly_the_lag(tiny_model, tmp_path_factory, searchers, l
 
 
 @pytest.mark.engine
-def test_two_trainer_ranks(tiny_model, tmp_path):
-    out = tmp_path / "run"
-    p = run_tba(["--model", tiny_model, *SMALL, "--searchers", "1", "--lag", "1", "--steps", "6", "--eval-every", "0",
-                 "--out", str(out)], tmp_path, torchrun=2)
-    assert p.returncode == 0, p.stdout[-3000:]
-    assert_exact(train_rows(out), 1)
+def test_two_trainer_ranks(tiny_model, tmp_path_factory):
+    """test_e2e's run of two ranks at --lag 1."""
+    from test_e2e import two_ranks_run
+    assert_exact(train_rows(two_ranks_run(tmp_path_factory, tiny_model)), 1)
 
 
 @pytest.mark.engine
