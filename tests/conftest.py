@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models made here (no downloads; tests/models.py) and a runner for `tba.py` as a subprocess."""
+"""Shared fixtures: tiny models made here (no downloads; tests/models.py), a runner for `tba.py` as a subprocess,
+runs that several tests read made once a session (`shared_run`), and refusals checked in-process (`refusal`)."""
 
 import contextlib
 import importlib.util
@@ -121,25 +122,34 @@ def run_tba(args, tmp, timeout=300, torchrun=None):
 @pytest.fixture
 def refusal(tmp_path, monkeypatch, capfd):
     """`refusal(args)`: tba.main(args) in this process, for a run that is refused before anything starts (no
-    subprocess: its imports and the searchers' fork server cost seconds of CPU each). Returns (exit status, the
-    lines printed to stdout and stderr, captured at the file descriptors, so a warning or a C library's output
-    counts too). The command line's own refusals are tested as subprocesses (test_config, test_checks)."""
+    subprocess: its imports and the searchers' fork server cost seconds of CPU each); a run that gets past the
+    checks fails the test instead of running here. Returns (exit status, the lines printed to stdout and stderr,
+    captured at the file descriptors, a C library's output too, then each warning raised, as "warning: ...").
+    The environment is restored after. The command line's own refusals are tested as subprocesses (test_config,
+    test_checks)."""
+    import warnings
+
     import tba
+    monkeypatch.setattr(tba, "run", lambda *a: pytest.fail("not refused: the run would start"))
 
     def call(args):
         monkeypatch.chdir(tmp_path)
-        for k, v in env(tmp_path).items():
-            if os.environ.get(k) != v:
-                monkeypatch.setenv(k, v)
-        monkeypatch.delenv("RANK", raising=False)
+        environ = dict(os.environ)
+        os.environ.update(env(tmp_path))
+        os.environ.pop("RANK", None)
         capfd.readouterr()
         try:
-            tba.main([str(a) for a in args])
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                tba.main([str(a) for a in args])
             status = 0
         except SystemExit as e:
             status = e.code
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
         out = capfd.readouterr()
-        return status, (out.out + out.err).strip().splitlines()
+        return status, (out.out + out.err).strip().splitlines() + [f"warning: {w.message}" for w in said]
     return call
 
 
@@ -150,15 +160,19 @@ def shared_run(tmp_path_factory, name: str, args, **kw):
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the session's, shared by its workers
     folder, done = root / f"shared-{name}", root / f"shared-{name}.json"  # written last: complete
+    given = [*map(str, args), json.dumps(kw, sort_keys=True)]
     with locked(str(folder) + ".lock", f"run {folder}"):
         if not done.exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
-            p = run_tba([*args, "--out", str(folder / "run")], folder, **kw)
-            done.write_text(json.dumps(dict(given=[str(a) for a in args], args=p.args, returncode=p.returncode,
-                                            stdout=p.stdout)))
+            try:
+                p = run_tba([*args, "--out", str(folder / "run")], folder, **kw)
+                p = dict(args=p.args, returncode=p.returncode, stdout=p.stdout)
+            except subprocess.TimeoutExpired as e:  # said once: every reader fails on it, none runs it again
+                p = dict(args=e.cmd, returncode=None, stdout=f"{e.output or ''}\n(timed out after {e.timeout} s)")
+            done.write_text(json.dumps(dict(p, given=given)))
     p = json.loads(done.read_text())
-    assert p["given"] == [str(a) for a in args], f"two shared runs named {name!r}: {p['given']} and {args}"
+    assert p["given"] == given, f"two shared runs named {name!r}: {p['given']} and {given}"
     return folder / "run", subprocess.CompletedProcess(p["args"], p["returncode"], p["stdout"])
 
 
@@ -278,7 +292,7 @@ def share_the_cores():
         os.sched_setaffinity(0, cores[i % count::count] if len(cores) >= count else [cores[i % len(cores)]])
 
 
-ENGINE_FIXTURES = {"checkpoint", "logged_run", "run"}  # fixtures that run tba.py (test_checks, test_watch, test_gpu_check)
+ENGINE_FIXTURES = {"checkpoint", "logged_run", "run"}  # fixtures that run tba.py (test_checks, here, test_gpu_check)
 
 
 def pytest_collection_modifyitems(config, items):

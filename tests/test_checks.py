@@ -19,7 +19,7 @@ from runtime.config import Config
 from buffer import ReplayBuffer
 from conftest import free_port, metrics, report_of, run_tba
 from runtime.errors import ConfigError
-from test_faults import SMALL, SYNC_CHECKPOINT, sync_checkpoint
+from test_faults import SMALL, sync_checkpoint
 
 
 # ===== --activation-checkpointing =================================================================
@@ -76,20 +76,17 @@ def test_activation_checkpointing_saves_less_and_changes_no_gradient(arch, tmp_p
 
 
 @pytest.mark.engine
-def test_activation_checkpointing_gives_the_same_run(tiny_model, tmp_path, tmp_path_factory):
-    """The synchronous run, same seed, with and without: the same loss rows and final weights (the plain run is
-    the shared one of test_faults.sync_checkpoint)."""
+def test_activation_checkpointing_gives_the_same_run(tiny_model, tmp_path):
+    """The synchronous run, same seed, with and without: the same loss rows and final weights."""
     from transformers import AutoModelForCausalLM
-    plain, p = sync_checkpoint(tmp_path_factory, tiny_model)
-    assert p.returncode == 0, p.stdout[-3000:]
-    recompute = tmp_path / "recompute"
-    p = run_tba(["--model", tiny_model, *SYNC_CHECKPOINT, "--activation-checkpointing", "--out", str(recompute)],
-                tmp_path)
-    assert p.returncode == 0, p.stdout[-3000:]
-    rows = {n: [(r["step"], r["loss"], r["reward"]) for r in metrics(out) if r["kind"] == "train"]
-            for n, out in (("plain", plain), ("recompute", recompute))}
-    assert rows["plain"] == rows["recompute"] and len(rows["plain"]) == 2
-    a, b = (AutoModelForCausalLM.from_pretrained(out / "final").state_dict() for out in (plain, recompute))
+    common = ["--model", tiny_model, "--searchers", "0", "--steps", "4", "--seed", "5", *SMALL]
+    for name, extra in (("plain", []), ("recompute", ["--activation-checkpointing"])):
+        p = run_tba([*common, *extra, "--out", str(tmp_path / name)], tmp_path)
+        assert p.returncode == 0, p.stdout[-3000:]
+    rows = {n: [(r["step"], r["loss"], r["reward"]) for r in metrics(tmp_path / n) if r["kind"] == "train"]
+            for n in ("plain", "recompute")}
+    assert rows["plain"] == rows["recompute"] and len(rows["plain"]) == 4
+    a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / n / "final").state_dict() for n in ("plain", "recompute"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

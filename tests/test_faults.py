@@ -20,12 +20,10 @@ SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-toke
 
 
 def sync_checkpoint(tmp_path_factory, tiny_model):
-    """(its --out, its process) of a synchronous 2-step run saved at step 2 (`SYNC_CHECKPOINT`), made once a session
+    """(its --out, its process) of a synchronous 2-step run saved at step 2, made once a session
     (conftest.shared_run) for the tests that copy or resume its checkpoint."""
-    return shared_run(tmp_path_factory, "sync-checkpoint", ["--model", tiny_model, *SYNC_CHECKPOINT])
-
-
-SYNC_CHECKPOINT = ["--searchers", "0", "--steps", "2", "--save-every", "2", *SMALL]
+    return shared_run(tmp_path_factory, "sync-checkpoint", ["--model", tiny_model, "--searchers", "0", "--steps", "2",
+                                                            "--save-every", "2", *SMALL])
 
 
 def start(args, tmp, torchrun=False):

@@ -52,12 +52,15 @@ def test_a_loss_the_buffer_cannot_feed_is_refused():
 
 
 @pytest.mark.engine
-def test_a_refused_resume_writes_nothing(tiny_model, tmp_path_factory, refusal):
-    """The probe's commands: a streaming checkpoint (test_faults' shared one, saved at step 3) resumed with --lag 2
-    is refused in one line, and the run's config.json is the checkpoint's run's still."""
+def test_a_refused_resume_writes_nothing(tiny_model, tmp_path, tmp_path_factory, refusal):
+    """The probe's commands: a streaming checkpoint (a copy of test_faults' shared run, saved at step 3) resumed
+    with --lag 2 is refused in one line, and the run's config.json is the checkpoint's run's still."""
+    import shutil
     from test_faults import capped_checkpoint
-    out, p = capped_checkpoint(tmp_path_factory, tiny_model)
+    shared, p = capped_checkpoint(tmp_path_factory, tiny_model)
     assert p.returncode == 0, p.stdout[-3000:]
+    out = tmp_path / "stream"  # a resume without --out writes into the checkpoint's run: a copy, not the shared one
+    shutil.copytree(shared, out, symlinks=True)
     before = (out / "config.json").read_text()
     status, said = refusal(["--model", tiny_model, *SMALL, "--steps", "5", "--lag", "2", "--eval-every", "0",
                             "--resume", str(out / "checkpoint")])

@@ -170,7 +170,7 @@ def test_ctrl_c_in_the_final_evaluation_wait_with_two_ranks(tiny_model, tmp_path
     """Two trainer ranks; the searcher stops before the end, so rank 0 waits for the final
     evaluation; Ctrl-C there: both ranks write the checkpoint together (its gathers are collective)
     and stop at once, with status 130 and nothing left behind."""
-    out, steps = tmp_path / "run", 15  # 3, then 3 for each try of freeze_searcher: room for two retries
+    out, steps = tmp_path / "run", 18  # 3 steps, then 3 for each of freeze_searcher's 5 tries at most
     proc = start(["--model", tiny_model, "--steps", str(steps), *SMALL, "--max-reuse", "0", "--max-staleness", "0",
                   "--timeout", "120", "--out", str(out)], tmp_path, ranks=2)  # no bound: it trains on to the end
     try:
