@@ -124,7 +124,8 @@ def refusal(tmp_path, monkeypatch, capfd):
     """`refusal(args)`: tba.main(args) in this process, for a run that is refused before anything starts (no
     subprocess: its imports and the searchers' fork server cost seconds of CPU each); a run that gets past the
     checks fails the test instead of running here. Returns (exit status, the lines printed to stdout and stderr,
-    captured at the file descriptors, a C library's output too, then each warning raised, as "warning: ...").
+    captured at the file descriptors, a C library's output too, then each warning a command line would show, as
+    "warning: ...").
     The environment is restored after. The command line's own refusals are tested as subprocesses (test_config,
     test_checks)."""
     import warnings
@@ -140,7 +141,9 @@ def refusal(tmp_path, monkeypatch, capfd):
         capfd.readouterr()
         try:
             with warnings.catch_warnings(record=True) as said:
-                warnings.simplefilter("always")
+                warnings.simplefilter("default")  # as a command line shows them (Python's default filters)
+                for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                    warnings.simplefilter("ignore", quiet)
                 tba.main([str(a) for a in args])
             status = 0
         except SystemExit as e:
