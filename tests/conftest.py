@@ -158,8 +158,8 @@ def refusal(tmp_path, monkeypatch, capfd):
 
 def shared_run(tmp_path_factory, name: str, args, **kw):
     """One tba.py run (`args`, its --out given here) that several tests read and none writes into, made once a
-    session: by the first pytest worker to ask, while the others wait on its lock. Returns (its --out folder,
-    the CompletedProcess: a test asserts its returncode, so a failed run fails each test that reads it)."""
+    session: by the first pytest worker to ask, while the others wait on its lock. Returns (its --out folder, its
+    output); a run that failed or timed out fails each test that reads it, with its output."""
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the session's, shared by its workers
     folder, done = root / f"shared-{name}", root / f"shared-{name}.json"  # written last: complete
@@ -170,13 +170,14 @@ def shared_run(tmp_path_factory, name: str, args, **kw):
             folder.mkdir()
             try:
                 p = run_tba([*args, "--out", str(folder / "run")], folder, **kw)
-                p = dict(args=p.args, returncode=p.returncode, stdout=p.stdout)
+                p = dict(returncode=p.returncode, stdout=p.stdout)
             except subprocess.TimeoutExpired as e:  # said once: every reader fails on it, none runs it again
-                p = dict(args=e.cmd, returncode=None, stdout=f"{e.output or ''}\n(timed out after {e.timeout} s)")
+                p = dict(returncode=None, stdout=f"{e.output or ''}\n(timed out after {e.timeout} s)")
             done.write_text(json.dumps(dict(p, given=given)))
     p = json.loads(done.read_text())
     assert p["given"] == given, f"two shared runs named {name!r}: {p['given']} and {given}"
-    return folder / "run", subprocess.CompletedProcess(p["args"], p["returncode"], p["stdout"])
+    assert p["returncode"] == 0, p["stdout"][-3000:]
+    return folder / "run", p["stdout"]
 
 
 HAS_WANDB = importlib.util.find_spec("wandb") is not None
@@ -189,12 +190,10 @@ def logged_run(tiny_model, tmp_path_factory):
     wandb = ["--wandb", "tba-tests"] if HAS_WANDB else []
     os.environ["WANDB_MODE"] = "offline"  # run_tba's environment copies os.environ
     try:
-        out, p = shared_run(tmp_path_factory, "logged", ["--model", tiny_model, *SMALL, "--searchers", "0", "--steps",
-                                                         "5", "--eval-every", "2", "--log-every", "2", *wandb])
+        return shared_run(tmp_path_factory, "logged", ["--model", tiny_model, *SMALL, "--searchers", "0", "--steps",
+                                                       "5", "--eval-every", "2", "--log-every", "2", *wandb])
     finally:
         os.environ.pop("WANDB_MODE")
-    assert p.returncode == 0, p.stdout[-3000:]
-    return out, p.stdout
 
 
 def metrics(out):

@@ -66,12 +66,10 @@ def test_async_run(tiny_model, tmp_path):
 
 
 def capped_slow_run(tmp_path_factory, tiny_model):
-    """(its --out, its process) of a streaming run under --max-reuse 1 with generation slowed 20x, made once a
+    """(its --out, its output) of a streaming run under --max-reuse 1 with generation slowed 20x, made once a
     session (shared_run: test_slowdown reads it too)."""
-    out, p = shared_run(tmp_path_factory, "capped-slow", ["--model", tiny_model, *SMALL, "--steps", "6", "--eval-every",
-                                                          "0", "--max-reuse", "1", "--generation-slowdown", "20"])
-    assert p.returncode == 0, p.stdout[-3000:]
-    return out, p
+    return shared_run(tmp_path_factory, "capped-slow", ["--model", tiny_model, *SMALL, "--steps", "6", "--eval-every",
+                                                        "0", "--max-reuse", "1", "--generation-slowdown", "20"])
 
 
 @pytest.mark.engine
@@ -79,13 +77,13 @@ def test_the_trainer_waits_for_data_under_the_reuse_cap(tiny_model, tmp_path_fac
     """--max-reuse 1 with generation slowed (the trainer outpaces the searcher): it waits for data
     after the first step instead of replaying, and never draws more than it has received; the
     summary line gives the draws per trajectory."""
-    out, p = capped_slow_run(tmp_path_factory, tiny_model)
+    out, stdout = capped_slow_run(tmp_path_factory, tiny_model)
     train, _ = check_rows(metrics(out), 6)
     B_K = 4 * 4
     for r in train:  # each step drew B x K, and the draws stayed within the trajectories received
         assert r["reuse"] == pytest.approx(r["step"] * B_K / r["samples"]) and r["reuse"] <= 1 + 1e-9
     assert sum(r["wait"] > 0.05 for r in train[1:]) >= 3, train  # it waited for data, step after step
-    assert f"| {train[-1]['reuse']:.2f} draws a trajectory |" in p.stdout
+    assert f"| {train[-1]['reuse']:.2f} draws a trajectory |" in stdout
 
 
 def test_synchronous_run(tiny_model, logged_run):
@@ -99,11 +97,9 @@ def test_synchronous_run(tiny_model, logged_run):
 def two_ranks_run(tmp_path_factory, tiny_model):
     """The --out of a run of two trainer ranks and one searcher at --lag 1 with the RLOO baseline and TBA′ resets
     every 2 steps, made once a session (shared_run: test_lag reads it too)."""
-    out, p = shared_run(tmp_path_factory, "two-ranks", ["--model", tiny_model, *SMALL, "--steps", "6", "--eval-every",
-                                                        "0", "--lag", "1", "--loss", "rloo", "--ref-reset-every", "2"],
-                        torchrun=2)
-    assert p.returncode == 0, p.stdout[-3000:]
-    return out
+    return shared_run(tmp_path_factory, "two-ranks", ["--model", tiny_model, *SMALL, "--steps", "6", "--eval-every",
+                                                      "0", "--lag", "1", "--loss", "rloo", "--ref-reset-every", "2"],
+                      torchrun=2)[0]
 
 
 @pytest.mark.engine
@@ -119,10 +115,8 @@ def test_fsdp_two_ranks(tiny_model, tmp_path_factory):
 
 def synchronous_lag_run(tmp_path_factory, tiny_model):
     """The --out of a synchronous run at --lag 3 with the GRPO baseline, made once a session (test_lag reads it)."""
-    out, p = shared_run(tmp_path_factory, "sync-lag", ["--model", tiny_model, *SMALL, "--searchers", "0", "--steps", "7",
-                                                       "--eval-every", "0", "--lag", "3", "--loss", "grpo"])
-    assert p.returncode == 0, p.stdout[-3000:]
-    return out
+    return shared_run(tmp_path_factory, "sync-lag", ["--model", tiny_model, *SMALL, "--searchers", "0", "--steps", "7",
+                                                     "--eval-every", "0", "--lag", "3", "--loss", "grpo"])[0]
 
 
 @pytest.mark.engine

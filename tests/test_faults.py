@@ -20,7 +20,7 @@ SMALL = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-toke
 
 
 def sync_checkpoint(tmp_path_factory, tiny_model):
-    """(its --out, its process) of a synchronous 2-step run saved at step 2, made once a session
+    """(its --out, its output) of a synchronous 2-step run saved at step 2, made once a session
     (conftest.shared_run) for the tests that copy or resume its checkpoint."""
     return shared_run(tmp_path_factory, "sync-checkpoint", ["--model", tiny_model, "--searchers", "0", "--steps", "2",
                                                             "--save-every", "2", *SMALL])
@@ -270,7 +270,7 @@ def test_resume_gives_the_same_weights(extra, tiny_model, tmp_path):
 
 
 def capped_checkpoint(tmp_path_factory, tiny_model):
-    """(its --out, its process) of a streaming run under --max-reuse 1 saved at step 3, made once a session
+    """(its --out, its output) of a streaming run under --max-reuse 1 saved at step 3, made once a session
     (shared_run: test_probes resumes it too)."""
     return shared_run(tmp_path_factory, "capped-checkpoint", ["--model", tiny_model, *SMALL, "--max-reuse", "1",
                                                               "--steps", "3", "--save-every", "3"])
@@ -281,8 +281,7 @@ def test_async_resume_carries_the_reuse_counts(tiny_model, tmp_path, tmp_path_fa
     """--max-reuse's counts are in the checkpoint: after --resume the draws and the trajectories received go
     on from the checkpoint's, so that the cap holds over the whole run."""
     common = ["--model", tiny_model, *SMALL, "--max-reuse", "1"]
-    a, p = capped_checkpoint(tmp_path_factory, tiny_model)
-    assert p.returncode == 0, p.stdout[-3000:]
+    a, _ = capped_checkpoint(tmp_path_factory, tiny_model)
     credit, counted, drawn = assert_checkpoint(a)["reuse"]
     assert drawn == 3 * 16 and drawn <= counted and 0 <= credit <= counted - drawn
     b = run_tba([*common, "--steps", "5", "--resume", str(a / "checkpoint"), "--out", str(tmp_path / "b")], tmp_path)
@@ -308,8 +307,7 @@ def test_checkpoint_that_could_run_code_is_refused(tiny_model, tmp_path, tmp_pat
     """Checkpoints are tensors and plain data: one that holds a pickled object is refused in one
     line, before anything runs, and the object's code never runs."""
     import shutil
-    a, run = sync_checkpoint(tmp_path_factory, tiny_model)
-    assert run.returncode == 0, run.stdout[-3000:]
+    a, _ = sync_checkpoint(tmp_path_factory, tiny_model)
     marker = tmp_path / "code-ran"
     evil = tmp_path / "evil"
     shutil.copytree(a / "checkpoint", evil)

@@ -57,8 +57,7 @@ def test_a_refused_resume_writes_nothing(tiny_model, tmp_path, tmp_path_factory,
     with --lag 2 is refused in one line, and the run's config.json is the checkpoint's run's still."""
     import shutil
     from test_faults import capped_checkpoint
-    shared, p = capped_checkpoint(tmp_path_factory, tiny_model)
-    assert p.returncode == 0, p.stdout[-3000:]
+    shared, _ = capped_checkpoint(tmp_path_factory, tiny_model)
     out = tmp_path / "stream"  # a resume without --out writes into the checkpoint's run: a copy, not the shared one
     shutil.copytree(shared, out, symlinks=True)
     before = (out / "config.json").read_text()
@@ -106,7 +105,7 @@ def test_a_flag_that_would_change_nothing_is_refused(given, acts):
 
 # --- 4, 6, 7: every evaluation asked for happens, of the step it names, in every mode ----------------------------
 def grid_run(tmp_path_factory, tiny_model, mode: list, steps: int):
-    """(its --out, its process) of a run of `mode` evaluated every 2 steps, made once a session (shared_run:
+    """(its --out, its output) of a run of `mode` evaluated every 2 steps, made once a session (shared_run:
     test_lag reads these runs too)."""
     return shared_run(tmp_path_factory, "grid" + "".join(mode), ["--model", tiny_model, *SMALL, "--steps", str(steps),
                                                                  "--eval-every", "2", *mode])
@@ -119,8 +118,7 @@ def grid_run(tmp_path_factory, tiny_model, mode: list, steps: int):
     (["--no-inflight", "--sync-every", "3"], 8, [0, 2, 4, 6, 8]),              # searchers holding older weights
 ])
 def test_every_evaluation_is_of_the_step_asked_for(mode, steps, grid, tiny_model, tmp_path_factory):
-    out, p = grid_run(tmp_path_factory, tiny_model, mode, steps)
-    assert p.returncode == 0, p.stdout[-3000:]
+    out, _ = grid_run(tmp_path_factory, tiny_model, mode, steps)
     assert evals(out) == grid and all(r["version"] == r["step"] for r in metrics(out) if r["kind"] == "eval")
 
 

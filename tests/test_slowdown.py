@@ -28,14 +28,18 @@ def test_slow_down_sleeps_until_x_times_the_cost_alone():
 @pytest.mark.parametrize("searchers, x", [(0, 100.0), (1, 20.0)], ids=["synchronous", "async"])
 def test_both_paths_honour_the_slowdown(searchers, x, tiny_model, tmp_path, tmp_path_factory):
     """The async case reads test_e2e's run under the reuse cap (generation slowed 20x)."""
-    out, p = (run_small(tiny_model, tmp_path, "--steps", "3", "--eval-every", "2", "--searchers", "0",
-                        "--generation-slowdown", str(x)) if searchers == 0 else capped_slow_run(tmp_path_factory, tiny_model))
+    if searchers == 0:
+        out, p = run_small(tiny_model, tmp_path, "--steps", "3", "--eval-every", "2", "--searchers", "0",
+                           "--generation-slowdown", str(x))
+        stdout = p.stdout
+    else:
+        out, stdout = capped_slow_run(tmp_path_factory, tiny_model)
     saved = json.load(open(out / "config.json"))
     assert saved["generation_slowdown"] == x
     engine = "trainer" if searchers == 0 else "0"
     calibrated = saved["seconds_per_token"]
     assert list(calibrated) == [engine] and 0 < calibrated[engine] < 1  # s a token, alone
-    assert f"generation slowed {x:g}x (emulated)" in p.stdout
+    assert f"generation slowed {x:g}x (emulated)" in stdout
     rows = metrics(out)
     train, evals = [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"]
     last = train[-1]
