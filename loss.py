@@ -149,6 +149,36 @@ tbprime_loss.reads = ("reward", "behaviour_logps", "ref_logps")
 LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "grpo": grpo_loss, "drgrpo": drgrpo_loss, "tbprime": tbprime_loss}
 
 
+def pools(loss, options: dict, K: int = 3, T: int = 5) -> bool:
+    """Whether `loss` pools across prompts: on random inputs for 4 prompts, its value or its gradient differs from
+    the mean of its values on a part of 1 prompt and one of 3. tba.backward runs a loss in passes of whole prompts
+    (--micro-batch, and each trainer rank its share of B), which is the same only for a separable one; one that pools
+    gets the whole batch (tba.pooled_backward). Asked of every loss at start-up (runtime.checks), so that no author
+    has to say which kind theirs is."""
+    from buffer import SCALARS
+    g = torch.Generator().manual_seed(0)
+    B, per_token = 4, getattr(loss, "per_token", False)
+    rand = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T) < torch.randint(1, T + 1, (B, K, 1), generator=g)).double()   # (B, K, T)
+    x = {name: -5 * rand(B, K) for name in SCALARS}                                        # (B, K) each
+    x.update(reward=rand(B, K), length=mask.sum(-1), prompt_length=torch.full((B, K), 7.0))
+    if per_token:
+        x.update(token_mask=mask, behaviour_logps=-rand(B, K, T) * mask, ref_logps=-rand(B, K, T) * mask)
+    leaf = (-rand(B, K, T) * mask if per_token else -5 * rand(B, K)).requires_grad_()
+
+    def run(rows):
+        y = leaf[rows]
+        value = loss(logp=y.sum(-1) if per_token else y, **({"token_logp": y} if per_token else {}),
+                     **{k: v[rows] for k, v in x.items()}, **options)[0]
+        return value * len(range(B)[rows])
+    whole = run(slice(None))
+    grad_whole, = torch.autograd.grad(whole, leaf)
+    split = run(slice(0, 1)) + run(slice(1, B))
+    grad_split, = torch.autograd.grad(split, leaf)
+    return not (torch.allclose(whole, split, rtol=1e-9, atol=1e-12)
+                and torch.allclose(grad_whole, grad_split, rtol=1e-9, atol=1e-12))
+
+
 def reads(loss) -> tuple:
     """The fields a loss reads (its `reads`; one without: every number field, and a per-token one pi_ref's too)."""
     return getattr(loss, "reads", ("reward", "logp_ref", "logp_behaviour") +

@@ -98,7 +98,10 @@ def train(t: "Trainer"):
         tempering = dict(gamma=gamma_at(cfg, t.step), reward_temp=reward_temp_at(cfg, t.step))  # Lee et al.'s log R
         for g in t.opt.param_groups:
             g["lr"] = lr
-        sums = backward(t.model, mine, len(batch) / t.world, t.data.prompts, t.pad, t.device, cfg, beta, **tempering)
+        if cfg.loss_pools:  # a loss that pools across prompts gets the whole batch (runtime.checks: loss.pools)
+            sums = pooled_backward(t.model, batch, t.rank, t.world, t.data.prompts, t.pad, t.device, cfg, beta, **tempering)
+        else:
+            sums = backward(t.model, mine, len(batch) / t.world, t.data.prompts, t.pad, t.device, cfg, beta, **tempering)
         stats = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(stats)
         stats = dict(zip(sums, (stats / stats[list(sums).index("prompts")]).tolist()))  # means over prompts
@@ -179,8 +182,8 @@ class Trainer:
                 self.restore(ckpt)
             self.lagged = None  # --behaviour-logprobs trainer: a second copy at the lagged weights
             if cfg.behaviour_logprobs == "trainer":
-                self.lagged = LaggedCopy(path, self.device, cfg.dtype, cfg.trainer_dtype, cfg.lag)
-                self.lagged.restore((ckpt or {}).get("history", {}), getattr(torch, cfg.trainer_dtype))
+                self.lagged = LaggedCopy(path, self.device, cfg.dtype, cfg.lag)
+                self.lagged.restore((ckpt or {}).get("history", {}))
             self.fleet.share(self.model, self.step, ckpt, newest=self.buffer.newest_version())
         except BaseException:
             self.close()
@@ -335,10 +338,12 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
     """Accumulate the gradient of the loss (`--loss`) over this rank's groups (K trajectories of one prompt
     each). The loss gets `logp` (the trainer's, with gradient) and each number field of the Trajectory
     (buffer.SCALARS: logp_ref, reward, logp_behaviour, ...) as (b, K) tensors; a per-token loss also its
-    tokens' (b, K, T) tensors. In passes of whole prompts, --micro-batch sequences a pass; with fewer than K,
-    passes without gradient of --micro-batch sequences give the group's statistics (log Z, the advantages), then
-    each pass of --micro-batch sequences puts its log-probs, with gradient, among the others' detached ones:
-    the passes' gradients add up to the whole loss's, and no pass holds more than --micro-batch sequences. Returns sums over the groups: "loss" x prompts,
+    tokens' (b, K, T) tensors. In passes of whole prompts, --micro-batch sequences a pass, each distinct sequence
+    once; with fewer than K, passes without gradient of --micro-batch sequences give the group's statistics (log Z,
+    the advantages), then each pass of --micro-batch sequences puts its log-probs, with gradient, among the others'
+    detached ones: the passes' gradients add up to the whole loss's, and no pass holds more than --micro-batch
+    sequences. Those passes take every sequence, duplicates too, so that every trainer rank runs as many (FSDP2's
+    all-gathers and reduce-scatters pair up across ranks). Returns sums over the groups: "loss" x prompts,
     "prompts", and each of the loss's (B,) statistics."""
     K, loss_fn = cfg.samples_per_prompt, LOSSES[cfg.loss]
     per_token = getattr(loss_fn, "per_token", False)
@@ -347,25 +352,20 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
     sums = {}
     for i in range(0, len(groups), max(1, cfg.micro_batch // K)):
         part = groups[i:i + max(1, cfg.micro_batch // K)]
-        pairs, index = unique_pairs([t for g in part for t in g], prompts)  # each distinct sequence once
+        whole = cfg.micro_batch >= K * len(part)  # whole prompts in one pass: each distinct sequence once
+        pairs, index = (unique_pairs([t for g in part for t in g], prompts) if whole else
+                        ([(prompts[t.prompt_id], t.response) for g in part for t in g], list(range(K * len(part)))))
         index = torch.tensor(index, device=device)
         inputs = loss_inputs(part, device, per_token, prompts)
-        R = inputs["token_mask"].shape[-1] if per_token else 0
+        logps = lambda rows: sequence_logps(model, [pairs[j] for j in rows], pad, device, cfg.temperature,
+                                            inputs["token_mask"].shape[-1] if per_token else 0)
 
-        def logps(rows):  # the log-probs of distinct sequences rows: (n,), or per token (n, R)
-            chosen = [pairs[j] for j in rows]
-            batch = collate(chosen, pad, device)
-            if not per_token:
-                return sequence_logprobs(model, *batch, cfg.temperature)
-            x = response_logprobs(model, *batch, cfg.temperature, [len(p) for p, _ in chosen], [len(r) for _, r in chosen])
-            return torch.nn.functional.pad(x, (0, R - x.shape[1]))
-
-        def loss_of(x):  # the loss of the part from its distinct sequences' log-probs
+        def loss_of(x):  # the part's loss from its sequences' log-probs: (n,) or per token (n, R)
             x = x[index].view(len(part), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
             return loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}), **inputs,
                            **options)
 
-        if cfg.micro_batch >= K * len(part):  # whole prompts in one pass
+        if whole:
             loss, stats = loss_of(logps(range(len(pairs))))
             (loss * len(part) / prompts_per_rank).backward()  # the mean over all B prompts: FSDP averages ranks
         else:  # fewer than K sequences a pass: the statistics without gradient, then the gradient, by parts
@@ -377,9 +377,63 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
                 live = full.clone()
                 live[rows.start:rows.stop] = logps(rows)
                 (loss_of(live)[0] * len(part) / prompts_per_rank).backward()
-        for k, v in {"loss": loss.item() * len(part), "prompts": len(part),
-                     **{k: v.sum().item() for k, v in stats.items()}}.items():
-            sums[k] = sums.get(k, 0.0) + v
+        add_sums(sums, loss, stats, len(part))
+    return sums
+
+
+def sequence_logps(model, pairs, pad, device, temperature: float, R: int = 0):
+    """The log-probs of (prompt, response) pairs: summed, (n,), or with R > 0 per response token, (n, R) zero-padded."""
+    batch = collate(pairs, pad, device)
+    if not R:
+        return sequence_logprobs(model, *batch, temperature)
+    x = response_logprobs(model, *batch, temperature, [len(p) for p, _ in pairs], [len(r) for _, r in pairs])
+    return torch.nn.functional.pad(x, (0, R - x.shape[1]))
+
+
+def add_sums(sums: dict, loss, stats: dict, prompts: int, rows=slice(None)):
+    """Add a part's loss x its prompts, its prompts, and each statistic's sum over them (`rows` of a (B,) one; a
+    scalar counts once a prompt) to `sums`."""
+    for k, v in {"loss": loss.item() * prompts, "prompts": prompts,
+                 **{k: (v[rows].sum() if v.dim() else v * prompts).item() for k, v in stats.items()}}.items():
+        sums[k] = sums.get(k, 0.0) + v
+
+
+def pooled_backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, beta: float, **tempering) -> dict:
+    """`backward` for a loss that pools across prompts (runtime.checks finds it: loss.pools): it gets the whole
+    batch of B prompts, on any --micro-batch and any number of trainer ranks. Each rank computes its share's log-probs
+    without gradient, in passes of --micro-batch sequences; the ranks exchange them (an all-gather: every rank then
+    holds the batch's); then each pass puts its sequences' log-probs, with gradient, among the batch's detached ones,
+    and backpropagates the whole batch's loss. The passes' gradients add up to the loss's over the whole batch (x
+    ranks, as FSDP averages them). Returns `backward`'s sums for this rank's share."""
+    K, loss_fn = cfg.samples_per_prompt, LOSSES[cfg.loss]
+    per_token = getattr(loss_fn, "per_token", False)
+    options = dict(beta=beta, clip=cfg.clip, is_cap=cfg.is_cap, importance_weights=cfg.importance_weights,
+                   norm=cfg.norm, budget=cfg.max_new_tokens, **tempering)
+    inputs = loss_inputs(batch, device, per_token, prompts)
+    R = inputs["token_mask"].shape[-1] if per_token else 0
+    share = slice(rank * len(batch) // world, (rank + 1) * len(batch) // world)
+    pairs = [(prompts[t.prompt_id], t.response) for g in batch[share] for t in g]
+    first = share.start * K                                             # this rank's first row of the batch's B x K
+    parts = [range(s, min(s + cfg.micro_batch, len(pairs))) for s in range(0, len(pairs), cfg.micro_batch)]
+    with torch.no_grad():
+        mine = torch.cat([sequence_logps(model, [pairs[j] for j in rows], pad, device, cfg.temperature, R)
+                          for rows in parts])                           # (n,) or (n, R)
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        full = torch.cat([e.to(device) for e in everyone])              # (B K,) or (B K, R)
+
+    def loss_of(x):
+        x = x.view(len(batch), K, *x.shape[1:])                         # (B, K) or (B, K, R)
+        return loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}), **inputs,
+                       **options)
+    loss, stats = loss_of(full)
+    for rows in parts:
+        live = full.clone()
+        live[first + rows.start:first + rows.stop] = sequence_logps(model, [pairs[j] for j in rows], pad, device,
+                                                                    cfg.temperature, R)
+        (loss_of(live)[0] * world).backward()
+    sums = {}
+    add_sums(sums, loss.detach(), {k: v.detach() for k, v in stats.items()}, share.stop - share.start, share)
     return sums
 
 

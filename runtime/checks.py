@@ -21,7 +21,7 @@ import typing
 import numpy as np
 
 import tasks
-from loss import LOSSES, reads, tb_loss
+from loss import LOSSES, pools, reads, tb_loss
 from runtime import lora, nodes, ranks, vllm_env
 from runtime.checkpoint import check_resumed_flags, load_checkpoint
 from runtime.errors import ConfigError
@@ -131,6 +131,10 @@ def check(cfg, world: int):
         cfg = dataclasses.replace(cfg, inflight=cfg.lag is None and cfg.searchers > 0)
     check_lag(cfg, every or 1)
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
+    cfg = dataclasses.replace(cfg, loss_pools=loss_pools(cfg))
+    need(not (cfg.loss_pools and cfg.behaviour_logprobs == "trainer" and world > 1), "behaviour-logprobs", f"trainer "
+         f"rescores each trainer rank's share of the batch, and --loss {cfg.loss} pools across the whole batch: on "
+         f"{world} ranks it would read vLLM's log-probs for the others' shares (use one rank, or vllm)")
     need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
     need(cfg.is_cap >= 1, "is-cap", f"truncates an importance ratio: at least 1, got {cfg.is_cap}")
     for flag in ("norm", "decode_cost", "response_lengths", "duplicates", "behaviour_logprobs", "evaluator"):
@@ -191,6 +195,19 @@ def check(cfg, world: int):
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
     return cfg, data, ckpt
+
+
+def loss_pools(cfg) -> bool:
+    """Whether --loss pools across prompts (loss.pools, on random inputs); a loss that fails on them is refused in
+    one line, before anything starts."""
+    options = dict(beta=cfg.beta, clip=cfg.clip, is_cap=cfg.is_cap, importance_weights=cfg.importance_weights,
+                   norm=cfg.norm, budget=cfg.max_new_tokens, gamma=1.0, reward_temp=1.0)
+    try:
+        return pools(LOSSES[cfg.loss], options)
+    except Exception as e:
+        raise ConfigError(f"--loss: {cfg.loss} fails on a batch of random inputs ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); see docs/experiments.md for what a loss "
+                          f"receives") from None
 
 
 def check_resumable(cfg, ckpt: dict):
