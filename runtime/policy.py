@@ -95,27 +95,40 @@ class LaggedCopy:
     """--behaviour-logprobs trainer (with --lag L): the behaviour log-probs of a batch recomputed by the trainer, as
     the authors' MATH trainer does (their model_for_logprob_only, recompute_logprobs: train.py:139-141, 238-244,
     290-301), so that the importance ratio compares the trainer's own log-probs, not vLLM's. A second copy of the
-    policy, sharded as it is; each rank keeps the shards of the last L + 1 steps' weights on the host (`record`),
-    and before step s loads those of step s - L, which sampled the batch, and rescores this rank's trajectories
-    (`rescore`). Every rank runs the same passes (FSDP2's all-gathers)."""
+    policy, sharded as it is, in the compute dtype (--dtype: its forward casts to it anyway, so bf16 gives the same
+    numbers at half the memory); each rank keeps the shards of the last L + 1 steps' weights on the host (`record`,
+    into slots allocated once: runtime.weights.flat_slot), and before step s loads those of step s - L, which sampled
+    the batch, and rescores this rank's trajectories (`rescore`). Every rank runs the same passes (FSDP2's
+    all-gathers)."""
 
-    def __init__(self, path: str, device, dtype: str, weights_dtype: str, lag: int):
-        self.model = load_policy(path, device, dtype, weights_dtype).eval().requires_grad_(False)
-        self.lag, self.ring = lag, {}  # step -> this rank's shards of that step's weights (CPU)
+    def __init__(self, path: str, device, dtype: str, lag: int):
+        from runtime.weights import flat_slot
+        self.model = load_policy(path, device, dtype, dtype).eval().requires_grad_(False)
+        # FSDP2 keeps the root's parameters (embeddings, final norm, head) gathered after a forward without gradient
+        # (torch/distributed/fsdp/_fully_shard/_fully_shard.py:453-466): the next `record` would copy full tensors
+        # where it expects shards
+        self.model.set_reshard_after_forward(True)
+        shards = {i: (local(p).shape, local(p).dtype) for i, p in enumerate(self.model.parameters())}
+        pin = torch.device(device).type == "cuda"
+        self.lag, self.slots, self.ring = lag, [flat_slot(shards, pin, device) for _ in range(lag + 1)], {}
 
     def record(self, model, step: int):
-        """The shards of `model`'s weights at step `step` (before its update); the steps no batch will need go."""
-        self.ring[step] = [local(p).detach().to("cpu", copy=True) for p in model.parameters()]
-        for old in [v for v in self.ring if v < step - self.lag]:
-            del self.ring[old]
+        """The shards of `model`'s weights at step `step` (before its update), into slot step % (L + 1), which held
+        the weights of step - L - 1: no batch needs them any more."""
+        slot = self.slots[step % len(self.slots)]
+        for i, p in enumerate(model.parameters()):
+            slot[i].copy_(local(p).detach(), non_blocking=True)
+        if next(model.parameters()).is_cuda:
+            torch.cuda.synchronize()  # the copies to the host done before the slot is read
+        self.ring = {v: s for v, s in self.ring.items() if s is not slot}
+        self.ring[step] = slot
 
-    def restore(self, history: dict, dtype):
+    def restore(self, history: dict):
         """A resumed run: the weights of the L steps before the checkpoint's (its history: full weights in the sync
         dtype, on every rank), each sharded through the copy into the ring."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         for v, full in sorted(history.items()):
-            set_model_state_dict(self.model, {n: t.to(dtype) for n, t in full.items()},
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
+            set_model_state_dict(self.model, dict(full), options=StateDictOptions(full_state_dict=True, strict=False))
             self.record(self.model, int(v))
 
     @torch.no_grad()
@@ -124,7 +137,7 @@ class LaggedCopy:
         passes of at most `micro_batch` sequences; returns the mean absolute change of the summed ones (vLLM's
         against the trainer's)."""
         from loss import collate, response_logprobs
-        for p, saved in zip(self.model.parameters(), self.ring[max(0, step - self.lag)]):
+        for p, saved in zip(self.model.parameters(), self.ring[max(0, step - self.lag)].values()):
             local(p).copy_(saved)
         trajectories, gap = [t for g in groups for t in g], []
         for i in range(0, len(trajectories), micro_batch):

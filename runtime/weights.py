@@ -22,6 +22,8 @@ history of the last L steps' weights (`Outbox`).
 """
 
 import contextlib
+import math
+import os
 import time
 from dataclasses import dataclass
 from queue import Empty
@@ -40,8 +42,9 @@ class SharedWeights:
     version: object       # mp.Value("q"): trainer step of the weights in `tensors` (0 = initial model)
     pi_ref_version: object  # mp.Value("q"): trainer step whose weights `pi_ref` holds (0 = initial model)
     lock: object          # mp.Lock: held while the tensors are written or read
-    handoff: object       # mp.Queue: (tensors, pi_ref), once per searcher, for searchers started before them
+    handoff: object       # mp.Queue: (tensors, pi_ref, prints), once per searcher, for those started before them
     wants: object = None  # mp.Array("q"): --lag, the version each of this node's searchers needs next (-1: none)
+    prints: object = None  # (distinct names, float64 (n, 3) shared tensor): the published version's `fingerprint`s
 
 
 def create(ctx, searchers: int = 0) -> SharedWeights:
@@ -105,10 +108,12 @@ def allocate(weights: SharedWeights | None, named, tied: dict, device, dtype, wi
     `gather(model)`; `weights` is None on the ranks that only take part in the all-gathers."""
     if weights is None:
         return join_gathers(named)
-    with allocator_for_sharing(device):
+    with allocator_settings(device, expandable_segments=False):
         tensors = {name: share(torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                            device=device).copy_(t)) for name, t in named}
         pi_ref = {name: share(t.clone()) for name, t in tensors.items()} if with_pi_ref else None
+    prints = torch.stack([fingerprint(t) for t in tensors.values()]).cpu().share_memory_()  # (n, 3), on the host
+    weights.prints = (list(tensors), prints)
     for name, first in tied.items():
         tensors[name] = tensors[first]
         if pi_ref is not None:
@@ -117,11 +122,44 @@ def allocate(weights: SharedWeights | None, named, tied: dict, device, dtype, wi
     weights.tensors, weights.pi_ref = tensors, pi_ref
 
 
+def fingerprint(t) -> torch.Tensor:
+    """A tensor's (sum, sum of absolute values, sum of squares) in float64, on its device: a few passes over its bytes
+    (milliseconds for Qwen2.5-7B's 15 GB at a GPU's bandwidth). All three are blind to the order of the elements, so
+    an engine's copy can be checked against them in its own layout: vLLM fuses q, k and v (their fingerprints add up),
+    transposes GPT-2's Conv1D, pads the vocabulary with zeros and repacks CPU linear weights
+    (vllm_env.held_fingerprints); equal values in another order differ by float64 rounding alone, while one step's
+    update (Adam moves every weight by about lr) moves the sum by far more."""
+    return torch.stack(held(t.detach()))
+
+
+def held(t) -> list:
+    """`fingerprint`'s three sums of `t`, as float64 scalars on its device."""
+    t = t if t.is_floating_point() else t.double()
+    return [t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, 1, dtype=torch.float64),
+            torch.linalg.vector_norm(t, dtype=torch.float64) ** 2]
+
+
+def flat_slot(shapes: dict, pin: bool, device="cuda") -> dict:
+    """Tensors of the given {name: (shape, dtype)} as views into ONE block of host memory (page-locked if `pin`),
+    each at an offset aligned to 64 bytes. One block, not one a tensor: torch's caching host allocator rounds each
+    pinned block up to a power of two (ATen/core/CachingHostAllocator.h:302-309), which made a Qwen2.5-7B copy
+    allocated tensor by tensor take about 29 GB for its 15.2; the block is exact where this torch lets the rounding
+    be turned off (`pinned_max_round_threshold_mb`, c10/core/AllocatorConfig.h:361), else at most the next power of
+    two of the whole (docs/gpu.md counts both)."""
+    offsets, total = {}, 0
+    for name, (shape, dtype) in shapes.items():
+        offsets[name] = total
+        total += -(-math.prod(shape) * dtype.itemsize // 64) * 64
+    with allocator_settings(device if pin else "cpu", pinned_max_round_threshold_mb=0):
+        block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+    return {name: block[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for name, (shape, dtype) in shapes.items()}
+
+
 def share(t):
     return t.share_memory_() if t.device.type == "cpu" else t  # CUDA tensors travel as IPC handles
 
 
-@contextlib.contextmanager
 def allocator_for_sharing(device):
     """CUDA tensors sent to other processes must not live in expandable segments
     (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, common with FSDP): those travel as the
@@ -129,35 +167,72 @@ def allocator_for_sharing(device):
     containers and under Yama ptrace_scope=1 (PyTorch issue 165685; c10/cuda/CUDACachingAllocator.cpp,
     ExpandableSegment::fromShared). The allocator takes plain cudaMalloc segments while the setting is
     off, so turn it off around the allocation, as vLLM does around its sleep-mode pool
-    (vllm/device_allocator/cumem.py:383-428). The setter resets options it is not given: rewrite the
-    whole string (torch/cuda/memory.py:1191 deprecates _set_allocator_settings for this API)."""
-    conf = torch._C._accelerator_getAllocatorSettings() if torch.device(device).type == "cuda" else ""
+    (vllm/device_allocator/cumem.py:383-428)."""
+    return allocator_settings(device, expandable_segments=False)
+
+
+@contextlib.contextmanager
+def allocator_settings(device, **changes):
+    """The CUDA allocator's settings changed around a block (nothing on the CPU), where a setting is on or absent:
+    `expandable_segments=False` turns it off only where it is on; `pinned_max_round_threshold_mb=0` is added. The setter
+    resets options it is not given: the whole string is rewritten, then restored (torch/cuda/memory.py:1191 deprecates
+    _set_allocator_settings for torch._C's setter). A torch without the getter (before 2.9) reads the environment's
+    string; one that refuses a key (an older torch without `pinned_max_round_threshold_mb`) keeps its settings:
+    the block is then allocated as that torch does."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch.cuda.memory, "_set_allocator_settings", None)
+    conf = get() if get else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
     fields = [f.strip() for f in conf.split(",") if f.strip()]
     key = lambda f: f.split(":")[0].strip()
-    on = any(key(f) == "expandable_segments" and f.split(":", 1)[-1].strip().lower() in ("true", "1") for f in fields)
-    if on:
-        torch._C._accelerator_setAllocatorSettings(",".join(
-            "expandable_segments:False" if key(f) == "expandable_segments" else f for f in fields))
+    value = lambda f: f.split(":", 1)[-1].strip().lower()
+    new, changed = list(fields), False
+    for k, v in changes.items():
+        at = [i for i, f in enumerate(new) if key(f) == k]
+        if v is False:  # off where on
+            for i in at:
+                if value(new[i]) in ("true", "1"):
+                    new[i], changed = f"{k}:False", True
+        elif not at:
+            new.append(f"{k}:{v}")
+            changed = True
+    applied = False
+    if changed and put is not None:
+        try:
+            put(",".join(new))
+            applied = True
+        except RuntimeError:  # a key this torch does not know
+            pass
     try:
         yield
     finally:
-        if on:
-            torch._C._accelerator_setAllocatorSettings(conf)
+        if applied:
+            put(conf)
 
 
-def write(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",)):
+def write(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",), prints=None):
     """Copy (name, tensor) pairs into the shared tensors of `to` ("policy", "pi_ref" or both), then move
-    their version(s). `named` may be `gather(model)`: it is consumed under the lock. Every trainer
+    their version(s); the policy's `fingerprint`s go with it, computed from `named` as it is copied (or `prints`, kept
+    with --lag's history). `named` may be `gather(model)`: it is consumed under the lock. Every trainer
     rank calls it; `weights` is None on the ranks that only take part in the all-gathers."""
     if weights is None:
         return join_gathers(named)
     targets = [t for key, t in (("policy", weights.tensors), ("pi_ref", weights.pi_ref)) if key in to]
+    names, shared = weights.prints
+    row = {n: i for i, n in enumerate(names)}
     with locked(weights, alive, timeout):
+        fresh = torch.zeros_like(shared) if prints is None else prints
         for name, t in named:  # tied names share a tensor: `named` gives it once
             for target in targets:
                 target[name].copy_(t, non_blocking=True)
+            if prints is None and name in row:
+                fresh[row[name]] = fingerprint(t).cpu()
         synchronize([t for target in targets for t in target.values()])  # done before the version moves
         if "policy" in to:
+            shared.copy_(fresh)
             weights.version.value = version
         if "pi_ref" in to:
             weights.pi_ref_version.value = version
@@ -172,6 +247,7 @@ class Outbox:
     def __init__(self, shared: SharedWeights | None, lag: int | None, timeout: float):
         self.shared, self.lag, self.timeout = shared, lag, timeout
         self.history = {}  # --lag: step -> the weights of that step (CPU), L steps back and those still to serve
+        self.prints = {}   # --lag: step -> their fingerprints, computed where they were gathered (the GPU)
 
     def share(self, model, version: int, dtype, with_pi_ref: bool, saved: dict | None = None):
         """Allocate the shared copy from `model` (every rank gathers) at `version`; with `saved` (a checkpoint's)
@@ -183,8 +259,8 @@ class Outbox:
         self.shared.version.value = version
         if self.lag is not None:  # the weights the next rounds need: the checkpoint's L steps, and these
             names = {n: t for n, t in self.shared.tensors.items() if n not in aliases(model)}
-            pin = next(iter(names.values())).is_cuda  # page-locked host memory: the copies run at the bus's speed
-            self.ring = [{n: torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for n, t in names.items()}
+            device = next(iter(names.values())).device  # on a GPU page-locked host memory: copies at the bus's speed
+            self.ring = [flat_slot({n: (t.shape, t.dtype) for n, t in names.items()}, device.type == "cuda", device)
                          for _ in range(self.lag + 1)]  # allocated once, reused: step v's weights in slot v % (L + 1)
             for v, w in sorted((saved or {}).get("history", {}).items()):
                 if int(v) >= version - self.lag:
@@ -199,8 +275,9 @@ class Outbox:
             self.write(saved["pi_ref"].items(), saved["pi_ref_version"], lambda: None, to=("pi_ref",))
 
     def write(self, named, version: int, alive, to=("policy",)):
-        """`write` into the shared copy (under its lock; `alive()` checks the searchers while waiting for it)."""
-        write(self.shared, named, version, alive, self.timeout, to=to)
+        """`write` into the shared copy (under its lock; `alive()` checks the searchers while waiting for it); --lag's
+        history carries the fingerprints its weights had where they were gathered."""
+        write(self.shared, named, version, alive, self.timeout, to=to, prints=self.prints.get(version))
 
     def keep(self, named, version: int) -> dict | None:
         """--lag: the weights of step `version` into the history, in its slot of the ring of L + 1 host buffers
@@ -211,17 +288,23 @@ class Outbox:
         if self.shared is None:
             return join_gathers(named)
         slot = self.ring[version % len(self.ring)]
+        names, shared = self.shared.prints
+        row, prints = {n: i for i, n in enumerate(names)}, torch.zeros_like(shared)
         for n, t in named:
             slot[n].copy_(t.detach(), non_blocking=True)
+            prints[row[n]] = fingerprint(t).cpu()
         synchronize([t for t in self.shared.tensors.values()])  # the copies from the GPU done (no-op on the CPU)
         self.history = {v: w for v, w in self.history.items() if w is not slot}
         self.history[version] = slot
+        self.prints = {v: p for v, p in self.prints.items() if v in self.history}
+        self.prints[version] = prints
         return slot
 
     def forget(self, before: int):
         """Drop the history's weights older than step `before`."""
         for v in [v for v in self.history if v < before]:
             del self.history[v]
+            self.prints.pop(v, None)
 
     def saved(self, step: int) -> dict:
         """What a checkpoint keeps (a leader): the weights the searchers hold if older than step `step`'s, TBA′'s
@@ -283,7 +366,7 @@ def receive(weights: SharedWeights, stop, parent_alive):
     or dead trainer."""
     while weights.tensors is None and not stop.is_set():
         try:
-            weights.tensors, weights.pi_ref = weights.handoff.get(timeout=WAIT)
+            weights.tensors, weights.pi_ref, weights.prints = weights.handoff.get(timeout=WAIT)
         except Empty:
             parent_alive()
 
