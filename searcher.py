@@ -42,7 +42,7 @@ import tasks
 from buffer import Trajectory
 from loss import LOSSES, collate, reads, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import decoding, seeds, slowdown
-from runtime.errors import Dead
+from runtime.errors import Dead, WrongWeights
 from runtime.weights import WAIT, Inbox, SharedWeights
 
 
@@ -67,7 +67,7 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
         engine.follow(weights, requests)  # new weights load when asked for, and (--inflight) in flight
         beat = lambda **state: send(channels.queue, dict(kind="beat", searcher=index, **state), channels.stop)
         search = lambda trajectories, stats, t0: trajectories and send(channels.queue, dict(
-            kind="search", searcher=index, version=engine.version, trajectories=trajectories,
+            kind="search", searcher=index, version=engine.version, verified=engine.verified, trajectories=trajectories,
             seconds=time.time() - t0, **stats), channels.stop)
         for round_ in itertools.count(first_round):
             if channels.stop.is_set():
@@ -101,6 +101,9 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
     except TimeoutError as e:  # the trainer lives but sent no weights for --timeout: one line, not a traceback
         print(f"searcher {index}: {e}", file=sys.stderr, flush=True)
         sys.exit(4)
+    except WrongWeights as e:  # the trainer's line names it (runtime.fleet.Fleet.take)
+        last_word(channels, dict(kind="fault", searcher=index, line=f"searcher {index}: {e}"))
+        sys.exit(5)
     except BaseException:
         traceback.print_exc()
         sys.exit(1)
@@ -151,6 +154,7 @@ class Engine:
         self.llm.llm_engine.set_weight_version("0")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.version = 0          # trainer step of the weights loaded (0 = the initial model)
+        self.verified = -1        # the last version whose arrival was checked (`verify`)
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.pi_ref_model = None  # loaded on the first search (`pi_ref`)
         self.weights = None       # the shared weights, followed in flight (--inflight: `follow`)
@@ -284,11 +288,27 @@ class Engine:
         with weights.read(self.device):
             if policy and weights.shared.version.value != self.version:
                 self.load(list(weights.shared.tensors.items()), weights.shared.version.value)
+                self.verify(*weights.shared.prints)
             if weights.shared.pi_ref_version.value != self.pi_ref_version:
                 self.pi_ref().load_state_dict(weights.shared.pi_ref, strict=False)
                 self.pi_ref_version = weights.shared.pi_ref_version.value
         self.requests.holds(self.version)
         return True
+
+    def verify(self, names: list[str], prints):
+        """The weights just loaded, read back from the engine, against the fingerprints the trainer published with them
+        (runtime/weights.fingerprint): a version that did not arrive intact (a tensor not loaded, a tied head left stale,
+        a copy overwritten) stops the run, naming the first tensor that differs. `verified`: the last version checked."""
+        expected = dict(zip(names, prints.tolist()))
+        held, groups = vllm_env.held_fingerprints(self.llm, names)
+        for param, members in groups.items():
+            want = np.sum([expected[n] for n in members], axis=0)  # a fused parameter holds its parts' sums
+            got = np.array(held[param])
+            if (np.abs(got - want) > 1e-9 * want[[1, 1, 2]] + 1e-12).any():  # float64 rounding of one set of values
+                raise WrongWeights(f"the weights of step {self.version} did not arrive intact: "
+                                   f"{' + '.join(members)} holds sum {got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in "
+                                   f"vLLM's engine, where the trainer published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
+        self.verified = self.version
 
     def reference_of(self, step: int):
         """TBA′ with --lag: pi_ref of the latest reset at or before `step` (the trainer's batch of `step` is trained
@@ -375,6 +395,14 @@ def watchdog():
             parent_alive()
         except Dead:
             os._exit(3)
+
+
+def last_word(channels, message):
+    """A fault's message to the trainer, flushed to the pipe before this process exits (the queue's feeder thread
+    would otherwise be cut off with it), so that the trainer reads it before it sees the exit."""
+    send(channels.queue, message, channels.stop)
+    channels.queue.close()
+    channels.queue.join_thread()
 
 
 def send(queue, message, stop):

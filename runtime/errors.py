@@ -20,3 +20,7 @@ class Silent(Exception):
 
 class Stop(Exception):
     """A signal asked the run to stop (after a checkpoint, once training has begun)."""
+
+
+class WrongWeights(RuntimeError):
+    """A searcher's engine holds other weights than the trainer published (runtime/weights.fingerprint)."""

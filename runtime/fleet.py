@@ -55,6 +55,7 @@ class Fleet:
         self.received = 0      # trajectories received over the run (every node's; rank 0)
         self.kept = 0          # those the buffer kept (--max-reuse counts them)
         self.newest = -1       # the newest weight version that sampled data received (--max-staleness)
+        self.verified = {}     # searcher -> the last version whose arrival in its engine it checked (this node's)
         self.published = {}    # weight version -> (time, overhead) when the trainer made them (eval rows)
         self.asked = []        # steps whose evaluation was asked (rank 0)
         self.evaluated = []    # versions whose evaluation came
@@ -110,7 +111,7 @@ class Fleet:
         if not self.leader:
             return
         for _ in self.procs:
-            self.shared.handoff.put((self.shared.tensors, self.shared.pi_ref))
+            self.shared.handoff.put((self.shared.tensors, self.shared.pi_ref, self.shared.prints))
         self.published[self.shared.version.value] = self.log.clock()
         if self.procs:  # silent searchers: each node's leader watches its own
             self.watch = Watch(self.procs, self.cfg.timeout, first=self.first, where=self.where,
@@ -181,7 +182,10 @@ class Fleet:
             elif msg["kind"] == "search":
                 self.add(buffer, msg["trajectories"])
                 self.newest = max(self.newest, msg["version"])
+                self.verified[msg["searcher"]] = msg["verified"]
                 self.log.searched(msg)
+            elif msg["kind"] == "fault":  # a searcher's last word before it exits: its line
+                raise Dead(msg["line"])
 
     def say(self, lines: list[str]):
         """The watch's lines, on rank 0's console."""
@@ -276,6 +280,8 @@ class Fleet:
             said += self.watch.heard(msg)
             if msg["kind"] == "search":  # evaluations come from node 0's searcher 0 only
                 trajectories += msg["trajectories"]
+            elif msg["kind"] == "fault":
+                raise Dead(msg["line"])
         try:
             said += self.watch.check()
         except Silent as e:

@@ -66,6 +66,11 @@ class LocalFleet:
             if waiting_for() is None or self.signals.first:
                 return 0.0, search
 
+    @property
+    def verified(self) -> dict:
+        """The last version whose arrival in the engine was checked (searcher.Engine.verify), as Fleet's."""
+        return {0: self.engine.verified}
+
     def round_size(self) -> int:
         return self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt
 

@@ -7,6 +7,7 @@
 - `llm_options(...)`: the options a vLLM engine of this project starts with, each for a reason given there.
 - `eager_transformers(llm)`: builds transformers models beside a vLLM engine as plain eager models.
 - `quiet_loading()`: no loading bars from transformers (they would break the trainer's progress bar).
+- `held_fingerprints(llm, names)`: the weights an engine holds, read back, for the check of each version's arrival.
 - The CPU's fork server (runtime.fleet.fork_server) imports this module first, with FORK_SERVER set.
 """
 
@@ -124,3 +125,44 @@ def quiet_loading():
     import transformers
     transformers.utils.logging.disable_progress_bar()
     huggingface_hub.utils.enable_progress_bars()
+
+
+def held_fingerprints(llm, names: list[str]) -> tuple[dict[str, list[float]], dict[str, list[str]]]:
+    """The weights the engine holds, read back from its model: ({its parameter: its three sums}, {its parameter:
+    the Hugging Face names loaded into it}) for the parameters that Hugging Face's `names` map to (runtime.weights.
+    fingerprint gives the same figures from the trainer's side, blind to layout). A name goes where the model's own
+    loader sends it (its hf_to_vllm_mapper: vllm/model_executor/models/utils.py:80-146, which stacks q, k, v into
+    qkv_proj), or to the one parameter whose name ends with it (the Transformers backend's "model." prefix). On the CPU
+    a linear layer's weight is repacked for oneDNN and the parameter emptied (vllm/model_executor/layers/utils.py:
+    519-596): it is read back through the layer's own product, identity x W^T, which is what the engine computes with."""
+    import torch
+
+    from runtime.weights import held
+
+    def read(worker):
+        model = worker.model_runner.model
+        params, modules = dict(model.named_parameters()), dict(model.named_modules())
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        groups = {}
+        for name in names:
+            mapped = mapper.map_name(name) if mapper is not None else name
+            if mapped is None:  # a name the loader drops
+                continue
+            if mapped not in params:
+                ends = [p for p in params if p.endswith("." + mapped) or mapped.endswith("." + p)]
+                if len(ends) != 1:
+                    continue
+                mapped = ends[0]
+            groups.setdefault(mapped, []).append(name)
+        out = {}
+        with torch.no_grad():
+            for param, _ in groups.items():
+                t = params[param]
+                owner = modules.get(param.rsplit(".", 1)[0])
+                if t.numel() == 0 and hasattr(owner, "cpu_linear"):  # repacked: W^T = I W^T, through the engine's kernel
+                    t = owner.cpu_linear(torch.eye(owner.input_size_per_partition, dtype=t.dtype, device=t.device),
+                                         None, None)
+                out[param] = [float(x) for x in held(t)]
+        return out, groups
+
+    return llm.collective_rpc(read)[0]
