@@ -9,9 +9,15 @@ runtime.checks before any process starts.
 - `memory_needs`: what a searcher's GPU holds, from the models' configs (counted on the meta device: no
   weights read) and the run's settings; a task adds its own engines and models (its `memory`); with
   --searchers 0 the trainer's own weights, gradients, AdamW state and shared copy too (`trainer_bytes`).
+- `check_evaluator`: --evaluator after's engine, in --trainer-memory of the trainer's GPU, fits beside the
+  trainer's state, or a refusal in one line.
+- `check_host`: what the trainer keeps in the host's RAM (--lag's pinned history, --behaviour-logprobs trainer's,
+  --evaluator after's snapshots: `host_needs`) fits it, or a refusal in one line. `pinned_block` counts a
+  pinned block as torch's caching host allocator allocates it (tools/memory.py's plan uses it too).
 """
 
 import math
+import os
 
 import torch
 
@@ -66,8 +72,9 @@ def compute_mode(index: int) -> int | None:
 def check_memory(cfg, task, local: int) -> float:
     """GPUs: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it loads beside
     them fit the smallest of this node's searcher GPUs, split as the searchers will split it (memory_split), or
-    a refusal in one line naming what does not fit. Returns the share of the GPU for the engines: the flag's,
-    or its default computed."""
+    a refusal in one line naming what does not fit; --evaluator after's engine fits the trainer's GPU beside the
+    trainer (`check_evaluator`); what the trainer keeps on the host fits its RAM (`check_host`). Returns the share
+    of the GPU for the engines: the flag's, or its default computed."""
     flag = "searcher-memory" if cfg.searchers else "trainer-memory"
     gpus = range(local, local + cfg.searchers) if cfg.searchers else range(local)
     card = min(torch.cuda.get_device_properties(i).total_memory for i in gpus)
@@ -78,6 +85,8 @@ def check_memory(cfg, task, local: int) -> float:
         memory_split(card, share, engines, beside)
     except ValueError as e:
         raise ConfigError(f"--{flag}: {e}") from None
+    check_evaluator(cfg, task, local)
+    check_host(cfg, local)
     return share
 
 
@@ -219,3 +228,133 @@ def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int
                          f"the engines ({listed}); give the engines at most {math.floor(100 * (1 - rest / card)) / 100}")
     spare, wanted = share * card - fixed, sum(w for *_, w in engines.values())
     return {name: (f + least + spare * w / wanted) / card for name, (f, least, w) in engines.items()}
+
+
+# --- --evaluator after's engine on the trainer's GPU; the host's RAM -----------------------------------
+def evaluator_needs(cfg, task) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
+    """memory_split's inputs for --evaluator after's engine, which runs in the trainer's process on its GPU
+    (runtime/fleet.Fleet): what the engine counts itself (`memory_needs` of the searcher that evaluates, by which
+    searcher.Engine splits its share when it starts; pi_ref among them, which an engine that only evaluates never
+    loads) and, beside it, the trainer: its weights, gradients and AdamW state (`trainer_bytes`), the shared copy
+    in --dtype (two with TBA′'s pi_ref), --behaviour-logprobs trainer's copy in --dtype (runtime/policy.LaggedCopy:
+    one rank, so not sharded) and the CUDA context each searcher opens on this GPU to map the shared copy (CUDA IPC),
+    0.5 GiB each. What a pass keeps for its backward is not counted, as with --searchers 0 (tools/memory.py)."""
+    engines, beside = memory_needs(cfg, task, evaluates=True)
+    params, trained = trainer_parameters(cfg)
+    copy = model_bytes(cfg.model_path, cfg.dtype)
+    beside["the trainer's weights, gradients and AdamW state"] = trainer_bytes(params, trained, cfg.trainer_dtype)
+    beside["the shared copy"] = copy * (2 if cfg.ref_reset_every else 1)
+    if cfg.behaviour_logprobs == "trainer":
+        beside["--behaviour-logprobs trainer's copy"] = copy
+    beside["the searchers' CUDA contexts"] = cfg.searchers * 2**29
+    return engines, beside
+
+
+def check_evaluator(cfg, task, local: int):
+    """--evaluator after (one trainer rank): its vLLM engine takes --trainer-memory of the trainer's GPU when it
+    starts, before the trainer loads its model (runtime/fleet.Fleet.beside); the trainer must fit in the rest, or
+    a refusal in one line naming both flags and the figures (memory_split's)."""
+    if cfg.evaluator != "after":
+        return
+    card = min(torch.cuda.get_device_properties(i).total_memory for i in range(local))
+    engines, beside = evaluator_needs(cfg, task)
+    share = memory_share(card, beside) if cfg.trainer_memory is None else cfg.trainer_memory
+    try:
+        memory_split(card, share, engines, beside)
+    except ValueError as e:
+        raise ConfigError(f"--evaluator: after runs a vLLM engine in --trainer-memory {share} of the trainer's GPU, "
+                          f"beside the trainer: {e} (or evaluate with --evaluator searcher)") from None
+
+
+def pow2_ceil(n: int) -> int:
+    """n rounded up to a power of two, as c10::llvm::PowerOf2Ceil (c10/util/llvmMathExtras.h:701-705)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def pinned_block(sizes, exact: bool = True) -> int:
+    """Bytes of ONE pinned host block holding tensors of `sizes` bytes, each at an offset aligned to 64 bytes
+    (runtime/weights.flat_slot: a slot of --lag's history). torch's caching host allocator rounds a block up to a
+    power of two unless it is above `pinned_max_round_threshold_mb` (ATen/core/CachingHostAllocator.h:302-309; the
+    threshold: c10/core/AllocatorConfig.h:361); flat_slot sets it to 0 around the allocation where torch has the
+    key: `exact`, else the next power of two of the whole."""
+    total = max(1, sum(-(-s // 64) * 64 for s in sizes))
+    return total if exact else pow2_ceil(total)
+
+
+def pinned_tensors(sizes) -> int:
+    """Bytes of the same tensors pinned one block each (--lag's history before flat_slot), each block rounded up to a
+    power of two (ATen/core/CachingHostAllocator.h:302-309): about 1.9x the bytes for Qwen2.5-7B's shapes."""
+    return sum(pow2_ceil(s) for s in sizes)
+
+
+def pinned_exact() -> bool:
+    """Whether this torch allocates flat_slot's block exactly: 2.13, this project's, has `pinned_max_round_threshold_mb`
+    (c10/core/AllocatorConfig.h:361); an older torch is counted at the next power of two (the larger: which versions
+    lack the key is not checked here)."""
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+def snapshots(steps: int, eval_every: int) -> int:
+    """The most weight snapshots --evaluator after holds at once (runtime/fleet.Fleet.request_eval keeps one a
+    evaluation, `wait_for_eval` drops them once evaluated): the initial evaluation's (tba.py:82) and one every
+    --eval-every steps below --steps (tba.py:126), evaluated before the final one is taken (Trainer.finish)."""
+    return 1 + ((steps - 1) // eval_every if eval_every else 0)
+
+
+def shard_rows(rows: int, world: int, rank: int) -> int:
+    """Rows of dim 0 that FSDP2 gives `rank` of `world`, ceil(rows / world) each, the last ones fewer or none:
+    torch.chunk's cut (torch/distributed/fsdp/_fully_shard/_fsdp_common.py:134-140)."""
+    each = -(-rows // world)
+    return max(0, min(each, rows - rank * each))
+
+
+def weight_shapes(path: str) -> list[tuple[int, ...]]:
+    """The shapes of the distinct weights of the model at `path` (a tied tensor once), counted on the meta device."""
+    import transformers
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def host_ram() -> int:
+    """The host's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_needs(cfg, local: int, world: int | None = None) -> dict[str, int]:
+    """What this node's trainer processes keep in the host's RAM for the whole run, by name: --lag L's history on the
+    node's leader (runtime/weights.Outbox: L + 1 pinned slots of the weights in --dtype, `pinned_block`),
+    --behaviour-logprobs trainer's on every rank (runtime/policy.LaggedCopy: L + 1 pinned slots of its FSDP2 shards in
+    --dtype), --evaluator after's snapshots (pageable, in --dtype: `snapshots`). `world`: all the trainer ranks
+    (torchrun's WORLD_SIZE); the node's ranks hold about the same shards as ranks 0 to `local` - 1."""
+    if cfg.lag is None and cfg.evaluator != "after":
+        return {}  # nothing kept: no model built
+    shapes, d = weight_shapes(cfg.model_path), torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
+    sizes, exact, need = [math.prod(s) * d for s in shapes], pinned_exact(), {}
+    if cfg.lag is not None:
+        need[f"--lag {cfg.lag}'s history ({cfg.lag + 1} pinned copies)"] = (cfg.lag + 1) * pinned_block(sizes, exact)
+        if cfg.behaviour_logprobs == "trainer":
+            world = world or int(os.environ.get("WORLD_SIZE", local))
+            shards = [[shard_rows(s[0], world, r) * math.prod(s[1:]) * d for s in shapes] for r in range(local)]
+            need["--behaviour-logprobs trainer's history"] = (cfg.lag + 1) * sum(pinned_block(x, exact) for x in shards)
+    if cfg.evaluator == "after":
+        n = snapshots(cfg.steps, cfg.eval_every)
+        need[f"--evaluator after's {n} snapshots"] = n * sum(sizes)
+    return need
+
+
+def check_host(cfg, local: int):
+    """What the trainer keeps on the host (`host_needs`) fits its RAM, or a refusal in one line naming the flag to
+    change (--eval-every where --evaluator after keeps snapshots, else --lag) and the figures."""
+    need = host_needs(cfg, local)
+    total, ram = sum(need.values()), host_ram()
+    if total <= ram:
+        return
+    listed = ", ".join(f"{what} {b / 1e9:.1f}" for what, b in need.items())
+    if cfg.evaluator == "after":
+        flag, fix = f"eval-every {cfg.eval_every}", "evaluate less often (a larger --eval-every) or by a searcher " \
+                                                    "(--evaluator searcher)"
+    else:
+        flag, fix = f"lag {cfg.lag}", "a smaller --lag"
+    raise ConfigError(f"--{flag}: the trainer would keep in this host's RAM {listed}: {total / 1e9:.1f} GB, more than "
+                      f"its {ram / 1e9:.1f} GB; {fix}")
