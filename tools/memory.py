@@ -1,7 +1,7 @@
 """Trainer memory: a formula for the trainer GPU's peak, checked against a measured peak on the CPU.
 
     python tools/memory.py                 # rho-math-1b's layer shape, scaled down to a few layers, on the CPU
-    python tools/memory.py --layers 2 4    # the layer counts measured
+    python tools/memory.py --layers 1 2 4  # the layer counts measured: two to fit, a deeper one to check
     python tools/memory.py --narrow 4      # a layer 4 times narrower (where bf16 matrix products are slow)
 
 The trainer step (policy.load_policy with bf16 compute, tba.backward, AdamW) runs on the CPU under
@@ -11,14 +11,21 @@ rho-math-1b's layer shape (hidden 2048, MLP 5632, 32 heads with 4 key/value head
 32,000) and 1-4 layers instead of 22, and the batch is one prompt of K responses, padded as GSM8K's
 are. From the measurements: the bytes kept for the backward pass per token and layer (with and
 without --activation-checkpointing) and a fixed part (logits and their gradients, which grow with
-tokens, not layers); the formula then predicts the peak of a model of another depth, which is
-measured too, and prints both. --narrow N divides the layer's widths and heads by N (the test's shape: a
+tokens, not layers); the formula (float32 weights and AdamW, what is kept, the loss's backward transients and
+FSDP2's gathered root; or, at the pass's end, every gradient and the root's reduce-scatter) then predicts the peak
+of a model of another depth, which is measured too, and prints both. --narrow N divides the layer's widths and heads by N (the test's shape: a
 CPU without AVX-512 multiplies bf16 matrices in PyTorch's reference loop, 16x the work at full width taking
-minutes); what is kept scales with the widths, and the extrapolations scale from the shape measured. Finally it extrapolates to rho-math-1b at the paper's settings and to
-Qwen2.5-7B at run_math.sh's.
+minutes); what is kept scales with the widths, and the extrapolations scale from the shape measured. Finally it prints
+the memory plan, term by term and as allocated, for rho-math-1b at the paper's GSM8K settings and for run_math.sh's
+Qwen2.5-7B trainer (rank 0 and the others, each loss, with and without --behaviour-logprobs trainer, --lag 2 and
+10, GPU and host): beside the fit, FSDP2's buffers and the end of the backward pass, pinned blocks as torch's
+caching host allocator rounds them, --evaluator after's engine and snapshots. The plan's counting is in small
+functions of sizes (the tests call them without measuring). Bad arguments are refused in one line, exit status 2,
+before anything is measured.
 """
 
 import argparse
+import math
 import os
 import socket
 import sys
@@ -42,7 +49,7 @@ RHO = dict(hidden=2048, ffn=5632, heads=32, kv_heads=4, vocab=32000, layers=22, 
 def shape(narrow: int) -> dict:
     """rho-math-1b's layer with its widths and heads divided by `narrow` (the head width kept)."""
     if narrow < 1 or RHO["kv_heads"] % narrow:
-        raise SystemExit(f"--narrow {narrow}: must divide rho-math-1b's {RHO['kv_heads']} key/value heads")
+        raise ValueError(f"--narrow {narrow}: must divide rho-math-1b's {RHO['kv_heads']} key/value heads (1, 2 or 4)")
     return dict(RHO, hidden=RHO["hidden"] // narrow, ffn=RHO["ffn"] // narrow, heads=RHO["heads"] // narrow,
                 kv_heads=RHO["kv_heads"] // narrow)
 
@@ -99,8 +106,39 @@ def init():
     ranks.init_distributed(600, "cpu")  # gloo and a CPU mesh even where CUDA exists: this measures the CPU
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors in one line too (its usage line aside)
+        refuse(message)
+
+
+def refuse(message: str):
+    print(f"memory.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check(args) -> dict:
+    """Arguments the fit cannot use, refused in one line before anything is measured; returns the layer's shape."""
+    a, b, c = args.layers
+    if not 1 <= a < b < c:
+        refuse(f"--layers {a} {b} {c}: three increasing depths of at least 1 (two to fit, a deeper one to check)")
+    if args.K < 2:  # np.linspace of one point is the shortest length: the token count would be wrong
+        refuse(f"--K {args.K}: at least 2 sequences (their lengths run from a quarter of --response to --response)")
+    if args.prompt < 1:
+        refuse(f"--prompt {args.prompt}: at least 1 token")
+    if args.response < 4:
+        refuse(f"--response {args.response}: at least 4 tokens (the shortest response is a quarter of it)")
+    if args.prompt + args.response > 2048:
+        refuse(f"--prompt + --response: {args.prompt + args.response} tokens, more than the models' 2048 positions")
+    if args.vocab < 1000:
+        refuse(f"--vocab {args.vocab}: at least 1000 (the token ids drawn run up to 999)")
+    try:
+        return shape(args.narrow)
+    except ValueError as e:
+        refuse(str(e))
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, nargs=3, default=[1, 2, 4], help="two depths to fit, one to check")
     p.add_argument("--K", type=int, default=4, help="responses (sequences) in the pass")
     p.add_argument("--prompt", type=int, default=200, help="prompt tokens")
@@ -108,7 +146,7 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=RHO["vocab"])
     p.add_argument("--narrow", type=int, default=1, help="divide the layer's widths and heads by this (1, 2 or 4)")
     args = p.parse_args(argv)
-    s = shape(args.narrow)
+    s = check(args)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     init()
     out = {}
@@ -130,72 +168,282 @@ def main(argv=None):
         fits[recompute] = (per_layer / tokens, fixed / tokens)
         m = out[c, recompute]
         # float32 weights and AdamW's moments (runtime/gpu.trainer_bytes, as its check with --searchers 0 counts
-        # them): at the backward pass's start no gradient yet, at its end every gradient and no activation
+        # them): in the loss's backward no gradient yet, the kept bytes, the loss's transients and the root
+        # gathered; at the end every gradient, no activation, and the root unit's reduce-scatter (one pass, one
+        # rank: nothing accumulated yet)
         state = lambda gradients: gpu.trainer_bytes(m["params"], m["params"], "float32", gradients)  # noqa: E731
-        predicted = max(state(False) + fixed + c * per_layer, state(True))
+        measured = dict(s, layers=c, vocab=args.vocab)
+        transient = loss_backward(args.K, args.prompt + args.response, args.vocab) + 2 * root_numel(measured)
+        predicted = max(state(False) + fixed + c * per_layer + transient,
+                        state(True) + end_of_backward(measured, 1, accumulating=False))
         print(f"{how} activation checkpointing: kept for the backward pass {per_layer / tokens / 1024:.1f} KB a token "
               f"a layer and {fixed / tokens / 1024:.0f} KB a token besides; {c} layers: peak by the formula "
               f"{predicted / 2**20:.0f} MiB, measured {m['peak']['Total'] / 2**20:.0f} MiB "
               f"({100 * (predicted - m['peak']['Total']) / m['peak']['Total']:+.1f}%)")
-    # rho-math-1b at the paper's settings: 20 sequences of about 750 token slots (prompt + 512) a pass
-    P, T = 1.10e9, 20 * 750
-    shared, contexts = 2 * P, 0.5e9 * 4  # the bf16 copy for the searchers; CUDA contexts (trainer + 3 searchers)
     for recompute in (False, True):
-        per_token_layer, per_token = fits[recompute]
-        kept = per_token_layer * RHO["hidden"] / s["hidden"] * T * RHO["layers"] + per_token * T
-        state = gpu.trainer_bytes(int(P), int(P), "float32", gradients=False)
-        total = max(state + kept, gpu.trainer_bytes(int(P), int(P), "float32")) + shared + contexts
-        print(f"rho-math-1b, 20 x 750 tokens a pass, {'with' if recompute else 'without'} activation checkpointing: "
-              f"about {total / 1e9:.0f} GB on the trainer GPU (weights and AdamW {state / 1e9:.1f}, kept for the "
-              f"backward pass {kept / 1e9:.1f}, shared copy {shared / 1e9:.1f}, CUDA contexts {contexts / 1e9:.1f})")
-    qwen_7b(fits, args.vocab, s)
+        print(rho_line(fits, args.vocab, s, recompute))
+    for loss in ("tb", "drgrpo"):
+        for rank in (0, 1):
+            print(qwen_line(fits, args.vocab, s, loss, rank))
+    for lag in (2, 10):
+        print(host_line(lag))
+    print(qwen_evaluator_line())
     return out
 
 
-QWEN_7B = dict(params=7.62e9, hidden=3584, ffn=18944, layers=28, vocab=152064)  # Qwen/Qwen2.5-7B's config.json
+# --- the plan: pure functions of sizes (no measuring) ---------------------------------------------------
+# Qwen/Qwen2.5-7B's config.json (biases on q, k and v: Qwen2's attention)
+QWEN_7B = dict(hidden=3584, ffn=18944, heads=28, kv_heads=4, vocab=152064, layers=28, tie=False, bias=True)
+GB = 1e9
+CARD = 80e9        # an "80 GB" card (A100, H100), in the plan's decimal GB
+CONTEXT = 0.5e9    # a CUDA context
+GSM8K = dict(steps=700, eval_every=100, trainer_memory=0.2, searchers=3)  # run_gsm8k.sh; --trainer-memory's default
+MATH = dict(ranks=4, tokens=4096, searchers=4, steps=420, eval_every=5)   # run_math.sh
+BEHAVIOUR = "the behaviour copy's bf16 shard"
+MOMENTS = ("the loss's backward", "a block's backward", "the end of the backward pass", "the statistics pass")
 
 
-def qwen_7b(fits: dict, vocab: int, s: dict = RHO, ranks: int = 4, tokens: int = 4096, searchers: int = 4):
-    """run_math.sh's trainer: Qwen2.5-7B over `ranks` GPUs (FSDP2 shards weights, gradients and AdamW), micro-batch
-    1 of up to `tokens` (--context), activation checkpointing, for each loss. What a pass keeps is scaled from the fit
-    at the shape measured (`s`, vocabulary `vocab`): a block's checkpoint (its input) by the hidden width, the fixed part
-    (logits, log-softmax chunks) by the vocabulary; the one block recomputed at a time in the backward pass by the fit
-    without checkpointing, scaled by the MLP's width. Every term rank 0 holds at once: the shard of weights, AdamW and
-    the gradients (alive through the group's 128 micro-batches of accumulation), a pass's activations (the larger of
-    the gradient pass and the statistics pass without gradient, both of --micro-batch 1 sequence: tba.backward), FSDP2's
-    gathered units, its CUDA context, and on rank 0 the shared bf16 copy for the searchers (runtime/weights.py), TBA′'s
-    second one for pi_ref (--ref-reset-every), and the CUDA context each searcher opens on GPU 0 to map them (CUDA
-    IPC). And rank 0's host RAM for --lag L: L + 1 pinned bf16 copies (runtime/weights.Outbox.keep). An estimate: no
-    GPU ran it."""
-    q, P = QWEN_7B, QWEN_7B["params"]
+def decoder_shapes(c: dict) -> list[tuple[int, ...]]:
+    """The distinct weights' shapes of a Llama or Qwen2 decoder of config `c` (RHO's and QWEN_7B's keys), in the
+    model's order: each layer's q, k, v (with their biases where `bias`: Qwen2), o, gate, up, down and two norms;
+    the embeddings, the final norm and the LM head unless tied."""
+    h, f, kv = c["hidden"], c["ffn"], c["kv_heads"] * (c["hidden"] // c["heads"])
+    attention = [(h, h), (h,), (kv, h), (kv,), (kv, h), (kv,)] if c.get("bias") else [(h, h), (kv, h), (kv, h)]
+    layer = attention + [(h, h), (f, h), (f, h), (h, f), (h,), (h,)]
+    return [(c["vocab"], h)] + layer * c["layers"] + [(h,)] + ([] if c["tie"] else [(c["vocab"], h)])
+
+
+def numel(shapes) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def block_numel(c: dict) -> int:
+    """A decoder block's parameters: an FSDP2 unit of its own (runtime/policy.load_policy)."""
+    return (numel(decoder_shapes(c)) - root_numel(c)) // c["layers"]
+
+
+def root_numel(c: dict) -> int:
+    """The root unit's parameters (FSDP2's fully_shard of the whole model takes what no block holds): the
+    embeddings, the final norm and the untied LM head."""
+    return c["vocab"] * c["hidden"] * (1 if c["tie"] else 2) + c["hidden"]
+
+
+def fsdp_pass(c: dict, compute: int = 2) -> dict[str, float]:
+    """FSDP2's bytes on a rank while a block is recomputed in a gradient pass, beside the activations, by name
+    (compute dtype: `compute` bytes): the root unit kept gathered from its forward to its post-backward (the root
+    does not reshard after forward: torch/distributed/fsdp/_fully_shard/_fsdp_state.py:203-207), the block and the
+    next one, prefetched (_fsdp_param_group.py:828-830); the unsharded gradients until their unit's post-backward
+    (_fsdp_param_group.py:618-630): the LM head's, computed first and reduced last with the root, and the block's;
+    the previous block's float32 reduce-scatter input, held until this block's post-backward (_fsdp_param_group.py:
+    639-658, 717-719)."""
+    root, block, head = root_numel(c), block_numel(c), c["vocab"] * c["hidden"]
+    return {"the root gathered": root * compute, "two blocks gathered": 2 * block * compute,
+            "the LM head's gradient": head * compute, "a block's gradients": block * compute,
+            "the last block's reduce-scatter input": block * 4}
+
+
+def fsdp_statistics(c: dict, compute: int = 2) -> float:
+    """FSDP2's bytes in a pass without gradient: the root gathered and a block with the next one."""
+    return (root_numel(c) + 2 * block_numel(c)) * compute
+
+
+def end_of_backward(c: dict, world: int, weights: int = 4, compute: int = 2, accumulating: bool = True) -> float:
+    """What the end of a backward pass adds to every gradient and AdamW's state on a rank of `world`: the root unit's
+    reduce-scatter, which runs last (its post-backward, from the final callback: _fsdp_state.py:395-431), after
+    every activation is gone and its gathered weights are resharded (_fsdp_param_group.py:637-638). Its unsharded
+    gradients (compute dtype) are copied into a float32 reduce-scatter input before they are freed
+    (_fsdp_collectives.py:597-606); then the input, held until the final callback (_fsdp_state.py:428-431), and
+    the float32 output (:612-616), cast to the weights' dtype (:696) and added to the gradient accumulated over the
+    step's earlier passes (:744-749: `accumulating`; the first pass's output becomes the gradient). The larger of
+    the two moments; `weights`: the trainer dtype's bytes."""
+    root = root_numel(c)
+    shard = -(-root // world)
+    copy_in = root * (compute + 4) - (0 if accumulating else shard * weights)  # the root's gradient not there yet
+    cast = weights != 4
+    output = (shard * 4 if accumulating or cast else 0) + (shard * weights if accumulating and cast else 0)
+    return max(copy_in, root * 4 + output)
+
+
+def shard_sizes(c: dict, world: int, rank: int, nbytes: int) -> list[int]:
+    """Bytes of each of rank `rank`'s FSDP2 shards (dim 0 cut as torch.chunk: runtime/gpu.shard_rows)."""
+    return [gpu.shard_rows(s[0], world, rank) * math.prod(s[1:]) * nbytes for s in decoder_shapes(c)]
+
+
+def history(c: dict, lag: int, exact: bool, world: int = 1, rank: int = 0) -> float:
+    """--lag's ring on the host: L + 1 slots, each ONE pinned block of the bf16 weights (world 1: runtime/weights.Outbox,
+    every distinct tensor) or of a rank's bf16 shards (runtime/policy.LaggedCopy); `exact`: torch 2.13, which lets
+    flat_slot turn the power-of-two rounding off; else each slot at the next power of two (runtime/gpu.pinned_block)."""
+    return (lag + 1) * gpu.pinned_block(shard_sizes(c, world, rank, 2), exact)
+
+
+def loss_backward(sequences: int, tokens: int, vocab: int, chunk_bytes: int = 2**28) -> float:
+    """What the loss's backward pass adds to what the pass keeps (loss.next_token_logprobs, a chunk of positions at a
+    time): the logits' bf16 gradient, accumulated over the chunks, and beside it the chunk's, which the backward of
+    the slice `logits[:, at]` pads with zeros to the logits' full size (SliceBackward0's gradient has its input's
+    shape); the chunk's float32 log-softmax recomputed (torch.utils.checkpoint) with its gradient and the gather's:
+    three float32 chunks of at most `chunk_bytes` (loss.chunks)."""
+    positions = max(1, chunk_bytes // (4 * sequences * vocab))
+    return 2 * 2 * sequences * tokens * vocab + 3 * 4 * sequences * min(positions, tokens) * vocab
+
+
+def moments(c: dict, kept: float, block: float, sequences: int, tokens: int, world: int,
+            statistics: float = 0.0) -> dict[str, float]:
+    """What a rank of `world` holds beside the trainer's state at each moment of a step that can be its peak (bytes),
+    for a pass of `sequences` x `tokens` that keeps `kept` for its backward and recomputes `block` a block
+    (activation checkpointing; else 0): the loss's backward (`loss_backward`, the root gathered), a block's backward
+    (the block recomputed, FSDP2's buffers: `fsdp_pass`), the end of the backward pass (`end_of_backward`) and, where
+    the group's statistics come from passes without gradient of `statistics` bytes (logits and a chunk), those
+    (`fsdp_statistics`)."""
+    out = {"the loss's backward": kept + loss_backward(sequences, tokens, c["vocab"]) + 2 * root_numel(c),
+           "a block's backward": kept + block + sum(fsdp_pass(c).values()),
+           "the end of the backward pass": end_of_backward(c, world)}
+    if statistics:
+        out["the statistics pass"] = statistics + fsdp_statistics(c)
+    return out
+
+
+def describe(x: dict) -> str:
+    return ", ".join(f"{k} {v / GB:.1f}" for k, v in x.items())
+
+
+def rho_moments(fits: dict, vocab: int, s: dict = RHO, recompute: bool = False) -> dict[str, float]:
+    """rho-math-1b's pass at the paper's settings (20 sequences of 750 token slots, whole prompts: no statistics pass),
+    what it keeps and recomputes scaled from the fit at the shape measured (`s`, vocabulary `vocab`) to its width and
+    vocabulary, and its `moments` on one rank."""
+    T = 20 * 750
+    per_token_layer, per_token = fits[recompute]
+    kept = per_token_layer * RHO["hidden"] / s["hidden"] * T * RHO["layers"] + per_token * RHO["vocab"] / vocab * T
+    block = fits[False][0] * RHO["ffn"] / s["ffn"] * T if recompute else 0.0
+    return dict(kept=kept, block=block, **moments(RHO, kept, block, 20, 750, 1))
+
+
+def rho_plan(fits: dict, vocab: int, s: dict = RHO, recompute: bool = False) -> dict[str, float]:
+    """rho-math-1b's trainer GPU at the paper's settings (one rank, float32 weights, 7 passes a step), term by term
+    (bytes): weights, gradients and AdamW (the gradients accumulate from the step's first pass on, so a later pass
+    holds them all), the largest of the pass's moments (`rho_moments`), the shared bf16 copy for the searchers, the
+    CUDA contexts (the trainer's, and the 3 searchers' on GPU 0 for CUDA IPC); --evaluator after's engine
+    (--trainer-memory of an 80 GB card) and its snapshots on the host."""
+    P, x = numel(decoder_shapes(RHO)), rho_moments(fits, vocab, s, recompute)
+    peak = max((k for k in MOMENTS if k in x), key=x.get)
+    return {"weights, gradients and AdamW": gpu.trainer_bytes(P, P, "float32"), f"{peak} (the largest)": x[peak],
+            "shared copy": 2 * P, "CUDA contexts": CONTEXT * (1 + GSM8K["searchers"]),
+            "--evaluator after's engine": GSM8K["trainer_memory"] * CARD,
+            "--evaluator after's snapshots (host)": gpu.snapshots(GSM8K["steps"], GSM8K["eval_every"]) * 2 * P}
+
+
+def rho_line(fits: dict, vocab: int, s: dict, recompute: bool) -> str:
+    plan, x = rho_plan(fits, vocab, s, recompute), rho_moments(fits, vocab, s, recompute)
+    on_gpu = {k: v for k, v in plan.items() if "--evaluator" not in k}
+    total, engine = sum(on_gpu.values()), plan["--evaluator after's engine"]
+    n, snaps = gpu.snapshots(GSM8K["steps"], GSM8K["eval_every"]), plan["--evaluator after's snapshots (host)"]
+    return (f"rho-math-1b, 20 x 750 tokens a pass, {'with' if recompute else 'without'} activation checkpointing: about "
+            f"{total / GB:.0f} GB on the trainer GPU ({describe(on_gpu)}; kept for the backward pass "
+            f"{x['kept'] / GB:.1f}, a block recomputed {x['block'] / GB:.1f}; the moments: "
+            f"{describe({k: x[k] for k in MOMENTS if k in x})}); --evaluator after: its engine {engine / GB:.1f} more "
+            f"(--trainer-memory {GSM8K['trainer_memory']} of {CARD / GB:.0f} GB), {(total + engine) / GB:.0f} GB, and "
+            f"{n} snapshots on the host, {snaps / GB:.1f} GB (--eval-every {GSM8K['eval_every']}, {GSM8K['steps']} steps)")
+
+
+def qwen_moments(fits: dict, vocab: int, s: dict = RHO) -> dict[str, float]:
+    """run_math.sh's pass on a rank (qwen_plan says how each part is scaled): what it keeps, the block recomputed, the
+    statistics pass's logits and chunk, and the `moments`."""
+    q, tokens = QWEN_7B, MATH["tokens"]
     (ckpt_layer, fixed), (full_layer, _) = fits[True], fits[False]
     kept = (ckpt_layer * q["hidden"] / s["hidden"] * q["layers"] + fixed * q["vocab"] / vocab) * tokens
-    block = full_layer * q["ffn"] / s["ffn"] * tokens  # one block's activations, live while it is recomputed
-    statistics = tokens * q["vocab"] * 2 + 2**28  # the pass without gradient: one sequence's bf16 logits, a chunk
-    shard = int(P / ranks)
-    state = gpu.trainer_bytes(shard, shard, "float32")  # weights, gradients (accumulating), AdamW's moments
-    gathered = 2 * 2 * q["vocab"] * q["hidden"]  # FSDP2's bf16 all-gather of the largest units (embeddings, lm_head)
-    context, copy = 0.5e9, 2 * P  # a CUDA context; one bf16 copy of the weights
-    for loss, name, pi_ref in (("tb", "TBA′", True), ("drgrpo", "Dr. GRPO", False)):
-        rank0 = dict(shard=state, activations=max(kept + block, statistics), gathered=gathered, context=context,
-                     shared=copy, pi_ref=copy if pi_ref else 0.0, searchers=searchers * context)
-        other = sum(rank0[k] for k in ("shard", "activations", "gathered", "context"))
-        for rank, total in ((0, sum(rank0.values())), (1, other)):
-            terms = (f"weights, gradients and AdamW shard {state / 1e9:.1f}, a pass's activations "
-                     f"{rank0['activations'] / 1e9:.1f} (kept {kept / 1e9:.1f}, a recomputed block {block / 1e9:.1f}; "
-                     f"the statistics pass {statistics / 1e9:.1f}), gathered weights {gathered / 1e9:.1f}, CUDA context "
-                     f"{context / 1e9:.1f}")
-            if rank == 0:
-                terms += (f", shared copy {copy / 1e9:.1f}" + (f", pi_ref's shared copy {copy / 1e9:.1f}" if pi_ref else "")
-                          + f", {searchers} searchers' CUDA contexts {searchers * context / 1e9:.1f}")
-            print(f"Qwen2.5-7B, run_math.sh's trainer, LOSS={loss} ({name}; {ranks} GPUs, 1 x {tokens} tokens a pass, "
-                  f"activation checkpointing), rank {rank}{'' if rank == 0 else ' and up'}: about {total / 1e9:.0f} GB "
-                  f"of 80 ({terms}; count about 10% more)")
-    for lag in (2, 10):
-        print(f"Qwen2.5-7B, --lag {lag}: rank 0's host RAM for the weights of the last {lag} steps and the current: "
-              f"{(lag + 1) * copy / 1e9:.0f} GB pinned ({lag + 1} bf16 copies); a checkpoint holds them too, beside the "
-              f"model ({P * 4 / 1e9:.0f} GB) and AdamW ({P * 8 / 1e9:.0f} GB): about "
-              f"{((lag + 1) * copy + P * 12) / 1e9:.0f} GB")
+    block = full_layer * q["ffn"] / s["ffn"] * tokens
+    logits = tokens * q["vocab"] * 2 + 2**28
+    return dict(kept=kept, block=block, logits=logits,
+                **moments(q, kept, block, 1, tokens, MATH["ranks"], statistics=logits))
+
+
+def qwen_plan(fits: dict, vocab: int, s: dict = RHO, loss: str = "tb", rank: int = 0,
+              behaviour: bool = False) -> dict[str, float]:
+    """run_math.sh's trainer: Qwen2.5-7B over 4 GPUs (FSDP2 shards weights, gradients and AdamW), micro-batch 1 of up to
+    4,096 tokens (--context), activation checkpointing, float32 weights, bf16 compute: rank `rank`'s GPU, term by
+    term (bytes). What a pass keeps is scaled from the fit at the shape measured (`s`, vocabulary `vocab`): a block's
+    checkpoint (its input) by the hidden width, the fixed part (logits, log-softmax chunks) by the vocabulary; the one
+    block recomputed at a time in the backward pass by the fit without checkpointing, scaled by the MLP's width; the
+    statistics pass without gradient holds one sequence's bf16 logits and a float32 chunk (tba.backward). The terms:
+    the shard of weights, AdamW and the gradients (alive through the step's 128 passes of accumulation); the largest
+    of the pass's moments (`qwen_moments`); the CUDA context; on rank 0 the shared bf16 copy for the searchers
+    (runtime/weights.py), TBA′'s second one for pi_ref (--ref-reset-every) and the CUDA context each searcher opens on
+    GPU 0 to map them (CUDA IPC); with --behaviour-logprobs trainer (`behaviour`) its copy's bf16 shard
+    (runtime/policy.LaggedCopy, resharded after each rescore, which runs before the step's passes)."""
+    q, x = QWEN_7B, qwen_moments(fits, vocab, s)
+    shard = sum(shard_sizes(q, MATH["ranks"], rank, 1))
+    peak = max((k for k in MOMENTS if k in x), key=x.get)
+    P = numel(decoder_shapes(q))
+    plan = {"weights, gradients and AdamW shard": gpu.trainer_bytes(shard, shard, "float32"),
+            f"{peak} (the largest)": x[peak], "CUDA context": CONTEXT}
+    if rank == 0:
+        plan["shared copy"] = 2 * P
+        if loss == "tb":
+            plan["pi_ref's shared copy"] = 2 * P
+        plan[f"{MATH['searchers']} searchers' CUDA contexts"] = MATH["searchers"] * CONTEXT
+    if behaviour:
+        plan[BEHAVIOUR] = 2 * shard
+    return plan
+
+
+def qwen_line(fits: dict, vocab: int, s: dict, loss: str, rank: int) -> str:
+    plan, more = qwen_plan(fits, vocab, s, loss, rank), qwen_plan(fits, vocab, s, loss, rank, behaviour=True)
+    x = qwen_moments(fits, vocab, s)
+    name = {"tb": "TBA′", "drgrpo": "Dr. GRPO"}[loss]
+    return (f"Qwen2.5-7B, run_math.sh's trainer, LOSS={loss} ({name}; {MATH['ranks']} GPUs, 1 x {MATH['tokens']} tokens "
+            f"a pass, activation checkpointing), rank {rank}{'' if rank == 0 else ' and up'}: about "
+            f"{sum(plan.values()) / GB:.0f} GB of {CARD / GB:.0f} ({describe(plan)}; kept for the backward pass "
+            f"{x['kept'] / GB:.1f}, a block recomputed {x['block'] / GB:.1f}, the statistics pass's logits and chunk "
+            f"{x['logits'] / GB:.1f}; the moments: {describe({k: x[k] for k in MOMENTS if k in x})}; FSDP2's in a block's "
+            f"backward: {describe(fsdp_pass(QWEN_7B))}); with --behaviour-logprobs trainer about "
+            f"{sum(more.values()) / GB:.0f} GB (its copy's bf16 shard {more[BEHAVIOUR] / GB:.1f}); count about 10% more")
+
+
+def host_plan(lag: int, rank: int = 0, behaviour: bool = False, exact: bool = True,
+              loss: str = "tb") -> dict[str, float]:
+    """run_math.sh's hosts for Qwen2.5-7B with --lag `lag`, term by term (bytes): on rank 0 (the node's leader) the
+    ring of the weights of the last L steps and the current (runtime/weights.Outbox); on every rank with
+    --behaviour-logprobs trainer the ring of its bf16 shards (runtime/policy.LaggedCopy); both pinned, one block a slot
+    (`history`). While rank 0 writes a checkpoint it also holds the model and AdamW in float32 (gathered to it:
+    runtime/checkpoint.save_checkpoint), the searchers' older weights (with --lag they hold those of step - L:
+    weights.Outbox.saved) and under TBA′ pi_ref's (`loss` tb)."""
+    q, world = QWEN_7B, MATH["ranks"]
+    P = numel(decoder_shapes(q))
+    plan = {}
+    if rank == 0:
+        plan["--lag's history"] = history(q, lag, exact)
+    if behaviour:
+        plan["--behaviour-logprobs trainer's history"] = history(q, lag, exact, world, rank)
+    if rank == 0:
+        plan["a checkpoint: the model and AdamW"] = 12 * P
+        plan["a checkpoint: the searchers' weights"] = 2 * P
+        if loss == "tb":
+            plan["a checkpoint: pi_ref's"] = 2 * P
+    return plan
+
+
+def host_line(lag: int) -> str:
+    ring, rounded = host_plan(lag)["--lag's history"], host_plan(lag, exact=False)["--lag's history"]
+    mine = host_plan(lag, behaviour=True)["--behaviour-logprobs trainer's history"]
+    mine_rounded = host_plan(lag, behaviour=True, exact=False)["--behaviour-logprobs trainer's history"]
+    other = host_plan(lag, rank=1, behaviour=True)["--behaviour-logprobs trainer's history"]
+    checkpoint = sum(v for k, v in host_plan(lag).items() if k.startswith("a checkpoint"))
+    old = (lag + 1) * gpu.pinned_tensors([math.prod(x) * 2 for x in decoder_shapes(QWEN_7B)])
+    return (f"Qwen2.5-7B, --lag {lag}: rank 0's host RAM for the weights of the last {lag} steps and the current: "
+            f"{ring / GB:.1f} GB pinned ({lag + 1} slots of one block each: exact with torch 2.13's "
+            f"pinned_max_round_threshold_mb:0; {rounded / GB:.1f} GB where torch lacks the key, each slot a power of "
+            f"two; one block a tensor would take {old / GB:.1f}); --behaviour-logprobs trainer adds on each "
+            f"rank {lag + 1} slots of its bf16 shards, {mine / GB:.1f} GB ({mine_rounded / GB:.1f} rounded; ranks 1 and "
+            f"up {other / GB:.1f}): rank 0 {(ring + mine) / GB:.1f} GB; while a checkpoint is written, rank 0 also holds "
+            f"the model, AdamW, the searchers' weights and pi_ref's: {checkpoint / GB:.1f} GB more")
+
+
+def qwen_evaluator_line() -> str:
+    P = numel(decoder_shapes(QWEN_7B))
+    n = gpu.snapshots(MATH["steps"], MATH["eval_every"])
+    return (f"Qwen2.5-7B, --evaluator after: refused with run_math.sh's {MATH['ranks']} trainer ranks (it runs an engine "
+            f"in one trainer process); on one rank the trainer's weights, gradients and AdamW alone take "
+            f"{gpu.trainer_bytes(P, P, 'float32') / GB:.1f} GB, and --eval-every {MATH['eval_every']} over "
+            f"{MATH['steps']} steps would keep {n} snapshots on the host, {n * 2 * P / GB:.0f} GB")
 
 
 if __name__ == "__main__":
