@@ -2,9 +2,9 @@
 # The paper's MATH run (Bartoldson et al., 2025, Sec. 6): TBA′ (TB with pi_ref reset every 50 steps) against
 # Dr. GRPO, Qwen 2.5 7B on MATH, evaluated on MATH-500, at an exact lag of 2 or 10 steps, on one 8-GPU node.
 # The settings are the paper's and the authors' experiment files' (bbartoldson/tba-prime at 71c1716):
-# docs/departures.md, "The MATH run", says where ours still differ. Trainer rank 0 holds about 71 GB under TBA′
-# (56 GB under Dr. GRPO) of an 80 GB card, by `python tools/memory.py` (an estimate: no GPU ran it); with LAG=10
-# its host holds 11 pinned bf16 copies of the weights (168 GB; LAG=2: 46 GB).
+# docs/departures.md, "The MATH run", says where ours still differ. Trainer rank 0 holds about 75 GB under TBA′
+# (59 under Dr. GRPO; 78 and 63 with --behaviour-logprobs trainer) of an 80 GB card, and its host --lag's pinned
+# slots, 45.7 GB at LAG=2, 167.5 at 10: as allocated, term by term, in docs/gpu.md ("Memory"; no GPU ran it).
 #
 #   bash run_math.sh                          # TBA′, lag 2, importance weights on
 #   bash run_math.sh --dry-run                # print the command and settings, start nothing

@@ -427,6 +427,7 @@ def host_line(lag: int) -> str:
     mine_rounded = host_plan(lag, behaviour=True, exact=False)["--behaviour-logprobs trainer's history"]
     other = host_plan(lag, rank=1, behaviour=True)["--behaviour-logprobs trainer's history"]
     checkpoint = sum(v for k, v in host_plan(lag).items() if k.startswith("a checkpoint"))
+    disk = checkpoint + ring  # trainer.pt also holds the history's slots (weights.Outbox.saved), each block once
     old = (lag + 1) * gpu.pinned_tensors([math.prod(x) * 2 for x in decoder_shapes(QWEN_7B)])
     return (f"Qwen2.5-7B, --lag {lag}: rank 0's host RAM for the weights of the last {lag} steps and the current: "
             f"{ring / GB:.1f} GB pinned ({lag + 1} slots of one block each: exact with torch 2.13's "
@@ -434,7 +435,8 @@ def host_line(lag: int) -> str:
             f"two; one block a tensor would take {old / GB:.1f}); --behaviour-logprobs trainer adds on each "
             f"rank {lag + 1} slots of its bf16 shards, {mine / GB:.1f} GB ({mine_rounded / GB:.1f} rounded; ranks 1 and "
             f"up {other / GB:.1f}): rank 0 {(ring + mine) / GB:.1f} GB; while a checkpoint is written, rank 0 also holds "
-            f"the model, AdamW, the searchers' weights and pi_ref's: {checkpoint / GB:.1f} GB more")
+            f"the model, AdamW, the searchers' weights and pi_ref's: {checkpoint / GB:.1f} GB more, and writes them "
+            f"with the history: {disk / GB:.1f} GB on disk")
 
 
 def qwen_evaluator_line() -> str:
