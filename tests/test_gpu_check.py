@@ -2,7 +2,7 @@
 CUDA (the GPU count, the torch version, a missing package) and runs a small file of tests in place of the
 script's selection, so that its setup refusals, its exit statuses and its summary (every failed, errored
 and skipped test named; "checked" only when all passed) are checked here. Not selected by the script
-itself (it would run itself)."""
+itself (it would run itself). tools/gpu_probe.py's own tests: tests/test_gpu_probe.py."""
 
 import os
 import stat
@@ -161,17 +161,3 @@ def test_another_torch_runs_the_checks_with_a_warning(run):
     assert code == 0 and log is not None and "== checked on 1 GPU" in summary
     assert "warning: torch 2.11.0: the GPU path is written against torch 2.13" in summary
 
-
-@pytest.mark.engine
-def test_the_probe_runs_reduced_on_the_cpu(tmp_path):
-    """tools/gpu_probe.py --reduced: the same code at a toy's shapes, one JSON line a figure."""
-    import json
-    from conftest import env
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_probe.py"), "--reduced"], cwd=tmp_path,
-                       env=env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    figures = {row["figure"]: row for row in map(json.loads, p.stdout.splitlines())}
-    assert set(figures) == {"machine", "weight write into the shared copy", "lag: weights to the host",
-                            "MATH step peak memory", "seeded sampling a decoding step", "done"}
-    assert figures["weight write into the shared copy"]["seconds"] > 0 and figures["lag: weights to the host"]["gigabytes"] > 0
-    assert figures["seeded sampling a decoding step"]["sequences"] == 256
