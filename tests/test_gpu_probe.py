@@ -45,13 +45,14 @@ def test_the_probe_runs_reduced_on_the_cpu(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in p.stdout.splitlines()]
     figures = {row["figure"] for row in rows}
-    assert figures == {"machine", "torch APIs", "weight write into the shared copy", "lag: weights to the host",
-                       "MATH step peak memory", "MATH step peak memory per block", "seeded sampling a decoding step",
+    assert figures == {"machine", "torch APIs", "weight write into the shared copy", "lag: pinned blocks",
+                       "lag: weights to the host", "MATH step peak memory", "MATH step peak memory per block", "seeded sampling a decoding step",
                        "decode model", "decode step", "GSM8K training step", "timing", "done"}
     assert not any("error" in row for row in rows)
     by = {row["figure"]: row for row in rows}
     assert by["weight write into the shared copy"]["seconds"] > 0 and by["lag: weights to the host"]["gigabytes"] > 0
-    assert by["lag: weights to the host"]["requested_bytes"] >= by["lag: weights to the host"]["tensor_bytes"] > 0
+    blocks = by["lag: pinned blocks"]  # the slot: one block of the tensors' bytes at 64-byte offsets
+    assert blocks["flat_slot_block_bytes"] == blocks["requested_bytes"] >= blocks["tensor_bytes"] > 0
     assert by["seeded sampling a decoding step"]["sequences"] == 256
     assert [row["blocks"] for row in rows if row["figure"] == "MATH step peak memory"] == [1, 3]
     assert by["GSM8K training step"]["pass_seconds"] > 0 and by["GSM8K training step"]["K"] == 4

@@ -15,9 +15,9 @@ apis    Which torch APIs the weight path and this probe use exist on this torch 
 write   runtime/weights.py's `write` of Qwen2.5-7B's bf16 weights into the shared copy on the GPU, against one
         device-to-device copy of the same bytes (`allocate` first: it goes through `allocator_settings`).
 host    --lag's copy of them to the host: into pageable memory (a fresh tensor) against one slot of the pinned ring
-        (`weights.flat_slot`: one flat page-locked block, views into it); the bytes asked for against what torch's
-        host allocator reports, for a plain block (rounded up to a power of two) and for flat_slot's (exact where
-        the rounding can be turned off); the host allocator's statistics.
+        (`weights.flat_slot`: one flat page-locked block, views into it); the bytes asked for against those locked:
+        by torch's caching host allocator for one block as it is (rounded up to a power of two) and with
+        pinned_max_round_threshold_mb:0 set around it, and by flat_slot; the host allocator's statistics.
 math    One MATH training step (tba.backward, --micro-batch 1, the group's statistics passes too, TBA′'s loss,
         gradient clipping, AdamW) of a model of Qwen2.5-7B's width with 1 and 3 decoder blocks, float32 weights,
         activation checkpointing, one rank: after a warm-up step (AdamW's state made), the peaks of allocated and
@@ -67,7 +67,7 @@ TOY_LLAMA = dict(TOY, num_attention_heads=8, qkv_bias=False)
 # decoding: running sequences x tokens of context per sequence; the toy's for --reduced
 DECODE = dict(sequences=(1, 8, 32, 64, 128, 256), contexts=(256, 1024, 4096))
 DECODE_TOY = dict(sequences=(1, 4, 8), contexts=(16, 64))
-DECODE_BUDGET = {"rho": 40.0, "qwen": 50.0}  # s on a GPU: the grid stops where it runs over
+DECODE_BUDGET = {"rho": 35.0, "qwen": 45.0}  # s on a GPU: the grid stops where it runs over
 
 # the torch APIs the weight path (runtime/weights.py) and this probe reach for; a lent GPU may have another torch
 APIS = ("torch._C._accelerator_getAllocatorSettings", "torch._C._accelerator_setAllocatorSettings",
@@ -204,6 +204,37 @@ def empty_host_cache() -> str | None:
     return None
 
 
+def pinned_block(nbytes: int, exact: bool):
+    """A page-locked block from torch's caching host allocator, its bytes as that allocator counts them (each block
+    rounded up to a power of two unless `pinned_max_round_threshold_mb` says otherwise: torch/include/ATen/core/
+    CachingHostAllocator.h in the wheel, lines 300-309), then given back. `exact`: with pinned_max_round_threshold_mb:0
+    set around the allocation through torch._C's setter (the current settings put back after), where this torch takes
+    it. Returns (bytes or None, how the setting went)."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    how, current = "not asked", None
+    if exact:
+        if get is None or put is None:
+            return None, "not tried: no getter or setter of the allocator settings"
+        current = get()
+        try:
+            put(",".join(filter(None, [current, "pinned_max_round_threshold_mb:0"])))
+            how = "set"
+        except Exception as e:  # noqa: BLE001 - what this torch says is the figure
+            return None, f"refused: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    try:
+        empty_host_cache()
+        before = host_allocated()
+        block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        got = None if before is None else host_allocated() - before
+        del block
+        empty_host_cache()
+    finally:
+        if how == "set":
+            put(current)
+    return got, how
+
+
 def lag_to_host(state, device, reduced):
     from runtime import weights
     named = named_weights(state, TOY if reduced else QWEN, device)
@@ -212,19 +243,23 @@ def lag_to_host(state, device, reduced):
     pageable = timed(lambda: [t.to("cpu", copy=True) for _, t in named], device, repeat=1 if pin else 2)
     shapes = {n: (t.shape, t.dtype) for n, t in named}
     requested = sum(-(-t.numel() * t.element_size() // 64) * 64 for _, t in named)  # flat_slot's 64-byte offsets
-    # a plain block, as torch allocates it: rounded up to a power of two
-    # (torch/include/ATen/core/CachingHostAllocator.h in the wheel, lines 300-309)
-    emptied = empty_host_cache() if pin else None
+    # one block of the slot's size from torch's pinned allocator, as it is and with the rounding turned off
+    plain, _ = pinned_block(requested, False) if pin else (None, None)
+    exact, how = pinned_block(requested, True) if pin else (None, "not tried: no GPU")
+    # the project's slot (weights.flat_slot): page-locked by torch's allocator or registered in place, the bytes
+    # locked are the allocator's count or else the block's own
     before = host_allocated()
-    block = torch.empty(requested, dtype=torch.uint8, pin_memory=pin)
-    plain = None if before is None else host_allocated() - before
-    del block
-    if pin:
-        empty_host_cache()
-    # the project's slot: weights.flat_slot, with pinned_max_round_threshold_mb:0 where this torch takes it
-    before = host_allocated()
-    slot = weights.flat_slot(shapes, pin, device)
-    flat = None if before is None else host_allocated() - before
+    slot = weights.flat_slot(shapes, pin)
+    counted = None if before is None else host_allocated() - before
+    first = next(iter(slot.values()))
+    block, pinned = first.untyped_storage().nbytes(), pin and first.is_pinned()
+    locked = counted if counted else (block if pinned else 0)
+    say("lag: pinned blocks", tensor_bytes=nbytes, requested_bytes=requested, plain_block_bytes=plain,
+        threshold_block_bytes=exact, threshold_setting=how,
+        threshold_exact=None if exact is None else exact == requested,
+        flat_slot_block_bytes=block, flat_slot_pinned=pinned, flat_slot_allocator_bytes=counted,
+        flat_slot_locked_bytes=locked, flat_slot_exact=locked == requested if pinned else None,
+        note=None if pin else "the CPU: nothing page-locked")
 
     def to_pinned():
         for n, t in named:
@@ -234,15 +269,10 @@ def lag_to_host(state, device, reduced):
             "num_host_free", "host_alloc_time.total", "host_free_time.total")
     stats = host_stats()
     say("lag: weights to the host", pageable_seconds=pageable, pinned_seconds=ring, speedup=pageable / ring,
-        gigabytes=nbytes / 1e9, tensor_bytes=nbytes, requested_bytes=requested,
-        plain_block_allocated_bytes=plain, flat_slot_allocated_bytes=flat,
-        flat_slot_exact=None if flat is None else flat == requested,
-        host_stats=None if stats is None else {k: stats.get(k) for k in keep}, host_cache_emptied_by=emptied,
-        note=None if pin else "the CPU: no pinned memory, no host allocator statistics")
-    del slot
+        gigabytes=nbytes / 1e9, host_stats=None if stats is None else {k: stats.get(k) for k in keep},
+        host_cache_emptied_by=empty_host_cache() if pin else None)
+    del slot, first
     state.pop("named", None)  # the last part that needs them
-    if pin:
-        empty_host_cache()
 
 
 # --- math, gsm8k: training steps -------------------------------------------------------------------------------------
