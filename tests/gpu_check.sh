@@ -10,10 +10,10 @@
 # (probe.jsonl, one JSON line each as measured; docs/gpu.md).
 #     bash tests/gpu_check.sh [python]   # default: $PYTHON, else python3, else python
 # Time: one command on a lent GPU may run 600 s, so the script ends within TOTAL = 540 s, in shares each enforced
-# by `timeout -k 5` (SIGTERM at the share, SIGKILL 5 s later): nvidia-smi 4 s, the setup check 30 s, pytest 300 s
-# (GPU_CHECK_TIMEOUT), the probe 190 s (GPU_CHECK_PROBE_TIMEOUT): 5 + 35 + 305 + 195 = 540. The probe gets at most
-# what is left of TOTAL after the rest, so a raised share shortens it rather than overrunning; it prints each
-# figure as it goes, so a probe stopped at its share leaves what it measured.
+# by `timeout -k` (SIGTERM at the share, SIGKILL 5 s later, 1 s for nvidia-smi): nvidia-smi 4 s, the setup check
+# 30 s, pytest 300 s (GPU_CHECK_TIMEOUT), the probe 190 s (GPU_CHECK_PROBE_TIMEOUT): 5 + 35 + 305 + 195 = 540.
+# The probe gets at most what is left of TOTAL after the rest, so a raised share shortens it rather than
+# overrunning; it prints each figure as it goes, so a probe stopped at its share leaves what it measured.
 # Writes setup and pytest output, then a summary naming every failed, errored and skipped test, to
 # summary.txt and pytest.log in $GPU_CHECK_OUT (default: $OUT if set, else runs/gpu_check in the repository);
 # the probe's figures to probe.jsonl, its stderr (a failed part's traceback) to probe.log.
