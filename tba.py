@@ -68,8 +68,8 @@ from runtime.processes import Signals, fork_server, quiet_resource_tracker
 from runtime.hub import load_tokenizer
 from runtime.log import Log
 from runtime.policy import AdamW, LaggedCopy, load_policy
-from runtime.ranks import (broadcast, broadcast_batch, fail, first_refusal, init_distributed, machine_device,
-                           raise_stop)
+from runtime.ranks import (Watchdog, broadcast, broadcast_batch, fail, first_refusal, init_distributed, machine_device,
+                           raise_stop, share_signals, stall_bound)
 from runtime.weights import gather
 
 
@@ -141,6 +141,8 @@ class Trainer:
     def __init__(self, cfg, data, ckpt, signals, t_start: float):
         self.cfg, self.data, self.resumed, self.fleet = cfg, data, ckpt is not None, None
         self.rank, self.world, local_rank = init_distributed(cfg.timeout, cfg.device)
+        self.watchdog = Watchdog(self.rank, self.world, stall_bound(cfg.timeout), lambda: self.step,
+                                 lambda: self.fleet.procs if self.fleet else [], cfg.out)  # a stall, a stuck signal
         self.device = torch.device(f"cuda:{local_rank}" if cfg.device == "cuda" else "cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -234,6 +236,7 @@ class Trainer:
         """B prompts x K responses from the buffer (--lag: from this step's rounds), drawn by rank 0 and sent to
         every rank; None on every rank when rank 0 stops the run."""
         batch, cfg = None, self.cfg
+        share_signals(self.fleet.signals, self.world)  # a signal to any rank stops every rank
         if self.rank == 0 and not self.fleet.stop_reason():
             rng = np.random.default_rng([cfg.seed, self.step, seeds.BATCH])
             batch = (self.buffer.sample_round(self.step, cfg.prompts_per_step, cfg.samples_per_prompt,
@@ -312,6 +315,7 @@ class Trainer:
         self.evaluate()
         if cfg.searchers:
             self.fleet.wait_for_eval(self.buffer, cfg.steps)
+            share_signals(self.fleet.signals, self.world)
             why = broadcast(self.fleet.stop_reason(), self.rank)  # all ranks together: a checkpoint is collective
             if why:
                 self.checkpoint()
@@ -329,6 +333,7 @@ class Trainer:
         self.log.close()
         if self.fleet is not None:
             self.fleet.close()
+        self.watchdog.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -143,7 +143,8 @@ class Fleet:
                 self.dead = str(e)
             return 0.0
         done = lambda: self.rank == 0 and (until() or bool(self.signals.first) or bool(self.silent or self.dead))
-        return wait_together(self.rank, self.world, some, done, what, self.log, min(30.0, self.cfg.timeout / 4))
+        return wait_together(self.rank, self.world, some, done, what, self.log, min(5.0, self.cfg.timeout / 4),
+                             self.signals)
 
     def take(self, buffer, done, budget: float = math.inf) -> float:
         """Move every waiting message into the buffer (trajectories) or the log (evaluations; searcher 0's

@@ -110,12 +110,13 @@ class LaggedCopy:
         self.model.set_reshard_after_forward(True)
         shards = {i: (local(p).shape, local(p).dtype) for i, p in enumerate(self.model.parameters())}
         pin = torch.device(device).type == "cuda"
-        self.lag, self.slots, self.ring = lag, [flat_slot(shards, pin, device) for _ in range(lag + 1)], {}
+        self.lag, self.slots, self.ring = lag, [flat_slot(shards, pin) for _ in range(lag + 1)], {}
 
     def record(self, model, step: int):
         """The shards of `model`'s weights at step `step` (before its update), into slot step % (L + 1), which held
         the weights of step - L - 1: no batch needs them any more."""
         slot = self.slots[step % len(self.slots)]
+        model.reshard()  # its shards, even after a forward without gradient (see __init__)
         for i, p in enumerate(model.parameters()):
             slot[i].copy_(local(p).detach(), non_blocking=True)
         if next(model.parameters()).is_cuda:

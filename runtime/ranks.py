@@ -7,13 +7,20 @@
   waits answer the other ranks every slice (`wait_together`), so that no rank sits in a collective while
   rank 0 checkpoints alone. A refusal of the configuration on any rank stops all (`first_refusal`).
 - `fail`: the one line a run ends with, and its exit status, also in torchrun's error file.
+- `Watchdog`: a rank that waits in a collective no other rank will join (or that stopped answering) ends the run
+  within `stall_bound(--timeout)` seconds, in one line naming the step and where each rank waits; a signal ends a
+  rank stuck in a collective within GRACE seconds. A thread of each rank's: no Python handler can run while the
+  main thread waits inside a collective.
 """
 
 import datetime
 import json
 import os
+import select
+import signal
 import socket
 import sys
+import threading
 import time
 
 import numpy as np
@@ -22,6 +29,7 @@ import torch.distributed as dist
 
 from runtime import nodes
 from runtime.errors import Dead, Silent, Stop
+from runtime.processes import stop_fork_server
 
 
 def fail(message: str, code: int, rank: int):
@@ -119,21 +127,43 @@ def broadcast_bytes(data: bytes, rank: int) -> bytes:
     return payload.numpy().tobytes()
 
 
-def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float) -> float:
+SAY_EVERY = 30.0  # s between two "waiting for" lines
+
+
+def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float, signals=None) -> float:
     """Rank 0 waits (`wait(seconds)`, returning seconds waited) until `done()`, in slices of `slice_s`
-    seconds, saying after each what it still waits for (`what()`); after each slice it tells the
-    other ranks, which wait in a broadcast, whether to go on. So no collective waits longer than a
-    slice however long rank 0 waits, and every rank leaves the wait together. Returns seconds waited."""
-    waited = 0.0
+    seconds, saying every SAY_EVERY s what it still waits for (`what()`); after each slice every rank says whether
+    to go on (rank 0: not done; any rank: no signal came to it, `signals`), so that no collective waits longer than a
+    slice however long rank 0 waits, a signal to any rank ends the wait within a slice, and every rank leaves the
+    wait together. Returns seconds waited."""
+    waited, said = 0.0, 0.0
     while True:
         finished = None
         if rank == 0:
             waited += wait(slice_s)
             finished = done()
-            if not finished:
+            if not finished and waited - said >= SAY_EVERY:
                 log.print(f"tba.py: waiting for {what()} ({waited:.0f} s so far)", file=sys.stderr)
-        if (finished if world == 1 else broadcast(finished, rank)):
+                said = waited
+        if world == 1:
+            if finished:
+                return waited
+            continue
+        flags = torch.tensor([float(bool(finished)), float(bool(signals and signals.first))])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags.any():
             return waited
+
+
+def share_signals(signals, world: int):
+    """All ranks: a signal that came to any rank becomes rank 0's too (its stop reason, runtime.fleet.stop_reason), so
+    that the run stops together, after a checkpoint, whichever rank torchrun or a user signalled."""
+    if world == 1:
+        return
+    came = torch.tensor([float(signal.Signals[signals.first[0]].value) if signals.first else 0.0])
+    dist.all_reduce(came, op=dist.ReduceOp.MAX)
+    if came.item() and not signals.first:
+        signals.first = (signal.Signals(int(came.item())).name, time.time())
 
 
 def raise_stop(why, saved: bool, out: str):
@@ -143,3 +173,172 @@ def raise_stop(why, saved: bool, out: str):
     if kind in ("dead", "silent"):
         raise (Dead if kind == "dead" else Silent)(f"{what}; {where}")
     raise Stop(what, saved)
+
+
+GRACE = 5.0  # s a rank stuck in a collective may keep a signal waiting before it ends at once
+
+
+def stall_bound(timeout: float) -> float:
+    """The most every trainer rank may wait inside collectives that do not complete before the run ends: --timeout,
+    at most 60 s (a single collective of a 7B model's largest tensor takes seconds; a rank's long work alone, such as
+    writing a checkpoint, is outside any collective and does not count)."""
+    return min(timeout, 60.0)
+
+
+class Watchdog:
+    """Each trainer rank's watch over its main thread, from a thread of its own: a thread still runs while the main
+    one waits inside a collective, where no Python signal handler runs and no timeout of ours can act.
+    - A stall: this rank is inside a collective that has not completed for `bound` seconds (its process group's
+      sequence number unmoved, its main thread's innermost frame in torch.distributed), and so is every other rank,
+      or it stopped answering (its beats, once a second into the process group's store, plain JSON, stopped: a
+      process stopped, not dead). No rank will ever leave: the run ends in one line naming the step and where each
+      rank waits (said by the lowest rank that answers), status 1, this rank's searchers killed. No checkpoint can be
+      written then (it is collective): the line names the last one.
+    - A signal (SIGINT, SIGTERM; the C handler writes it to a wakeup pipe even while the main thread is blocked):
+      the main thread stops after a checkpoint as ever (processes.Signals); if it is inside a collective that has not
+      moved for GRACE seconds since the signal, or a second signal comes, the rank ends at once (its searchers killed),
+      status 128 + the signal.
+    On one rank only signals are watched (no collective can stall there)."""
+
+    def __init__(self, rank: int, world: int, bound: float, step, procs, out: str):
+        self.rank, self.world, self.bound, self.step, self.procs, self.out = rank, world, bound, step, procs, out
+        self.main, self.closed, self.came = threading.main_thread().ident, False, []
+        self.store = None
+        if world > 1:  # a client of its own: the store's default client is the main thread's
+            self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+            self.publish(0, None, 0.0)
+        self.seen = {}  # rank -> (its last beat, when it changed)
+        self.pipe = os.pipe()
+        for fd in self.pipe:
+            os.set_blocking(fd, False)
+        self.old_fd = signal.set_wakeup_fd(self.pipe[1], warn_on_full_buffer=False)
+        self.thread = threading.Thread(target=self.run, name="tba-watchdog", daemon=True)
+        self.thread.start()
+
+    def publish(self, beat: int, where, stuck: float):
+        self.store.set(f"tba/watch/{self.rank}", json.dumps(dict(beat=beat, where=where, stuck=stuck)))
+
+    def where(self):
+        """(where the main thread waits, if inside torch.distributed: its function and our caller; else None)."""
+        frame = sys._current_frames().get(self.main)
+        if frame is None or f"torch{os.sep}distributed{os.sep}" not in frame.f_code.co_filename:
+            return None
+        here, root = frame, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        while here is not None and not (here.f_code.co_filename.startswith(root) and "site-packages" not in
+                                        here.f_code.co_filename):
+            here = here.f_back
+        caller = (f", from {os.path.relpath(here.f_code.co_filename, root)}:{here.f_lineno} ({here.f_code.co_name})"
+                  if here is not None else "")
+        return f"{frame.f_code.co_name}{caller}"
+
+    def sequence(self):
+        """The collectives issued so far on every process group of this rank (the leaders' too: runtime/nodes.py)."""
+        try:
+            return sum(pg._get_sequence_number_for_group() for pg in list(dist.distributed_c10d._world.pg_map))
+        except Exception:  # a backend without one: the frame alone
+            return None
+
+    def run(self):
+        state = dict(beat=0, last=None, since=time.time())
+        while not self.closed:
+            try:
+                self.watch(state)
+            except Exception:  # the store gone with rank 0's node (the main thread's collective fails too), ...
+                time.sleep(1.0)
+
+    def watch(self, state: dict):
+        """One beat: a signal that came, where the main thread waits and since when, the others' beats."""
+        if select.select([self.pipe[0]], [], [], 1.0)[0]:
+            try:
+                self.came += [(b, time.time()) for b in os.read(self.pipe[0], 64)]
+            except OSError:
+                pass
+        now, where = time.time(), self.where()
+        if (self.sequence(), where) != state["last"] or where is None:  # a collective issued, or none waited in
+            state.update(last=(self.sequence(), where), since=now)
+        stuck = now - state["since"] if where else 0.0
+        if self.came:
+            signum, first = self.came[0]
+            if (len(self.came) > 1 and self.came[-1][1] - first > 1) or (where and min(stuck, now - first) >= GRACE):
+                self.end(128 + signum, f"tba.py: {'' if self.rank == 0 else f'(rank {self.rank}) '}stopped by "
+                         f"{signal.Signals(signum).name} while this rank waited in a collective ({where}); no "
+                         f"checkpoint: the last is {self.last_checkpoint()}", say=True)
+        if self.store is None:
+            return
+        state["beat"] += 1
+        if self.store.check(["tba/watch/verdict"]):  # another rank found the run stalled: end with it
+            self.store.set(f"tba/watch/ended/{self.rank}", "1")
+            self.end(1, "", say=False)
+        self.publish(state["beat"], where, stuck)
+        if stuck >= self.bound / 2:  # the others' beats watched from here on
+            self.check_others(now, stuck)
+        else:
+            self.seen = {}
+
+    def check_others(self, now: float, stuck: float):
+        """This rank has waited in a collective: once `bound` s, end the run if every rank has too, or stopped
+        answering (no new beat for bound / 2 s)."""
+        waits, quiet, working = {}, [], False
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            key = f"tba/watch/{r}"
+            if not self.store.check([key]):
+                quiet.append(r)
+                continue
+            state = json.loads(self.store.get(key))
+            beat, changed = self.seen.get(r, (None, now))
+            if state["beat"] != beat:
+                self.seen[r] = (state["beat"], now)
+            elif now - changed >= self.bound / 2:
+                quiet.append(r)
+                continue
+            working = working or state["stuck"] < self.bound  # it works, or has not waited as long: it may yet join
+            waits[r] = state["where"]
+        if working or stuck < self.bound:
+            return
+        waits[self.rank] = self.where()
+        parts = [f"rank {r} in {waits[r]}" for r in sorted(waits)] + [f"rank {r} stopped answering (no beat for "
+                                                                       f"{self.bound / 2:.0f} s)" for r in quiet]
+        line = (f"tba.py: error: step {self.step() + 1}: the trainer ranks have waited {self.bound:.0f} s in "
+                f"collectives that do not complete: {'; '.join(parts)}; no checkpoint can be written now (it is "
+                f"collective): the last is {self.last_checkpoint()}")
+        if self.store.compare_set("tba/watch/verdict", "", str(self.rank)) != str(self.rank).encode():
+            return  # another rank said it first: this one ends at its next beat, when it sees that
+        self.end(1, line, say=True, others=[r for r in range(self.world) if r != self.rank and r not in quiet])
+
+    def last_checkpoint(self) -> str:
+        link = os.path.join(self.out, "checkpoint")
+        return f"{link} ({os.readlink(link)})" if os.path.islink(link) else "none (--save-every)"
+
+    def end(self, code: int, line: str, say: bool, others=()):
+        """End this rank now: its searchers killed, the line said (one rank says it), status `code`, whatever fails.
+        `others`: the ranks this one waits for (5 s at most) to end first: a rank gone first would fail their
+        collectives with tracebacks of their own (and the store, where it lives in rank 0, with it)."""
+        try:
+            for p in self.procs():
+                try:
+                    p.kill()
+                except Exception:
+                    pass
+            stop_fork_server()
+            if say:
+                print(line, file=sys.stderr, flush=True)
+                error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+                if error_file:
+                    with open(error_file, "w") as f:
+                        json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                           "timestamp": str(int(time.time()))}}}, f)
+            deadline = time.time() + 5
+            while others and time.time() < deadline and not self.store.check([f"tba/watch/ended/{r}" for r in others]):
+                time.sleep(0.1)
+        finally:
+            os._exit(code)
+
+    def close(self):
+        self.closed = True
+        try:
+            signal.set_wakeup_fd(self.old_fd)
+        except ValueError:  # not the main thread
+            pass

@@ -25,6 +25,7 @@ import contextlib
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from queue import Empty
 
@@ -139,21 +140,33 @@ def held(t) -> list:
             torch.linalg.vector_norm(t, dtype=torch.float64) ** 2]
 
 
-def flat_slot(shapes: dict, pin: bool, device="cuda") -> dict:
-    """Tensors of the given {name: (shape, dtype)} as views into ONE block of host memory (page-locked if `pin`),
-    each at an offset aligned to 64 bytes. One block, not one a tensor: torch's caching host allocator rounds each
-    pinned block up to a power of two (ATen/core/CachingHostAllocator.h:302-309), which made a Qwen2.5-7B copy
-    allocated tensor by tensor take about 29 GB for its 15.2; the block is exact where this torch lets the rounding
-    be turned off (`pinned_max_round_threshold_mb`, c10/core/AllocatorConfig.h:361), else at most the next power of
-    two of the whole (docs/gpu.md counts both)."""
+class Slot(dict):
+    """A dict of tensors that are views into one block of host memory (`flat_slot`), which it keeps page-locked for
+    as long as it lives."""
+
+
+def flat_slot(shapes: dict, pin: bool) -> Slot:
+    """Tensors of the given {name: (shape, dtype)} as views into ONE block of host memory, each at an offset aligned to
+    64 bytes; with `pin`, the block is page-locked where it lies (cudaHostRegister), so copies from a GPU run at the
+    bus's speed. Not torch's pinned allocator: its caching host allocator rounds each block up to a power of two
+    (ATen/core/CachingHostAllocator.h:302-309), and made a Qwen2.5-7B copy allocated tensor by tensor take about 29 GB
+    for its 15.2; one block of it would still take 16. Registered memory is exact, and leaves that allocator's free
+    lists alone."""
     offsets, total = {}, 0
     for name, (shape, dtype) in shapes.items():
         offsets[name] = total
         total += -(-math.prod(shape) * dtype.itemsize // 64) * 64
-    with allocator_settings(device if pin else "cpu", pinned_max_round_threshold_mb=0):
-        block = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-    return {name: block[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-            for name, (shape, dtype) in shapes.items()}
+    block = torch.empty(max(total, 1), dtype=torch.uint8)
+    slot = Slot({name: block[offsets[name]:offsets[name] + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                 for name, (shape, dtype) in shapes.items()})
+    if pin:
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(block.data_ptr(), block.numel(), 0)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaHostRegister of {block.numel() / 1e9:.1f} GB of host memory failed (CUDA error "
+                               f"{int(error)}): the host is short of memory it can lock (ulimit -l)")
+        weakref.finalize(slot, cudart.cudaHostUnregister, block.data_ptr())
+    return slot
 
 
 def share(t):
@@ -173,12 +186,10 @@ def allocator_for_sharing(device):
 
 @contextlib.contextmanager
 def allocator_settings(device, **changes):
-    """The CUDA allocator's settings changed around a block (nothing on the CPU), where a setting is on or absent:
-    `expandable_segments=False` turns it off only where it is on; `pinned_max_round_threshold_mb=0` is added. The setter
-    resets options it is not given: the whole string is rewritten, then restored (torch/cuda/memory.py:1191 deprecates
-    _set_allocator_settings for torch._C's setter). A torch without the getter (before 2.9) reads the environment's
-    string; one that refuses a key (an older torch without `pinned_max_round_threshold_mb`) keeps its settings:
-    the block is then allocated as that torch does."""
+    """The CUDA allocator's settings changed around a block (nothing on the CPU): `expandable_segments=False` turns
+    that setting off where it is on. The setter resets options it is not given: the whole string is rewritten, then
+    restored (torch/cuda/memory.py:1191 deprecates _set_allocator_settings for torch._C's setter). A torch without
+    torch._C's getter and setter (before 2.9) reads the environment's string and sets through torch.cuda.memory's."""
     if torch.device(device).type != "cuda":
         yield
         return
@@ -188,28 +199,15 @@ def allocator_settings(device, **changes):
     conf = get() if get else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
     fields = [f.strip() for f in conf.split(",") if f.strip()]
     key = lambda f: f.split(":")[0].strip()
-    value = lambda f: f.split(":", 1)[-1].strip().lower()
-    new, changed = list(fields), False
-    for k, v in changes.items():
-        at = [i for i, f in enumerate(new) if key(f) == k]
-        if v is False:  # off where on
-            for i in at:
-                if value(new[i]) in ("true", "1"):
-                    new[i], changed = f"{k}:False", True
-        elif not at:
-            new.append(f"{k}:{v}")
-            changed = True
-    applied = False
-    if changed and put is not None:
-        try:
-            put(",".join(new))
-            applied = True
-        except RuntimeError:  # a key this torch does not know
-            pass
+    on = lambda f: f.split(":", 1)[-1].strip().lower() in ("true", "1")
+    new = [f"{key(f)}:False" if key(f) in changes and changes[key(f)] is False and on(f) else f for f in fields]
+    changed = new != fields and put is not None
+    if changed:
+        put(",".join(new))
     try:
         yield
     finally:
-        if applied:
+        if changed:
             put(conf)
 
 
@@ -259,8 +257,8 @@ class Outbox:
         self.shared.version.value = version
         if self.lag is not None:  # the weights the next rounds need: the checkpoint's L steps, and these
             names = {n: t for n, t in self.shared.tensors.items() if n not in aliases(model)}
-            device = next(iter(names.values())).device  # on a GPU page-locked host memory: copies at the bus's speed
-            self.ring = [flat_slot({n: (t.shape, t.dtype) for n, t in names.items()}, device.type == "cuda", device)
+            pin = next(iter(names.values())).is_cuda  # page-locked host memory: copies at the bus's speed
+            self.ring = [flat_slot({n: (t.shape, t.dtype) for n, t in names.items()}, pin)
                          for _ in range(self.lag + 1)]  # allocated once, reused: step v's weights in slot v % (L + 1)
             for v, w in sorted((saved or {}).get("history", {}).items()):
                 if int(v) >= version - self.lag:
@@ -313,7 +311,7 @@ class Outbox:
         s = self.shared
         return dict(synced=cpu(s.tensors) if s.version.value != step else None, synced_version=s.version.value,
                     pi_ref=cpu(s.pi_ref) if s.pi_ref is not None else None, pi_ref_version=s.pi_ref_version.value,
-                    history={v: w for v, w in self.history.items() if v >= step - self.lag} if self.lag is not None
+                    history={v: dict(w) for v, w in self.history.items() if v >= step - self.lag} if self.lag is not None
                     else {})
 
 

@@ -1,0 +1,358 @@
+"""Several trainer ranks, each a real process with a gloo group: every rank runs the same FSDP2 passes whatever the
+duplicates in its groups (a rank that ran fewer hung the run), every loss of `LOSSES` gets the gradient of its whole
+batch at any --micro-batch (a loss that pools across prompts included), the trainer's lagged copy gives the trainer's
+own log-probs, and `ranks.Watchdog` ends a run whose ranks wait in collectives that never complete, or that is
+signalled while one does, within its bound."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, SMALL, free_port, get_report, run_tba
+
+K = 4
+
+
+def batch(rng, prompts, B):
+    """B groups of K responses, each group with a duplicate pair (MATH's groups of 16 at temperature 1 hold some)."""
+    from buffer import Trajectory
+    groups = []
+    for p in range(B):
+        responses = [rng.integers(4, 60, int(rng.integers(2, 6))).astype(np.int32) for _ in range(K - 1)]
+        responses.append(responses[0].copy())
+        group = [Trajectory(p, r, float(rng.integers(2)), float(-rng.random() * 10), 0.0, 0) for r in responses]
+        for t in group:
+            t.behaviour_logps = (-rng.random(len(t.response)) * 2).astype(np.float32)
+            t.ref_logps = (-rng.random(len(t.response)) * 2).astype(np.float32)
+            t.logp_behaviour = float(t.behaviour_logps.sum())
+        groups.append(group)
+    return groups
+
+
+def pooled_tb(logp, logp_ref, reward, beta, **_):
+    """TB with one log Z for the whole batch: pools across prompts (a researcher's first loss, docs/experiments.md)."""
+    delta = logp - logp_ref - reward / beta                  # (B, K)
+    log_z = -delta.mean().detach()                           # ()
+    return (log_z + delta).pow(2).mean(), {"log_z": log_z}   # (), {()}
+
+
+def gradient(model, groups, prompts, cfg, rank=0, world=1):
+    """The gradient of one step, as tba.train takes it (pooled or in passes), each parameter whole, and the sums."""
+    import tba
+    mine = groups[rank * len(groups) // world:(rank + 1) * len(groups) // world]
+    if cfg.loss_pools and world > 1:  # (on one process a part of 4 K sequences is the whole batch)
+        sums = tba.pooled_backward(model, groups, rank, world, prompts, 0, torch.device("cpu"), cfg, cfg.beta)
+    else:
+        sums = tba.backward(model, mine, len(groups) / world, prompts, 0, torch.device("cpu"), cfg, cfg.beta)
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return torch.cat([g.flatten() for g in grads]), sums
+
+
+def config(path, loss, micro_batch):
+    import dataclasses
+    import loss as loss_module
+    from runtime import checks
+    from runtime.config import Config
+    cfg = Config(model=path, prompts_per_step=4, samples_per_prompt=K, micro_batch=micro_batch, loss=loss,
+                 temperature=1.0, timeout=60)
+    return dataclasses.replace(cfg, loss_pools=checks.loss_pools(cfg)) if loss in loss_module.LOSSES else cfg
+
+
+def passes_rank(rank, world, path, port, results):
+    """Rank `rank` of `world`: each loss (the pooled one registered as a user would) at micro-batches 1, K - 1 and
+    whole prompts; its gradient and the forward passes it ran."""
+    import loss as loss_module
+    from runtime import policy, ranks
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        ranks.init_distributed(60, "cpu")
+        loss_module.LOSSES["pooled_tb"] = pooled_tb
+        model = policy.load_policy(path, "cpu", "float32")
+        seen = []
+        model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(len(kwargs["input_ids"])), with_kwargs=True)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(4, 60, 5).tolist() for _ in range(4)]
+        groups, out = batch(rng, prompts, 4), {}
+        for name in loss_module.LOSSES:
+            for mb in (1, K - 1, 2 * K):
+                seen.clear()
+                g, sums = gradient(model, groups, prompts, config(path, name, mb), rank, world)
+                out[f"{name} {mb}"] = dict(grad=g.tolist(), loss=sums["loss"], prompts=sums["prompts"], passes=len(seen))
+        results.put((rank, out))
+    except BaseException:
+        import traceback
+        results.put((rank, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(target, world, *args, timeout=240):
+    """`target(rank, world, *args, port, results)` in `world` spawned processes; their reports by rank. A hang
+    (the ranks out of step) fails here at `timeout` instead of waiting for the group's own timeout."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=target, args=(r, world, *args, port, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        reports = dict(get_report(results, procs, timeout) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for r, report in reports.items():
+        assert isinstance(report, dict), f"rank {r}:\n{report}"
+    return reports
+
+
+@pytest.mark.engine
+def test_every_loss_gets_its_whole_batch_gradient_on_two_ranks(tiny_model):
+    """Two ranks, groups with duplicates, each entry of LOSSES (a new loss is covered without editing this test) and
+    a loss that pools across prompts: at --micro-batch 1 and K - 1 both ranks run as many forward passes (FSDP2's
+    collectives pair up: before, a rank with a duplicate ran fewer and both hung), and the gradient and the loss
+    are those of the whole batch in one pass on one process."""
+    import loss as loss_module
+    from transformers import AutoModelForCausalLM
+    reports = spawn_ranks(passes_rank, 2, tiny_model)
+    loss_module.LOSSES["pooled_tb"] = pooled_tb
+    try:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(4, 60, 5).tolist() for _ in range(4)]
+        groups = batch(rng, prompts, 4)
+        for name in loss_module.LOSSES:
+            model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+            want, sums = gradient(model, groups, prompts, config(tiny_model, name, 4 * K))
+            assert want.abs().max() > 1e-6, name
+            for mb in (1, K - 1, 2 * K):
+                got = [reports[r][f"{name} {mb}"] for r in (0, 1)]
+                assert got[0]["passes"] == got[1]["passes"], (name, mb, got[0]["passes"], got[1]["passes"])
+                diff = (torch.tensor(got[0]["grad"]) - want).abs().max() / want.abs().max()
+                assert diff < 1e-4, (name, mb, float(diff))  # float32 sums in another order
+                assert got[0]["grad"] == got[1]["grad"]
+                total = (got[0]["loss"] + got[1]["loss"]) / (got[0]["prompts"] + got[1]["prompts"])
+                assert total == pytest.approx(sums["loss"] / sums["prompts"], rel=1e-4), (name, mb)
+    finally:
+        del loss_module.LOSSES["pooled_tb"]
+
+
+def lagged_rank(rank, world, path, port, results):
+    """Rank `rank`: 4 steps of --lag 1 with the trainer's behaviour log-probs (policy.LaggedCopy); each step's
+    rescored log-probs against the trainer's own, computed a step before with the same weights."""
+    import dataclasses
+    from runtime import policy, ranks
+    from loss import collate, response_logprobs
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        ranks.init_distributed(60, "cpu")
+        model = policy.load_policy(path, "cpu", "float32")
+        opt = policy.AdamW(model.parameters(), lr=1e-2)
+        lagged = policy.LaggedCopy(path, "cpu", "float32", lag=1)
+        cfg = dataclasses.replace(config(path, "drgrpo", K), loss_pools=False)
+        rng, gaps, previous = np.random.default_rng(rank), [], None
+        prompts = [rng.integers(4, 60, 5).tolist() for _ in range(4)]
+        for step in range(4):
+            groups = batch(rng, prompts, 2)
+            lagged.record(model, step)
+            if previous is not None:  # the batch sampled by the weights of step - 1: rescored, and the trainer's then
+                old_groups, own = previous
+                lagged.rescore(old_groups, step, prompts, 0, "cpu", 1.0, 3)
+                gaps.append(max(float(np.abs(t.behaviour_logps - o).max()) for g, og in zip(old_groups, own)
+                                for t, o in zip(g, og)))
+            with torch.no_grad():  # the trainer's own log-probs of this step's batch at this step's weights
+                pairs = [(prompts[t.prompt_id], t.response) for g in groups for t in g]
+                per = response_logprobs(model, *collate(pairs, 0, "cpu"), 1.0, [len(p) for p, _ in pairs],
+                                        [len(r) for _, r in pairs]).numpy()
+            model.reshard()  # as after a backward pass
+            rows = iter(per)
+            previous = (groups, [[next(rows)[:len(t.response)] for t in g] for g in groups])
+            import tba
+            tba.backward(model, groups, 2, prompts, 0, torch.device("cpu"), cfg, cfg.beta)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        results.put((rank, dict(gaps=gaps)))
+    except BaseException:
+        import traceback
+        results.put((rank, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.engine
+def test_the_lagged_copy_gives_the_trainers_log_probs_on_two_ranks(tiny_model):
+    """--behaviour-logprobs trainer on two ranks: after a forward without gradient FSDP2 kept the copy's root
+    gathered, and step 2 crashed copying shards into full tensors; now each step's rescored log-probs are the
+    trainer's own at the weights that sampled the batch (a step before), for 3 steps."""
+    reports = spawn_ranks(lagged_rank, 2, tiny_model)
+    for r in (0, 1):
+        assert len(reports[r]["gaps"]) == 3
+        assert max(reports[r]["gaps"]) < 1e-5, reports[r]["gaps"]
+
+
+# ===== the watchdog: ranks that wait in collectives that never complete ========================================
+STALLED = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    import torch, torch.distributed as dist
+    from runtime import ranks
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    child = __import__("subprocess").Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                           stdout=-3, stderr=-3)  # DEVNULL: the pipes are the rank's
+    watch = ranks.Watchdog(rank, 2, {bound}, lambda: 2, lambda: [child], {out!r})
+    from runtime.processes import Signals
+    Signals()
+    print("ready", child.pid, flush=True)
+    if os.environ.get("WORKS") == str(rank):
+        time.sleep(600)           # a rank that works alone (a checkpoint, say): not a stall
+    dist.recv(torch.zeros(1), src=1 - rank)  # a message that never comes: this rank waits for ever
+""")
+
+
+def start_ranks(tmp_path, bound, **env):
+    port = free_port()
+    code = STALLED.format(root=ROOT, bound=bound, out=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, RANK=str(r), WORLD_SIZE="2",
+                                                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                                                       **env),
+                              stdout=subprocess.PIPE, stderr=open(tmp_path / f"rank{r}.err", "w"), text=True)
+             for r in (0, 1)]
+    for r, p in enumerate(procs):
+        p.err = tmp_path / f"rank{r}.err"
+    children = [int(p.stdout.readline().split()[1]) for p in procs]
+    return procs, children
+
+
+def ended(procs, children, limit):
+    """Wait up to `limit` s for every rank; their (exit statuses, stderr, seconds); the searchers stand-ins gone."""
+    t0 = time.time()
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, limit - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"a rank still ran after {limit} s: {errors(procs)}")
+    for pid in children:
+        deadline = time.time() + 5
+        while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+            assert time.time() < deadline, f"the rank's child {pid} was left behind"
+            time.sleep(0.1)
+    return [p.returncode for p in procs], errors(procs), time.time() - t0
+
+
+def errors(procs) -> list[str]:
+    """What each rank wrote to its stderr (a file: a pipe would wait for its children too)."""
+    return [open(p.err).read() for p in procs]
+
+
+@pytest.mark.engine
+def test_ranks_waiting_in_collectives_that_never_complete_end_within_the_bound(tmp_path):
+    """Both ranks wait for a message that never comes: within the bound (4 s here) plus a few seconds of beats,
+    both end with status 1, rank 0 says one line naming the step and where each rank waits, and the processes
+    each rank started (its searchers) are gone."""
+    procs, children = start_ranks(tmp_path, 4)
+    codes, errs, seconds = ended(procs, children, 20)
+    assert codes == [1, 1], errs
+    line = errs[0].strip().splitlines()[-1]
+    assert line.startswith("tba.py: error: step 3: the trainer ranks have waited 4 s in collectives that do not "
+                           "complete: rank 0 in recv"), errs[0]
+    assert "rank 1 in recv" in line and "the last is none (--save-every)" in line
+    assert errs[1].strip() == "", errs[1]  # one line, from one rank
+
+
+@pytest.mark.engine
+def test_a_rank_that_works_alone_is_no_stall_but_one_that_stops_answering_is(tmp_path):
+    """A rank that sleeps outside any collective (writing a checkpoint, say) is waited for; once it stops
+    answering (SIGSTOP: alive, silent) the other rank ends the run within about the bound, naming it."""
+    procs, children = start_ranks(tmp_path, 4, WORKS="1")
+    time.sleep(8)
+    assert [p.poll() for p in procs] == [None, None]  # twice the bound: rank 1 works, rank 0 waits for it
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        procs[0].wait(timeout=20)
+        err = errors(procs)[0]
+        assert procs[0].returncode == 1 and time.time() - t0 < 12, err
+        assert "rank 0 in recv" in err and "rank 1 stopped answering (no beat for 2 s)" in err, err
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+
+
+@pytest.mark.engine
+def test_a_signal_ends_a_rank_stuck_in_a_collective_at_once(tmp_path):
+    """SIGTERM to a rank whose main thread waits in a collective (no Python handler can run there): it ends within
+    GRACE (5 s) plus a beat, with status 143 and one line, its children killed; well before the stall's bound."""
+    from runtime.ranks import GRACE
+    procs, children = start_ranks(tmp_path, 60)
+    time.sleep(1)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    codes, errs, seconds = ended(procs, children, GRACE + 8)
+    assert codes == [143, 143], errs
+    assert "stopped by SIGTERM while this rank waited in a collective (recv" in errs[0], errs[0]
+
+
+# ===== the run itself on two ranks, as run_math.sh runs it ====================================================
+def leftovers(pgid: int) -> list[int]:
+    """The processes of a process group that are still there (not zombies)."""
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[2]) == pgid and stat[0] != "Z":
+            alive.append(int(pid))
+    return alive
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("flags", [
+    ["--micro-batch", "1", "--steps", "3"],
+    ["--micro-batch", "3", "--steps", "3"],
+    ["--lag", "1", "--loss", "drgrpo", "--behaviour-logprobs", "trainer", "--micro-batch", "1", "--steps", "4"],
+    ["--lag", "1", "--loss", "tbprime", "--ref-reset-every", "2", "--micro-batch", "3", "--steps", "4"],
+], ids=["micro-batch 1", "micro-batch K-1", "lag, trainer's behaviour log-probs", "TBA' resets"])
+def test_what_run_math_runs_on_two_ranks(tiny_model, tmp_path, flags):
+    """The issue's commands on two trainer ranks (gloo) and one searcher, the toy's groups of 4 holding duplicates:
+    --micro-batch below K (the ranks hung before), --lag with the trainer's behaviour log-probs (step 2 crashed
+    before), TBA′ with pi_ref resets; each ends 0 with its train rows, and nothing of the run is left."""
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          os.path.join(ROOT, "tba.py"), "--model", tiny_model, *SMALL, "--eval-every", "0",
+                          "--timeout", "60", *flags, "--out", str(out)],
+                         cwd=str(tmp_path), env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = p.communicate(timeout=400)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, output[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = int(flags[flags.index("--steps") + 1])
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, steps + 1))
+    deadline = time.time() + 10
+    while leftovers(p.pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not leftovers(p.pid)
