@@ -5,12 +5,14 @@
 #
 #   bash run_gsm8k.sh                          # run it
 #   bash run_gsm8k.sh --dry-run                # print the command and settings, start nothing
-#   bash run_gsm8k.sh --data ../gsm8k --steps 50   # extra arguments pass through to tba.py (last wins)
+#   bash run_gsm8k.sh --data ../gsm8k          # extra arguments pass through to tba.py; a flag of
+#                                              # `settings` below is refused: edit it there instead
 #
 # GPU split: TRAINERS GPUs train (torchrun ranks, FSDP2), the next SEARCHERS GPUs each run one vLLM
 # searcher; the authors used 1 + 3. Change it with the environment, e.g. on an 8-GPU node:
 #   TRAINERS=1 SEARCHERS=7 bash run_gsm8k.sh                        # the authors' B = 7
-#   TRAINERS=2 SEARCHERS=6 bash run_gsm8k.sh --prompts-per-step 8   # B must be a multiple of TRAINERS
+#   TRAINERS=2 SEARCHERS=6 bash run_gsm8k.sh    # with --prompts-per-step 8 in `settings`: B must be a multiple
+#                                               # of TRAINERS
 set -euo pipefail
 cd "$(dirname "$0")"
 TRAINERS=${TRAINERS:-1}

@@ -13,7 +13,9 @@
 #                                             # / its prompt + response length; budget: / 4,096, Liu et al.'s)
 #   LAG=10 IS=off bash run_math.sh            # lag 10; TBA′ without importance weights (IS=on|off, LOSS=tb)
 #   EVAL=greedy bash run_math.sh              # evaluate greedily instead of at the training temperature
-#   bash run_math.sh --data ../math           # train.jsonl and test.jsonl of one's own (docs/tasks.md)
+#   bash run_math.sh --data ../math           # train.jsonl and test.jsonl of one's own (docs/tasks.md); extra
+#                                             # arguments pass through, but not a flag of `settings` below
+#                                             # (--lag 5: refused, as LAG=5 is)
 #
 # GPU split: TRAINERS GPUs train (torchrun ranks, FSDP2), the next SEARCHERS GPUs each run one vLLM searcher;
 # the authors' multinode_launch.sh ran 4 trainer + 4 inference GPUs. B = 32 must be a multiple of TRAINERS.

@@ -7,7 +7,8 @@
 #
 #   ATTACKER=save/gpt2-sft bash scripts/run_redteam.sh              # run it (ATTACKER: see below)
 #   ATTACKER=save/gpt2-sft bash scripts/run_redteam.sh --dry-run    # print the command and settings, start nothing
-#   ATTACKER=... bash scripts/run_redteam.sh --victim-responses 3   # extra arguments pass through to tba.py (last wins)
+#   ATTACKER=... bash scripts/run_redteam.sh --out runs/rt          # extra arguments pass through to tba.py (not a
+#                                                                   # flag of `settings` below: that is refused)
 #
 # ATTACKER (required) is their prior: GPT-2 after their supervised fine-tuning on 3,003 harmful
 # instructions, the start of training and pi_ref. Make it with tools/sft_attacker.py from their files

@@ -9,7 +9,8 @@
 #   bash scripts/run_redteam_llama.sh                   # run it
 #   bash scripts/run_redteam_llama.sh --dry-run         # print the command and settings, start nothing
 #   ATTACKER=save/llama-sft JUDGE=/models/llama-guard-3-8b bash scripts/run_redteam_llama.sh   # hub ids or local folders
-#   bash scripts/run_redteam_llama.sh --steps 100       # extra arguments pass through to tba.py (last wins)
+#   bash scripts/run_redteam_llama.sh --out runs/rtl    # extra arguments pass through to tba.py (not a flag of
+#                                                       # `settings` below: that is refused)
 #
 # GPU split: the paper's 8 A100s (80 GB), split as scripts/run_redteam.sh splits its 4 V100s: TRAINERS GPUs train,
 # the next SEARCHERS GPUs each run one searcher. A searcher's GPU holds the attacker's, the victim's and

@@ -8,7 +8,8 @@
 #   bash scripts/run_tldr.sh --dry-run                # print the command and settings, start nothing
 #   SIZE=1b bash scripts/run_tldr.sh                  # 410m (default), 1b or 2.8b, as the authors publish
 #   SETTING=table1 bash scripts/run_tldr.sh           # Table 1's run: 625 steps, 2 searchers (default: table3)
-#   bash scripts/run_tldr.sh --data ../tldr           # extra arguments pass through to tba.py (last wins)
+#   bash scripts/run_tldr.sh --data ../tldr           # extra arguments pass through to tba.py (not a flag
+#                                                     # of `settings` below: that is refused)
 #   GOLD=../gold bash scripts/run_tldr.sh             # the evaluation's judge from a local folder
 #
 # GPU split as in run_gsm8k.sh: TRAINERS GPUs train, the next SEARCHERS GPUs each run one searcher.

@@ -58,8 +58,8 @@ def test_run_tldr_dry_run_has_the_authors_settings():
     assert (cfg.steps, cfg.searchers, cfg.beta_stop_step, cfg.beta_anneal_steps, cfg.decay_steps) == (625, 2, 78, 312, 625)
     assert cfg.steps * cfg.prompts_per_step * cfg.samples_per_prompt == 100000 and cfg.eval_reward_model == "/gold"
     assert cfg.max_reuse == 20  # 2 searchers: 1,600 / (2 x 2 x 20)
-    command, cfg = dry_run("--steps", "3", script="scripts/run_tldr.sh", SIZE="2.8b")
-    assert (cfg.model, cfg.steps, cfg.searcher_memory) == ("mnoukhov/pythia2.8b-sft-tldr", 3, None)  # computed
+    command, cfg = dry_run("--seed", "3", script="scripts/run_tldr.sh", SIZE="2.8b")
+    assert (cfg.model, cfg.seed, cfg.searcher_memory) == ("mnoukhov/pythia2.8b-sft-tldr", 3, None)  # computed
     assert (cfg.round_prompts, cfg.max_reuse) == (1, 26.7)  # 10 x 8 x 20 / (3 x 1 x 20)
     p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "run_tldr.sh"), "--dry-run"], capture_output=True, text=True,
                        timeout=30, env=dict(os.environ, SIZE="3b"))
@@ -71,9 +71,9 @@ def test_run_tldr_dry_run_has_the_authors_settings():
 
 @pytest.mark.engine
 def test_run_gsm8k_passes_arguments_through_and_splits_gpus():
-    command, cfg = dry_run("--steps", "5", "--data", "/some/gsm8k", TRAINERS="2", SEARCHERS="6")
+    command, cfg = dry_run("--out", "/some/run", "--data", "/some/gsm8k", TRAINERS="2", SEARCHERS="6")
     assert "--nproc_per_node=2" in command
-    assert (cfg.steps, cfg.data, cfg.searchers) == (5, "/some/gsm8k", 6)
+    assert (cfg.out, cfg.data, cfg.searchers) == ("/some/run", "/some/gsm8k", 6)
 
 
 def test_schedules():
@@ -111,8 +111,8 @@ def test_run_redteam_dry_run_has_the_papers_settings():
     assert (cfg.reward_temp, cfg.reward_temp_anneal_steps, cfg.gamma_final) == (2.0, 500, 1.0)
     assert (cfg.explore_temp_min, cfg.explore_temp_max) == (0.5, 2.0)
     assert tba.lr_at(cfg, 4999) == pytest.approx(0.877e-4, rel=1e-3) and tba.lr_at(cfg, 0) == pytest.approx(1e-6)
-    command, cfg = dry_run("--steps", "7", script="scripts/run_redteam.sh", ATTACKER="/some/attacker", SEARCHERS="2")
-    assert (cfg.model, cfg.steps, cfg.searchers) == ("/some/attacker", 7, 2)
+    command, cfg = dry_run("--seed", "7", script="scripts/run_redteam.sh", ATTACKER="/some/attacker", SEARCHERS="2")
+    assert (cfg.model, cfg.seed, cfg.searchers) == ("/some/attacker", 7, 2)
 
 
 @pytest.mark.engine
@@ -130,10 +130,10 @@ def test_run_redteam_llama_dry_run_has_the_papers_settings():
     # Lee et al.'s recipe, as run_redteam.sh, with their Llama buffer and gamma
     assert (cfg.buffer_keep, cfg.dedup_similarity, cfg.gamma_final, cfg.gamma_anneal_steps) == ("best", 0.4, 1.2, 2000)
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.weight_decay, cfg.reward_temp) == (32, 16, 0.01, 2)
-    command, cfg = dry_run("--steps", "7", script="scripts/run_redteam_llama.sh", ATTACKER="/a", VICTIM="/v", JUDGE="/j",
+    command, cfg = dry_run("--seed", "7", script="scripts/run_redteam_llama.sh", ATTACKER="/a", VICTIM="/v", JUDGE="/j",
                            EMBEDDER="/e", TRAINERS="2", SEARCHERS="6")
     assert (cfg.model, cfg.victim, cfg.classifier, cfg.embedding_model) == ("/a", "/v", "/j", "/e")
-    assert (cfg.steps, cfg.searchers, command[2]) == (7, 6, "--nproc_per_node=2")
+    assert (cfg.seed, cfg.searchers, command[2]) == (7, 6, "--nproc_per_node=2")
 
 
 @pytest.mark.engine
@@ -197,8 +197,9 @@ def test_run_math_refuses_unknown_choices(environ, message):
 
 @pytest.mark.engine
 def test_run_math_passes_arguments_through_and_splits_gpus():
-    command, cfg = dry_run("--data", "/some/math", "--steps", "5", script="run_math.sh", TRAINERS="2", SEARCHERS="6")
-    assert (command[2], cfg.data, cfg.steps, cfg.searchers) == ("--nproc_per_node=2", "/some/math", 5, 6)
+    command, cfg = dry_run("--data", "/some/math", "--resume", "/some/ckpt", script="run_math.sh", TRAINERS="2",
+                           SEARCHERS="6")
+    assert (command[2], cfg.data, cfg.resume, cfg.searchers) == ("--nproc_per_node=2", "/some/math", "/some/ckpt", 6)
 
 
 @pytest.mark.engine
@@ -210,3 +211,46 @@ def test_a_gpu_split_that_is_no_number_is_refused_at_the_dry_run(script, environ
     name, value = next(iter(environ.items()))
     assert p.returncode == 2 and not p.stdout, p.stdout
     assert p.stderr.strip() == f"{os.path.basename(script)}: {name} must be a number of GPUs, at least 1, got '{value}'"
+
+
+def refused(script, *args, cwd=None, **environ):
+    """A dry run of `script` with `args` that the launcher refuses: its one line (status 2, no command printed)."""
+    p = subprocess.run(["bash", script, "--dry-run", *args], capture_output=True, text=True, timeout=30, cwd=cwd,
+                       env=dict(os.environ, **environ))
+    assert p.returncode == 2 and not p.stdout, (p.returncode, p.stdout)
+    return p.stderr.strip()
+
+
+@pytest.mark.parametrize("script,args,environ,instead", [
+    ("run_math.sh", ["--lag", "5"], {}, "use LAG instead (LAG=5 bash {path})"),  # LAG=5 is refused: --lag 5 too
+    ("run_math.sh", ["--data", "/d", "--lag=10"], {}, "use LAG instead (LAG=10 bash {path})"),
+    ("run_math.sh", ["--searchers", "2"], {}, "use SEARCHERS instead (SEARCHERS=2 bash {path})"),
+    ("run_math.sh", ["--steps", "5"], {}, "edit its settings instead of passing an extra argument"),
+    ("run_math.sh", ["--no-importance-weights"], {}, "edit its settings instead of passing an extra argument"),
+    ("run_gsm8k.sh", ["--prompts-per-step=8"], {}, "edit its settings instead of passing an extra argument"),
+    ("scripts/run_tldr.sh", ["--model", "m"], {}, "use SIZE instead (see the script's header)"),
+    ("scripts/run_tldr.sh", ["--no-activation-checkpointing"], {"SIZE": "2.8b"},
+     "edit its settings instead of passing an extra argument"),
+    ("scripts/run_redteam.sh", ["--model", "/b"], {"ATTACKER": "/a"}, "use ATTACKER instead (ATTACKER=/b bash {path})"),
+    ("scripts/run_redteam_llama.sh", ["--victim", "/v"], {}, "use VICTIM instead (VICTIM=/v bash {path})"),
+])
+def test_an_extra_argument_the_script_sets_is_refused(script, args, environ, instead):
+    """tba.py takes the last of a flag given twice: an extra argument the script sets itself would run past the
+    script's own checks (run_math.sh: LAG=5 refused, --lag 5 run at lag 5). One rule of scripts/launch.sh refuses
+    it for every script, in one line naming the flag, the script's value and what to change instead."""
+    path = os.path.join(ROOT, script)
+    flag = [a for a in args if a.startswith("--")][-1].split("=")[0]  # the refused one: the last flag given
+    line = refused(path, *args, **environ)
+    own = "--" + flag.removeprefix("--").removeprefix("no-")
+    assert line.startswith(f"{os.path.basename(script)}: {flag}: the script sets {own} itself ({own}"), line
+    assert line.endswith(instead.format(path=path) + ("" if instead.startswith("edit") else ", not an extra argument"))
+
+
+def test_what_the_script_does_not_set_passes_through():
+    """Flags the script leaves alone reach tba.py; the variable is found run from the script's own folder too (the
+    scripts cd before they launch)."""
+    command, cfg = dry_run("--data", "/d", "--out", "/o", "--resume", "/r", "--seed=4", script="run_math.sh")
+    assert (cfg.data, cfg.out, cfg.resume, cfg.seed, cfg.lag) == ("/d", "/o", "/r", 4, 2)
+    line = refused("run_tldr.sh", "--searchers", "2", cwd=os.path.join(ROOT, "scripts"))
+    assert line == ("run_tldr.sh: --searchers: the script sets --searchers itself (--searchers 3); use SEARCHERS "
+                    "instead (SEARCHERS=2 bash run_tldr.sh), not an extra argument")
