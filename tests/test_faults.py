@@ -414,3 +414,48 @@ def test_non_finite_loss_stops_with_the_step(tiny_model, tmp_path):
     assert last.startswith("tba.py: error: non-finite loss at step "), p.stdout[-2000:]
     step = int(last.split("at step ")[1].split(";")[0])
     assert torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)["step"] == step - 1
+
+
+WRONG_WEIGHTS = """
+import runpy, sys
+sys.path.insert(0, {root!r})
+sys.argv = [{tba!r}, *sys.argv[1:]]
+import torch
+from runtime import weights
+plain_write, plain_sync = weights.write, weights.synchronize
+
+
+def write(shared, named, version, *args, **kwargs):  # the weights of step 3: one tensor altered after its fingerprint
+    if shared is not None and version == 3 and "policy" in kwargs.get("to", ("policy",)):
+        def sync(tensors, *devices):  # under the lock, before the version moves
+            with torch.no_grad():
+                shared.tensors["model.layers.0.mlp.down_proj.weight"][0, 0] += 1e-3
+            weights.synchronize = plain_sync
+            return plain_sync(tensors, *devices)
+        weights.synchronize = sync
+    return plain_write(shared, named, version, *args, **kwargs)
+
+
+weights.write = write
+runpy.run_path({tba!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.engine
+def test_weights_that_do_not_arrive_intact_stop_the_run_in_one_line(tiny_model, tmp_path):
+    """One tensor of the weights of step 3 altered in the shared copy after the trainer fingerprinted it: the searcher
+    that loads them finds it (read back from its engine) and the run stops after a checkpoint, in one line naming the
+    version, the searcher and the tensor; the rows before say which versions were verified."""
+    wrapper = tmp_path / "wrong_weights.py"
+    wrapper.write_text(WRONG_WEIGHTS.format(root=ROOT, tba=os.path.join(ROOT, "tba.py")))
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, str(wrapper), "--model", tiny_model, "--steps", "50", *SMALL, "--out", str(out)],
+                       cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=300)
+    assert p.returncode == 1, p.stdout[-3000:]
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith("tba.py: error: searcher 0: the weights of step 3 did not arrive intact: "
+                           "model.layers.0.mlp.down_proj.weight holds sum"), last
+    assert last.endswith(f"checkpoint in {out / 'checkpoint'}")
+    verified = [r["verified"] for r in metrics(out) if r["kind"] == "train"]
+    assert verified[0] == -1 and 1 in verified and max(verified) <= 2, verified  # (the initial weights came from disk)

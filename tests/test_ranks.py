@@ -313,17 +313,24 @@ def test_a_signal_ends_a_rank_stuck_in_a_collective_at_once(tmp_path):
 
 
 # ===== the run itself on two ranks, as run_math.sh runs it ====================================================
-def leftovers(pgid: int) -> list[int]:
-    """The processes of a process group that are still there (not zombies)."""
-    alive = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(stat[2]) == pgid and stat[0] != "Z":
-            alive.append(int(pid))
-    return alive
+def family(pid: int) -> set[int]:
+    """Process `pid` and all below it now (torchrun's ranks run in sessions of their own; the fork server and its
+    searchers below rank 0)."""
+    import psutil
+    return {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+
+
+def alive(pids) -> list[int]:
+    import psutil
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def run_of(p) -> set[int]:
+    """Every process of the run started by Popen `p`, once rank 0's searcher has started (seen below it)."""
+    deadline = time.time() + 120
+    while len(family(p.pid)) < 6 and time.time() < deadline:  # torchrun, 2 ranks, fork server, searcher, tracker
+        time.sleep(0.2)
+    return family(p.pid)
 
 
 @pytest.mark.engine
@@ -343,16 +350,116 @@ def test_what_run_math_runs_on_two_ranks(tiny_model, tmp_path, flags):
                           "--timeout", "60", *flags, "--out", str(out)],
                          cwd=str(tmp_path), env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = p.communicate(timeout=400)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+    pids = run_of(p)
+    output = finish(p, 400, pids)
     assert p.returncode == 0, output[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = int(flags[flags.index("--steps") + 1])
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, steps + 1))
-    deadline = time.time() + 10
-    while leftovers(p.pid) and time.time() < deadline:
+
+
+# ===== faults of a whole run on two ranks: a stall, a signal during one, a signal to one rank ====================
+PATCHED = textwrap.dedent("""
+    import os, runpy, sys
+    sys.path.insert(0, {root!r})
+    sys.argv = [{tba!r}, *sys.argv[1:]]
+    import loss, torch
+    plain, calls = loss.sequence_logprobs, [0]
+
+    def stalls(*args, **kwargs):  # rank 1, at its {at}th pass, enters a collective of a group rank 0 never enters
+        import torch.distributed as dist
+        calls[0] += 1
+        if calls[0] == 1:  # both ranks make the group (a collective itself)
+            calls.append(dist.new_group(backend="gloo"))
+        if os.environ["RANK"] == "1" and calls[0] >= {at}:
+            dist.all_reduce(torch.zeros(1), group=calls[1])
+        return plain(*args, **kwargs)
+    loss.sequence_logprobs = stalls
+    runpy.run_path({tba!r}, run_name="__main__")
+""")
+
+
+def start_two_ranks(tmp_path, tiny_model, *flags, stall_at=None):
+    """torchrun with two trainer ranks and one searcher, in a session of its own (every process of the run in its
+    process group); `stall_at`: rank 1 stalls in its trainer pass of that number (a wrapper of tba.py)."""
+    script = [os.path.join(ROOT, "tba.py")]
+    if stall_at:
+        wrapper = tmp_path / "stalled_tba.py"
+        wrapper.write_text(PATCHED.format(root=ROOT, tba=script[0], at=stall_at))
+        script = [str(wrapper)]
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *script,
+                          "--model", tiny_model, *SMALL, "--eval-every", "0", *flags, "--out", str(out)],
+                         cwd=str(tmp_path), env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return p, out
+
+
+def steps_done(out) -> int:
+    path = out / "metrics.jsonl"
+    return sum(json.loads(line)["kind"] == "train" for line in open(path)) if path.exists() else 0
+
+
+def wait_steps(p, out, n, timeout=240):
+    deadline = time.time() + timeout
+    while steps_done(out) < n:
+        assert p.poll() is None and time.time() < deadline, (p.poll(), p.stdout.read()[-3000:] if p.poll() else "")
         time.sleep(0.2)
-    assert not leftovers(p.pid)
+
+
+def finish(p, within: float, pids) -> str:
+    """The run's output once torchrun has ended within `within` s and, 5 s later at most, none of `pids` is left."""
+    try:
+        output, _ = p.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        for pid in alive(pids):
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the run still ran after {within} s: {p.communicate()[0][-3000:]}")
+    deadline = time.time() + 5
+    while alive(pids) and time.time() < deadline:
+        time.sleep(0.2)
+    left = alive(pids)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"left behind: {left}\n{output[-3000:]}"
+    return output
+
+
+@pytest.mark.engine
+def test_a_run_whose_ranks_stall_ends_within_the_bound(tiny_model, tmp_path):
+    """Rank 1 waits at step 2 in a collective rank 0 never enters, rank 0 then waits for rank 1 in the step's one:
+    with --timeout 10 the run ends about 10 s later (the watchdog's bound), in one line naming the step and where
+    each rank waits; every process of the run is gone (before: both ranks hung for the process group's timeout)."""
+    p, out = start_two_ranks(tmp_path, tiny_model, "--steps", "100000", "--timeout", "10", stall_at=2)
+    wait_steps(p, out, 1)
+    pids, t0 = family(p.pid), time.time()
+    output = finish(p, 60, pids)
+    assert p.returncode != 0 and time.time() - t0 < 45
+    line = next(l for l in output.splitlines() if "collectives that do not complete" in l)
+    assert "step 2: the trainer ranks have waited 10 s" in line, line
+    assert "rank 0 in all_gather" in line and "rank 1 in all_reduce, from tba.py:" in line, line
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("to", ["torchrun", "rank 1"])
+def test_a_signal_ends_the_run_within_15_s(tiny_model, tmp_path, to):
+    """SIGTERM to torchrun while rank 1 is stuck in a collective (no checkpoint can be had: the bound is 60 s, the
+    signal ends it in seconds), or to rank 1 alone in a run that works (every rank stops, after a checkpoint): every
+    rank, the searcher and the fork server are gone within 15 s."""
+    stuck = to == "torchrun"
+    p, out = start_two_ranks(tmp_path, tiny_model, "--steps", "100000", "--timeout", "120",
+                             stall_at=2 if stuck else None)
+    wait_steps(p, out, 1 if stuck else 2)
+    time.sleep(3 if stuck else 0)
+    pids = family(p.pid)
+    if stuck:
+        p.send_signal(signal.SIGTERM)
+    else:
+        rank1 = [pid for pid in alive(pids) if b"tba.py" in open(f"/proc/{pid}/cmdline", "rb").read()
+                 and b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGTERM)
+    output = finish(p, 15, pids)
+    if not stuck:
+        assert "stopped by SIGTERM; checkpoint in" in output, output[-3000:]
+        assert (out / "checkpoint" / "trainer.pt").is_file()

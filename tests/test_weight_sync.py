@@ -193,3 +193,43 @@ def test_searcher_process_after_sync(tiny_model):
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == 0
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2", "qwen2"])
+def test_each_version_is_verified_in_the_engine_and_a_wrong_tensor_named(arch, request, tmp_path):
+    """The weights an engine holds, read back from it after each load (vLLM fuses Llama's and Qwen2's q, k, v and
+    gate/up, transposes GPT-2's Conv1D, serves GPT-NeoX through its Transformers backend under other names, repacks
+    CPU linear weights; Llama ties its head), match the fingerprints the trainer published with them; one shared
+    tensor changed after its fingerprint stops the load, naming the version and the tensor."""
+    import models
+    from runtime.errors import WrongWeights
+    if arch == "llama":
+        path = request.getfixturevalue("tiny_model")
+    elif arch == "gpt_neox":
+        path = request.getfixturevalue("tiny_neox")
+    else:
+        path = str(tmp_path / arch)
+        models.make_model(path, hidden=64, layers=2, heads=2, max_len=512, arch=arch, tokenizer=models.make_bpe_tokenizer())
+    cfg = config(path)
+    engine = Engine(cfg, DEVICE, 0.1, [[5, 6, 7]], ["1"])
+    try:
+        with engine.beside():  # (GPT-NeoX's classes, rewritten by vLLM in this process)
+            shared = share(load(path), mp.get_context("spawn"))
+        inbox = weights.Inbox(shared, 0, None, lambda: None, 10)
+        for version, seed in ((2, 1), (3, 2)):
+            with engine.beside():
+                model = perturbed(path, seed)
+            weights.write(shared, weights.gather(model), version, lambda: None, 10)
+            assert engine.sync(inbox) and engine.verified == version
+        with engine.beside():
+            model = perturbed(path, 3)
+        weights.write(shared, weights.gather(model), 4, lambda: None, 10)
+        name = [n for n in shared.prints[0] if n.endswith("weight") and shared.tensors[n].dim() == 2][2]
+        with torch.no_grad():
+            shared.tensors[name][0, 0] += 1e-3  # after the fingerprint: what the engine loads is not what was sent
+        with pytest.raises(WrongWeights, match=rf"the weights of step 4 did not arrive intact: .*{name.rsplit('.', 2)[-2]}"):
+            engine.sync(inbox)
+        assert engine.verified == 3
+    finally:
+        engine.close()
