@@ -99,12 +99,17 @@ def test_a_point_gives_its_ratio_of_round_to_step():
     assert y == bench.MIN_Y > 1 and G / T == pytest.approx(1.0, rel=0.01)
 
 
+# a row of part 9 as bench.py's hardware_row writes it, with the fields plot.py --slowdown reads
+ROW = dict(searchers=1, ratio=1.0, x=2.0, y=1.5, shape="linear", mode="sync", seed=0, ideal=1.8, speedup_first_step=1.0,
+           steps_per_s=0.5, step=6, reached=True)
+
+
 def test_part9_in_parts_is_read_as_one(tmp_path):
     """plot.py --slowdown A B: a sweep run in two invocations drawn as one (every row, every searcher count)."""
     import plot
     for name, n, ratio in (("a", 4, 1.0), ("b", 1, 2.0)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"equal_hardware": {
-            "gain": 0.15, "searchers": [n], "rows": [dict(searchers=n, ratio=ratio, mode="sync")]}}))
+            "gain": 0.15, "searchers": [n], "rows": [dict(ROW, searchers=n, ratio=ratio, mode="sync")]}}))
     eh = plot.read_part9([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert eh["searchers"] == [1, 4] and [r["ratio"] for r in eh["rows"]] == [1.0, 2.0] and eh["gain"] == 0.15
     # another target, or a file without part 9: refused in one line (plot.main: status 2), not drawn together
@@ -123,7 +128,7 @@ def test_a_missing_matplotlib_skips_the_picture(tmp_path, monkeypatch, capsys):
     import bench
     import plot
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    (tmp_path / "bench.json").write_text(json.dumps({"equal_hardware": {}}))
+    (tmp_path / "bench.json").write_text(json.dumps({"equal_hardware": {"gain": 0.15, "searchers": [1], "rows": [ROW]}}))
     bench.picture(str(tmp_path / "bench.json"), str(tmp_path / "equal_hardware.png"))
     assert capsys.readouterr().out.strip() == (
         "9. picture skipped: matplotlib is not installed (pip install matplotlib); "
@@ -133,3 +138,43 @@ def test_a_missing_matplotlib_skips_the_picture(tmp_path, monkeypatch, capsys):
         plot.main(["--slowdown", str(tmp_path / "bench.json"), "-o", str(tmp_path / "x.png")])
     assert e.value.code == 2 and capsys.readouterr().err.strip() == (
         "plot.py: matplotlib is not installed (pip install matplotlib); no picture drawn")
+
+
+def test_plot_checks_a_bench_json_before_matplotlib(tmp_path, monkeypatch, capsys):
+    """plot.py --slowdown on a hand-edited or missing bench.json: one line naming the file and the field, status 2,
+    before matplotlib is looked for (here missing: a file's fault is still the one named), never a traceback."""
+    import plot
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    good = {"equal_hardware": {"gain": 0.15, "searchers": [1], "rows": [ROW], "costs": None}}
+    path = tmp_path / "bench.json"
+
+    def refused(text, line):
+        path.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            plot.main(["--slowdown", str(path), "-o", str(tmp_path / "x.png")])
+        assert e.value.code == 2 and capsys.readouterr().err.strip() == f"plot.py: {line}"
+
+    def edited(change, line):
+        part = json.loads(json.dumps(good))
+        change(part["equal_hardware"])
+        refused(json.dumps(part), line)
+
+    with pytest.raises(SystemExit) as e:
+        plot.main(["--slowdown", str(tmp_path / "none.json")])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == f"plot.py: {tmp_path / 'none.json'} does not exist"
+    refused("", f"{path} does not read as a bench.json (not JSON)")
+    refused("[1, 2]", f"{path} holds no part 9 (bench.py --parts 9)")
+    edited(lambda eh: eh.pop("gain"), f"{path}: equal_hardware.gain is missing")
+    edited(lambda eh: eh.update(gain="0.15"), f'{path}: equal_hardware.gain is "0.15", not a number')
+    edited(lambda eh: eh.update(searchers=[]), f"{path}: equal_hardware.searchers is [], not a list of searcher counts")
+    edited(lambda eh: eh.update(rows={}), f"{path}: equal_hardware.rows is {{}}, not a list")
+    edited(lambda eh: eh.update(rows=[3]), f"{path}: equal_hardware.rows[0] is not an object")
+    edited(lambda eh: eh["rows"][0].pop("shape"), f"{path}: equal_hardware.rows[0].shape is missing")
+    edited(lambda eh: eh["rows"][0].update(step=True), f"{path}: equal_hardware.rows[0].step is true, not a number or null")
+    edited(lambda eh: eh["rows"][0].update(searchers=1.5), f"{path}: equal_hardware.rows[0].searchers is 1.5, not a whole number")
+    edited(lambda eh: eh.update(costs=[]), f"{path}: equal_hardware.costs is [], not an object or null")
+    path.write_text(json.dumps(good))  # a good file: only now is matplotlib looked for
+    with pytest.raises(SystemExit) as e:
+        plot.main(["--slowdown", str(path), "-o", str(tmp_path / "x.png")])
+    assert e.value.code == 2 and "matplotlib is not installed" in capsys.readouterr().err
+

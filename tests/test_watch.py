@@ -68,7 +68,7 @@ def test_plot_draws_a_run(logged_run, tmp_path):
     assert p.returncode == 0, p.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000  # six panels drawn
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot.py"), str(tmp_path)], capture_output=True, text=True)
-    assert p.returncode != 0 and p.stderr.strip() == f"plot.py: {tmp_path} has no metrics.jsonl (not a run folder)"
+    assert p.returncode == 2 and p.stderr.strip() == f"plot.py: {tmp_path} has no metrics.jsonl (not a run folder)"
 
 
 @pytest.mark.engine
@@ -100,6 +100,32 @@ def test_plot_draws_trl_runs_and_the_study(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
+
+
+def test_plot_study_checks_its_file_before_matplotlib(tmp_path, monkeypatch, capsys):
+    """plot.py --study on a missing or hand-edited bench.json: one line naming the file (and the field), status 2, and
+    that before matplotlib is looked for (here missing), never a traceback."""
+    import plot
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    path = tmp_path / "bench.json"
+    row = dict(loss="tb", lag=0, seed=0, start=0.3, final=0.5, staleness=0.0)
+
+    def refused(line, study=None):
+        if study is not None:
+            path.write_text(json.dumps(study))
+        with pytest.raises(SystemExit) as e:
+            plot.main(["--study", str(path), "-o", str(tmp_path / "x.png")])
+        assert e.value.code == 2 and capsys.readouterr().err.strip() == f"plot.py: {line}"
+
+    refused(f"{path} does not exist")
+    refused(f"{path} holds no part 7 (bench.py --parts 7)", {"equal_hardware": {}})
+    refused(f"{path}: off_policy.losses is missing", {"off_policy": {"rows": [row]}})
+    refused(f"{path}: off_policy.rows is empty", {"off_policy": {"losses": ["tb"], "rows": []}})
+    refused(f"{path}: off_policy.rows[1].final is missing",
+            {"off_policy": {"losses": ["tb"], "rows": [row, {k: v for k, v in row.items() if k != "final"}]}})
+    refused(f'{path}: off_policy.rows[0].lag is "4", not a number', {"off_policy": {"losses": ["tb"], "rows": [dict(row, lag="4")]}})
+    refused("matplotlib is not installed (pip install matplotlib); no picture drawn",
+            {"off_policy": {"losses": ["tb"], "rows": [row]}})  # a good file: only then is matplotlib looked for
 
 
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is optional and not installed")

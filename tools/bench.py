@@ -111,6 +111,8 @@ def picture(bench_json: str, png: str):
         plot.equal_hardware([bench_json], png)
     except plot.NoMatplotlib as e:
         print(f"9. picture skipped: {e}; `python tools/plot.py --slowdown {bench_json}` draws it later", flush=True)
+    except plot.BadRun as e:  # nothing to draw (only --slowdowns points): the table says it all
+        print(f"9. picture skipped: {e}", flush=True)
 
 
 def timed(fn, repeat: int) -> float:

@@ -15,7 +15,9 @@ The pictures in docs/ are drawn by this file from `bench.py`'s run folders and b
 matplotlib is imported here only (pip install matplotlib); without it this file says so in one line
 (status 2) and bench.py skips its picture. A run still being written is drawn without its half-written
 last line (a line says so); a bad line elsewhere, or a run with no rows yet, is refused in one line
-(status 2). `-o` makes the picture's folder if it does not exist.
+(status 2). A bench.json is checked before matplotlib is imported: a file missing or not JSON, or a field
+missing or of another type, is refused in one line naming the file and the field (status 2). `-o` makes the
+picture's folder if it does not exist.
 """
 
 import argparse
@@ -131,11 +133,69 @@ def pareto(loaded: dict[str, tuple], out: str):
     save(fig, out)
 
 
+# --- bench.json, checked before matplotlib is imported: a bad or hand-edited file named in one line (status 2) ---
+KINDS = {"a number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),  # JSON true is no number
+         "a number or null": lambda v: v is None or KINDS["a number"](v),
+         "a whole number": lambda v: isinstance(v, int) and not isinstance(v, bool),
+         "a string": lambda v: isinstance(v, str), "a list": lambda v: isinstance(v, list),
+         "an object": lambda v: isinstance(v, dict), "an object or null": lambda v: v is None or isinstance(v, dict)}
+
+
+def field(path: str, obj: dict, key: str, kind: str, where: str):
+    """obj[key], where it is `kind` (KINDS); else BadRun naming the file and the field (`where`.`key`)."""
+    if key not in obj:
+        raise BadRun(f"{path}: {where}.{key} is missing")
+    if not KINDS[kind](obj[key]):
+        shown = json.dumps(obj[key])
+        raise BadRun(f"{path}: {where}.{key} is {shown if len(shown) <= 40 else shown[:37] + '...'}, not {kind}")
+    return obj[key]
+
+
+def rows_of(path: str, part: dict, where: str, fields: dict[str, str]) -> list[dict]:
+    """part["rows"]: a list of objects, each with `fields` ({name: kind}) checked."""
+    rows = field(path, part, "rows", "a list", where)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise BadRun(f"{path}: {where}.rows[{i}] is not an object")
+        for key, kind in fields.items():
+            field(path, row, key, kind, f"{where}.rows[{i}]")
+    return rows
+
+
+def read_bench(path: str, part: str, flag: str) -> dict:
+    """bench.json's `part` (an object), or BadRun in one line: a file missing or unreadable, not JSON, or without it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            result = json.load(f)
+    except FileNotFoundError:
+        raise BadRun(f"{path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadRun(f"{path} cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    except ValueError:
+        raise BadRun(f"{path} does not read as a bench.json (not JSON)") from None
+    if not isinstance(result, dict) or not isinstance(result.get(part), dict):
+        raise BadRun(f"{path} holds no {flag}")
+    return result[part]
+
+
+STUDY_ROW = dict(loss="a string", lag="a number", staleness="a number", final="a number", start="a number")
+
+
+def read_study(bench_json: str) -> dict:
+    """bench.py part 7 of a bench.json, each field study() reads checked (BadRun, one line)."""
+    part = read_bench(bench_json, "off_policy", "part 7 (bench.py --parts 7)")
+    losses = field(bench_json, part, "losses", "a list", "off_policy")
+    if not all(isinstance(loss, str) for loss in losses):
+        raise BadRun(f"{bench_json}: off_policy.losses is not a list of loss names")
+    if not rows_of(bench_json, part, "off_policy", STUDY_ROW):
+        raise BadRun(f"{bench_json}: off_policy.rows is empty")
+    return part
+
+
 def study(bench_json: str, out: str):
     """bench.py part 7: final held-out accuracy against staleness, one line per loss, each seed shown."""
+    result = {"off_policy": read_study(bench_json)}
     plt = pyplot()
-    with open(bench_json) as f:
-        result = json.load(f)
     rows = result["off_policy"]["rows"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, loss in enumerate(result["off_policy"]["losses"]):
@@ -155,18 +215,26 @@ def study(bench_json: str, out: str):
     save(fig, out)
 
 
+# the fields of part 9's rows that equal_hardware reads (bench.py's hardware_row: null where a run has none)
+PART9_ROW = dict(searchers="a whole number", ratio="a number or null", shape="a string", mode="a string",
+                 ideal="a number or null", speedup_first_step="a number or null", steps_per_s="a number or null",
+                 step="a number or null")
+
+
 def read_part9(bench_jsons: list[str]) -> dict:
-    """Part 9 of one or more bench.json as one (a sweep run in parts): every file's rows and searcher counts. Files
-    of another target or other emulated costs (bench.py --costs shares them) are refused, not drawn together."""
+    """Part 9 of one or more bench.json as one (a sweep run in parts): every file's rows and searcher counts, each
+    field equal_hardware reads checked (BadRun in one line naming the file and the field). Files of another target
+    or other emulated costs (bench.py --costs shares them) are refused, not drawn together."""
     parts = []
     for bench_json in bench_jsons:
-        try:
-            with open(bench_json) as f:
-                part = json.load(f).get("equal_hardware")
-        except (OSError, ValueError, AttributeError) as e:
-            raise BadRun(f"{bench_json} does not read as a bench.json ({type(e).__name__})") from None
-        if not (isinstance(part, dict) and {"gain", "searchers", "rows"} <= part.keys()):
-            raise BadRun(f"{bench_json} holds no part 9 (bench.py --parts 9)")
+        part = read_bench(bench_json, "equal_hardware", "part 9 (bench.py --parts 9)")
+        field(bench_json, part, "gain", "a number", "equal_hardware")
+        counts = field(bench_json, part, "searchers", "a list", "equal_hardware")
+        if not counts or not all(KINDS["a whole number"](n) and n > 0 for n in counts):
+            raise BadRun(f"{bench_json}: equal_hardware.searchers is {json.dumps(counts)[:40]}, not a list of searcher counts")
+        if "costs" in part:
+            field(bench_json, part, "costs", "an object or null", "equal_hardware")
+        rows_of(bench_json, part, "equal_hardware", PART9_ROW)
         same = lambda p: (p["gain"], {k: v for k, v in (p.get("costs") or {}).items() if k != "file"})
         if parts and same(part) != same(parts[0]):
             raise BadRun(f"{bench_json}: another target or other emulated costs than {bench_jsons[0]}")
@@ -180,11 +248,11 @@ def equal_hardware(bench_jsons: list[str], out: str):
     linear decoding): left, each mode's speed-up in time to the target over the synchronous baseline on the same searchers (--lag 0), from the first
     step, with the ideal (G + T) / max(G, T) dashed (dots: seeds, lines: medians); middle, its throughput in steps a
     second; right, the steps it needed (learning)."""
-    plt = pyplot()
-    eh = read_part9(bench_jsons)
+    eh = read_part9(bench_jsons)  # the files first: a bad one is named even where matplotlib is missing
     rows = [r for r in eh["rows"] if r["ratio"] and r["shape"] == "linear" and r["searchers"] == max(eh["searchers"])]
     if not rows:
         raise BadRun(f"{' '.join(bench_jsons)}: no point of part 9 with both phases emulated")
+    plt = pyplot()
     ratios = sorted({r["ratio"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     median = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
@@ -267,7 +335,7 @@ def draw(argv=None):
         p.error("give run folders, or --study BENCH_JSON, or --slowdown BENCH_JSON")
     for run in args.runs:
         if not os.path.isfile(os.path.join(run, "metrics.jsonl")):
-            sys.exit(f"plot.py: {run} has no metrics.jsonl (not a run folder)")
+            raise BadRun(f"{run} has no metrics.jsonl (not a run folder)")
     loaded = {run: read(run) for run in args.runs}
     for run, (train, evals, _) in loaded.items():
         if not train and not evals:  # a run still starting: nothing to draw (an empty picture would say nothing)
