@@ -1,11 +1,14 @@
 """bench.py on a tiny budget: it runs end to end, its bench.json is well formed, and it leaves no file
-open (Python's ResourceWarning, shown with -W); without matplotlib it skips its picture, saying so."""
+open (Python's ResourceWarning, shown with -W); without matplotlib it skips its picture, saying so; a signal
+stops every run it started; --costs and plot.py's files are checked before anything starts."""
 
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -178,3 +181,105 @@ def test_plot_checks_a_bench_json_before_matplotlib(tmp_path, monkeypatch, capsy
         plot.main(["--slowdown", str(path), "-o", str(tmp_path / "x.png")])
     assert e.value.code == 2 and "matplotlib is not installed" in capsys.readouterr().err
 
+
+def test_costs_are_checked_before_anything_starts(tmp_path, capsys):
+    """--costs FILE: a missing file, no JSON, not an object, a cost missing, not a number (JSON true is none) or not
+    positive and finite: one line naming the file and what is wrong, status 2, before OUT is made. A tba.py
+    --calibration file (two costs) is refused for its missing tokens_per_batch, which only a calibration run measures."""
+    import bench
+    path = tmp_path / "costs.json"
+    good = dict(seconds_per_token=2e-4, train_step=0.2, tokens_per_batch=900)
+
+    def refused(text, why):
+        path.write_text(text)
+        with pytest.raises(bench.BadInput) as e:
+            bench.read_costs(str(path))
+        assert str(e.value) == f"--costs: {path}{why}"
+
+    with pytest.raises(bench.BadInput, match=f"^--costs: {tmp_path / 'no.json'} does not exist$"):
+        bench.read_costs(str(tmp_path / "no.json"))
+    refused("", " is empty, not a calibration.json")
+    refused("{", " is not JSON, not a calibration.json")
+    refused("[0.1]", " holds a JSON list, not an object with seconds_per_token, train_step, tokens_per_batch")
+    for key, value, why in (("train_step", True, "true, not a number"), ("train_step", "0.2", '"0.2", not a number'),
+                            ("seconds_per_token", -1, "-1, not a positive finite number"),
+                            ("tokens_per_batch", 0, "0, not a positive finite number"),
+                            ("train_step", float("nan"), "nan, not a positive finite number"),
+                            ("train_step", 1e400, "inf, not a positive finite number")):
+        refused(json.dumps(dict(good, **{key: value})), f": {key} is {why}")
+    refused(json.dumps({"seconds_per_token": 2e-4, "train_step": 0.2}), " has no tokens_per_batch (a tba.py --calibration "
+            "file: give the calibration.json of an earlier bench.py --parts 9, which adds the tokens a batch of prompts makes)")
+    path.write_text(json.dumps(dict(good, file="elsewhere", extra=1)))
+    assert bench.read_costs(str(path)) == good
+    # copied into OUT whole, only the three costs (tba.py reads two of them: --calibration)
+    (tmp_path / "out").mkdir()
+    costs = bench.reuse_costs(str(path), str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "calibration.json").read_text()) == good
+    assert costs == dict(good, file=str(tmp_path / "out" / "calibration.json"))
+    # a write that fails leaves the file as it was and no part of it beside
+    with pytest.raises(TypeError):
+        bench.write_json(str(tmp_path / "out" / "calibration.json"), {"seconds_per_token": object()})
+    assert json.loads((tmp_path / "out" / "calibration.json").read_text()) == good
+    assert os.listdir(tmp_path / "out") == ["calibration.json"]
+    # the command line: one line, status 2, nothing made
+    path.write_text(json.dumps({"seconds_per_token": 2e-4, "train_step": 0.2}))
+    for args, line in (([], f"--costs: {path} has no tokens_per_batch ("), (["--parts", "1"], "--costs acts only with --parts 9")):
+        p = subprocess.run([*BENCH, "--parts", "9", "--costs", str(path), "--out", str(tmp_path / "b"), *args], cwd=tmp_path,
+                           env=env(tmp_path), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and p.stderr.startswith(f"bench.py: error: {line}") and len(p.stderr.splitlines()) == 1, p.stderr
+        assert not (tmp_path / "b").exists()
+
+
+def alive(procs) -> list:
+    """Those of `procs` (psutil.Process) still running: a zombie waiting for its parent to reap it has stopped."""
+    import psutil
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_signal_stops_every_run_bench_started(tiny_model, tmp_path, signum):
+    """SIGTERM (what `timeout` sends) or SIGHUP (a closed terminal) to bench.py alone while a run goes: the run's
+    trainer, fork server and searcher, in the run's own session, stop with it within seconds, as on Ctrl-C, and
+    bench.py exits 128 + the signal in one line. Without it they lived on, parented by init, to the run's end."""
+    import psutil
+    out = tmp_path / "bench"
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen([*BENCH, "--parts", "1", "--seeds", "0", "--cap", "600", "--out", str(out), "--",
+                                 "--model", tiny_model, "--steps", "100000", "--eval-every", "0", "--prompts-per-step", "4",
+                                 "--samples-per-prompt", "4", "--max-new-tokens", "6"],
+                                cwd=tmp_path, env=env(tmp_path), stdout=stdout, stderr=stderr)
+    tree = []
+    try:
+        bench, deadline = psutil.Process(proc.pid), time.time() + 400
+        while time.time() < deadline and proc.poll() is None:  # until the run's searcher lives (below tba.py)
+            tree = alive(bench.children(recursive=True))
+            runs = {p.pid for p in tree if p.ppid() == proc.pid}
+            if runs and any(p.ppid() not in runs | {proc.pid} for p in tree):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"no run with a searcher: {(tmp_path / 'stdout').read_text()[-3000:]}")
+        assert any("tba.py" in " ".join(p.cmdline()) for p in tree)
+        proc.send_signal(signum)
+        code = proc.wait(timeout=30)
+        t0 = time.time()
+        while alive(tree) and time.time() - t0 < 20:
+            time.sleep(0.5)
+        assert not alive(tree), [" ".join(p.cmdline())[:200] for p in alive(tree)]
+        assert code == 128 + signum, code
+        assert (tmp_path / "stderr").read_text().splitlines() == [
+            f"bench.py: stopped by {signum.name}; every run it started is stopped"]
+    finally:  # whatever the test found, nothing of it outlives it
+        for p in alive(tree):
+            p.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -65,6 +65,10 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    searcher, at the exact --lag L for L in --lags (0, 2, 10), per seed, each to its end.
 Parts 3-5 and 11 run in this process with the thread count a process gets in a TBA run with one searcher,
 on the devices a run would use: on a GPU node the trainer's GPU 0 and the first searcher's GPU 1.
+
+Each run starts in a session of its own; Ctrl-C, SIGTERM (`timeout`) or SIGHUP kills the whole process group of
+every run bench.py started, then it exits 128 + the signal in one line (a second signal: at once). --costs is
+checked before anything starts (one line, status 2); calibration.json and bench.json are written whole or not at all.
 """
 
 import argparse
@@ -104,6 +108,94 @@ def read_text(path: str) -> str:
         return f.read()
 
 
+def write_json(path: str, value):
+    """Write `value` to `path` whole or not at all (a temporary file beside it, then os.replace): a bench stopped
+    or failing mid-write leaves no empty or half file that a later --costs or plot.py would read."""
+    fd, part = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=os.path.basename(path) + ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f, indent=1)
+        os.replace(part, path)
+    finally:
+        if os.path.exists(part):
+            os.remove(part)
+
+
+class BadInput(Exception):
+    """A flag or file bench.py refuses before it starts anything: one line, status 2."""
+
+
+# --- stopping: every run bench.py started stops with it ----------------------------------------------------
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, SIGHUP or SIGINT, raised wherever bench.py is (as Ctrl-C's KeyboardInterrupt), so that the `finally:`
+    blocks stop the runs it started; a KeyboardInterrupt, so that no `except Exception` swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+RUNNING: dict[int, subprocess.Popen] = {}  # pid -> a process started by `start` (a session of its own), not yet stopped
+SIGNALLED = dict(signum=None, spawning=False)  # the first signal; whether `start` is between fork and RUNNING
+
+
+def on_signal(signum, frame):
+    """The first signal raises Stopped (held back while `start` registers a process it has just forked, so that no
+    run escapes RUNNING); a second kills every run at once and exits."""
+    if SIGNALLED["signum"] is not None:
+        kill_all()
+        os._exit(128 + signum)
+    SIGNALLED["signum"] = signum
+    if not SIGNALLED["spawning"]:
+        raise Stopped(signum)
+
+
+def start(cmd: list[str], log) -> subprocess.Popen:
+    """Start `cmd` in a session of its own (its trainer, searchers and fork server are one process group, which a
+    signal to bench.py alone does not reach) with its output to `log`; `stop` ends it."""
+    SIGNALLED["spawning"] = True
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        RUNNING[proc.pid] = proc
+    finally:
+        SIGNALLED["spawning"] = False
+    if SIGNALLED["signum"] is not None:  # it came while forking: raised now, the process registered
+        raise Stopped(SIGNALLED["signum"])
+    return proc
+
+
+def stop(proc: subprocess.Popen):
+    """Kill the whole process group `start` made for `proc` (whatever of it is left, even after the leader's own
+    exit) and reap the leader."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # every process of it has exited already
+        pass
+    proc.wait()
+    RUNNING.pop(proc.pid, None)
+
+
+def kill_all():
+    """SIGKILL to every process group still in RUNNING, without waiting (a second signal: at once)."""
+    for pid in list(RUNNING):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_to_end(cmd: list[str], log_path: str, timeout: float | None = None, mode: str = "w") -> int:
+    """`cmd` (`start`ed, its output written or, `mode` "a", added to `log_path`) to its end; its exit status. Its
+    whole process group is killed on the way out, however bench.py leaves (a signal, subprocess.TimeoutExpired
+    after `timeout`)."""
+    with open(log_path, mode) as log:
+        proc = start(cmd, log)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        stop(proc)
+
+
 def picture(bench_json: str, png: str):
     """Part 9's picture, or one line saying why there is none: the numbers are complete in bench.json
     without it, and `python tools/plot.py --slowdown BENCH_JSON` draws it later."""
@@ -141,7 +233,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
            "--out", out, *flags]
     launched = time.time()
     with open(out + ".log", "w") as log:  # the run's console, beside its folder (the run keeps its own copy)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start(cmd, log)
     metrics = os.path.join(out, "metrics.jsonl")
 
     def read():
@@ -160,9 +252,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
             rows, hit = read()
             cpu.update(cpu_seconds(proc.pid))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole run: trainer and searchers
-        proc.wait()
+        stop(proc)  # the whole run: trainer and searchers
     rows, hit = read()
     if not rows:
         raise RuntimeError(f"tba.py produced no metrics: {read_text(out + '.log')[-2000:]}")
@@ -210,7 +300,7 @@ def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
     import psutil
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--steps", str(10**9), "--eval-every", "0", "--out", out, *flags]
     with open(out + ".log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start(cmd, log)
     t0, samples = time.time(), []
     try:
         while time.time() - t0 < minutes * 60 and proc.poll() is None:
@@ -224,9 +314,7 @@ def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
                     pass
             samples.append((time.time() - t0, rss / 2**20, len(tree)))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop(proc)
     at5 = next(m for t, m, _ in samples if t >= min(300, minutes * 60 / 4))
     steps = max((json.loads(line)["step"] for line in read_text(os.path.join(out, "metrics.jsonl")).splitlines()
                  if '"train"' in line), default=0)
@@ -244,8 +332,7 @@ def lagged_run(part: int, run: str, loss: str, args: list[str], lag: int, seed: 
     best, whether it collapsed (ended below its start), its staleness and curve; and its config."""
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *args, "--lag", str(lag), "--seed", str(seed), "--out", run, *tail]
     t0 = time.time()
-    with open(run + ".log", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    code = run_to_end(cmd, run + ".log")
     if code != 0:
         raise RuntimeError(f"tba.py {' '.join(cmd[2:])} failed: {read_text(run + '.log')[-2000:]}")
     train, evals, config = plot.read(run)
@@ -296,17 +383,15 @@ def calibrate_costs(out: str, flags: list[str]) -> dict:
     core = str(min(os.sched_getaffinity(0)))  # the first core this process may use (core 0 may not be one)
     cmd = ["taskset", "-c", core, sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", "0", "--steps", "8",
            "--eval-every", "0", "--generation-slowdown", "1.01", "--train-slowdown", "1.01", "--out", run, *flags]
-    with open(run + ".log", "w") as log:
-        if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode:
-            raise RuntimeError(f"the calibration run failed: {read_text(run + '.log')[-2000:]}")
+    if run_to_end(cmd, run + ".log"):
+        raise RuntimeError(f"the calibration run failed: {read_text(run + '.log')[-2000:]}")
     config = json.loads(read_text(os.path.join(run, "config.json")))
     train, _, _ = plot.read(run)
     per_token = config["seconds_per_token"]["trainer"]
     tokens = train[-1]["charged"] / 1.01 / per_token / train[-1]["step"]  # a round of B prompts a step
     costs = dict(seconds_per_token=per_token, train_step=config["train_step"], tokens_per_batch=tokens,
                  file=os.path.join(out, "calibration.json"))
-    with open(costs["file"], "w") as f:  # tba.py reads the first two (--calibration); --costs, all three
-        json.dump({k: costs[k] for k in ("seconds_per_token", "train_step", "tokens_per_batch")}, f)
+    write_json(costs["file"], {k: costs[k] for k in COSTS})  # tba.py reads the first two (--calibration); --costs, all three
     print(f"9. calibration (one core, alone): {per_token * 1e3:.3f} ms a generated token, a training step "
           f"{costs['train_step']:.3f} s, {tokens:.0f} tokens a batch of prompts", flush=True)
     return costs
@@ -321,13 +406,47 @@ def point(costs: dict, ratio: float, n: int) -> tuple[float, float]:
     return round(x, 2), round(y, 2)
 
 
+COSTS = ("seconds_per_token", "train_step", "tokens_per_batch")  # calibration.json: what part 9's points are made of
+
+
+def read_costs(path: str) -> dict:
+    """--costs FILE: an earlier part 9's calibration.json, its three costs each a positive finite number; BadInput in
+    one line naming the file and what is wrong. A tba.py --calibration file (seconds_per_token and train_step only)
+    is refused: tokens_per_batch, the tokens a round of B prompts makes under these flags, is measured by the
+    calibration run, not derived from the other two, and every point's X rests on it."""
+    what = f"--costs: {path}"
+    try:
+        text = read_text(path)
+    except FileNotFoundError:
+        raise BadInput(f"{what} does not exist") from None
+    except IsADirectoryError:
+        raise BadInput(f"{what} is a folder, not a calibration.json") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{what} cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    try:
+        costs = json.loads(text)
+    except ValueError:
+        raise BadInput(f"{what} is {'empty' if not text.strip() else 'not JSON'}, not a calibration.json") from None
+    if not isinstance(costs, dict):
+        raise BadInput(f"{what} holds a JSON {type(costs).__name__}, not an object with {', '.join(COSTS)}")
+    for k in COSTS:
+        if k not in costs:
+            why = (" (a tba.py --calibration file: give the calibration.json of an earlier bench.py --parts 9, "
+                   "which adds the tokens a batch of prompts makes)" if k == "tokens_per_batch" else "")
+            raise BadInput(f"{what} has no {k}{why}")
+        v = costs[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):  # JSON true is a Python int
+            raise BadInput(f"{what}: {k} is {json.dumps(v)}, not a number")
+        if not 0 < v <= sys.float_info.max or v != v:  # NaN and Infinity parse as floats
+            raise BadInput(f"{what}: {k} is {v}, not a positive finite number")
+    return {k: float(costs[k]) for k in COSTS}
+
+
 def reuse_costs(given: str, out: str) -> dict:
-    """--costs: an earlier part 9's calibration.json (its three costs), copied in, so that two comparisons run on
-    the same emulated hardware."""
-    costs = json.loads(read_text(given))
-    costs["file"] = os.path.join(out, "calibration.json")
-    with open(costs["file"], "w") as f:
-        json.dump({k: costs[k] for k in ("seconds_per_token", "train_step", "tokens_per_batch")}, f)
+    """--costs: an earlier part 9's calibration.json (its three costs, read_costs), copied in, so that two
+    comparisons run on the same emulated hardware."""
+    costs = dict(read_costs(given), file=os.path.join(out, "calibration.json"))
+    write_json(costs["file"], {k: costs[k] for k in COSTS})
     return costs
 
 
@@ -578,13 +697,12 @@ def trl_python(given: str | None, log: str) -> tuple[str | None, str]:
             return python, f"TRL from {venv} (made earlier)"
         print(f"8. installing TRL into {venv} (once): pip install {' '.join(pins)} ...", flush=True)
         t0 = time.time()
-        with open(log, "w") as f:
-            try:
-                ok = subprocess.run([sys.executable, "-m", "venv", "--clear", venv], stdout=f, stderr=subprocess.STDOUT).returncode == 0
-                ok = ok and subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", *pins],
-                                           stdout=f, stderr=subprocess.STDOUT, timeout=3600).returncode == 0
-            except (OSError, subprocess.TimeoutExpired):
-                ok = False
+        try:
+            ok = run_to_end([sys.executable, "-m", "venv", "--clear", venv], log) == 0
+            ok = ok and run_to_end([python, "-m", "pip", "install", "--disable-pip-version-check", *pins], log,
+                                   timeout=3600, mode="a") == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
         if not ok or check(python) is None:
             return None, f"could not install {' '.join(pins)} into {venv} (see {log})"
         with open(ready, "w") as f:
@@ -602,12 +720,13 @@ def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: lis
     cmd = [python, os.path.join(ROOT, "tools", "trl_grpo.py"), "--seed", str(seed), "--out", out, "--model", model, *extra]
     launched = time.time()
     with open(out + ".log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=cap)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc = start(cmd, log)
+    try:
+        proc.wait(timeout=cap)
+    except subprocess.TimeoutExpired:
+        pass  # stopped at the cap: what it wrote so far is read
+    finally:
+        stop(proc)
     train, evals, config = plot.read(out) if os.path.exists(os.path.join(out, "metrics.jsonl")) else ([], [], {})
     if not evals:
         raise RuntimeError(f"trl_grpo.py produced no evaluation: {read_text(out + '.log')[-2000:]}")
@@ -757,7 +876,7 @@ def trainer_overhead(cfg, prompts, repeat: int) -> dict:
     return dict(tokens=tokens, tokens_per_s=tokens / t_tb, bare_tokens_per_s=tokens / t_bare, ratio=t_bare / t_tb)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the time-to-target runs")
     p.add_argument("--cap", type=float, default=600, help="time cap of each run, seconds")
@@ -789,8 +908,12 @@ def main():
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     flags = [f for f in args.flags if f != "--"]
+    if args.costs is not None:  # checked before anything is made or started
+        if 9 not in args.parts:
+            raise BadInput("--costs acts only with --parts 9")
+        read_costs(args.costs)
     out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
     if args.quick:
@@ -849,8 +972,7 @@ def main():
         if not args.quick:
             with tempfile.TemporaryDirectory() as folder:
                 result["sync_cost"]["llama-100m"] = sync_cost(make_llama_100m(folder), cfg, repeat)
-    with open(os.path.join(out, "bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(out, "bench.json"), result)
     print(table(result))
     if 9 in args.parts:
         picture(os.path.join(out, "bench.json"), os.path.join(out, "equal_hardware.png"))
@@ -1010,5 +1132,26 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def cli():
+    """main() with its refusals in one line (status 2) and a signal's stop in one line (128 + the signal), after
+    every run bench.py started is killed."""
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    try:
+        main()
+    except BadInput as e:
+        print(f"bench.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt as e:  # Stopped, or a KeyboardInterrupt raised by a library
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        SIGNALLED["signum"] = signum  # a signal from here on: at once
+        for proc in list(RUNNING.values()):  # those `finally:` blocks have not reached (a signal inside `start`)
+            stop(proc)
+        print(f"bench.py: stopped by {signal.Signals(signum).name}; every run it started is stopped", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)  # as main's end: no vLLM engine teardown
+
+
 if __name__ == "__main__":
-    main()
+    cli()
