@@ -79,7 +79,8 @@ def train(t: "Trainer"):
     of the loss, send the weights to the searchers every k steps, log, evaluate, checkpoint. Every
     trainer rank runs it; rank 0 holds the buffer and samples, and each rank takes its share of B."""
     cfg = t.cfg
-    t.evaluate()  # the initial model's score
+    if t.step < cfg.steps:  # (a resumed run with every step done has only its end to do: finish)
+        t.evaluate()  # the initial model's score
     first_step = t.step
     while t.step < cfg.steps:
         t_step = time.time()
@@ -329,7 +330,13 @@ class Trainer:
         dist.all_reduce(torch.zeros(1))  # a CPU tensor: gloo, also beside NCCL
 
     def close(self):
-        """Whatever happened: the log closed, the searchers and the engine stopped, the group left."""
+        """Whatever happened: --evaluator after's kept evaluations made (unless a second signal stops at once), the log
+        closed, the searchers and the engine stopped, the group left."""
+        if self.fleet is not None and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            try:
+                self.fleet.evaluate_kept()
+            except Exception as e:  # the stop's own reason comes first
+                self.log.print(f"tba.py: the kept evaluations failed ({type(e).__name__}: {e})", file=sys.stderr)
         self.log.close()
         if self.fleet is not None:
             self.fleet.close()

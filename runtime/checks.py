@@ -160,11 +160,13 @@ def check(cfg, world: int):
         except ImportError:
             raise ConfigError("--wandb: the wandb package is not installed (it is optional: pip install wandb)") from None
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
-    if ckpt:  # fewer steps would wait --timeout for an evaluation of weights that never come; as many, do nothing
-        done = ckpt["step"]
-        need(cfg.steps > done, "steps", f"{cfg.steps} {'is below' if cfg.steps < done else 'is'} the checkpoint's "
-             f"step {done}: {'nothing is left to do' if cfg.steps == done else 'a resumed run cannot go back'}; "
-             f"pass --steps above {done} to continue")
+    if ckpt:  # fewer steps would wait --timeout for an evaluation of weights that never come; as many: only the end
+        done = ckpt["step"]  # (the final evaluation and final/), if a stop cut it short
+        finished = os.path.isdir(os.path.join(os.path.dirname(os.path.realpath(cfg.resume)), "final"))
+        need(cfg.steps > done or (cfg.steps == done and not finished), "steps", f"{cfg.steps} "
+             f"{'is below' if cfg.steps < done else 'is'} the checkpoint's step {done}: "
+             f"{'the run is finished (its final/ is written)' if cfg.steps == done else 'a resumed run cannot go back'}"
+             f"; pass --steps above {done} to continue")
         check_resumable(cfg, ckpt)
     # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
     device = ranks.machine_device()

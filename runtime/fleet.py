@@ -37,7 +37,7 @@ from runtime.errors import Dead, Silent
 from runtime.local import evaluate_here
 from runtime.processes import Channels, Watch, fork_server
 from runtime.ranks import wait_together
-from runtime.weights import WAIT, Outbox, create, every_name, join_gathers
+from runtime.weights import WAIT, Outbox, aliases, create, gather, join_gathers
 
 
 class Fleet:
@@ -365,8 +365,8 @@ class Fleet:
         next step waits until it holds them (`evaluation_pending`), so that the next weights cannot replace them
         first; with --lag its rounds reach them in order, and past its last round it asks for them (`wants`)."""
         if self.evaluator:  # --evaluator after: the weights kept, evaluated after the last step (`wait_for_eval`)
-            t0 = time.time()
-            named = [(n, t.detach().to("cpu", copy=True)) for n, t in every_name(self.model, getattr(torch, self.cfg.dtype))]
+            t0 = time.time()  # one tensor at a time to the host, a tied one once (its names added at the evaluation)
+            named = {n: t.to("cpu", copy=True) for n, t in gather(self.model, getattr(torch, self.cfg.dtype))}
             self.snapshots.append((step, named, self.log.clock()))
             self.log.overhead += time.time() - t0
         elif self.rank == 0:
@@ -387,13 +387,24 @@ class Fleet:
         """Wait for the evaluation of step `step` (None: of every step asked so far), taking whatever else comes
         (node 0's: the evaluation is its searcher 0's; every rank waits with rank 0). --evaluator after: the kept
         weights evaluated now, each row with the time its weights were made."""
-        for v, named, made in self.snapshots:
-            evaluate_here(self.evaluator, named, v, self.cfg, self.data, self.log, made)
-            self.evaluated.append(v)
-        self.snapshots = []
+        self.evaluate_kept()
         done = lambda: all(s in self.evaluated for s in (self.asked if step is None else [step]))
         what = "every evaluation asked" if step is None else f"the final evaluation (of step {step})"
         return self.wait_for(buffer, done, lambda: f"{what} from searcher 0")
+
+    def evaluate_kept(self):
+        """--evaluator after: the evaluations of the weights kept so far, each row at the time they were made; at the
+        end, and on any stop (Trainer.close), so that no evaluation asked for is lost."""
+        if self.snapshots and self.signals.first:
+            self.log.print(f"tba.py: evaluating the weights of {len(self.snapshots)} kept step(s) before stopping "
+                           f"(a second signal skips them)", file=sys.stderr)
+        tied = aliases(self.model) if self.snapshots else {}
+        while self.snapshots:
+            v, named, made = self.snapshots[0]
+            evaluate_here(self.evaluator, [*named.items(), *((a, named[f]) for a, f in tied.items())], v, self.cfg,
+                          self.data, self.log, made)
+            self.evaluated.append(v)
+            self.snapshots.pop(0)
 
     def stop_reason(self):
         """Why rank 0 stops the run, or None: ("dead", message), ("silent", message) or ("signal", name)."""

@@ -101,6 +101,9 @@ class LocalFleet:
     def wait_for_eval(self, buffer, step: int | None = None):
         return 0.0
 
+    def evaluate_kept(self):
+        """Nothing kept: it evaluates at once (request_eval)."""
+
     def stop_reason(self):
         """A signal's name (the trainer's process stops after a checkpoint), or None."""
         first = self.signals.first
