@@ -72,6 +72,7 @@ class Trajectory:
     for_step: int = -1       # --lag: the trainer step whose batch this round is for; -1: streamed
     behaviour_logps: np.ndarray | None = token_field("float32")  # (T,) each token's log-prob when sampled
     ref_logps: np.ndarray | None = token_field("float32")  # (T,) each token's log-prob under pi_ref (per-token losses)
+    truncated: int = 0       # 1 if y stopped at the length limit (--max-new-tokens, --context) before its end
 
 
 FIELDS = dataclasses.fields(Trajectory)
@@ -103,7 +104,7 @@ def from_arrays(a: dict[str, np.ndarray]) -> list[Trajectory]:
     """`to_arrays`'s trajectories back; ValueError if the arrays do not fit together."""
     n, lengths = len(a["length"]), a["length"].astype(np.int64)
     ends = np.cumsum(lengths)
-    if any(len(a[name]) != n for name in SCALARS) or (lengths < 0).any():
+    if any(len(a[name]) != n for name in SCALARS if name in a) or (lengths < 0).any():
         raise ValueError("the number fields do not have one value per trajectory")
     for name in PER_TOKEN:
         if name in a and len(a[name]) != int(ends[-1] if n else 0):
@@ -112,7 +113,8 @@ def from_arrays(a: dict[str, np.ndarray]) -> list[Trajectory]:
         if name in a and (a[name].ndim != 2 or len(a[name]) != n):
             raise ValueError(f"{name} does not hold one vector per trajectory")
     kinds = {f.name: f.type for f in FIELDS}
-    return [Trajectory(**{name: kinds[name](a[name][i]) for name in SCALARS},
+    scalars = [name for name in SCALARS if name in a]  # a field added since the arrays were written: its default
+    return [Trajectory(**{name: kinds[name](a[name][i]) for name in scalars},
                        **{name: a[name][end - length:end].copy() for name in PER_TOKEN if name in a},
                        **{name: a[name][i].copy() for name in VECTORS if name in a})
             for i, (length, end) in enumerate(zip(lengths.tolist(), ends.tolist()))]

@@ -194,6 +194,7 @@ class Engine:
         trajectories = [Trajectory(prompt_id=p, response=np.asarray(c.token_ids, dtype=np.int32), reward=float(r),
                                    logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob), version=v[0],
                                    pi_ref_version=self.pi_ref_version, version_last=v[-1], for_step=for_step,
+                                   truncated=int(c.finish_reason == "length"),
                                    behaviour_logps=np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
                                                             np.float32))
                         for (p, c), r, v in zip(done, rewards, versions)]

@@ -58,7 +58,7 @@ import tasks
 from buffer import PER_TOKEN, SCALARS, ReuseCap
 from loss import LOSSES, collate, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import nodes, seeds, slowdown
-from runtime.checkpoint import FIXED_ON_RESUME, full_state_dict, linked, save_checkpoint, save_hf
+from runtime.checkpoint import fixed_on_resume, full_state_dict, linked, save_checkpoint, save_hf
 from runtime.checks import check, parse
 from runtime.config import Config
 from runtime.errors import ConfigError, Dead, Silent, Stop
@@ -194,13 +194,13 @@ class Trainer:
 
     def restore(self, ckpt: dict):
         """--resume: the optimizer, the RNG, the counters; the buffer's sampling knobs act from the next step on
-        (runtime.checkpoint.check_resumed_flags), what it keeps cannot change (FIXED_ON_RESUME)."""
+        (runtime.checkpoint.check_resumed_flags), what it keeps cannot change (fixed_on_resume)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         set_optimizer_state_dict(self.model, self.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
         torch.set_rng_state(ckpt["torch_rng"])
         self.fleet.received, self.fleet.kept, self.log.first_eval = ckpt["samples"], ckpt["kept"], ckpt["first_eval"]
-        for name, flag in self.buffer.FLAGS.items():  # the buffer's knobs that may change (FIXED_ON_RESUME: the others)
-            if flag not in FIXED_ON_RESUME:
+        for name, flag in self.buffer.FLAGS.items():  # the buffer's knobs that may change (fixed_on_resume: the others)
+            if flag not in fixed_on_resume():
                 setattr(self.buffer, name, getattr(self.cfg, flag))
         self.cap.credit, self.cap.counted, self.cap.drawn = ckpt["reuse"]
 

@@ -118,15 +118,17 @@ def save_hf(model, state_dict, tokenizer, path):
     tokenizer.save_pretrained(path)
 
 
-# flags that the checkpoint's data depend on: the buffer's prompt ids index the task's prompts, its
-# rewards and logp_ref were computed with these models, this reward and this temperature
-FIXED_ON_RESUME = ("model", "task", "data", "reward_model", "non_eos_penalty", "temperature", "buffer_capacity",
-                   "buffer_keep", "dedup_similarity", "dedup_edit")
+def fixed_on_resume() -> tuple[str, ...]:
+    """The flags the checkpoint's data depend on, each declared so where it is declared (runtime/config.py's
+    `arg(..., fixed=True)`): the buffer's prompt ids index the task's prompts, its rewards and logp_ref were computed
+    with these models, this reward and this temperature, and it kept what these settings kept."""
+    from runtime.config import Config
+    return tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("fixed"))
 
 
 def check_resumed_flags(cfg, folder: str):
     """One line naming the flags that differ from the checkpoint's run; a refusal for those that
-    cannot change mid-run (FIXED_ON_RESUME). The others may: the schedules and seeds derive from the
+    cannot change mid-run (`fixed_on_resume`). The others may: the schedules and seeds derive from the
     step, and B, K, k, m, the buffer's sampling, the loss, --steps and the plumbing act from the next step on."""
     try:
         with open(os.path.join(folder, "config.json")) as f:
@@ -140,7 +142,7 @@ def check_resumed_flags(cfg, folder: str):
         return bool(path and was) and os.path.realpath(path) == os.path.realpath(was)
     differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n) and not same_folder(n)]
     show = lambda n: f"--{n.replace('_', '-')} {getattr(cfg, n)} (was {saved[n]})"
-    fixed = [n for n in differ if n in FIXED_ON_RESUME]
+    fixed = [n for n in differ if n in fixed_on_resume()]
     if fixed:
         raise ConfigError(f"--resume: {', '.join(map(show, fixed))} cannot change mid-run (the checkpoint's buffer "
                           f"was searched, scored and kept with the old value)")

@@ -34,17 +34,29 @@ MAX_REUSE = 1.0  # --max-reuse's default with searchers (docs/performance.md, pa
 
 
 def parse(config_class, argv, description: str = ""):
-    """The Config of a command line: one flag per field that is not derived, its help the field's."""
-    return config_class(**vars(parser(config_class, description).parse_args(argv)))
+    """The Config of a command line: one flag per field that is not derived, its help the field's; `given` says which
+    flags the line gave (a task's defaults fill in the others: check)."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    given = set()
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=")[0].replace("-", "_")
+            given.add(name[3:] if name.startswith("no_") and name[3:] in names else name)
+    return config_class(**vars(parser(config_class, description).parse_args(argv)), given=tuple(sorted(given & names)))
 
 
 def parser(config_class, description: str = "") -> argparse.ArgumentParser:
-    """The command line's parser: one flag per field of `config_class` that is not derived."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line's parser: one flag per field of `config_class` that is not derived. No abbreviations (a
+    prefix of a flag is not that flag: a run script's checks of the flags it sets would miss one)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    listings = {"{tasks}": ", ".join(tasks.TASKS), "{losses}": ", ".join(LOSSES)}  # as they are, not as written
     for f in dataclasses.fields(config_class):
         if f.metadata.get("derived"):
             continue
         name, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        for key, value in listings.items():
+            help = help.replace(key, value)
         help += "" if "default:" in help else f" (default: {f.default})"  # said once (a help may give it itself)
         if f.type is bool or f.type == bool | None:  # None: decided by the checks
             p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
@@ -54,19 +66,35 @@ def parser(config_class, description: str = "") -> argparse.ArgumentParser:
     return p
 
 
-def choices(cfg, name: str) -> tuple:
-    """The values a field of the Config allows (its metadata's), where the Config lists them."""
-    return next(f for f in dataclasses.fields(cfg) if f.name == name).metadata["choices"]
-
-
 def need(ok, flag: str, msg: str):
     """Refuse in one line naming the flag unless `ok`."""
     if not ok:
         raise ConfigError(f"--{flag}: {msg}")
 
 
+def given(cfg, flag: str) -> bool:
+    """Whether the command line gave `flag` (a Config made in code, with no `given`: whether it differs from the
+    default)."""
+    if cfg.given is not None:
+        return flag in cfg.given
+    return getattr(cfg, flag) != next(f.default for f in dataclasses.fields(cfg) if f.name == flag)
+
+
+def task_defaults(cfg):
+    """The task's own defaults (tasks/task.py: `defaults`) for the flags the command line did not give."""
+    if cfg.task not in tasks.TASKS:
+        return cfg  # refused below
+    return dataclasses.replace(cfg, **{flag: value for flag, value in tasks.get(cfg.task).defaults.items()
+                                       if not given(cfg, flag)})
+
+
 def check(cfg, world: int):
     """Validate flags and data; compute the derived values. Returns (a new Config, Data, checkpoint or None)."""
+    for f in dataclasses.fields(cfg):  # a fixed set of values: any other refused, whatever the flag
+        if f.metadata.get("choices") and getattr(cfg, f.name) not in f.metadata["choices"]:
+            need(False, f.name.replace("_", "-"), f"unknown {getattr(cfg, f.name)!r} (choose from "
+                 f"{', '.join(f.metadata['choices'])})")
+    cfg = task_defaults(cfg)
     given = cfg  # the flags as given, before the defaults that depend on others fill in
     for f in dataclasses.fields(cfg):  # argparse reads 'inf' and 'nan' as floats: no flag means either
         value = getattr(cfg, f.name)
@@ -137,20 +165,12 @@ def check(cfg, world: int):
          f"{world} ranks it would read vLLM's log-probs for the others' shares (use one rank, or vllm)")
     need(0 < cfg.clip < 1, "clip", f"must be in (0, 1), got {cfg.clip}")
     need(cfg.is_cap >= 1, "is-cap", f"truncates an importance ratio: at least 1, got {cfg.is_cap}")
-    for flag in ("norm", "decode_cost", "response_lengths", "duplicates", "behaviour_logprobs", "evaluator"):
-        need(getattr(cfg, flag) in choices(cfg, flag), flag.replace("_", "-"), f"unknown {getattr(cfg, flag)!r} "
-             f"(choose from {', '.join(choices(cfg, flag))})")
     try:
         betas = tuple(float(b) for b in cfg.adam_betas.split(","))
     except ValueError:
         betas = ()
     need(len(betas) == 2 and all(0 <= b < 1 for b in betas), "adam-betas", f"two numbers in [0, 1), beta1,beta2: "
          f"got {cfg.adam_betas!r}")
-    need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"unknown dtype {cfg.dtype!r}")
-    need(cfg.trainer_dtype in ("float32", "bfloat16"), "trainer-dtype", f"unknown dtype {cfg.trainer_dtype!r} "
-         "(choose from float32, bfloat16)")
-    shapes = choices(cfg, "lr_decay")
-    need(cfg.lr_decay in shapes, "lr-decay", f"unknown shape {cfg.lr_decay!r} (choose from {', '.join(shapes)})")
     need(cfg.beta_stop_step >= 0, "beta-stop-step", "must be 0 or more")
     need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
     check_unused(cfg, given)
@@ -231,8 +251,6 @@ def check_resumable(cfg, ckpt: dict):
 def check_lag(cfg, searchers: int):
     """--lag L (every batch sampled by the weights of exactly L steps before) and --inflight (streaming)."""
     need(cfg.lag is None or cfg.lag >= 0, "lag", f"must be 0 (synchronous) or more, got {cfg.lag}")
-    need(cfg.inflight_kv in choices(cfg, "inflight_kv"), "inflight-kv", f"unknown {cfg.inflight_kv!r} (choose from "
-         f"{', '.join(choices(cfg, 'inflight_kv'))})")
     need(not cfg.inflight or cfg.searchers, "inflight", "loads weights into the searchers' rounds in flight; with "
          "--searchers 0 the trainer searches between its steps")
     need(not cfg.keep_full or cfg.inflight, "keep-full", "keeps requests in flight from one round to the next, which "
@@ -252,7 +270,6 @@ def check_lag(cfg, searchers: int):
 
 def check_recipe(cfg):
     """The buffer's keeping, LoRA, weight decay, the reward's temperatures and the exploration's."""
-    need(cfg.buffer_keep in ("newest", "best"), "buffer-keep", f"unknown {cfg.buffer_keep!r} (choose from newest, best)")
     for flag in ("dedup_similarity", "dedup_edit"):
         value, name = getattr(cfg, flag), flag.replace("_", "-")
         need(0 <= value <= 1, name, f"must be in [0, 1], got {value}")

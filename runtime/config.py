@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 
 def arg(default, help: str, **more):
+    """A flag: its default and one-line help (`--help`). `choices`: the only values it takes (anything else is
+    refused in one line, runtime.checks); `fixed=True`: it changes what the data already searched means (its
+    rewards, pi_ref's log-probs, what the buffer keeps), so a --resume that changes it is refused
+    (runtime.checkpoint.fixed_on_resume)."""
     return field(default=default, metadata={"help": help, **more})
 
 
@@ -32,7 +36,7 @@ class Config:
     sync_every: int = arg(1, "k: trainer steps between weight syncs to the searchers")
     recency: float = arg(0.95, "m: probability that a batch prompt comes from the data added since the last sync")
     reward_inv_temp: float = arg(0.0, "inverse temperature of the reward softmax of whole-buffer draws; 0 = uniform")
-    buffer_capacity: int = arg(100, "distinct responses kept per prompt")
+    buffer_capacity: int = arg(100, "distinct responses kept per prompt", fixed=True)
     duplicates: str = arg("count", "a batch draws each distinct response as often as the searchers sent it (count) "
                                    "| once (collapse: the authors' buffer)", choices=("count", "collapse"))
     initial_buffer: int = arg(0, "trajectories that must have arrived before the first training step")
@@ -45,8 +49,8 @@ class Config:
     beta_anneal_steps: int = arg(0, "steps of the linear anneal from --beta to --beta-final")
     beta_stop_step: int = arg(0, "from this update on, beta is --beta-final at once; 0 = never")
     ref_reset_every: int = arg(0, "TBA′: every N steps pi_ref becomes the current policy; 0 = never")
-    loss: str = arg("tb", "tb (trajectory balance: the method) | tbprime (TBA′'s update for MATH) | rloo | grpo | "
-                          "drgrpo (baselines)")
+    loss: str = arg("tb", "the objective, a function of loss.py's LOSSES: {losses} (tb: trajectory balance, the "
+                          "method; tbprime: TBA′'s update for MATH; rloo, grpo, drgrpo: baselines)")
     clip: float = arg(0.2, "grpo: clip range of the importance ratio")
     is_cap: float = arg(8.0, "drgrpo, tbprime: the truncation c of the per-token importance ratio min(pi / mu, c)")
     importance_weights: bool = arg(True, "tbprime: weight each token by min(pi / mu, c) (off: the plain gradient)")
@@ -73,7 +77,7 @@ class Config:
     grad_clip: float = arg(1.0, "gradient norm clip; 0 = none")
     weight_decay: float = arg(0.0, "AdamW's decoupled weight decay")
     adam_betas: str = arg("0.9,0.999", "AdamW's betas: beta1,beta2")
-    temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature")
+    temperature: float = arg(1.0, "sampling temperature; log-probs come from logits / temperature", fixed=True)
     max_new_tokens: int = arg(8, "response length limit in tokens")
     context: int = arg(0, "tokens of prompt and response together: a response stops at this or --max-new-tokens, "
                           "the first reached; 0 = --max-new-tokens alone")
@@ -81,30 +85,31 @@ class Config:
     eval_limit: int | None = arg(None, "evaluate on the first N held-out problems only")
     eval_temperature: float = arg(0.0, "sampling temperature of the evaluation's responses; 0 = greedy")
     # ===== tasks and recipes ===========================================================================
-    model: str = arg("tiny", "'tiny' (built on first use), 'rho-math-1b', a hub id or a local folder; also pi_ref")
-    task: str = arg("arith", "arith (the toy) | gsm8k | tldr | redteam | math: a file of tasks/")
-    data: str | None = arg(None, "folder of the task's JSONL files (default: the Hugging Face hub)")
+    model: str = arg("tiny", "'tiny' (built on first use), 'rho-math-1b', a hub id or a local folder; also pi_ref", fixed=True)
+    task: str = arg("arith", "a file of tasks/: {tasks} (arith: the toy)", fixed=True)
+    data: str | None = arg(None, "folder of the task's JSONL files (default: the Hugging Face hub)", fixed=True)
     reward_model: str | None = arg(None, "a one-output sequence classifier (folder or hub id) that replaces the "
-                                         "task's string reward")
+                                         "task's string reward", fixed=True)
     eval_reward_model: str | None = arg(None, "tldr: the judge of the evaluation's win rate (default: --reward-model)")
-    non_eos_penalty: bool = arg(False, "a response that never produced EOS gets -1 instead of its reward-model score")
-    victim: str | None = arg(None, "redteam: the victim, a causal LM (folder or hub id) that answers each attack")
-    classifier: str | None = arg(None, "redteam: a sequence classifier with an unsafe label, or a causal LM judge")
-    unsafe_label: str | None = arg(None, "redteam: the classifier's unsafe label (default: found by its name)")
+    non_eos_penalty: bool = arg(False, "a response that never produced EOS gets -1 instead of its reward-model score", fixed=True)
+    victim: str | None = arg(None, "redteam: the victim, a causal LM (folder or hub id) that answers each attack", fixed=True)
+    classifier: str | None = arg(None, "redteam: a sequence classifier with an unsafe label, or a causal LM judge", fixed=True)
+    unsafe_label: str | None = arg(None, "redteam: the classifier's unsafe label (default: found by its name)", fixed=True)
     embedding_model: str | None = arg(None, "redteam: the sentence embedder of the evaluation's diversity")
     victim_max_new_tokens: int | None = arg(None, "redteam: the victim's response length (default: 64 with a chat "
-                                                  "template, 30 without)")
-    victim_responses: int = arg(5, "redteam: the victim's responses to each attack (the reward is their mean)")
+                                                  "template, 30 without)", fixed=True)
+    victim_responses: int = arg(5, "redteam: the victim's responses to each attack (the reward is their mean)", fixed=True)
     math_grader: str = arg("math-verify", "math: a boxed answer equal to the solution's by string after Hendrycks' "
                                           "normalisation, or by math-verify (math-verify) | by the authors' sympy "
-                                          "check with its guards (authors)", choices=("math-verify", "authors"))
+                                          "check with its guards (authors)", choices=("math-verify", "authors"), fixed=True)
     math_prompt: str = arg("braces", "math: the instruction's example boxes as meant, \\boxed{12} (braces) | as the "
-                                     "authors' f-string printed them, \\boxed12 (authors)", choices=("braces", "authors"))
-    buffer_keep: str = arg("newest", "newest (TBA's buffer) | best (Lee et al.'s: the best by log R per prompt)")
+                                     "authors' f-string printed them, \\boxed12 (authors)", choices=("braces", "authors"), fixed=True)
+    buffer_keep: str = arg("newest", "newest (TBA's buffer) | best (Lee et al.'s: the best by log R per prompt)",
+                           choices=("newest", "best"), fixed=True)
     dedup_similarity: float = arg(0.0, "--buffer-keep best: attacks whose embeddings' cosine is above this are "
-                                       "near-duplicates; 0 = off")
+                                       "near-duplicates; 0 = off", fixed=True)
     dedup_edit: float = arg(0.0, "--buffer-keep best: responses whose edit distance is below this x their lengths "
-                                 "are near-duplicates; 0 = off")
+                                 "are near-duplicates; 0 = off", fixed=True)
     reward_temp: float = arg(1.0, "T_R of log R = (log pi_ref / gamma + r / beta) / T_R: at step 0, annealed to 1 "
                                   "over --reward-temp-anneal-steps, else constant; 1 = off")
     reward_temp_anneal_steps: int = arg(0, "steps of the linear anneal of T_R from --reward-temp to 1; 0 = T_R constant")
@@ -117,7 +122,8 @@ class Config:
     lora_rank: int = arg(0, "train a LoRA adapter of this rank (at most the targets' width) on the modules peft "
                             "targets for the architecture; 0 = all weights")
     lora_alpha: int = arg(16, "LoRA's alpha (with --lora-rank): the update is (alpha / rank) B A")
-    trainer_dtype: str = arg("float32", "the trainer's weights: float32 | bfloat16 (AdamW's moments stay float32)")
+    trainer_dtype: str = arg("float32", "the trainer's weights: float32 | bfloat16 (AdamW's moments stay float32)",
+                             choices=("float32", "bfloat16"))
     # ===== plumbing: processes, devices, memory, files ====================================================
     searchers: int = arg(1, "searcher processes (a GPU each on a GPU node); 0 = the synchronous baseline")
     seed: int = arg(0, "seed of every random choice: prompts, sampling, batches")
@@ -129,7 +135,8 @@ class Config:
     timeout: float = arg(600.0, "seconds any wait on another process may last, and a searcher may stay silent")
     start_timeout: float = arg(600.0, "seconds a searcher may take to start (vLLM's import, the model's load and "
                                       "compile) before its first message")
-    dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bf16 on GPUs that have it, float32 on the CPU)")
+    dtype: str = arg("auto", "float32 | bfloat16 | float16 | auto (bf16 on GPUs that have it, float32 on the CPU)",
+                     choices=("auto", "float32", "bfloat16", "float16"))
     searcher_memory: float | None = arg(None, "GPU: share of a searcher GPU for its vLLM engines (default: what "
                                               "the models beside them leave, at most 0.9)")
     trainer_memory: float = arg(0.2, "GPU, --searchers 0: share of the trainer GPU for its vLLM engine")
@@ -161,6 +168,7 @@ class Config:
     max_model_len: int = derived(0)                   # longest prompt + max_new_tokens, at most --context
     score: str = derived("accuracy")                  # the evaluation's headline figure (the task's)
     loss_pools: bool = derived(False)                 # --loss pools across prompts: whole batches (loss.pools)
+    given: tuple | None = derived(None)               # the flags the command line gave (None: not parsed from one)
     reward_model_path: str | None = derived(None)     # local folder of --reward-model
     eval_reward_model_path: str | None = derived(None)  # local folder of the judge
     victim_path: str | None = derived(None)           # redteam: local folders of the victim,

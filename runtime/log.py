@@ -98,7 +98,8 @@ class Log:
         if self.cfg.ref_reset_every:  # TBA′: the oldest pi_ref that scored a trajectory of the batch
             fields["batch_reference"] = min(traj.pi_ref_version for traj in trajectories)
         self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},
-                 reward=float(np.mean([traj.reward for traj in trajectories])), staleness=float(np.mean(stale)),
+                 reward=float(np.mean([traj.reward for traj in trajectories])),
+                 truncated=float(np.mean([traj.truncated for traj in trajectories])), staleness=float(np.mean(stale)),
                  staleness_max=int(max(stale)), **fields, samples=fleet.received,
                  reuse=cap.drawn / max(1, fleet.received), verified=min(fleet.verified.values(), default=-1),
                  generate=self.generate, slept=self.slept,
@@ -141,7 +142,8 @@ class Log:
         if last is None:
             return
         held_out = f" | held-out {self.last_eval[self.cfg.score]:.3f}" if self.last_eval else ""
-        brief = (f"reward {last['reward']:.3f} | loss {last['loss']:.4g} | stale {last['staleness']:.1f}/"
+        cut = f" | cut {last['truncated']:.0%}" if last.get("truncated") else ""  # responses at the length limit
+        brief = (f"reward {last['reward']:.3f}{cut} | loss {last['loss']:.4g} | stale {last['staleness']:.1f}/"
                  f"{last['staleness_max']}{held_out}")
         if self.bar is not None:
             self.bar.update(last["step"] - self.bar.n)

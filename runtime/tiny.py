@@ -15,7 +15,13 @@ into other weights, and the 512 check problems and the 400 held-out ones (sampli
 default CPU capability, MKL's reproducible mode) would give another model on every CPU, this
 project's measurements' included, so they are not used.
 
-    python -m runtime.tiny OUT_DIR    # build it into OUT_DIR instead of the cache
+    python -m runtime.tiny OUT_DIR                    # build it into OUT_DIR instead of the cache
+    python -m runtime.tiny --task countdown [OUT_DIR] # warm-started on another task's demos (its `demos()`)
+
+A task that brings demonstrations (tasks/task.py: `demos()`, solved problems) gets a tiny model warm-started on
+them instead, the same way, until greedy responses to 512 of its training problems score `TASK_TARGET` on its
+held-out metric: `--model tiny` builds it on first use for such a task (`cached(task)`), so a new task learns on
+a laptop from its own start.
 
 Tests make untrained models of other architectures (Pythia, Qwen2, GPT-2) in tests/models.py.
 """
@@ -84,13 +90,16 @@ def make_model(out: str, hidden=64, layers=2, heads=2, ffn=None, max_len=256, se
 
 
 def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, target: float = 1.0,
-               check: int = 512, progress=None) -> dict:
-    """Supervised pass on arith answers (the loss covers the answer and EOS only), for `steps` steps
-    or until greedy accuracy on `check` training problems reaches `target` (measured every 5 steps, and
-    after every step from within 0.1 of the target). `progress(step, accuracy)` after each step (the
-    latest accuracy measured). Returns what it did."""
+               check: int = 512, progress=None, task: str | None = None) -> dict:
+    """Supervised pass on arith answers, or a task's demos (`task`: its solutions; the loss covers the answer and EOS
+    only), for `steps` steps or until greedy accuracy on `check` training problems reaches `target` (measured every
+    5 steps, and after every step from within 0.1 of the target; a task's by its held-out metric on greedy
+    responses). `progress(step, accuracy)` after each step (the latest accuracy measured). Returns what it did."""
     train, _ = arith_splits()
     rng, check = random.Random(seed), random.Random(seed + 1).sample(train, check)
+    accuracy_of = greedy_accuracy
+    if task is not None:
+        train, check, accuracy_of = demo_set(task, check, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     accuracy = 0.0
     for step in range(1, steps + 1):
@@ -110,13 +119,44 @@ def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, t
         opt.step()
         opt.zero_grad(set_to_none=True)
         if target < 1.0 and (step % 5 == 0 or accuracy >= target - 0.1):  # every step near the target
-            accuracy = greedy_accuracy(model, tokenizer, check)
+            accuracy = accuracy_of(model, tokenizer, check)
             if accuracy >= target:
                 break
         if progress:
             progress(step, accuracy)
     model.eval()
     return dict(sft_steps_taken=step, sft_check_accuracy=accuracy)
+
+
+def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
+    """A task's warm start: its demos to imitate, `len(check)` of its training problems to check on, and the check
+    (its held-out metric, or its reward, of greedy responses)."""
+    import tasks
+    entry = tasks.get(task)
+    demos, (problems, _) = entry.demos(), entry.load(None)
+    score = entry.metric or entry.reward
+
+    def accuracy(model, tokenizer, problems):
+        longest = max(len(tokenizer(p.answer).input_ids) for p in demos) + 1  # a demo's solution and its end
+        texts = greedy_texts(model, tokenizer, [p.prompt for p in problems], longest)
+        return sum(score(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
+    return demos, random.Random(seed + 1).sample(problems, len(check)), accuracy
+
+
+@torch.no_grad()
+def greedy_texts(model, tokenizer, prompts: list[str], max_new: int, batch: int = 256) -> list[str]:
+    """Greedy responses to `prompts` (left-padded batches), as text."""
+    model.eval()
+    out = []
+    for i in range(0, len(prompts), batch):
+        rows = [tokenizer(p).input_ids for p in prompts[i:i + batch]]
+        T = max(map(len, rows))
+        ids = torch.tensor([[tokenizer.pad_token_id] * (T - len(r)) + r for r in rows])
+        mask = (torch.arange(T) >= torch.tensor([T - len(r) for r in rows])[:, None]).long()
+        made = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out += tokenizer.batch_decode(made[:, T:], skip_special_tokens=True)
+    return out
 
 
 @torch.no_grad()
@@ -137,9 +177,18 @@ def greedy_accuracy(model, tokenizer, problems) -> float:
     return right.all(dim=1).float().mean().item()
 
 
+TASK_RECIPE = dict(sft_max_steps=3000, sft_target=0.15)  # a task's own warm start (countdown: tests/test_tiny.py)
+
+
+def recipe_for(task: str | None) -> dict:
+    """The recipe of the tiny model of `task` (None: arith's, RECIPE as it is)."""
+    return RECIPE if task is None else dict(RECIPE, **TASK_RECIPE, task=task)
+
+
 def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
     """Build the tiny model into `out` (made atomically: a temporary folder, then a rename; the folder goes
-    whatever stops the build), with a line every `every` s: the warm start's step and check accuracy."""
+    whatever stops the build), with a line every `every` s: the warm start's step and check accuracy. A recipe
+    with a `task` warm-starts on that task's demos."""
     r = recipe
     tmp = tempfile.mkdtemp(prefix=TMP, dir=os.path.dirname(os.path.abspath(out)))
     t0 = last = time.time()
@@ -153,7 +202,7 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
     try:
         model, tokenizer = make_model(tmp, r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
         done = warm_start(model, tokenizer, r["sft_max_steps"], r["sft_batch"], r["sft_lr"], r["seed"],
-                          r["sft_target"], r["sft_check"], progress)
+                          r["sft_target"], r["sft_check"], progress, r.get("task"))
         model.save_pretrained(tmp)
         with open(os.path.join(tmp, "tiny_recipe.json"), "w") as f:
             json.dump(dict(r, **done), f, indent=1)
@@ -168,19 +217,21 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
     return out
 
 
-def cached() -> str:
-    """The path of the cached tiny model, building it on first use."""
+def cached(task: str | None = None) -> str:
+    """The path of the cached tiny model (warm-started on arith, or on `task`'s demos), building it on first use."""
     root = os.environ.get("TBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tba")
-    key = hashlib.sha256(json.dumps([RECIPE, SPECIALS, CHARS], sort_keys=True).encode()).hexdigest()[:12]
-    path = os.path.join(root, f"tiny-{key}")
+    recipe = recipe_for(task)
+    key = hashlib.sha256(json.dumps([recipe, SPECIALS, CHARS], sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(root, f"tiny-{key}" if task is None else f"tiny-{task}-{key}")
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (torchrun ranks start together)
         if not os.path.isfile(os.path.join(path, "tiny_recipe.json")):
             remove_stale(root, time.time())
-            print(f"building the tiny model once into {path} (a line every few seconds) ...", flush=True)
+            print(f"building the tiny model{f' for {task}' if task else ''} once into {path} (a line every few "
+                  f"seconds) ...", flush=True)
             t0 = time.time()
-            build(path)
+            build(path, recipe)
             print(f"built in {time.time() - t0:.0f} s", flush=True)
     return path
 
@@ -195,6 +246,14 @@ def remove_stale(root: str, since: float):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    task = args.pop(args.index("--task") + 1) if "--task" in args[:-1] else None
+    args = [a for a in args if a != "--task"]
+    if len(args) > 1 or (not args and task is None):
         sys.exit(__doc__)
-    print(build(sys.argv[1]))
+    if task is not None:
+        import tasks
+        if task not in tasks.TASKS or tasks.get(task).demos is None:
+            sys.exit(f"runtime.tiny: --task {task}: not a task with demos() (those with: "
+                     f"{', '.join(n for n in tasks.TASKS if tasks.get(n).demos)})")
+    print(build(args[0], recipe_for(task)) if args else cached(task))

@@ -235,8 +235,8 @@ class MathScorer(Scorer):
 
     def __init__(self, engine, task, evaluates: bool):
         super().__init__(engine, task, evaluates)
-        if self.cfg.math_grader == "authors":
-            self.score = batched(authors_reward)
+        if self.cfg.math_grader == "authors":  # for training and for the held-out figure alike
+            self.score = self.metric = batched(authors_reward)
 
 
 def check(cfg) -> dict:

@@ -1,10 +1,17 @@
 """What a task is: its problems, its reward and its evaluation, and the loaders the tasks share.
 
-A task is one file of this folder with one `TASK = Task(...)`, named in `tasks.TASKS`. The rest of the
-code asks the entry, never the task's name:
+A task is one file of this folder with one `TASK = Task(...)`: every module here but this one is a task, named
+by its file (`tasks.TASKS`). The rest of the code asks the entry, never the task's name:
 - `load(--data folder or None) -> (train, test)` problems, each `Problem(prompt, answer)`;
-- `reward(completion, answer) -> float`, a plain string function (rewards.py), or none where a model
-  scores the responses (`--reward-model`, or a `Scorer` of the task's own);
+- `reward(completion, answer) -> float`, the training reward: a plain string function (rewards.py), or none where
+  a model scores the responses (`--reward-model`, or a `Scorer` of the task's own);
+- `metric(completion, answer) -> float`: the held-out figure, a plain string function too (default: `reward`). The
+  evaluation scores with it and never with the training reward, so a reward shaped for training (a `Scorer`
+  whose `reward` adds a penalty, docs/experiments.md) leaves the held-out figures as they were;
+- `defaults`: {flag: value} the task needs (countdown: a longer --max-new-tokens), taken where the command line
+  does not give the flag;
+- `demos() -> [Problem(prompt, solution)]`: solved problems, for a warm start of the tiny model on the task
+  (`python -m runtime.tiny --task NAME`; `--model tiny` does it on first use);
 - `scorer`: what the task does inside a searcher's engine, once per round and at each evaluation. The
   default, `Scorer` below, rewards with the string function (or `--reward-model`) and evaluates the
   accuracy of one response per held-out prompt; a task with a reward model of its own, extra vLLM
@@ -26,7 +33,7 @@ Bad data raises ConfigError with a one-line message; tba.py prints it and exits 
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -66,6 +73,8 @@ class Scorer:
                                          self.cfg.non_eos_penalty, batch=self.cfg.score_batch)
         else:
             self.score = batched(task.reward)
+        held_out = task.metric or task.reward  # the held-out figure: the task's own string function where it has one
+        self.metric = batched(held_out) if held_out else self.score
 
     def reward(self, prompts, responses, completions, answers) -> list[float]:
         """The rewards of one round: prompt and response token ids, the responses' text, the answers."""
@@ -94,10 +103,11 @@ class Scorer:
         return {k: float(np.mean(v)) for k, v in rows.items()}, example
 
     def evaluate_part(self, prompts: list[list[int]], answers: list[str]) -> tuple[dict, dict]:
-        """evaluate() on some prompts: each score's value for each response, and the first one's example."""
+        """evaluate() on some prompts: each score's value for each response (the task's metric, never the training
+        reward of `reward`, which a subclass may shape), and the first one's example."""
         responses, texts = self.engine.respond(prompts)
-        rewards = self.reward(prompts, responses, texts, answers)
-        return {"accuracy": list(rewards)}, self.example(prompts, texts, rewards)
+        scores = self.metric(prompts, responses, texts, answers)
+        return {self.cfg.score: list(scores)}, self.example(prompts, texts, scores)
 
     def example(self, prompts, texts, rewards) -> dict:
         return dict(prompt=self.engine.tokenizer.decode(prompts[0], skip_special_tokens=True), completion=texts[0],
@@ -113,6 +123,9 @@ class Task:
     """What `--task NAME` is (the module docstring gives each field's contract)."""
     load: Callable
     reward: Callable | None = None
+    metric: Callable | None = None
+    defaults: dict = field(default_factory=dict)
+    demos: Callable | None = None
     scorer: type = Scorer
     score: str = "accuracy"
     check: Callable = lambda cfg: {}

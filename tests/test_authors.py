@@ -64,8 +64,8 @@ def test_linear_decay_after_warmup_and_stable_phases():
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--trainer-dtype", "float16"], "--trainer-dtype: unknown dtype 'float16'"),
-    (["--lr-decay", "step"], "--lr-decay: unknown shape 'step' (choose from cosine, linear)"),
+    (["--trainer-dtype", "float16"], "--trainer-dtype: unknown 'float16' (choose from float32, bfloat16)"),
+    (["--lr-decay", "step"], "--lr-decay: unknown 'step' (choose from cosine, linear)"),
     (["--beta-stop-step", "-1"], "--beta-stop-step: must be 0 or more"),
     (["--eval-temperature", "-0.5"], "--eval-temperature: must be 0 (greedy) or more"),
 ])

@@ -262,14 +262,14 @@ def test_take_counts_what_arrives_and_the_newest_version():
                 {"kind": "search", "searcher": 0, "version": 5, "trajectories": [traj(2, 5)]},
                 {"kind": "search", "searcher": 0, "version": 4, "trajectories": [traj(3, 4)]},
                 {"kind": "eval", "searcher": 0, "version": 4, "scores": {"accuracy": 0.5}, "example": {}, "seconds": 1.0}):
-        q.put(dict(msg, generate=0.0, slept=0.0, charged=0.0, over=0.0, parts={}, seconds_per_token=None))
+        q.put(dict(msg, generate=0.0, slept=0.0, charged=0.0, over=0.0, parts={}, seconds_per_token=None, verified=-1))
     fleet = Fleet.__new__(Fleet)
     fleet.channels, fleet.procs, fleet.cfg = types.SimpleNamespace(queue=q), [], types.SimpleNamespace(timeout=60, lag=None)
     fleet.watch = types.SimpleNamespace(heard=lambda msg: heard.append(msg) or [], check=lambda: [])
     fleet.log = types.SimpleNamespace(eval=lambda *row: rows.append(row), searched=lambda msg: None)
     fleet.received = fleet.kept = 0
     fleet.heard, fleet.dead, fleet.silent = True, None, None
-    fleet.newest, fleet.published, fleet.evaluated = -1, {4: (1.0, 0.0)}, []
+    fleet.newest, fleet.published, fleet.evaluated, fleet.verified = -1, {4: (1.0, 0.0)}, [], {}
     buffer = ReplayBuffer(10, 0.5, 0.0)
     assert fleet.take(buffer, lambda: True) == 0.0 and q.empty() and len(heard) == 4
     assert (fleet.received, fleet.kept, len(buffer), fleet.newest) == (4, 3, 3, 5)
