@@ -376,9 +376,9 @@ def check_task(cfg):
     train, test = ([dataclasses.replace(p, prompt=task.prompt(cfg, p.prompt)) for p in part] for part in (train, test))
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
     train = train * -(-cfg.prompts_per_step // len(train)) if task.fill else train
-    if cfg.model == "tiny":
+    if cfg.model == "tiny":  # warm-started on the task's demos where it has some, else on arith
         from runtime import tiny
-        model_path = tiny.cached()
+        model_path = tiny.cached(cfg.task if task.demos else None)
     else:
         model_path = resolve_model(cfg.model)
     if cfg.lora_rank:

@@ -105,7 +105,7 @@ def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, t
     for step in range(1, steps + 1):
         model.train()
         rows = []
-        for p in rng.sample(train, batch):
+        for p in (rng.sample(train, batch) if len(train) >= batch else rng.choices(train, k=batch)):  # (few demos)
             prompt = tokenizer(p.prompt).input_ids
             target_ids = tokenizer(p.answer).input_ids + [tokenizer.eos_token_id]
             rows.append((prompt + target_ids, [0] * len(prompt) + [1] * len(target_ids)))
@@ -140,7 +140,7 @@ def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
         longest = max(len(tokenizer(p.answer).input_ids) for p in demos) + 1  # a demo's solution and its end
         texts = greedy_texts(model, tokenizer, [p.prompt for p in problems], longest)
         return sum(score(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
-    return demos, random.Random(seed + 1).sample(problems, len(check)), accuracy
+    return demos, random.Random(seed + 1).sample(problems, min(len(check), len(problems))), accuracy
 
 
 @torch.no_grad()

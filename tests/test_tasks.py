@@ -1,5 +1,5 @@
-"""README, "Add your own task": a task is one new file with its `TASK`, and its line in `tasks.TASKS`; no other
-file is edited. A task with a string reward is checked, loaded, searched, rewarded and evaluated through its
+"""README, "Add your own task" (docs/experiments.md): a task is one new file with its `TASK`; no other file is edited
+(the tests' own tasks live outside tasks/, so their lines are added to `tasks.TASKS` in their process). A task with a string reward is checked, loaded, searched, rewarded and evaluated through its
 entry; so is one scored by a model of its own, with an evaluation of its own (a Scorer subclass)."""
 
 import os
@@ -142,3 +142,61 @@ def test_a_task_scored_by_a_model_of_its_own(folder, tiny_model, tiny_rm, tmp_pa
     expected = model([prompts[p] for p in arrays["prompt_id"]], responses)
     assert np.allclose(arrays["reward"], expected, atol=1e-4), (arrays["reward"][:4], expected[:4])
     assert len(set(np.round(expected, 4))) > 1  # the model's scores, not a constant
+
+
+def test_countdown_rewards_a_right_expression_and_the_format_and_its_metric_only_the_right_one():
+    from tasks.countdown import countdown_correct, countdown_reward, demos, splits
+    assert countdown_reward("2*7+11", "7,2,11>25") == countdown_correct(" 11+2*7 ", "7,2,11>25") == 1.0
+    assert countdown_reward("2*7-11", "7,2,11>25") == 0.1 and countdown_correct("2*7-11", "7,2,11>25") == 0.0
+    assert countdown_reward("2*7", "7,2,11>25") == countdown_reward("2*7+12", "7,2,11>25") == 0.0  # not its numbers
+    assert countdown_reward("__import__('os')", "7,2,11>25") == 0.0  # only digits and + - * are evaluated
+    train, test = splits()
+    assert len(test) == 400 and not {p.prompt for p in train} & {p.prompt for p in test}
+    assert all(countdown_correct(d.answer, a.answer) == 1.0 for d, a in zip(demos(), train))  # each demo solves it
+
+
+def test_a_tasks_defaults_give_way_to_the_command_line(tiny_model, tmp_path):
+    """countdown's --max-new-tokens 12 where the line does not give the flag; the line's value where it does, the
+    global default 8 included (compared with the default, it would have been taken for not given)."""
+    check = lambda *args: checks.check(checks.parse(Config, ["--model", tiny_model, "--task", "countdown", "--searchers",
+                                                             "0", "--out", str(tmp_path / "run"), *args]), 1)[0]
+    assert check().max_new_tokens == 12
+    assert check("--max-new-tokens", "8").max_new_tokens == check("--max-new-tokens=8").max_new_tokens == 8
+    assert checks.parse(Config, ["--no-inflight", "--lr=1", "--task", "x"]).given == ("inflight", "lr", "task")
+
+
+@pytest.mark.parametrize("flag", [f.name for f in __import__("dataclasses").fields(Config) if f.metadata.get("choices")])
+def test_every_flag_with_a_fixed_set_of_values_refuses_others(flag, tiny_model):
+    """One rule for every flag with choices (a new one is covered without editing this test): a typo such as
+    --math-grader sympy or --math-prompt Authors was taken before as the default, silently."""
+    name = "--" + flag.replace("_", "-")
+    with pytest.raises(ConfigError, match=rf"^{name}: unknown 'Bogus' \(choose from "):
+        checks.check(checks.parse(Config, ["--model", tiny_model, name, "Bogus"]), 1)
+
+
+def test_the_flags_fixed_on_resume_are_those_declared_so():
+    from runtime.checkpoint import fixed_on_resume
+    fixed = fixed_on_resume()
+    assert {"task", "model", "temperature", "math_grader", "math_prompt", "buffer_capacity"} <= set(fixed)
+    assert "lr" not in fixed and "steps" not in fixed
+
+
+def test_help_lists_the_tasks_and_losses_as_they_are():
+    from loss import LOSSES
+    text = checks.parser(Config).format_help()
+    assert all(name in text for name in [*tasks.TASKS, *LOSSES]) and "{tasks}" not in text and "{losses}" not in text
+
+
+@pytest.mark.engine
+def test_responses_cut_at_the_length_limit_are_counted(tiny_model, tmp_path):
+    """A response of one token (--max-new-tokens 1) ends before its end almost always: every train row says how many
+    were cut, and so does the console."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tba.py"), "--model", tiny_model, "--task", "countdown",
+                        "--searchers", "0", "--steps", "2", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+                        "--max-new-tokens", "1", "--eval-every", "0", "--out", str(out)], cwd=tmp_path,
+                       env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:]
+    train = [r for r in metrics(out) if r["kind"] == "train"]
+    assert all(r["truncated"] > 0.5 for r in train), [r["truncated"] for r in train]
+    assert "cut " in p.stdout  # the console line says it

@@ -1,0 +1,111 @@
+"""docs/experiments.md as a researcher uses it: its code blocks put where their first lines say, in a copy of the
+repository; then the quick tier stays green (no list of tasks, losses or flags to edit), and each example runs as
+the page says: a new task warm-starts the tiny model on its demos, a loss that pools across prompts gets its whole
+batch, a flag is on --help, and a shaped training reward leaves the held-out figures as they were."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SMALL, env
+
+PAGE = os.path.join(ROOT, "docs", "experiments.md")
+
+
+def blocks() -> list[tuple[str, str, str]]:
+    """(file, where, code) of each code block of the page, from its first line: "# FILE (WHERE)"."""
+    out = []
+    for code in re.findall(r"```python\n(.*?)```", open(PAGE).read(), re.S):
+        first, _, rest = code.partition("\n")
+        path, where = re.fullmatch(r"# (\S+) \((.+)\)", first).groups()
+        out.append((path, where, rest))
+    return out
+
+
+def apply(repo: str):
+    for path, where, code in blocks():
+        target = os.path.join(repo, path)
+        if where == "a new file":
+            assert not os.path.exists(target), f"{path} exists already"
+            open(target, "w").write(code)
+        elif where == "at its end":
+            open(target, "a").write("\n\n" + code)
+        else:
+            anchor = re.fullmatch(r"in Config, after the line of (\w+)", where).group(1)
+            lines = open(target).read().split("\n")
+            at = next(i for i, line in enumerate(lines) if line.startswith(f"    {anchor}:"))
+            while not lines[at].rstrip().endswith(")"):  # the field's last line
+                at += 1
+            lines[at + 1:at + 1] = code.rstrip("\n").split("\n")
+            open(target, "w").write("\n".join(lines))
+
+
+def test_the_page_has_an_example_of_each_kind():
+    kinds = {where for _, where, _ in blocks()}
+    assert {path for path, _, _ in blocks()} >= {"loss.py", "runtime/config.py"} and "a new file" in kinds
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    """A copy of the repository (its files as git sees them, tracked and new) with the page's blocks applied."""
+    copy = str(tmp_path_factory.mktemp("experiments") / "repo")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, stdout=subprocess.PIPE,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        if os.path.isfile(os.path.join(ROOT, f)):
+            os.makedirs(os.path.dirname(os.path.join(copy, f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
+    apply(copy)
+    return copy
+
+
+def tba(repo, tmp_path, *args, timeout=600):
+    p = subprocess.run([sys.executable, os.path.join(repo, "tba.py"), *args], cwd=tmp_path, env=env(tmp_path),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return p.returncode, p.stdout
+
+
+@pytest.mark.engine
+def test_the_quick_tier_stays_green_with_the_pages_code(repo, tmp_path):
+    """A new task file, a loss, a flag and a shaped reward's task, added as the page says, and no test, list or
+    README line edited: the quick tier passes in the copy."""
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not engine", "-p", "no:cacheprovider",
+                        "-x", "tests"], cwd=repo, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:]
+
+
+@pytest.mark.engine
+def test_the_pages_examples_run_as_it_says(repo, tiny_model, tmp_path):
+    """--help lists the new task, loss and flag; `double` warm-starts the tiny model on its demos and trains; the
+    pooled loss is found to pool and trains in passes of one sequence; a length penalty lowers the training reward
+    of the same responses and leaves the held-out accuracy at step 0 exactly as arith's; a resume that changes the
+    penalty is refused."""
+    code, out = tba(repo, tmp_path, "--help")
+    assert code == 0 and "double" in out and "pooled_tb" in out and "--length-penalty" in out
+    small = [*SMALL, "--searchers", "0", "--steps", "2"]
+    code, out = tba(repo, tmp_path, "--task", "double", *small, "--eval-every", "0", "--out", str(tmp_path / "double"))
+    assert code == 0 and "building the tiny model for double" in out, out[-3000:]
+    code, out = tba(repo, tmp_path, "--model", tiny_model, "--loss", "pooled_tb", "--micro-batch", "1", *small,
+                    "--eval-every", "0", "--out", str(tmp_path / "pooled"))
+    assert code == 0, out[-3000:]
+    assert json.load(open(tmp_path / "pooled" / "config.json"))["loss_pools"] is True
+    rows = {}
+    for task, extra in (("arith", []), ("arith_short", ["--length-penalty", "0.05", "--save-every", "2"])):
+        out_dir = tmp_path / task
+        code, out = tba(repo, tmp_path, "--model", tiny_model, "--task", task, *small, "--eval-every", "0", *extra,
+                        "--out", str(out_dir))
+        assert code == 0, out[-3000:]
+        rows[task] = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+    evals = {t: [r["accuracy"] for r in rows[t] if r["kind"] == "eval"] for t in rows}
+    assert evals["arith"][0] == evals["arith_short"][0]  # the same weights, the same held-out figure
+    train = {t: [r["reward"] for r in rows[t] if r["kind"] == "train"] for t in rows}
+    assert train["arith_short"][0] < train["arith"][0]  # the same first batch, penalised
+    code, out = tba(repo, tmp_path, "--model", tiny_model, "--task", "arith_short", "--length-penalty", "0.1",
+                    *SMALL, "--searchers", "0", "--steps", "4", "--resume", str(tmp_path / "arith_short" / "checkpoint"))
+    assert code == 2 and "--length-penalty 0.1 (was 0.05) cannot change mid-run" in out, out[-2000:]
