@@ -64,7 +64,7 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
         slowdown.calibrate_alone(engine, channels.calibration, cfg, parent_alive)  # --generation-slowdown
         weights = Inbox(shared, index % cfg.searchers, channels.stop, parent_alive, cfg.timeout)
         requests = Requests(channels, parent_alive, cfg.timeout)
-        engine.follow(weights, requests)  # new weights load when asked for, and (--inflight) in flight
+        engine.follow(weights, requests, first_round)  # new weights load when asked for, and (--inflight) in flight
         beat = lambda **state: send(channels.queue, dict(kind="beat", searcher=index, **state), channels.stop)
         search = lambda trajectories, stats, t0: trajectories and send(channels.queue, dict(
             kind="search", searcher=index, version=engine.version, verified=engine.verified, trajectories=trajectories,
@@ -158,6 +158,7 @@ class Engine:
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.pi_ref_model = None  # loaded on the first search (`pi_ref`)
         self.weights = None       # the shared weights, followed in flight (--inflight: `follow`)
+        self.resumed = (0, 0)     # (the step a run begins at, the pi_ref version published then): `follow`
         self.requests = Requests()  # searcher 0's evaluations asked for (`follow`); none elsewhere
         calibrated = slowdown.read_calibration(cfg.calibration)["seconds_per_token"] if cfg.calibration else None
         self.clock = slowdown.Clock(cfg.generation_slowdown, calibrated, cfg.decode_cost, limit=cfg.timeout,
@@ -316,6 +317,8 @@ class Engine:
         under it; a round of it may have begun before the reset), waited for and loaded: the round is scored under
         the pi_ref of its step, as the authors' trainer scores every batch (their train.py:305-311)."""
         version = step // self.cfg.ref_reset_every * self.cfg.ref_reset_every
+        if version <= self.resumed[0]:  # a resumed run's resets come at multiples of its own --ref-reset-every after
+            version = self.resumed[1]   # its step; before, the checkpoint's pi_ref (made under the old one, if other)
         if self.weights is None or self.pi_ref_version == version:
             return
         self.weights.wait_for(version, pi_ref=True)
@@ -323,10 +326,12 @@ class Engine:
             self.pi_ref().load_state_dict(self.weights.shared.pi_ref, strict=False)
             self.pi_ref_version = self.weights.shared.pi_ref_version.value
 
-    def follow(self, weights: Inbox, requests: "Requests"):
+    def follow(self, weights: Inbox, requests: "Requests", step: int = 0):
         """From now on the engine keeps the weights of an evaluation asked for until it is made (`requests`), and
-        (--inflight) its decoder loads newly published weights between two decoding steps."""
+        (--inflight) its decoder loads newly published weights between two decoding steps. `step`: where the run
+        (resumed) begins; the pi_ref published then is that of the resets before it (`reference_of`)."""
         self.weights, self.requests = weights, requests
+        self.resumed = (step, weights.versions()[1])
         requests.holds(self.version)
 
     def between_steps(self):

@@ -115,6 +115,7 @@ def train(t: "Trainer"):
         t.opt.zero_grad(set_to_none=True)
         t.step += 1
         t.fleet.signals.training = True  # from now on a signal stops the run after a checkpoint
+        t.clock.charge(time.time() - t_train)  # --train-slowdown: the step lasts Y x its cost alone, before its weights go
         # ===== sync weights to the searchers every k steps; TBA′: reset pi_ref every rho ========
         t_sync = time.time()
         if cfg.ref_reset_every and t.step % cfg.ref_reset_every == 0:
@@ -122,7 +123,6 @@ def train(t: "Trainer"):
         elif t.step % cfg.sync_every == 0:
             t.sync_weights()
         sync = time.time() - t_sync
-        t.clock.charge(time.time() - t_train)  # --train-slowdown: the step lasts Y x its cost alone (emulated)
         # ===== log ===============================================================================
         t.log.train_row(t.step, batch, stats, t.fleet, t.buffer, t.cap, t.clock, beta=beta, lr=lr, **tempering,
                         wait=wait, sync=sync, search=search, seconds=time.time() - t_step, **rescored)

@@ -238,9 +238,12 @@ def check_resumable(cfg, ckpt: dict):
     holds no per-token log-probs of pi_ref)."""
     step, kept = ckpt["step"], {int(v) for v in ckpt.get("history", {})} | {ckpt["step"]}
     missing = sorted({max(0, r - cfg.lag) for r in range(step, step + cfg.lag)} - kept) if cfg.lag is not None else []
-    have = f"those of steps {min(kept)}-{max(kept)}" if len(kept) > 1 else "none of them"
-    need(not missing, "lag", f"{cfg.lag} samples the rounds after step {step} with the weights of steps {missing[0] if missing else 0}-"
-         f"{step - 1}, and the checkpoint keeps {have}: resume with --lag {step - min(kept)} or less")
+    span = lambda a, b: f"step {a}" if a == b else f"steps {a}-{b}"
+    have = f"those of {span(min(kept), max(kept))}" if len(kept) > 1 else "none of them"
+    most = step - min(kept)
+    need(not missing, "lag", f"{cfg.lag} samples the rounds after step {step} with the weights of "
+         f"{span(missing[0] if missing else 0, step - 1)}, and the checkpoint keeps {have}: resume with --lag "
+         f"{most}{' or less' if most else ''}")
     arrays, loss = ckpt["buffer"], LOSSES.get(cfg.loss)
     absent = [f for f in (reads(loss) if loss else ()) if len(arrays["length"]) and
               (f not in arrays or not np.isfinite(arrays[f]).all())]
@@ -317,6 +320,8 @@ ACTS_ONLY = (
     ("reward_temp", lambda c: c.loss == "tb", "TB's log R (--loss tb)"),
     ("gamma_final", lambda c: c.loss == "tb", "TB's log R (--loss tb)"),
     ("evaluator", lambda c: c.searchers > 0, "a run with searchers (with --searchers 0 the trainer evaluates)"),
+    ("calibration", lambda c: c.generation_slowdown != 1 or c.train_slowdown != 1, "the emulated device time "
+     "(--generation-slowdown or --train-slowdown above 1)"),
     ("decode_cost", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above 1)"),
     ("response_lengths", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above "
      "1)"),

@@ -147,8 +147,8 @@ class Config:
     activation_checkpointing: bool = arg(False, "recompute each decoder block in the backward pass (less memory)")
     generation_slowdown: float = arg(1.0, "experiment knob: each decoding step takes X times its cost alone "
                                           "(emulated by sleeping); 1 = off")
-    train_slowdown: float = arg(1.0, "experiment knob: each training step (sample, loss, update, sync) takes Y times "
-                                     "its cost alone (emulated by sleeping); 1 = off")
+    train_slowdown: float = arg(1.0, "experiment knob: each training step (sample, loss, update) takes Y times its "
+                                     "cost alone (emulated by sleeping), and its weights leave after it; 1 = off")
     evaluator: str = arg("searcher", "experiment knob: searcher 0 evaluates between its rounds (searcher) | the trainer "
                                      "keeps each evaluation's weights on the host and evaluates them after the last "
                                      "step, each row at the time its weights were made (after: a comparison of "

@@ -13,7 +13,7 @@ runtime.checks before any process starts.
   trainer's state, or a refusal in one line.
 - `check_host`: what the trainer keeps in the host's RAM (--lag's pinned history, --behaviour-logprobs trainer's,
   --evaluator after's snapshots: `host_needs`) fits it, or a refusal in one line. `pinned_block` counts a
-  pinned block as torch's caching host allocator allocates it (tools/memory.py's plan uses it too).
+  slot of those histories as runtime/weights.flat_slot allocates it (tools/memory.py's plan uses it too).
 """
 
 import math
@@ -271,27 +271,20 @@ def pow2_ceil(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def pinned_block(sizes, exact: bool = True) -> int:
-    """Bytes of ONE pinned host block holding tensors of `sizes` bytes, each at an offset aligned to 64 bytes
-    (runtime/weights.flat_slot: a slot of --lag's history). torch's caching host allocator rounds a block up to a
-    power of two unless it is above `pinned_max_round_threshold_mb` (ATen/core/CachingHostAllocator.h:302-309; the
-    threshold: c10/core/AllocatorConfig.h:361); flat_slot sets it to 0 around the allocation where torch has the
-    key: `exact`, else the next power of two of the whole."""
-    total = max(1, sum(-(-s // 64) * 64 for s in sizes))
-    return total if exact else pow2_ceil(total)
+def pinned_block(sizes) -> int:
+    """Bytes of ONE pinned host block holding tensors of `sizes` bytes, each at an offset aligned to 64 bytes: a slot
+    of --lag's history (runtime/weights.flat_slot), exact on any torch. The slot is plain host memory page-locked in
+    place (cudaHostRegister), not torch's caching host allocator's, which rounds a block up to a power of two
+    (ATen/core/CachingHostAllocator.h:302-309) and, with that rounding turned off, could hand a freed smaller block
+    of the same power-of-two bucket to a larger request (get_free_block, :621-633)."""
+    return max(1, sum(-(-s // 64) * 64 for s in sizes))
 
 
 def pinned_tensors(sizes) -> int:
-    """Bytes of the same tensors pinned one block each (--lag's history before flat_slot), each block rounded up to a
-    power of two (ATen/core/CachingHostAllocator.h:302-309): about 1.9x the bytes for Qwen2.5-7B's shapes."""
+    """Bytes of the same tensors pinned one block each by torch's caching host allocator (--lag's history before
+    flat_slot), each block rounded up to a power of two (ATen/core/CachingHostAllocator.h:302-309): about 1.9x the
+    bytes for Qwen2.5-7B's shapes. The "before" figure of docs/gpu.md's plan."""
     return sum(pow2_ceil(s) for s in sizes)
-
-
-def pinned_exact() -> bool:
-    """Whether this torch allocates flat_slot's block exactly: 2.13, this project's, has `pinned_max_round_threshold_mb`
-    (c10/core/AllocatorConfig.h:361); an older torch is counted at the next power of two (the larger: which versions
-    lack the key is not checked here)."""
-    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 
 
 def snapshots(steps: int, eval_every: int) -> int:
@@ -330,13 +323,13 @@ def host_needs(cfg, local: int, world: int | None = None) -> dict[str, int]:
     if cfg.lag is None and cfg.evaluator != "after":
         return {}  # nothing kept: no model built
     shapes, d = weight_shapes(cfg.model_path), torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
-    sizes, exact, need = [math.prod(s) * d for s in shapes], pinned_exact(), {}
+    sizes, need = [math.prod(s) * d for s in shapes], {}
     if cfg.lag is not None:
-        need[f"--lag {cfg.lag}'s history ({cfg.lag + 1} pinned copies)"] = (cfg.lag + 1) * pinned_block(sizes, exact)
+        need[f"--lag {cfg.lag}'s history ({cfg.lag + 1} pinned copies)"] = (cfg.lag + 1) * pinned_block(sizes)
         if cfg.behaviour_logprobs == "trainer":
             world = world or int(os.environ.get("WORLD_SIZE", local))
             shards = [[shard_rows(s[0], world, r) * math.prod(s[1:]) * d for s in shapes] for r in range(local)]
-            need["--behaviour-logprobs trainer's history"] = (cfg.lag + 1) * sum(pinned_block(x, exact) for x in shards)
+            need["--behaviour-logprobs trainer's history"] = (cfg.lag + 1) * sum(pinned_block(x) for x in shards)
     if cfg.evaluator == "after":
         n = snapshots(cfg.steps, cfg.eval_every)
         need[f"--evaluator after's {n} snapshots"] = n * sum(sizes)

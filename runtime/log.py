@@ -29,6 +29,8 @@ class Log:
         self.emulated = cfg.generation_slowdown != 1 or cfg.train_slowdown != 1
         self.calibration = {}  # the emulation's costs alone: seconds_per_token (each engine's), train_step
         self.rounds, self.parts = 0, {}  # those rounds; s of each part of their rewards (a task's scorer says)
+        self.budgets = {}  # engine (a searcher's number, or "trainer") -> [s charged, s of real compute above them]
+        self.cpu_bound_said = False
         self.last_eval = None   # the latest eval row
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
         self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
@@ -61,6 +63,8 @@ class Log:
         for part, seconds in made["parts"].items():
             self.parts[part] = self.parts.get(part, 0.0) + seconds
         engine, calibrated = str(made.get("searcher", "trainer")), self.calibration.setdefault("seconds_per_token", {})
+        budget = self.budgets.setdefault(engine, [0.0, 0.0])
+        budget[0], budget[1] = budget[0] + made["charged"], budget[1] + made["over"]
         if made["seconds_per_token"] and engine not in calibrated and self.rank == 0:
             calibrated[engine] = made["seconds_per_token"]
             self.write_config(**self.calibration)
@@ -106,10 +110,34 @@ class Log:
                  charged=self.charged, buffer=len(buffer), reference=buffer.pi_ref_version, overhead=self.overhead,
                  **self.per_round(), **(fleet.nodes.row(fleet.received) if fleet.nodes else {}),
                  **(dict(train_slept=clock.slept, train_charged=clock.charged) if clock.factor != 1 else {}),
-                 **(dict(over_budget=self.over + clock.over) if self.emulated else {}))
+                 **(dict(over_budget=self.over + clock.over, **self.over_shares(clock)) if self.emulated else {}))
         if clock.seconds is not None and "train_step" not in self.calibration:  # its cost alone, once known
             self.calibration["train_step"] = clock.seconds
             self.write_config(**self.calibration)
+
+    def over_shares(self, clock) -> dict:
+        """Each process's real compute above its own charge, as a share of it, so far: `over_trainer` (its training
+        steps; its generation too with --searchers 0) and `over_searchers` ({searcher: share}). The trainer's own
+        overrun lengthens the critical path; pooled with the searchers' charges it would hide (30% over showed as 5%).
+        Said once on the console when one is above CPU_BOUND."""
+        shares = {engine: over / charged for engine, (charged, over) in self.budgets.items() if charged}
+        trainer = [(clock.over + self.budgets.get("trainer", [0, 0])[1]) /
+                   (clock.charged + self.budgets.get("trainer", [0, 0])[0])] if clock.charged or "trainer" in shares else []
+        out = dict(over_trainer=trainer[0] if trainer else 0.0,
+                   over_searchers={k: v for k, v in shares.items() if k != "trainer"})
+        bound = self.cpu_bound(out)
+        if bound and not self.cpu_bound_said and self.last_train is not None and self.last_train["step"] >= 5:
+            self.cpu_bound_said = True
+            self.print(f"tba.py: warning: {bound}: the emulated device time is not what paces the run", file=sys.stderr)
+        return out
+
+    CPU_BOUND = 0.10  # a process more than 10% over its own charge: the CPU, not the emulation, sets its pace
+
+    def cpu_bound(self, shares: dict) -> str:
+        """Which processes run over their charge by more than CPU_BOUND ("" if none)."""
+        over = ([f"the trainer {shares['over_trainer']:.0%}"] if shares["over_trainer"] > self.CPU_BOUND else []) + [
+            f"searcher {k} {v:.0%}" for k, v in shares["over_searchers"].items() if v > self.CPU_BOUND]
+        return f"CPU-bound ({', '.join(over)} over its own charge)" if over else ""
 
     def eval(self, version: int, scores: dict, example: dict, seconds: float, made: tuple[float, float]):
         """An evaluation of the weights of step `version`; time and overhead: when they were made."""
@@ -168,6 +196,8 @@ class Log:
         x, y = self.cfg.generation_slowdown, self.cfg.train_slowdown  # tools/bench.py part 9's emulation: said
         slowed = "".join(f" | {what} slowed {factor:g}x (emulated)" for what, factor in (("generation", x), ("training", y))
                          if factor != 1)
+        bound = self.cpu_bound(self.last_train) if self.last_train and "over_trainer" in self.last_train else ""
+        slowed += f" | {bound}: the CPU, not the emulation, set the pace" if bound else ""
         reuse = f" | {self.last_train['reuse']:.2f} draws a trajectory" if self.last_train else ""
         self.print(f"done: {self.cfg.steps} steps in {self.now():.0f} s | held-out {score} {first['score']:.3f} "
                    f"(step {first['step']}) -> {last[self.cfg.score]:.3f} (step {last['step']}){resumed}{reuse}{slowed} | "

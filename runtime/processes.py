@@ -163,7 +163,7 @@ class Watch:
             if quiet > (self.timeout if self.heard_once[i] else self.start_timeout):
                 flag = (f"--timeout {self.timeout:g}" if self.heard_once[i] else
                         f"--start-timeout {self.start_timeout:g}: it never started")
-                raise Silent(f"{self.where}searcher {i} (pid {p.pid}) has sent nothing for {quiet:.0f} s ({flag})")
+                raise Silent(f"{self.where}searcher {i} (pid {p.pid}) has sent nothing for {quiet:.3g} s ({flag})")
             usual = self.gap[i]
             if usual is not None and not self.warned[i] and not (i == 0 and self.evaluating) and quiet > min(
                     max(self.WARN_FACTOR * usual, self.WARN_MIN), self.timeout / 2):

@@ -8,8 +8,10 @@ off by default:
   fixed part and a small part a sequence (`gpu`: the same cost at a round's full batch, `GPU_PER_SEQUENCE`).
   `--response-lengths gsm8k` gives each response emulated decoding steps from the long tail of a real model's
   GSM8K answers (`Tails` holds a finished response in its slot until they pass).
-- `--train-slowdown Y`: each training step (sample, loss, update and the sync it makes) lasts Y times its cost
-  alone (`Clock.train_step`): the calibration's, or the median of the run's own first steps.
+- `--train-slowdown Y`: each training step (sample, loss, update) lasts Y times its cost alone (`TrainClock.charge`):
+  the calibration's, or the median of the run's own first steps. The step's weights leave after it, as on a device
+  (before, the synchronous baseline's searchers began the next round inside the trainer's sleep: a baseline faster
+  than the hardware allows).
 - `--calibration FILE`: the costs alone (`seconds_per_token`, `train_step`) measured once, on an idle machine, and
   handed to every run of a comparison (`read_calibration`), instead of each run's own under whatever load.
 Sleeping uses no core, so N searchers and the trainer share the CPU cores as devices of their own would share
@@ -19,6 +21,7 @@ step is over budget (`over`): a comparison of such runs measures the CPU, not th
 
 import json
 import math
+import os
 import time
 
 import numpy as np
@@ -45,7 +48,7 @@ def slow_down(generate: float, alone: float, factor: float, limit: float = math.
     nothing. A sleep longer than `limit` (--timeout) is a fault, not a wait: TimeoutError. Returns the seconds slept."""
     seconds = factor * alone - generate if factor != 1 else 0.0
     if seconds > limit:
-        raise TimeoutError(f"an emulated step of {factor * alone:.0f} s ({factor:g} x its cost alone, {alone:.3g} s) "
+        raise TimeoutError(f"an emulated step of {factor * alone:.3g} s ({factor:g} x its cost alone, {alone:.3g} s) "
                            f"is longer than --timeout {limit:g}: lower the slowdown")
     if seconds > 0:
         time.sleep(seconds)
@@ -161,17 +164,24 @@ class TrainClock:
         return slept
 
 
+MAX_COST = 3600.0  # s: no step of a token or of training is charged an hour
+
+
 def read_calibration(path: str) -> dict:
     """--calibration: {"seconds_per_token": s a generated token costs one engine alone, "train_step": s a training
     step alone}, plain JSON; refused in one line if it is not that."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--calibration: {path} does not exist")
     try:
         with open(path) as f:
             costs = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--calibration: {path} does not read as JSON ({type(e).__name__})") from None
-    if not (isinstance(costs, dict) and all(isinstance(costs.get(k), (int, float)) and 0 < costs[k] < math.inf
-                                            for k in ("seconds_per_token", "train_step"))):
-        raise ConfigError(f"--calibration: {path} must hold positive numbers seconds_per_token and train_step")
+    for k in ("seconds_per_token", "train_step"):  # (JSON true is an int to Python: not a cost)
+        value = costs.get(k) if isinstance(costs, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < MAX_COST:
+            raise ConfigError(f"--calibration: {path} must hold positive numbers of seconds below {MAX_COST:g}, "
+                              f"seconds_per_token and train_step; {k} is {value!r}")
     return {k: float(costs[k]) for k in ("seconds_per_token", "train_step")}
 
 

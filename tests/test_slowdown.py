@@ -173,3 +173,23 @@ def test_both_phases_emulated_from_one_calibration(searchers, tiny_model, tmp_pa
     train = [r for r in metrics(out) if r["kind"] == "train"]
     assert [r["train_charged"] for r in train] == pytest.approx([0.1 * (i + 1) for i in range(4)])
     assert all(r["train_slept"] <= r["train_charged"] and r["over_budget"] >= 0 for r in train)
+
+
+@pytest.mark.engine
+def test_the_synchronous_baseline_stays_synchronous_under_an_emulated_trainer(tiny_model, tmp_path):
+    """--lag 0 with both phases emulated: the trainer's step is charged before its weights leave, so the searchers'
+    round for the next step starts only then, and the trainer's wait for it does not shrink as its step grows
+    (before, the weights left first and the round ran inside the trainer's sleep: at Y = 6 the wait fell to a few
+    hundredths of a second). Over budget is reported per process."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"seconds_per_token": 5e-4, "train_step": 0.05}))
+    waits = {}
+    for y in (2, 8):
+        run = tmp_path / f"y{y}"
+        run.mkdir()
+        out, _ = run_small(tiny_model, run, "--steps", "6", "--eval-every", "0", "--lag", "0", "--generation-slowdown",
+                           "20", "--train-slowdown", str(y), "--calibration", str(costs))
+        train = [r for r in metrics(out) if r["kind"] == "train"]
+        waits[y] = float(np.mean([r["wait"] for r in train[1:]]))
+        assert set(train[-1]["over_searchers"]) == {"0"} and train[-1]["over_trainer"] >= 0
+    assert waits[8] > 0.2 and waits[8] >= 0.7 * waits[2], waits
