@@ -3,6 +3,9 @@ anything is written, every evaluation at the step asked for, a round never count
 run keeping its progress, and flags refused where they would change nothing."""
 
 import dataclasses
+import re
+import shutil
+import time
 import math
 import os
 
@@ -10,7 +13,7 @@ import numpy as np
 import pytest
 
 from buffer import ReplayBuffer, Trajectory, to_arrays
-from conftest import SMALL, metrics, run_tba, shared_run
+from conftest import ROOT, SMALL, env, metrics, run_tba, shared_run
 from runtime import checks
 from runtime.config import Config
 from runtime.errors import ConfigError
@@ -92,6 +95,7 @@ def test_no_flag_takes_inf_or_nan(flag, value):
     (dict(loss="tbprime", reward_temp=2.0), "TB's log R"), (dict(lag=1, max_reuse=2.0), "streaming trainer"),
     (dict(searchers=0, max_reuse=1.0), "streaming trainer"), (dict(decode_cost="gpu"), "emulated decoding"),
     (dict(response_lengths="gsm8k"), "emulated decoding"),
+    (dict(calibration="costs.json"), "emulated device time"),  # a calibration without a slowdown
 ])
 def test_a_flag_that_would_change_nothing_is_refused(given, acts):
     """One rule (checks.ACTS_ONLY): a flag given another value than its default where it cannot act."""
@@ -251,3 +255,77 @@ def test_the_evaluations_can_come_after_the_run(tiny_model, tmp_path):
 def test_the_trainers_evaluator_needs_one_rank():
     with pytest.raises(ConfigError, match=r"^--evaluator: after runs an engine in the trainer's process"):
         checks.check(Config(evaluator="after", prompts_per_step=4), 2)
+
+
+# --- the probes of the newest flags: data kept on a stop, a finish that can be had, odd values refused -----------
+@pytest.mark.engine
+def test_the_kept_evaluations_are_made_on_a_stop_and_a_stopped_end_can_be_finished(tiny_model, tmp_path):
+    """--evaluator after stopped by Ctrl-C mid-run: every evaluation asked for so far is made and logged (before, the
+    kept weights were lost with the process: no eval row at all), beside the checkpoint. A resume at the
+    checkpoint's own --steps whose run has no final/ (a stop during the final evaluations) does the end only; once
+    final/ exists, the same resume is refused as finished."""
+    import signal
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "tba.py"), "--model", tiny_model, *SMALL, "--steps",
+                          "100000", "--eval-every", "2", "--evaluator", "after", "--out", str(out)], cwd=tmp_path,
+                         env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while not (out / "metrics.jsonl").exists() or sum(r["kind"] == "train" for r in metrics(out)) < 7:
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    output, _ = p.communicate(timeout=120)
+    assert p.returncode == 130 and "evaluating the weights of" in output, output[-3000:]
+    trained = max(r["step"] for r in metrics(out) if r["kind"] == "train")
+    assert [r["step"] for r in metrics(out) if r["kind"] == "eval"] == list(range(0, trained + 1, 2))
+    done = torch_load_step(out / "checkpoint")
+    shutil.rmtree(out / "final", ignore_errors=True)
+    p = run_tba(["--model", tiny_model, *SMALL, "--steps", str(done), "--resume", str(out / "checkpoint")], tmp_path)
+    assert p.returncode == 0 and (out / "final" / "config.json").exists(), p.stdout[-3000:]
+    p = run_tba(["--model", tiny_model, *SMALL, "--steps", str(done), "--resume", str(out / "checkpoint")], tmp_path)
+    assert p.returncode == 2 and "the run is finished (its final/ is written)" in p.stdout
+
+
+def torch_load_step(folder) -> int:
+    import torch
+    return torch.load(folder / "trainer.pt", weights_only=True)["step"]
+
+
+@pytest.mark.engine
+def test_a_lag_run_resumed_with_another_reference_reset_goes_on(tiny_model, tmp_path):
+    """--lag 1 with TBA′ resets every 3 steps, saved at step 4, resumed with resets every 5: the searcher keeps the
+    checkpoint's pi_ref (of step 3) until the run's own next reset (after step 5), instead of dying on a reset it could not
+    reach (before: 'the pi_ref of step 18 were published while this searcher needed those of step 15')."""
+    out = tmp_path / "run"
+    flags = ["--model", tiny_model, *SMALL, "--lag", "1", "--loss", "tbprime", "--behaviour-logprobs", "trainer"]
+    p = run_tba([*flags, "--steps", "4", "--ref-reset-every", "3", "--save-every", "4", "--out", str(out)], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    p = run_tba([*flags, "--steps", "8", "--ref-reset-every", "5", "--resume", str(out / "checkpoint")], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    train = [r for r in metrics(out) if r["kind"] == "train" and r.get("resumed") == 4]
+    assert [r["step"] for r in train] == [5, 6, 7, 8] and [r["reference"] for r in train] == [5, 5, 5, 5]
+
+
+def test_calibration_files_are_checked_in_one_line(tmp_path):
+    from runtime.errors import ConfigError
+    from runtime.slowdown import read_calibration
+    costs = tmp_path / "costs.json"
+    for text, why in (('{"seconds_per_token": true, "train_step": 1}', "seconds_per_token is True"),
+                      ('{"seconds_per_token": 1e300, "train_step": 1}', "below 3600"), ("[]", "is None")):
+        costs.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^--calibration: .*{re.escape(why)}"):
+            read_calibration(str(costs))
+    with pytest.raises(ConfigError, match=r"^--calibration: .*missing.json does not exist$"):
+        read_calibration(str(tmp_path / "missing.json"))
+
+
+def test_a_process_over_its_charge_is_called_cpu_bound():
+    """The over-budget shares are each process's own: the done line and a warning say which runs over by 10% (a
+    calibration from a faster machine: nothing slept, every step over its charge)."""
+    from runtime.log import Log
+    log = Log.__new__(Log)
+    assert log.cpu_bound(dict(over_trainer=0.05, over_searchers={"0": 0.02})) == ""
+    assert log.cpu_bound(dict(over_trainer=0.3, over_searchers={"0": 0.02, "1": 0.6})) == (
+        "CPU-bound (the trainer 30%, searcher 1 60% over its own charge)")
