@@ -48,6 +48,8 @@ import time
 from runtime import vllm_env
 
 vllm_env.set_up()  # before torch and vLLM are imported: they read it at import
+if __name__ == "__main__" and vllm_env.early(sys.argv[1:]):
+    vllm_env.start_fork_server()  # the searchers' import of vLLM (5-7 s) beside this process's imports and checks
 
 import numpy as np
 import torch

@@ -9,11 +9,9 @@ them knows what a searcher computes.
   and the caller prints them (rank 0) or sends them to rank 0 (another node's leader).
 """
 
-import atexit
 import contextlib
 import os
 import signal
-import sys
 import time
 from typing import NamedTuple
 
@@ -81,45 +79,14 @@ class Channels(NamedTuple):
 
 
 def fork_server():
-    """On the CPU, searchers start from a fork server that has imported vLLM once (about 5 s of one core
-    each, which N searchers spawned afresh would spend side by side on the cores they share: 4 on 2
-    cores started 10 s later). On a GPU node each searcher imports on cores of its own, and spawn keeps
-    every process free of anything a parent could have set up for CUDA. The server imports runtime/vllm_env.py
-    first (it ignores SIGTERM and SIGINT there), then searcher.py, so it must find the repository: Python 3.11's fork
-    server does not take the trainer's sys.path (multiprocessing/forkserver.py, main), so PYTHONPATH is
-    given it for its start."""
-    from multiprocessing import forkserver
-    ctx = torch.multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["runtime.vllm_env", "searcher", "transformers", "vllm", "vllm.entrypoints.llm"])
-    before = os.environ.get("PYTHONPATH")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, above runtime/
-    os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([before] if before else []))
-    os.environ[vllm_env.FORK_SERVER] = "1"
-    try:
-        forkserver.ensure_running()
-        atexit.unregister(stop_fork_server)  # once, however often it is called
-        atexit.register(stop_fork_server)
-    finally:
-        del os.environ[vllm_env.FORK_SERVER]
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-    return ctx
+    """On the CPU, searchers start from a fork server that has imported vLLM once (vllm_env.start_fork_server; tba.py
+    starts it before its own imports where it can). On a GPU node each searcher imports on cores of its own, and
+    spawn keeps every process free of anything a parent could have set up for CUDA. Returns torch's context of it."""
+    vllm_env.start_fork_server()
+    return torch.multiprocessing.get_context("forkserver")
 
 
-def stop_fork_server():
-    """At the trainer's exit (`fork_server` makes it an exit function): the fork server goes at once. It starts
-    before the checks (tba.py, main), and while it still imports vLLM it ignores SIGINT and SIGTERM and sees no
-    end of the trainer, so a refused or stopped run would leave it printing vLLM's import lines after the run's
-    last. Python 3.11's ForkServer keeps its pid
-    (multiprocessing/forkserver.py:37, 161); its socket is in multiprocessing's temporary folder, which the exit
-    functions remove (multiprocessing/connection.py:77, util.py:get_temp_dir)."""
-    pid = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
-    pid = pid and pid._forkserver_pid
-    if pid:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+stop_fork_server = vllm_env.stop_fork_server
 
 
 class Watch:

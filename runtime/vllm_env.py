@@ -8,7 +8,8 @@
 - `eager_transformers(llm)`: builds transformers models beside a vLLM engine as plain eager models.
 - `quiet_loading()`: no loading bars from transformers (they would break the trainer's progress bar).
 - `held_fingerprints(llm, names)`: the weights an engine holds, read back, for the check of each version's arrival.
-- The CPU's fork server (runtime.fleet.fork_server) imports this module first, with FORK_SERVER set.
+- `start_fork_server()`: on the CPU, the searchers' fork server, which imports vLLM once for them; it imports
+  this module first, with FORK_SERVER set. tba.py starts it before it imports torch (`early`).
 """
 
 import contextlib
@@ -28,6 +29,61 @@ FORK_SERVER = "TBA_FORK_SERVER"  # set while runtime.fleet.fork_server starts th
 if os.environ.pop(FORK_SERVER, None):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def early(argv: list[str]) -> bool:
+    """Whether tba.py's command line will start searchers from a fork server (runtime/processes.fork_server), judged
+    before torch is imported, so that the server's import of vLLM (5-7 s of one core) begins at once, beside this
+    process's own imports and checks: each node's first rank, searchers asked for, no help asked,
+    no NVIDIA device (a GPU node spawns its searchers). Where it guesses wrong, the server is started later or not
+    used, and stopped at exit either way."""
+    if os.environ.get("LOCAL_RANK", "0") != "0" or {"-h", "--help"} & set(argv) or os.path.exists("/dev/nvidiactl"):
+        return False
+    for i, a in enumerate(argv):
+        if a == "--searchers" and argv[i + 1:i + 2] == ["0"] or a == "--searchers=0":
+            return False
+    return True
+
+
+def start_fork_server():
+    """Start the searchers' fork server (multiprocessing's one), which imports vLLM and searcher.py once; N searchers
+    then fork from it instead of importing side by side on the cores they share (4 on 2 cores started 10 s later).
+    It imports this module first (it ignores SIGTERM and SIGINT there), then searcher.py, so it must find the
+    repository: Python 3.11's fork server does not take the trainer's sys.path (multiprocessing/forkserver.py, main),
+    so PYTHONPATH is given it for its start. It goes at this process's exit (`stop_fork_server`)."""
+    import atexit
+    import multiprocessing
+    from multiprocessing import forkserver
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["runtime.vllm_env", "searcher", "transformers", "vllm", "vllm.entrypoints.llm"])
+    before = os.environ.get("PYTHONPATH")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository, above runtime/
+    os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([before] if before else []))
+    os.environ[FORK_SERVER] = "1"
+    try:
+        forkserver.ensure_running()
+        atexit.unregister(stop_fork_server)  # once, however often it is called
+        atexit.register(stop_fork_server)
+    finally:
+        del os.environ[FORK_SERVER]
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def stop_fork_server():
+    """At the trainer's exit (`start_fork_server` makes it an exit function): the fork server goes at once. It
+    starts before the checks, and while it still imports vLLM it ignores SIGINT and SIGTERM and sees no end of the
+    trainer, so a refused or stopped run would leave it printing vLLM's import lines after the run's last. Python
+    3.11's ForkServer keeps its pid (multiprocessing/forkserver.py:37, 161); its socket is in multiprocessing's
+    temporary folder, which the exit functions remove (multiprocessing/connection.py:77, util.py:get_temp_dir)."""
+    import sys
+    pid = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    pid = pid and pid._forkserver_pid
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def set_up():

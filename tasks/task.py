@@ -166,9 +166,9 @@ def read_jsonl(path: str, problem) -> list[Problem]:
 
 def text_fields(row: dict, where: str, *fields: str):
     """Refuse a row whose `fields` are missing or not text."""
-    for field in fields:
-        if not isinstance(row.get(field), str):
-            raise ConfigError(f"--data: {where}: missing or non-text field {field!r}")
+    for name in fields:
+        if not isinstance(row.get(name), str):
+            raise ConfigError(f"--data: {where}: missing or non-text field {name!r}")
 
 
 def from_hub(name: str, config, splits: tuple[str, str], problem) -> tuple[list[Problem], list[Problem]]:

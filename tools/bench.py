@@ -732,11 +732,11 @@ def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: lis
         raise RuntimeError(f"trl_grpo.py produced no evaluation: {read_text(out + '.log')[-2000:]}")
     offset = config["started"] - launched  # interpreter start before trl_grpo.py's first line
     curve = [(offset + e["time"], e["step"], e["accuracy"]) for e in evals]
-    start = curve[0][2]
-    (t15, s15), (t25, s25) = reached(curve, start + 0.15), reached(curve, start + 0.25)
+    first = curve[0][2]
+    (t15, s15), (t25, s25) = reached(curve, first + 0.15), reached(curve, first + 0.25)
     later = train[1:]  # the first step may hold one-time warm-up
     return dict(
-        seed=seed, start_accuracy=start, seconds_to_015=t15, step_015=s15, seconds_to_025=t25, step_025=s25,
+        seed=seed, start_accuracy=first, seconds_to_015=t15, step_015=s15, seconds_to_025=t25, step_025=s25,
         final_accuracy=curve[-1][2] if curve[-1][1] == config["steps"] else None, steps=config["steps"],
         seconds=offset + train[-1]["time"] if train else None, exit_code=proc.returncode,
         first_step_seconds=offset + train[0]["time"] - train[0]["seconds"] if train else None,
