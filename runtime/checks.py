@@ -140,6 +140,7 @@ def check(cfg, world: int):
         from runtime import slowdown
         slowdown.read_calibration(cfg.calibration)  # refused in one line if it is not one
     need(cfg.max_staleness >= 0, "max-staleness", "must be 0 (no bound) or more")
+    need(cfg.stale_bound >= 0, "stale-bound", "must be 0 (no bound) or more")
     need(cfg.max_reuse is None or cfg.max_reuse >= 0, "max-reuse", f"must be 0 (no cap) or more, got {cfg.max_reuse}")
     cfg = dataclasses.replace(cfg, max_reuse=(MAX_REUSE if cfg.searchers and cfg.lag is None else 0.0)
                               if cfg.max_reuse is None else cfg.max_reuse)
@@ -306,6 +307,9 @@ ACTS_ONLY = (
     ("max_staleness", lambda c: c.lag is None, STREAMING),
     ("buffer_capacity", lambda c: c.lag is None, STREAMING),
     ("duplicates", lambda c: c.lag is None, STREAMING),
+    ("fresh_first", lambda c: c.lag is None, STREAMING),
+    ("use_once", lambda c: c.lag is None, STREAMING),
+    ("stale_bound", lambda c: c.lag is None, STREAMING),
     ("max_reuse", lambda c: c.lag is None and c.searchers > 0, "the streaming trainer's replay of what searchers "
      "sent: with --lag every batch is its step's rounds, with --searchers 0 every step searches its own data"),
     ("inflight_kv", lambda c: c.inflight, "in-flight updates (--inflight, streaming with searchers)"),

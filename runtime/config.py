@@ -39,6 +39,11 @@ class Config:
     buffer_capacity: int = arg(100, "distinct responses kept per prompt", fixed=True)
     duplicates: str = arg("count", "a batch draws each distinct response as often as the searchers sent it (count) "
                                    "| once (collapse: the authors' buffer)", choices=("count", "collapse"))
+    fresh_first: bool = arg(False, "streaming: a batch's recent prompts are the B searched last, each its newest "
+                                   "round's responses (off: uniform over the newest windows that cover B prompts)")
+    use_once: bool = arg(False, "streaming: each trajectory drawn for training leaves the buffer (used once)")
+    stale_bound: int = arg(0, "streaming: data sampled by weights more than S steps before the step trained leaves the "
+                              "buffer, never drawn; 0 = no bound")
     initial_buffer: int = arg(0, "trajectories that must have arrived before the first training step")
     max_reuse: float | None = arg(None, "R: draws for training at most R times the trajectories kept, over the run; "
                                         "0 = no cap; default: 1 with searchers, 0 without")
