@@ -162,7 +162,7 @@ class Engine:
         self.requests = Requests()  # searcher 0's evaluations asked for (`follow`); none elsewhere
         calibrated = slowdown.read_calibration(cfg.calibration)["seconds_per_token"] if cfg.calibration else None
         self.clock = slowdown.Clock(cfg.generation_slowdown, calibrated, cfg.decode_cost, limit=cfg.timeout,
-                                    full=(cfg.round_prompts or cfg.prompts_per_step) * cfg.search_samples_per_prompt)
+                                    full=cfg.prompts_per_step * cfg.search_samples_per_prompt, model=cfg.decode_shape)
         self.decoder = decoding.decoder(cfg, self.llm, self.clock, self.between_steps if cfg.inflight else None,
                                         salt=lambda: f"v{self.version}")
         self.scorer = task.scorer(self, task, evaluates)

@@ -327,6 +327,7 @@ ACTS_ONLY = (
     ("calibration", lambda c: c.generation_slowdown != 1 or c.train_slowdown != 1, "the emulated device time "
      "(--generation-slowdown or --train-slowdown above 1)"),
     ("decode_cost", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above 1)"),
+    ("decode_shape", lambda c: c.decode_cost == "gpu", "GPU-shaped emulated decoding (--decode-cost gpu)"),
     ("response_lengths", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above "
      "1)"),
 )

@@ -163,6 +163,9 @@ class Config:
     decode_cost: str = arg("linear", "experiment knob, with --generation-slowdown: a decoding step costs each running "
                                      "sequence's share (linear) | a fixed part and a small part a sequence, as on a "
                                      "GPU (gpu)", choices=("linear", "gpu"))
+    decode_shape: str = arg("rho-math-1b", "experiment knob, with --decode-cost gpu: whose decoding step it is shaped "
+                                           "as (a fixed part, and a part a sequence from its KV cache's bytes a token "
+                                           "over its weights')", choices=("rho-math-1b", "qwen2.5-7b", "llama-2-7b"))
     response_lengths: str = arg("real", "experiment knob, with --generation-slowdown: a response's emulated decoding "
                                         "steps are its own (real) | its own times a draw from the long tail of a real "
                                         "model's GSM8K answers (gsm8k)", choices=("real", "gsm8k"))

@@ -5,7 +5,8 @@ off by default:
   times its cost alone, sleeping the rest (`Clock.step`). Its cost alone is the engine's calibration, seconds a
   generated token costs it warm and alone (`calibrate`, `calibrate_alone`: the engines of a node warm up side by
   side, then time one at a time), times the sequences the step runs (`--decode-cost linear`), or, as on a GPU, a
-  fixed part and a small part a sequence (`gpu`: the same cost at a round's full batch, `GPU_PER_SEQUENCE`).
+  fixed part and a small part a sequence (`gpu`: the same cost as linear's at a whole batch, B x n sequences,
+  whatever the searchers' number; the part a sequence is the model's, `per_sequence(--decode-shape)`).
   `--response-lengths gsm8k` gives each response emulated decoding steps from the long tail of a real model's
   GSM8K answers (`Tails` holds a finished response in its slot until they pass).
 - `--train-slowdown Y`: each training step (sample, loss, update) lasts Y times its cost alone (`TrainClock.charge`):
@@ -29,11 +30,28 @@ import numpy as np
 from runtime import seeds
 from runtime.errors import ConfigError
 
-# `--decode-cost gpu`: a decoding step costs a + b x its running sequences, b / a = 0.016: Llama-2-7B on an H100
-# with vLLM, median inter-token latency 10.8 ms at 1 sequence to 51.9 ms at 239 (Recasens et al., "Mind the
+# `--decode-cost gpu`: a decoding step costs a + b x its running sequences. Fitted: b / a = 0.016 for Llama-2-7B on an
+# H100 with vLLM, median inter-token latency 10.8 ms at 1 sequence to 51.9 ms at 239 (Recasens et al., "Mind the
 # Memory Gap", arXiv 2503.08311; their results in github.com/FerranAgulloLopez/vLLMBatchingMemoryGap, fitted within
-# 3%; OPT-1.3B 0.024, Llama-2-13B 0.013)
+# 3%; OPT-1.3B 0.024, Llama-2-13B 0.013).
 GPU_PER_SEQUENCE = 0.016
+# A memory-bound decoding step reads the weights once (a) and each sequence's KV cache (b), so b / a goes as the KV
+# cache's bytes a token over the weights' bytes, at the same context: `per_sequence` scales the fit by that. Shapes
+# from each model's config.json (layers, key/value heads, head size, parameters); tools/gpu_probe.py measures b / a
+# on a GPU, the figure that replaces these where one is lent.
+GPU_SHAPES = {
+    "llama-2-7b": dict(layers=32, kv_heads=32, head_dim=128, params=6.74e9),  # full multi-head attention: the fit's
+    "rho-math-1b": dict(layers=22, kv_heads=4, head_dim=64, params=1.10e9),   # the paper's GSM8K model (GQA)
+    "qwen2.5-7b": dict(layers=28, kv_heads=4, head_dim=128, params=7.62e9),   # run_math.sh's (GQA)
+}
+
+
+def per_sequence(shape: str) -> float:
+    """b / a of a decoding step of the model `shape` (GPU_SHAPES): the fit for Llama-2-7B, times the KV cache's bytes a
+    token over the weights' bytes against Llama-2-7B's (rho-math-1b: 0.0042, a step 3.8x flatter; Qwen2.5-7B:
+    0.0015). Both in the same dtype: it cancels."""
+    kv_per_weight = lambda m: 2 * m["layers"] * m["kv_heads"] * m["head_dim"] / m["params"]  # K and V, a token
+    return GPU_PER_SEQUENCE * kv_per_weight(GPU_SHAPES[shape]) / kv_per_weight(GPU_SHAPES["llama-2-7b"])
 # `--response-lengths gsm8k`: quantiles (0, 5, ..., 100%) of a real model's GSM8K answer lengths over their median:
 # the 1,319 test answers of OpenAI's fine-tuned 6B model (github.com/openai/grade-school-math,
 # grade_school_math/data/example_model_solutions.jsonl, "6b_finetuning"), in words and punctuation (median 89)
@@ -62,17 +80,19 @@ class Clock:
     charged in all (X x the cost alone; the time taken, unslowed), over budget (real compute above the charge)."""
 
     def __init__(self, factor: float, seconds_per_token: float | None = None, shape: str = "linear", full: int = 1,
-                 limit: float = math.inf):
+                 limit: float = math.inf, model: str = "rho-math-1b"):
         self.factor, self.seconds_per_token, self.shape, self.full, self.limit = (factor, seconds_per_token, shape,
                                                                                     max(1, full), limit)
+        self.b = per_sequence(model)  # b / a of a decoding step, with --decode-cost gpu
         self.emulated = factor != 1
         self.generate = self.slept = self.charged = self.over = 0.0
 
     def alone(self, running: int) -> float:
         """A decoding step's cost alone: each of its sequences' share (linear), or as on a GPU a fixed part and a
-        small part a sequence, equal to linear's at a round's full batch of `full` sequences (gpu)."""
+        small part a sequence, equal to linear's at a whole batch of `full` sequences (gpu: B x n, the same for every
+        number of searchers, so that a searcher running N times the sequences is not charged N times for them)."""
         if self.shape == "gpu":
-            return self.seconds_per_token * self.full * (1 + GPU_PER_SEQUENCE * running) / (1 + GPU_PER_SEQUENCE * self.full)
+            return self.seconds_per_token * self.full * (1 + self.b * running) / (1 + self.b * self.full)
         return self.seconds_per_token * running
 
     def step(self, seconds: float, running: int):

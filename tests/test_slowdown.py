@@ -117,13 +117,21 @@ def test_real_compute_above_the_charge_is_over_budget():
 
 
 def test_a_gpu_shaped_step_costs_a_fixed_part_and_a_little_a_sequence():
-    """--decode-cost gpu: the same cost as linear at a round's full batch, about half of it for one sequence
-    (GPU_PER_SEQUENCE = 0.016 from vLLM's published step times), where linear charges 1 / 64 of it."""
-    from runtime.slowdown import GPU_PER_SEQUENCE, Clock
-    gpu, linear = Clock(10.0, 1e-3, "gpu", full=64), Clock(10.0, 1e-3, "linear", full=64)
+    """--decode-cost gpu: the same cost as linear at a whole batch, about half of it for one sequence at Llama-2-7B's
+    shape (GPU_PER_SEQUENCE = 0.016 from vLLM's published step times), where linear charges 1 / 64 of it; a model with
+    grouped-query attention is flatter by its KV cache's bytes a token over its weights' (rho-math-1b: 0.0042)."""
+    from runtime.slowdown import GPU_PER_SEQUENCE, Clock, per_sequence
+    gpu = Clock(10.0, 1e-3, "gpu", full=64, model="llama-2-7b")
+    linear = Clock(10.0, 1e-3, "linear", full=64)
     assert gpu.alone(64) == pytest.approx(linear.alone(64))
     assert gpu.alone(1) / gpu.alone(64) == pytest.approx((1 + GPU_PER_SEQUENCE) / (1 + 64 * GPU_PER_SEQUENCE))
     assert linear.alone(1) / linear.alone(64) == pytest.approx(1 / 64)
+    # rho-math-1b: 22 layers x 4 key/value heads x 64 against 32 x 32 x 128, over 1.10B parameters against 6.74B
+    assert per_sequence("rho-math-1b") == pytest.approx(0.016 * (22 * 4 * 64 / 1.10e9) / (32 * 32 * 128 / 6.74e9))
+    assert per_sequence("qwen2.5-7b") < per_sequence("rho-math-1b") < per_sequence("llama-2-7b") == GPU_PER_SEQUENCE
+    rho = Clock(10.0, 1e-3, "gpu", full=64)  # the default shape: rho-math-1b's, the paper's GSM8K model
+    assert 0.98 < rho.alone(16) / rho.alone(64) * (1 + 64 * rho.b) / (1 + 16 * rho.b) < 1.02
+    assert rho.alone(16) / rho.alone(64) > 0.8  # a quarter of the batch costs almost as much a step
 
 
 def test_a_long_tailed_response_holds_its_slot_for_its_emulated_steps():
