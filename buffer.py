@@ -57,9 +57,8 @@ def vector(dtype: str):
 
 @dataclass
 class Trajectory:
-    """One searched response: the one record that the loss's inputs (tba.backward), the buffer's saved
-    state and the wire between nodes derive from (`to_arrays`), so a new field is one line here plus
-    where it is made (searcher.Engine.search)."""
+    """One searched response: the record the loss's inputs, the saved buffer and the wire between nodes derive from
+    (`to_arrays`): a new field is one line here, and where it is made (searcher.Engine.search)."""
     prompt_id: int           # index into the task's training problems
     response: np.ndarray     # (T,) int32 response token ids, EOS included when generation stopped on it
     reward: float            # r(y, x)
@@ -340,11 +339,8 @@ class ReplayBuffer:
 
 @dataclass
 class ReuseCap:
-    """--max-reuse R: a step of `draws` trajectories is allowed only while the trajectories drawn for
-    training stay within R times those the buffer kept, over the run (R = 0: no cap). The credit this
-    leaves is kept up to `bank` draws, so that a stretch where data arrives faster than the trainer can
-    use it cannot pay for a later burst of replay (a silent searcher would otherwise be replayed for as
-    many steps as were banked)."""
+    """--max-reuse R: a step of `draws` is allowed while the draws stay within R x the trajectories kept, over the run
+    (0: no cap); the credit banked is at most `bank` draws (no burst of replay, of a silent searcher's data say)."""
     ratio: float         # R: draws allowed per trajectory kept; 0 = no cap
     bank: float          # the most credit kept, in draws
     credit: float = 0.0  # draws allowed before more data must arrive
@@ -366,9 +362,8 @@ class ReuseCap:
 
 
 def draw(copies: np.ndarray, weights: np.ndarray, K: int, rng: np.random.Generator) -> list[int]:
-    """K draws from a multiset, each distinct item i held `copies[i]` times, each copy weighted by `weights[i]`:
-    without replacement (a copy drawn is gone) while it holds K copies, else with. So a batch follows the searchers'
-    multiplicities, as the raw rounds would, the trajectories being one object a distinct response."""
+    """K draws from a multiset (item i held `copies[i]` times, each copy weighted `weights[i]`), without replacement
+    while it holds K copies: a batch follows the searchers' multiplicities, as the raw rounds would."""
     mass = copies * weights                                     # (n,) each item's copies' weight
     if copies.sum() < K:
         return rng.choice(len(copies), size=K, p=mass / mass.sum()).tolist()

@@ -201,9 +201,8 @@ def chunks(logits, chunk_bytes: int = 2**28):
 
 
 def next_token_logprobs(model, input_ids, attention_mask, temperature: float, chunk_bytes: int = 2**28):
-    """Each position's log-prob of the token after it, from logits / temperature, chunk by chunk (`chunks`), each
-    chunk's float32 log-softmax recomputed in the backward pass: the only (N, T, V) tensor kept is the model's
-    own logits (in its compute dtype). Yields (slice of positions, (N, C) log-probs), in order."""
+    """(slice of positions, (N, C) log-probs of the next tokens from logits / temperature), chunk by chunk, each
+    float32 log-softmax recomputed in the backward pass: the only (N, T, V) tensor kept is the model's logits."""
     # use_cache=False: no KV cache built on a scoring pass (models whose config says use_cache build one)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]  # (N, T-1, V)
     targets = input_ids[:, 1:]                                                        # (N, T-1): token t+1
@@ -228,11 +227,8 @@ def response_logprobs(model, input_ids, attention_mask, response_mask, temperatu
 
 def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperature: float,
                       chunk_bytes: int = 2**28):
-    """Summed log-prob of each sequence's response tokens, from logits / temperature. Returns (N,).
-
-    input_ids, attention_mask, response_mask: (N, T), prompt then response then right padding;
-    response_mask is 1 on response tokens (EOS included) and 0 on prompt and padding.
-    """
+    """Summed log-prob of each sequence's response tokens, from logits / temperature: (N,). The masks are (N, T),
+    prompt, response, right padding; response_mask is 1 on response tokens (EOS included)."""
     mask = response_mask[:, 1:]                                                       # (N, T-1): token t+1
     total = torch.zeros(len(input_ids), device=input_ids.device)                      # (N,)
     for at, lp in next_token_logprobs(model, input_ids, attention_mask, temperature, chunk_bytes):

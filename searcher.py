@@ -48,10 +48,9 @@ from runtime.weights import WAIT, Inbox, SharedWeights
 
 # ===== the searcher's loop: its side of the paper's Algorithm 1 ==================================
 def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, first_round: int = 0):
-    """Searcher process main: reload the weights when they move, search, send, until told to stop. Searcher 0
-    also evaluates the weights of each step the trainer asks for, at a round's start, before newer ones load
-    (`Requests`). With --lag L, round r is step r's (a run resumed at step s begins at round s) and waits for the
-    weights of step r - L exactly."""
+    """A searcher process: its start (signals, the engine, the weights' inbox, searcher 0's evaluation requests), its
+    loop (`loop`), and its end: an exit status a fault (3: the trainer is gone; 4: no weights for --timeout; 5: weights
+    that did not arrive intact, said to the trainer first)."""
     become_searcher()
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
@@ -65,37 +64,7 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
         weights = Inbox(shared, index % cfg.searchers, channels.stop, parent_alive, cfg.timeout)
         requests = Requests(channels, parent_alive, cfg.timeout)
         engine.follow(weights, requests, first_round)  # new weights load when asked for, and (--inflight) in flight
-        beat = lambda **state: send(channels.queue, dict(kind="beat", searcher=index, **state), channels.stop)
-        search = lambda trajectories, stats, t0: trajectories and send(channels.queue, dict(
-            kind="search", searcher=index, version=engine.version, verified=engine.verified, trajectories=trajectories,
-            seconds=time.time() - t0, **stats), channels.stop)
-        for round_ in itertools.count(first_round):
-            if channels.stop.is_set():
-                break
-            # ===== the weights: the newest published, or (--lag) exactly those of step round - L ===
-            for_step, version = lagged(cfg, round_, lambda: requests.wanted(engine.version))
-            weights.wait_for(version, beat)
-            # ===== evaluate, if asked: the weights of the step asked for, held until now (after a first round:
-            # the trainer gets its first data first) =================================================
-            if round_ > first_round and requests.due(engine.version):
-                t0 = time.time()  # requests still in flight (--keep-full) first: evaluating generates
-                search(*engine.search([], cfg.search_samples_per_prompt, ()), t0)
-                t0 = time.time()
-                scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda done: beat(done=done))
-                requests.done(engine.version)
-                send(channels.queue, dict(kind="eval", searcher=index, version=engine.version, scores=scores,
-                                          example=example, seconds=time.time() - t0), channels.stop)
-            engine.sync(weights)
-            weights.announce(lagged(cfg, round_ + 1, lambda: None)[1])  # --lag: held, it needs the next round's now
-            # ===== search: sample, score, pi_ref's log-probs; send to the trainer =================
-            if for_step is not None:
-                t0 = time.time()
-                rng = np.random.default_rng([cfg.seed, index, round_, seeds.SEARCH_PROMPTS])  # a resumed run's too
-                ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
-                search(*engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
-                                      for_step=for_step), t0)  # (--keep-full: nothing from the call that fills it)
-            else:  # every round made (--lag): only evaluations are left to do
-                time.sleep(WAIT / 4)
+        loop(index, cfg, channels, data, engine, weights, requests, first_round)
     except Dead:
         sys.exit(3)
     except TimeoutError as e:  # the trainer lives but sent no weights for --timeout: one line, not a traceback
@@ -109,6 +78,34 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
         sys.exit(1)
     finally:
         channels.queue.cancel_join_thread()  # never block exit on undelivered data
+
+
+def loop(index: int, cfg, channels, data, engine: "Engine", weights: Inbox, requests: "Requests", first_round: int):
+    """Reload the weights when they move, search, send, until told to stop; searcher 0 also evaluates the steps asked
+    for (`Requests`). With --lag L, round r is step r's and waits for the weights of step r - L exactly."""
+    say = lambda message: send(channels.queue, dict(searcher=index, **message), channels.stop)
+    for round_ in itertools.count(first_round):
+        if channels.stop.is_set():
+            break
+        # ===== the weights: the newest published, or (--lag) exactly those of step round - L =======
+        for_step, version = lagged(cfg, round_, lambda: requests.wanted(engine.version))
+        weights.wait_for(version, lambda: say(dict(kind="beat")))
+        if round_ > first_round:  # ===== evaluate, if asked (after a first round: the trainer's first data first)
+            requests.evaluate(engine, data, say)
+        engine.sync(weights)
+        weights.announce(lagged(cfg, round_ + 1, lambda: None)[1])  # --lag: held, it needs the next round's now
+        # ===== search: sample, score, pi_ref's log-probs; send to the trainer =======================
+        if for_step is None:  # every round made (--lag): only evaluations are left to do
+            time.sleep(WAIT / 4)
+            continue
+        t0 = time.time()
+        rng = np.random.default_rng([cfg.seed, index, round_, seeds.SEARCH_PROMPTS])  # a resumed run's too
+        ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
+        trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
+                                            for_step=for_step)
+        if trajectories:  # (--keep-full: none from the call that fills the engine)
+            say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
+                     seconds=time.time() - t0, **stats))
 
 
 def lagged(cfg, round_: int, wanted) -> tuple[int | None, int | None]:
@@ -169,8 +166,7 @@ class Engine:
 
     # --- searching -------------------------------------------------------------------------
     def generate(self, prompt_ids, n: int, seed: tuple, plain: bool = False) -> list[tuple[int, list]]:
-        """vLLM's n samples of each prompt, seeded from `seed` and the prompt: (prompt id, its n completions) for
-        each prompt done (--keep-full: those done first, of this call or an earlier one; runtime/decoding.py).
+        """vLLM's n samples of each prompt, seeded: (prompt id, its n completions) for each prompt done (decoding.py).
         `plain`: a round of these prompts alone, stepped, whatever the run's decoder (the emulation's calibration)."""
         decoder = decoding.Stepped(self.llm, self.clock, None, lambda: "plain") if plain else self.decoder
         return decoder.generate(self.to_requests(prompt_ids, n, seed))
@@ -180,9 +176,8 @@ class Engine:
                                  seed) for p in prompt_ids]
 
     def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1) -> tuple[list[Trajectory], dict]:
-        """n sampled responses to each prompt, scored, with reference and behaviour log-probs, and the versions
-        of the weights that sampled them (several with --inflight); `for_step`: --lag's step. With no prompts: the
-        responses still in flight (--keep-full), if any."""
+        """n sampled responses to each prompt, scored, with pi_ref's and the behaviour's log-probs and the versions that
+        sampled them; `for_step`: --lag's step. No prompts: those still in flight (--keep-full), if any."""
         done = [(p, c) for p, completions in self.generate(prompt_ids, n, seed) for c in completions]
         if not done:  # (--keep-full: the call that filled the engine)
             return [], {}
@@ -258,9 +253,8 @@ class Engine:
 
     # --- weights ---------------------------------------------------------------------------
     def load(self, named_tensors, version: int):
-        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache. Between two decoding steps of
-        requests in flight (--inflight, --keep-full), these keep their KV cache (--inflight-kv keep) or recompute
-        it with the new weights (recompute)."""
+        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache; requests in flight (--inflight) keep
+        their KV cache (--inflight-kv keep) or recompute it."""
         named_tensors = list(named_tensors)  # read twice where the scorer keeps a copy
         in_flight = self.decoder.busy()
         self.scorer.loaded(named_tensors)
@@ -279,9 +273,8 @@ class Engine:
         self.version = version
 
     def sync(self, weights: Inbox) -> bool:
-        """Load the published weights if their version moved (unless searcher 0 holds older ones for an
-        evaluation asked for: `Requests.keeps`), and pi_ref if it was reset (TBA′); True if anything moved. Read
-        under the lock: the trainer cannot overwrite them half-way."""
+        """Load the published weights if they moved (unless held for an evaluation: `Requests.keeps`), and pi_ref if it
+        was reset (TBA′), under the lock; True if anything moved."""
         self.requests.holds(self.version)
         version, pi_ref_version = weights.versions()
         policy = version != self.version and not self.requests.keeps(self.version, version)
@@ -298,9 +291,8 @@ class Engine:
         return True
 
     def verify(self, names: list[str], prints):
-        """The weights just loaded, read back from the engine, against the fingerprints the trainer published with them
-        (runtime/weights.fingerprint): a version that did not arrive intact (a tensor not loaded, a tied head left stale,
-        a copy overwritten) stops the run, naming the first tensor that differs. `verified`: the last version checked."""
+        """The weights just loaded, read back from the engine, against the trainer's fingerprints: a version that did
+        not arrive intact stops the run, naming the tensor (docs/faults.md). `verified`: the last version checked."""
         expected = dict(zip(names, prints.tolist()))
         held, groups = vllm_env.held_fingerprints(self.llm, names)
         for param, members in groups.items():
@@ -468,6 +460,21 @@ class Requests:
 
     def done(self, version: int):
         self.pending = [step for step in self.pending if step > version]
+
+    def evaluate(self, engine: "Engine", data, say):
+        """If an evaluation of the weights held (or of older ones) is asked: the requests still in flight (--keep-full)
+        sent first, then the held-out problems' scores, a beat after each part (a long evaluation is no silence)."""
+        if not self.due(engine.version):
+            return
+        t0 = time.time()
+        trajectories, stats = engine.search([], engine.cfg.search_samples_per_prompt, ())  # evaluating generates
+        if trajectories:
+            say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
+                     seconds=time.time() - t0, **stats))
+        t0 = time.time()
+        scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda n: say(dict(kind="beat", done=n)))
+        self.done(engine.version)
+        say(dict(kind="eval", version=engine.version, scores=scores, example=example, seconds=time.time() - t0))
 
     def wanted(self, held: int) -> int | None:
         """--lag, past the last round: the weights of the next evaluation asked for, newer than those `held` (the

@@ -77,9 +77,8 @@ from runtime.weights import gather
 
 # ===== the trainer loop: the trainer's side of the paper's Algorithm 1 ===========================
 def train(t: "Trainer"):
-    """Until --steps: collect what the searchers sent, sample B prompts x K responses, take one step
-    of the loss, send the weights to the searchers every k steps, log, evaluate, checkpoint. Every
-    trainer rank runs it; rank 0 holds the buffer and samples, and each rank takes its share of B."""
+    """Until --steps: collect, sample B prompts x K responses, a step of the loss, the weights to the searchers every
+    k steps, log, evaluate, checkpoint. Every trainer rank runs it; rank 0 samples, each rank takes its share of B."""
     cfg = t.cfg
     if t.step < cfg.steps:  # (a resumed run with every step done has only its end to do: finish)
         t.evaluate()  # the initial model's score
@@ -208,9 +207,8 @@ class Trainer:
 
     # --- what the next step waits for, its batch ---------------------------------------------------
     def waiting_for(self, initial: int) -> str | None:
-        """What the next step still lacks (rank 0), or None: searcher 0 holding the weights of an evaluation asked
-        for, the initial buffer, B prompts, data no more than --max-staleness steps old (the newest; replayed draws
-        are old by design), or --max-reuse's credit; with --lag, this step's rounds."""
+        """What the next step still lacks (rank 0), or None: an evaluation's weights held, the initial buffer, B prompts,
+        data no more than --max-staleness old, --max-reuse's credit; with --lag, this step's rounds."""
         cfg, fleet = self.cfg, self.fleet
         if fleet.evaluation_pending():  # an evaluation's weights first (not learning: the log's overhead)
             self.held_since = self.held_since or time.time()
@@ -269,9 +267,8 @@ class Trainer:
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
     def sync_weights(self, pi_ref: bool = False, final: bool = False):
-        """Publish the trainer's weights (--lag: to be served when the rounds L steps ahead need them); searchers
-        reload them before their next round, and the buffer's data since then is recent. `pi_ref`: they also
-        become pi_ref at once (TBA′); `final`: the last step's, for the final evaluation."""
+        """Publish the weights (--lag: served when the rounds L steps ahead need them); data from now on is recent.
+        `pi_ref`: they also become pi_ref at once (TBA′); `final`: the last step's, for the final evaluation."""
         if self.fleet.publish(gather(self.model, getattr(torch, self.cfg.dtype)), self.step, pi_ref, final):
             self.buffer.mark_sync()
         self.synced = self.step
@@ -350,16 +347,11 @@ class Trainer:
 
 # --- the gradient ------------------------------------------------------------------------------------
 def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, beta: float, **tempering) -> dict:
-    """Accumulate the gradient of the loss (`--loss`) over this rank's groups (K trajectories of one prompt
-    each). The loss gets `logp` (the trainer's, with gradient) and each number field of the Trajectory
-    (buffer.SCALARS: logp_ref, reward, logp_behaviour, ...) as (b, K) tensors; a per-token loss also its
-    tokens' (b, K, T) tensors. In passes of whole prompts, --micro-batch sequences a pass, each distinct sequence
-    once; with fewer than K, passes without gradient of --micro-batch sequences give the group's statistics (log Z,
-    the advantages), then each pass of --micro-batch sequences puts its log-probs, with gradient, among the others'
-    detached ones: the passes' gradients add up to the whole loss's, and no pass holds more than --micro-batch
-    sequences. Those passes take every sequence, duplicates too, so that every trainer rank runs as many (FSDP2's
-    all-gathers and reduce-scatters pair up across ranks). Returns sums over the groups: "loss" x prompts,
-    "prompts", and each of the loss's (B,) statistics."""
+    """The gradient of the loss (`--loss`, on (b, K) tensors: `loss_inputs`) over this rank's groups, in passes of
+    whole prompts (each distinct sequence once); with --micro-batch below K, passes without gradient give the group's
+    statistics (log Z), then each pass puts its log-probs, with gradient, among the others' detached ones, every
+    sequence in its pass (duplicates too: every rank runs as many FSDP2 passes). Sums: "loss" x prompts, "prompts",
+    and each statistic's."""
     K, loss_fn = cfg.samples_per_prompt, LOSSES[cfg.loss]
     per_token = getattr(loss_fn, "per_token", False)
     options = dict(beta=beta, clip=cfg.clip, is_cap=cfg.is_cap, importance_weights=cfg.importance_weights,

@@ -156,8 +156,6 @@ def check(cfg, world: int):
     vllm_env.check()
     for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "ref_reset_every"):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
-    if cfg.inflight is None:  # measured better than between rounds only, or as good (docs/performance.md, part 9)
-        cfg = dataclasses.replace(cfg, inflight=cfg.lag is None and cfg.searchers > 0)
     check_lag(cfg, every or 1)
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
     cfg = dataclasses.replace(cfg, loss_pools=loss_pools(cfg))
@@ -258,7 +256,7 @@ def check_lag(cfg, searchers: int):
     need(not cfg.inflight or cfg.searchers, "inflight", "loads weights into the searchers' rounds in flight; with "
          "--searchers 0 the trainer searches between its steps")
     need(not cfg.keep_full or cfg.inflight, "keep-full", "keeps requests in flight from one round to the next, which "
-         "new weights reach only in flight: streaming with --inflight (the default with searchers)")
+         "new weights reach only in flight: streaming with --inflight")
     need(cfg.behaviour_logprobs == "vllm" or not cfg.lora_rank, "behaviour-logprobs", "trainer keeps a copy of all the "
          "weights; with --lora-rank the adapter's are not kept: leave it at vllm")
     if cfg.lag is None:

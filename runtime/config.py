@@ -67,9 +67,9 @@ class Config:
                                           "(trainer: the authors')", choices=("vllm", "trainer"))
     lag: int | None = arg(None, "L: every batch of step n is sampled by the weights of step n - L exactly (0: "
                                 "synchronous, the searchers waiting for each step's weights); default: stream")
-    inflight: bool | None = arg(None, "streaming: searchers load new weights between the decoding steps of a round in "
-                                      "flight (default: on when streaming with searchers; --no-inflight: between "
-                                      "rounds only)")
+    inflight: bool = arg(False, "streaming: searchers load new weights between the decoding steps of a round in "
+                                "flight (PipelineRL's); off: between rounds, as the paper's searchers (part 9 of "
+                                "docs/performance.md measured no gain from it)")
     keep_full: bool = arg(False, "--inflight: a finished response's slot in a searcher's engine takes the next request "
                                  "at once, so that no round waits for its slowest response")
     inflight_kv: str = arg("keep", "--inflight: the KV cache of the tokens already made stays (keep) or is "

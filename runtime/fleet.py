@@ -17,8 +17,9 @@ the reasons to stop. The trainer (tba.py) calls it through a few verbs, which ru
 
 Every wait polls, has a timeout and checks that the other side lives: a dead searcher raises Dead, none
 heard from for --timeout raises TimeoutError, and the watch notices a searcher that lives but has gone
-silent (a warning, then Silent, which stops the run after a checkpoint). Several trainer ranks wait with
-rank 0 (runtime/ranks.py, `wait_together`); several nodes' leaders meet every POLL seconds (`meet`).
+silent (a warning, then Silent, which stops the run after a checkpoint). A thread reads the searchers'
+messages (`Messages`): a message a stopped searcher left half-written blocks no wait. Several trainer ranks
+wait with rank 0 (runtime/ranks.py, `wait_together`); several nodes' leaders meet every POLL seconds (`meet`).
 This file and runtime/checks.py are the assembly above the core: they import searcher.py and tasks/ to
 start and check what the algorithm's files define.
 """
@@ -26,8 +27,9 @@ start and check what the algorithm's files define.
 import contextlib
 import math
 import sys
+import threading
 import time
-from queue import Empty
+from queue import Empty, Full, Queue
 
 import torch
 
@@ -63,6 +65,7 @@ class Fleet:
         self.dead = None       # a line, once a searcher of this node has died (one node; several: `meet`)
         self.heard = False     # a message came (before it, waits allow --start-timeout)
         self.procs, self.channels, self.watch = [], None, None
+        self.messages = None   # the searchers' messages, as this process reads them (`Messages`)
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = create(ctx, cfg.searchers) if self.leader else None
         self.out = Outbox(self.shared, cfg.lag, cfg.timeout)  # the weights' way out, --lag's history
@@ -97,6 +100,7 @@ class Fleet:
             with self.signals.deferred():  # on the CPU it waits for the fork server's imports: seconds
                 p.start()
             self.procs.append(p)
+        self.messages = Messages(self.channels.queue, 4 * cfg.searchers)
 
     def beside(self):
         """Build the trainer's model inside this (beside --evaluator after's engine; else nothing to do)."""
@@ -123,9 +127,8 @@ class Fleet:
 
     # --- collect ------------------------------------------------------------------------------
     def collect(self, buffer, step: int, waiting_for) -> tuple[float, float]:
-        """The searchers' trajectories into `buffer`: whatever arrived, waiting (polling, checking the
-        searchers, signals and the timeout) while rank 0's `waiting_for()` names what the next step lacks,
-        until a signal or a silent searcher stops the run. Returns (seconds waited, seconds searched here)."""
+        """The searchers' trajectories into `buffer`, waiting while rank 0's `waiting_for()` names what the next step
+        lacks (or a signal or a silent searcher stops the run). Returns (seconds waited, seconds searched here)."""
         if self.nodes:  # several nodes: the leaders meet; the other ranks go on to the batch's broadcast
             return (self.meet(buffer, lambda: waiting_for() is None or bool(self.signals.first)) if self.leader
                     else 0.0), 0.0
@@ -147,11 +150,9 @@ class Fleet:
                              self.signals)
 
     def take(self, buffer, done, budget: float = math.inf) -> float:
-        """Move every waiting message into the buffer (trajectories) or the log (evaluations; searcher 0's
-        beats while it evaluates only count as signs of life); then, while not done(), wait for more,
-        polling, checking the searchers (silent ones too) and a timeout, for at most `budget` seconds.
-        Returns seconds waited."""
-        queue, timeout = self.channels.queue, self.cfg.timeout if self.heard else self.cfg.start_timeout
+        """Every waiting message into the buffer or the log (a beat only counts as life); then, while not done(), wait
+        for more, polling, checking the searchers and a timeout, `budget` s at most. Returns seconds waited."""
+        queue, timeout = self.messages, self.cfg.timeout if self.heard else self.cfg.start_timeout
         waited, deadline = 0.0, time.time() + timeout  # the deadline moves on with every message
         end = time.time() + budget
         while True:
@@ -275,7 +276,7 @@ class Fleet:
         trajectories, said = [], []
         while True:
             try:
-                msg = self.channels.queue.get_nowait()
+                msg = self.messages.get_nowait()
             except Empty:
                 break
             said += self.watch.heard(msg)
@@ -302,11 +303,8 @@ class Fleet:
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
     def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
-        """Publish `named` (weights.gather's pairs of the weights of step `version`); searchers reload them before
-        their next round. `pi_ref`: they also become pi_ref (TBA′), at once. With --lag they are kept on the CPU
-        and served when the searchers' rounds need them (`serve`), unless `final` (the last step's: every
-        round is made). Every rank calls it. True where weights were published (a leader), so that the
-        buffer's window moves."""
+        """Publish the weights of step `version` (`pi_ref`: pi_ref too, at once; --lag: kept and `serve`d when rounds need
+        them, unless `final`). Every rank calls it; True where published (a leader), so that the buffer's window moves."""
         if self.cfg.lag is not None and not final:
             copy = self.out.keep(named, version)  # every rank joins the all-gathers; the leaders keep a copy
             if copy is None:
@@ -416,6 +414,8 @@ class Fleet:
         """Stop the searchers: ask (they finish their round), then kill; nothing is left behind."""
         if self.evaluator:
             self.evaluator.close()
+        if self.messages is not None:
+            self.messages.close()
         if self.channels is None:
             return
         self.channels.stop.set()
@@ -428,3 +428,49 @@ class Fleet:
                 p.join(timeout=5)
         self.channels.queue.cancel_join_thread()
         self.shared.handoff.cancel_join_thread()
+
+
+class Messages:
+    """The searchers' queue as the trainer reads it: a thread of its own takes each message off the queue into a
+    local one, where the trainer's waits poll (`get`, `get_nowait`). multiprocessing reads a message whole, with
+    no timeout, once its first byte is in the pipe (Connection.recv_bytes), and a searcher stopped while it wrote
+    one (stopped by a signal, a debugger, a frozen container) leaves part of it there for good: a message over
+    16 KB goes in two writes, and a full pipe cuts any. That wait is this thread's, never the trainer's, whose watch
+    then names the silent searcher (on another node: before the leaders' group's timeout)."""
+
+    def __init__(self, queue, size: int):
+        # the local queue is as long as the searchers' own, whose bound (searcher.send waits) stays theirs
+        self.queue, self.local, self.closed = queue, Queue(maxsize=max(1, size)), threading.Event()
+        self.thread = threading.Thread(target=self.read, name="tba-messages", daemon=True)
+        self.thread.start()
+
+    def read(self):
+        while not self.closed.is_set():
+            try:
+                msg = self.queue.get(timeout=WAIT)
+            except Empty:
+                continue
+            except Exception as e:  # a message that does not unpickle, a closed queue: raised where the trainer reads
+                msg = e
+            while not self.closed.is_set():
+                try:
+                    self.local.put(msg, timeout=WAIT)
+                    break
+                except Full:
+                    pass
+            if isinstance(msg, Exception):
+                return
+
+    def get(self, block: bool = True, timeout: float | None = None) -> dict:
+        """The next message, as queue.Queue's get (Empty when none comes in `timeout` s, or none is there)."""
+        msg = self.local.get(block, timeout)
+        if isinstance(msg, Exception):
+            raise msg
+        return msg
+
+    def get_nowait(self) -> dict:
+        return self.get(False)
+
+    def close(self):
+        """The thread ends within WAIT (or with the process, if it waits inside a message that never ends)."""
+        self.closed.set()

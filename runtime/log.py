@@ -170,7 +170,7 @@ class Log:
         if last is None:
             return
         held_out = f" | held-out {self.last_eval[self.cfg.score]:.3f}" if self.last_eval else ""
-        cut = f" | cut {last['truncated']:.0%}" if last.get("truncated") else ""  # responses at the length limit
+        cut = f" | cut {last['truncated']:.1%}" if last.get("truncated") else ""  # responses at the length limit
         brief = (f"reward {last['reward']:.3f}{cut} | loss {last['loss']:.4g} | stale {last['staleness']:.1f}/"
                  f"{last['staleness_max']}{held_out}")
         if self.bar is not None:

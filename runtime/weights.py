@@ -14,6 +14,13 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
 3. Reading (`locked`, searcher): when `version` has moved, the searcher takes the lock, loads the
    shared tensors into its engine, and waits for its devices to finish those copies before it
    lets the lock go, so that a publish can never overwrite weights still being read.
+4. Checking (`fingerprint`, searcher.Engine.verify): each version carries each tensor's sum, sum of absolute values
+   and sum of squares in float64, computed as it is copied. All three are blind to the order of the elements, so a
+   searcher checks its engine's copy in the engine's own layout (vLLM fuses q, k and v, whose sums add up,
+   transposes GPT-2's Conv1D, pads the vocabulary with zeros, repacks CPU linear weights:
+   vllm_env.held_fingerprints); equal values in another order differ by float64 rounding alone, while one step's
+   update (Adam moves every weight by about lr) moves a sum by far more. A few passes over the bytes: milliseconds
+   for Qwen2.5-7B's 15 GB at a GPU's bandwidth.
 TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `pi_ref`, with
 its own `pi_ref_version`: pi_ref after the latest reset, published the same way.
 With --lag each searcher says in `wants` which version its next round needs and waits for it (`Inbox.wait_for`);
@@ -56,12 +63,8 @@ def create(ctx, searchers: int = 0) -> SharedWeights:
 
 # --- trainer side ------------------------------------------------------------------------------------
 def gather(model, dtype=None):
-    """(Hugging Face name, full tensor on the model's device) for each distinct tensor of the state
-    dict, one at a time: every trainer rank must iterate it to the end (each `full_tensor` of an
-    FSDP2 DTensor is an all-gather). A tied name (LM head = embeddings) is not repeated: see `aliases`.
-    `dtype`: floating-point shards are cast to it before the all-gather (bf16: half the bytes; the
-    same values as casting after it, rounding being per element). With LoRA (runtime/lora.py): the merged
-    weights, under the plain model's names."""
+    """(Hugging Face name, full tensor) for each distinct tensor (a tied name once: `aliases`), one at a time, each an
+    all-gather (every rank iterates it to the end), cast to `dtype` first; with LoRA the merged weights."""
     if lora.active(model):
         yield from lora.merged_names(model, lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t, dtype)
         return
@@ -124,12 +127,8 @@ def allocate(weights: SharedWeights | None, named, tied: dict, device, dtype, wi
 
 
 def fingerprint(t) -> torch.Tensor:
-    """A tensor's (sum, sum of absolute values, sum of squares) in float64, on its device: a few passes over its bytes
-    (milliseconds for Qwen2.5-7B's 15 GB at a GPU's bandwidth). All three are blind to the order of the elements, so
-    an engine's copy can be checked against them in its own layout: vLLM fuses q, k and v (their fingerprints add up),
-    transposes GPT-2's Conv1D, pads the vocabulary with zeros and repacks CPU linear weights
-    (vllm_env.held_fingerprints); equal values in another order differ by float64 rounding alone, while one step's
-    update (Adam moves every weight by about lr) moves the sum by far more."""
+    """A tensor's (sum, sum of |x|, sum of x^2) in float64, on its device: blind to the elements' order, so that an
+    engine's copy is checked in its own layout (the module docstring)."""
     return torch.stack(held(t.detach()))
 
 
@@ -212,10 +211,8 @@ def allocator_settings(device, **changes):
 
 
 def write(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",), prints=None):
-    """Copy (name, tensor) pairs into the shared tensors of `to` ("policy", "pi_ref" or both), then move
-    their version(s); the policy's `fingerprint`s go with it, computed from `named` as it is copied (or `prints`, kept
-    with --lag's history). `named` may be `gather(model)`: it is consumed under the lock. Every trainer
-    rank calls it; `weights` is None on the ranks that only take part in the all-gathers."""
+    """Copy `named` (`gather(model)`, consumed under the lock) into the shared tensors of `to`, with their fingerprints
+    (or --lag's kept `prints`), then move the version(s). `weights` None: a rank that only joins the all-gathers."""
     if weights is None:
         return join_gathers(named)
     targets = [t for key, t in (("policy", weights.tensors), ("pi_ref", weights.pi_ref)) if key in to]
@@ -381,11 +378,8 @@ def acquire(lock, alive, timeout: float):
 
 @contextlib.contextmanager
 def locked(weights: SharedWeights, alive, timeout: float, *devices):
-    """Hold the lock; before letting it go, wait for every CUDA device that the shared tensors or
-    `devices` live on. CUDA copies do not block the host, and vLLM's reload
-    (vllm/model_executor/model_loader/reload/layerwise.py) never synchronises: without this wait the next
-    publish could overwrite tensors that a searcher's GPU is still reading, leaving it with a mix of two
-    versions."""
+    """Hold the lock, and before letting it go wait for the CUDA devices of the tensors and `devices` (vLLM's reload
+    never synchronises: vllm/model_executor/model_loader/reload/layerwise.py): no reader sees two versions."""
     acquire(weights.lock, alive, timeout)
     try:
         yield

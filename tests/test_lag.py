@@ -231,7 +231,7 @@ def test_a_run_with_the_engine_kept_full(tiny_model, tmp_path_factory):
     """tba.py --keep-full (--inflight by default): the run ends, its evaluations come (each drains the engine
     first: streaming, of the newest weights), and the trainer learns from each trajectory once (test_probes' run)."""
     from test_probes import grid_run
-    out, _ = grid_run(tmp_path_factory, tiny_model, ["--keep-full"], 8)
+    out, _ = grid_run(tmp_path_factory, tiny_model, ["--inflight", "--keep-full"], 8)
     rows = train_rows(out)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[-1]["samples"] >= 8 * 4 * 4 and rows[-1]["reuse"] <= 1.0 + 1e-9
