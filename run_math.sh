@@ -4,7 +4,8 @@
 # The settings are the paper's and the authors' experiment files' (bbartoldson/tba-prime at 71c1716):
 # docs/departures.md, "The MATH run", says where ours still differ. Trainer rank 0 holds about 75 GB under TBA′
 # (59 under Dr. GRPO; 78 and 63 with --behaviour-logprobs trainer) of an 80 GB card, and its host --lag's pinned
-# slots, 45.7 GB at LAG=2, 167.5 at 10: as allocated, term by term, in docs/gpu.md ("Memory"; no GPU ran it).
+# slots, 45.7 GB at LAG=2, 167.5 at 10 (57.1 and 209.4 with --behaviour-logprobs trainer's, 11.4 and 41.9 on each
+# other rank): as allocated, term by term, in docs/gpu.md ("Memory"; no GPU ran it).
 #
 #   bash run_math.sh                          # TBA′, lag 2, importance weights on
 #   bash run_math.sh --dry-run                # print the command and settings, start nothing

@@ -39,11 +39,12 @@ def test_the_formula_predicts_the_measured_peak(tmp_path):
     assert re.search(r"the statistics pass's logits and chunk 1\.5;", p.stdout), p.stdout
     # the root unit's reduce-scatter: its bf16 gradients beside the float32 input, 6 x 1.09e9
     assert re.search(r"the end of the backward pass 6\.5,", p.stdout), p.stdout
-    host = {lag: (float(ring), float(rounded), float(old)) for lag, ring, rounded, old in re.findall(
-        r"--lag (\d+): rank 0's host RAM .*?: ([\d.]+) GB pinned .*?; ([\d.]+) GB where torch lacks the key.*?one block "
-        r"a tensor would take ([\d.]+)\)", p.stdout)}
-    # (L + 1) x 15.2 GB exact, x 16 GiB rounded, x 29 GB a block a tensor
-    assert host == {"2": (45.7, 51.5, 86.9), "10": (167.5, 189.0, 318.5)}, p.stdout
+    host = {lag: (float(ring), float(old), float(mine)) for lag, ring, old, mine in re.findall(
+        r"--lag (\d+): rank 0's host RAM .*?: ([\d.]+) GB pinned \(.*?registered host memory: exact; one block a "
+        r"tensor .*?would take ([\d.]+)\); --behaviour-logprobs trainer adds on each rank \d+ slots of its bf16 "
+        r"shards, ([\d.]+) GB", p.stdout)}
+    # (L + 1) x 15.2 GB exact, x 29 GB a block a tensor before; --behaviour-logprobs trainer's (L + 1) x 3.8 GB
+    assert host == {"2": (45.7, 86.9, 11.4), "10": (167.5, 318.5, 41.9)}, p.stdout
     rho = re.findall(r"rho-math-1b, .*?--evaluator after: its engine 16\.0 more .*?, (\d+) GB, and 7 snapshots on the "
                      r"host, 15\.4 GB", p.stdout)
     assert len(rho) == 2, p.stdout

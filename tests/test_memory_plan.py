@@ -1,9 +1,9 @@
-"""The memory plan's counting without measuring anything: pinned host blocks as torch's caching host allocator
-rounds them (one flat slot against one block a tensor), the models' shapes against transformers', the plan's
-terms (FSDP2's buffers, the end of the backward pass, --behaviour-logprobs trainer's copy and history, --evaluator
-after's engine and snapshots), the refusals of --evaluator after on the trainer's GPU and of what the trainer
-keeps in the host's RAM (the card and the RAM faked), and tools/memory.py's bad arguments refused in one line
-before anything is measured."""
+"""The memory plan's counting without measuring anything: --lag's pinned slots as runtime/weights.flat_slot allocates
+them (one registered block, exact; before, one block a tensor from torch's pinned allocator), the models' shapes
+against transformers', the plan's terms (FSDP2's buffers, the end of the backward pass, --behaviour-logprobs trainer's
+copy and history, --evaluator after's engine and snapshots), the refusals of --evaluator after on the trainer's GPU
+and of what the trainer keeps in the host's RAM (the card and the RAM faked), and tools/memory.py's bad arguments
+refused in one line before anything is measured."""
 
 import dataclasses
 import math
@@ -28,25 +28,24 @@ def qwen_sizes(nbytes: int = 2) -> list[int]:
 
 
 # ===== pinned host blocks ==========================================================================================
-def test_a_qwen_slot_is_exact_with_the_key_and_16_gib_without():
-    """One flat slot of Qwen2.5-7B's bf16 weights (15.2 GB): exact where flat_slot turns the rounding off (torch 2.13's
-    pinned_max_round_threshold_mb), else the next power of two, 16 GiB; one block a tensor, as before, about 1.9x."""
+def test_a_qwen_slot_is_exact_and_a_block_a_tensor_was_1_9x():
+    """One flat slot of Qwen2.5-7B's bf16 weights (15.2 GB): exact, its tensors' 64-byte alignment aside (registered
+    host memory: no power of two on any torch); one pinned block a tensor, as before, about 1.9x."""
     sizes = qwen_sizes()
-    exact = gpu.pinned_block(sizes, exact=True)
-    assert sum(sizes) == 2 * QWEN_P and 15.2e9 < exact < 15.24e9
-    assert exact - sum(sizes) < 64 * len(sizes)  # each tensor's offset aligned to 64 bytes
-    assert gpu.pinned_block(sizes, exact=False) == 2**34
+    slot = gpu.pinned_block(sizes)
+    assert sum(sizes) == 2 * QWEN_P and 15.2e9 < slot < 15.24e9
+    assert slot - sum(sizes) < 64 * len(sizes)  # each tensor's offset aligned to 64 bytes
     assert 1.85 < gpu.pinned_tensors(sizes) / sum(sizes) < 1.95
     assert gpu.pinned_tensors([18944 * 3584 * 2]) == 2**28  # an MLP matrix: 136 MB in a 256 MiB block
     assert gpu.pinned_block([1, 1]) == 128 and gpu.pinned_block([64, 64]) == 128 and gpu.pinned_block([]) == 1
     assert [gpu.pow2_ceil(n) for n in (0, 1, 3, 2**34, 2**34 + 1)] == [0, 1, 4, 2**34, 2**35]
-    assert gpu.pinned_exact()  # this project's torch 2.13 has the key
 
 
 def test_the_count_is_the_block_flat_slot_allocates():
-    """pinned_block counts the block runtime/weights.flat_slot allocates (on the CPU, not pinned: the same offsets)."""
+    """pinned_block counts the block runtime/weights.flat_slot allocates (not pinned here: the same block, which pinning
+    registers in place)."""
     shapes = {"a": ((3, 5), torch.bfloat16), "b": ((7,), torch.float32), "c": ((2, 2, 2), torch.bfloat16)}
-    views = weights.flat_slot(shapes, pin=False, device="cpu")
+    views = weights.flat_slot(shapes, pin=False)
     block = {v.untyped_storage().nbytes() for v in views.values()}
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values()]
     assert block == {gpu.pinned_block(sizes)} == {3 * 64}  # 30, 28 and 16 bytes, each rounded to 64
@@ -121,19 +120,17 @@ def test_the_qwen_plan_counts_each_term():
 
 
 def test_the_host_plan_counts_the_rings_as_allocated():
-    """Rank 0's --lag ring: L + 1 exact slots (45.7 GB at L = 2), 16 GiB each where torch rounds; --behaviour-logprobs
-    trainer's ring on every rank: L + 1 slots of its bf16 shards (3.8 GB exact, 4 GiB rounded); before, one block a
-    tensor: 86.9 GB at L = 2."""
+    """Rank 0's --lag ring: L + 1 exact slots (45.7 GB at L = 2, 167.5 at L = 10); --behaviour-logprobs trainer's ring
+    on every rank: L + 1 slots of its bf16 shards (3.8 GB each); before, one block a tensor: 86.9 GB at L = 2."""
     for lag in (2, 10):
-        exact, rounded = memory.host_plan(lag), memory.host_plan(lag, exact=False)
-        assert exact["--lag's history"] == (lag + 1) * gpu.pinned_block(qwen_sizes())
-        assert rounded["--lag's history"] == (lag + 1) * 2**34
+        plan = memory.host_plan(lag)
+        assert plan["--lag's history"] == (lag + 1) * gpu.pinned_block(qwen_sizes())
         mine = memory.host_plan(lag, rank=1, behaviour=True)
         assert "--lag's history" not in mine and not any(k.startswith("a checkpoint") for k in mine)
+        assert mine["--behaviour-logprobs trainer's history"] == (lag + 1) * gpu.pinned_block(
+            memory.shard_sizes(memory.QWEN_7B, 4, 1, 2))
         assert mine["--behaviour-logprobs trainer's history"] == pytest.approx((lag + 1) * 2 * QWEN_P / 4, rel=1e-4)
-        assert memory.host_plan(lag, rank=1, behaviour=True, exact=False)[
-            "--behaviour-logprobs trainer's history"] == (lag + 1) * 2**32
-    assert round(memory.host_plan(2)["--lag's history"] / 1e9, 1) == 45.7
+    assert [round(memory.host_plan(lag)["--lag's history"] / 1e9, 1) for lag in (2, 10)] == [45.7, 167.5]
     assert "a checkpoint: pi_ref's" not in memory.host_plan(2, loss="drgrpo")
     assert round(3 * gpu.pinned_tensors(qwen_sizes()) / 1e9, 1) == 86.9
 

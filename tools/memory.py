@@ -18,10 +18,10 @@ CPU without AVX-512 multiplies bf16 matrices in PyTorch's reference loop, 16x th
 minutes); what is kept scales with the widths, and the extrapolations scale from the shape measured. Finally it prints
 the memory plan, term by term and as allocated, for rho-math-1b at the paper's GSM8K settings and for run_math.sh's
 Qwen2.5-7B trainer (rank 0 and the others, each loss, with and without --behaviour-logprobs trainer, --lag 2 and
-10, GPU and host): beside the fit, FSDP2's buffers and the end of the backward pass, pinned blocks as torch's
-caching host allocator rounds them, --evaluator after's engine and snapshots. The plan's counting is in small
-functions of sizes (the tests call them without measuring). Bad arguments are refused in one line, exit status 2,
-before anything is measured.
+10, GPU and host): beside the fit, FSDP2's buffers and the end of the backward pass, --lag's pinned slots as
+runtime/weights.flat_slot allocates them (registered host memory, exact), --evaluator after's engine and snapshots.
+The plan's counting is in small functions of sizes (the tests call them without measuring). Bad arguments are refused
+in one line, exit status 2, before anything is measured.
 """
 
 import argparse
@@ -269,11 +269,11 @@ def shard_sizes(c: dict, world: int, rank: int, nbytes: int) -> list[int]:
     return [gpu.shard_rows(s[0], world, rank) * math.prod(s[1:]) * nbytes for s in decoder_shapes(c)]
 
 
-def history(c: dict, lag: int, exact: bool, world: int = 1, rank: int = 0) -> float:
+def history(c: dict, lag: int, world: int = 1, rank: int = 0) -> float:
     """--lag's ring on the host: L + 1 slots, each ONE pinned block of the bf16 weights (world 1: runtime/weights.Outbox,
-    every distinct tensor) or of a rank's bf16 shards (runtime/policy.LaggedCopy); `exact`: torch 2.13, which lets
-    flat_slot turn the power-of-two rounding off; else each slot at the next power of two (runtime/gpu.pinned_block)."""
-    return (lag + 1) * gpu.pinned_block(shard_sizes(c, world, rank, 2), exact)
+    every distinct tensor) or of a rank's bf16 shards (runtime/policy.LaggedCopy), registered in place, so exact on any
+    torch (runtime/gpu.pinned_block)."""
+    return (lag + 1) * gpu.pinned_block(shard_sizes(c, world, rank, 2))
 
 
 def loss_backward(sequences: int, tokens: int, vocab: int, chunk_bytes: int = 2**28) -> float:
@@ -398,8 +398,7 @@ def qwen_line(fits: dict, vocab: int, s: dict, loss: str, rank: int) -> str:
             f"{sum(more.values()) / GB:.0f} GB (its copy's bf16 shard {more[BEHAVIOUR] / GB:.1f}); count about 10% more")
 
 
-def host_plan(lag: int, rank: int = 0, behaviour: bool = False, exact: bool = True,
-              loss: str = "tb") -> dict[str, float]:
+def host_plan(lag: int, rank: int = 0, behaviour: bool = False, loss: str = "tb") -> dict[str, float]:
     """run_math.sh's hosts for Qwen2.5-7B with --lag `lag`, term by term (bytes): on rank 0 (the node's leader) the
     ring of the weights of the last L steps and the current (runtime/weights.Outbox); on every rank with
     --behaviour-logprobs trainer the ring of its bf16 shards (runtime/policy.LaggedCopy); both pinned, one block a slot
@@ -410,9 +409,9 @@ def host_plan(lag: int, rank: int = 0, behaviour: bool = False, exact: bool = Tr
     P = numel(decoder_shapes(q))
     plan = {}
     if rank == 0:
-        plan["--lag's history"] = history(q, lag, exact)
+        plan["--lag's history"] = history(q, lag)
     if behaviour:
-        plan["--behaviour-logprobs trainer's history"] = history(q, lag, exact, world, rank)
+        plan["--behaviour-logprobs trainer's history"] = history(q, lag, world, rank)
     if rank == 0:
         plan["a checkpoint: the model and AdamW"] = 12 * P
         plan["a checkpoint: the searchers' weights"] = 2 * P
@@ -422,19 +421,17 @@ def host_plan(lag: int, rank: int = 0, behaviour: bool = False, exact: bool = Tr
 
 
 def host_line(lag: int) -> str:
-    ring, rounded = host_plan(lag)["--lag's history"], host_plan(lag, exact=False)["--lag's history"]
+    ring = host_plan(lag)["--lag's history"]
     mine = host_plan(lag, behaviour=True)["--behaviour-logprobs trainer's history"]
-    mine_rounded = host_plan(lag, behaviour=True, exact=False)["--behaviour-logprobs trainer's history"]
     other = host_plan(lag, rank=1, behaviour=True)["--behaviour-logprobs trainer's history"]
     checkpoint = sum(v for k, v in host_plan(lag).items() if k.startswith("a checkpoint"))
     disk = checkpoint + ring  # trainer.pt also holds the history's slots (weights.Outbox.saved), each block once
     old = (lag + 1) * gpu.pinned_tensors([math.prod(x) * 2 for x in decoder_shapes(QWEN_7B)])
     return (f"Qwen2.5-7B, --lag {lag}: rank 0's host RAM for the weights of the last {lag} steps and the current: "
-            f"{ring / GB:.1f} GB pinned ({lag + 1} slots of one block each: exact with torch 2.13's "
-            f"pinned_max_round_threshold_mb:0; {rounded / GB:.1f} GB where torch lacks the key, each slot a power of "
-            f"two; one block a tensor would take {old / GB:.1f}); --behaviour-logprobs trainer adds on each "
-            f"rank {lag + 1} slots of its bf16 shards, {mine / GB:.1f} GB ({mine_rounded / GB:.1f} rounded; ranks 1 and "
-            f"up {other / GB:.1f}): rank 0 {(ring + mine) / GB:.1f} GB; while a checkpoint is written, rank 0 also holds "
+            f"{ring / GB:.1f} GB pinned ({lag + 1} slots of one block each, registered host memory: exact; one "
+            f"block a tensor from torch's pinned allocator would take {old / GB:.1f}); --behaviour-logprobs trainer "
+            f"adds on each rank {lag + 1} slots of its bf16 shards, {mine / GB:.1f} GB (ranks 1 and up "
+            f"{other / GB:.1f}): rank 0 {(ring + mine) / GB:.1f} GB; while a checkpoint is written, rank 0 also holds "
             f"the model, AdamW, the searchers' weights and pi_ref's: {checkpoint / GB:.1f} GB more, and writes them "
             f"with the history: {disk / GB:.1f} GB on disk")
 
