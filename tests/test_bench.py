@@ -75,15 +75,33 @@ def test_bench_equal_hardware_quick(tiny_model, tmp_path):
         assert config["calibration"] == str(out / "calibration.json")  # the same costs for both modes
         if r["mode"] == "sync":
             assert r["staleness"] == 0 and r["speedup"] == pytest.approx(1.0)
+        # per process over its own charge (the trainer and each searcher), the largest of them the run's
+        assert r["over_trainer"] >= 0 and set(r["over_searchers"]) == {"0"}
+        assert r["over"] == max(r["over_trainer"], *r["over_searchers"].values())
+        # interpolated between the evaluations around the crossing: by the first evaluation past it, after the one before
+        assert (r["seconds_interp"] is None) == (not r["reached"])
+        if r["reached"]:
+            before = max(t for t in r["times"] if t < r["from_first_step"] - 1e-9)  # the evaluation before it
+            assert before <= r["from_first_step_interp"] <= r["from_first_step"]
+            assert r["seconds_interp"] - r["from_first_step_interp"] == pytest.approx(r["first_step"])
+        assert 0 <= r["mean_accuracy"] <= 1 and r["end"] > 0 and len(r["times"]) == len(r["curve"])
     sync, stream = sorted(eh["rows"], key=lambda r: r["mode"] != "sync")
+    assert sync["horizon"] == stream["horizon"] == sync["end"]  # the same window: the synchronous run's
+    assert stream["accuracy_gain"] == pytest.approx(stream["mean_accuracy"] - sync["mean_accuracy"])
     if sync["reached"]:  # streaming ran at least as long as the synchronous run took: its accuracy at that time
         assert stream["accuracy_at_sync"] is not None
     assert set(eh["summary"]["cells"]) == {f"1 1.0 {sync['x']} {sync['y']} linear {m}" for m in ("sync", "stream")}
+    assert eh["seeds"] == [0] and eh["summary"]["bootstrap"]["resamples"] == 2000
+    (pair,) = eh["summary"]["pairs"]
+    assert (pair["a"], pair["b"]) == ("sync", "stream")
+    if not pair["cpu_bound"]:  # one seed: a speed-up, no interval
+        assert pair["speedup_ci"] is None and not pair["resolved"] and "no interval (under 2 seeds)" in p.stdout
     if HAS_MATPLOTLIB:
         assert (out / "equal_hardware.png").stat().st_size > 0
     else:  # the README's test line installs no matplotlib: the numbers are complete, the picture skipped
         assert not (out / "equal_hardware.png").exists() and "9. picture skipped: matplotlib is not installed" in p.stdout
-    assert "9. asynchrony on equal hardware" in p.stdout
+    assert "9. asynchrony on equal hardware" in p.stdout and "resolved at 90%" in p.stdout
+    assert "stream over sync    :" in p.stdout
 
 
 def test_a_point_gives_its_ratio_of_round_to_step():
@@ -100,6 +118,155 @@ def test_a_point_gives_its_ratio_of_round_to_step():
     x, y = bench.point(slow, 1.0, 4)
     T, G = y * slow["train_step"], x * slow["tokens_per_batch"] / 4 * slow["seconds_per_token"]
     assert y == bench.MIN_Y > 1 and G / T == pytest.approx(1.0, rel=0.01)
+
+
+def test_the_crossing_is_interpolated_between_the_evaluations_around_it():
+    """Part 9's time to the target: linear between the last evaluation below the level and the first at or above it
+    (seconds and step alike), the first crossing only (a later dip and rise is not another), an evaluation exactly at
+    the level its own time (0.24 + 0.15 reaches 0.39 despite float rounding), None where it is never reached."""
+    import bench
+    curve = [(10.0, 0, 0.20), (12.0, 2, 0.25), (14.0, 4, 0.40), (16.0, 6, 0.30), (18.0, 8, 0.50)]
+    assert bench.crossing(curve, 0.35) == pytest.approx((12 + 2 * 2 / 3, 2 + 2 * 2 / 3))
+    assert bench.crossing(curve, 0.25) == pytest.approx((12.0, 2.0))
+    assert bench.crossing(curve, 0.45) == pytest.approx((17.5, 7.5))  # past the dip: the first crossing of 0.45
+    assert bench.crossing(curve, 0.6) is None and bench.crossing(curve[:1], 0.1) is None
+    assert bench.crossing([(0.0, 0, 0.24), (5.0, 2, 0.39)], 0.24 + 0.15) == pytest.approx((5.0, 2.0))
+    # the first evaluation past the level moves by a whole interval as its sampling noise crosses the level;
+    # interpolated, the time moves by the noise's share of the rise
+    noisy = [(0.0, 0, 0.20), (10.0, 2, 0.34), (20.0, 4, 0.50)]
+    assert bench.crossing(noisy, 0.35)[0] == pytest.approx(10.625)
+    assert bench.crossing([(0.0, 0, 0.20), (10.0, 2, 0.36), (20.0, 4, 0.50)], 0.35)[0] == pytest.approx(9.375)
+
+
+def test_mean_accuracy_is_the_area_under_the_curve_over_its_window():
+    """Part 9's area: held-out accuracy against seconds from the first step, linear between evaluations, the start's
+    before the first (an evaluation made before the first step counts from 0), the last held after the run's end,
+    integrated to the horizon and divided by it; None without points or a horizon."""
+    import bench
+    assert bench.mean_accuracy([(0.0, 0.3), (10.0, 0.3)], 10.0) == pytest.approx(0.3)
+    assert bench.mean_accuracy([(0.0, 0.2), (10.0, 0.4)], 10.0) == pytest.approx(0.3)  # a straight rise: its middle
+    assert bench.mean_accuracy([(0.0, 0.2), (10.0, 0.4)], 20.0) == pytest.approx((3 + 4) / 20)  # held after the end
+    assert bench.mean_accuracy([(-2.0, 0.2), (2.0, 0.4)], 4.0) == pytest.approx(((0.3 + 0.4) + 0.4 * 2) / 4)
+    assert bench.mean_accuracy([(4.0, 0.4), (0.0, 0.2)], 2.0) == pytest.approx(0.25)  # any order; cut at the horizon
+    assert bench.mean_accuracy([(0.0, 0.2)], None) is None and bench.mean_accuracy([], 5.0) is None
+    # a run that rises sooner has the larger area over the same window
+    assert bench.mean_accuracy([(0, 0.2), (5, 0.4), (10, 0.4)], 10) > bench.mean_accuracy([(0, 0.2), (8, 0.4)], 10)
+    assert bench.accuracy_at([(0.0, 0.2), (10.0, 0.4)], 2.5) == pytest.approx(0.25)
+
+
+def test_the_bootstrap_interval_is_fixed_and_honest():
+    """plot.interval: the same values give the same interval (a fixed RNG); it holds the point, narrows as seeds are
+    added, is one value where all seeds agree; none below 2 values; NaN left out; any statistic (the mean)."""
+    import numpy as np
+    import plot
+    five = [1.2, 1.4, 1.5, 1.6, 1.8]
+    twenty = five * 4  # the same spread, four times the seeds
+    point, (lo, hi) = plot.interval(five)
+    assert plot.interval(five) == (point, [lo, hi]) and lo <= point <= hi and point == pytest.approx(np.median(five))
+    _, (lo20, hi20) = plot.interval(twenty)
+    assert hi20 - lo20 < hi - lo
+    assert plot.interval([1.2] * 7) == (1.2, [1.2, 1.2])
+    assert plot.interval([1.3]) == (1.3, None) and plot.interval([]) == (None, None)
+    assert plot.interval([1.0, float("nan"), 3.0])[0] == 2.0
+    mean, (a, b) = plot.interval([0.0, 0.01, 0.02, 0.03], lambda v, axis=None: np.mean(v, axis=axis))
+    assert mean == pytest.approx(0.015) and 0 <= a < mean < b <= 0.03
+    assert plot.BOOTSTRAP == dict(resamples=2000, level=0.90, seed=0)
+
+
+def hw_row(mode, seed, t, gain=0.0, over=0.0, **extra):
+    """A part 9 row as hardware_row makes it, for hardware_summary: reached at `t` s from the first step (None:
+    never) against a synchronous run at SYNC_T[seed]."""
+    sync_t = SYNC_T[seed]
+    up = 1.0 if mode == "sync" else bench_speedup(sync_t, t)
+    return dict(searchers=4, ratio=1.0, x=10.0, y=1.7, shape="linear", mode=mode, seed=seed, reached=t is not None,
+                seconds=t and t + 20, step=18, from_first_step=t, seconds_interp=t and t + 20, from_first_step_interp=t,
+                step_interp=t and t * 2, end=30.0, horizon=30.0, mean_accuracy=0.5 + gain, accuracy_gain=gain,
+                speedup=up, speedup_first_step=up, speedup_interp=up, speedup_interp_first_step=up, G=0.4, T=0.4,
+                ideal=2.0, steps_per_s=1.5, staleness=1.0, accuracy_at_sync=0.5, over=over, over_process="the trainer",
+                over_budget=0.0, cpu=70.0, **extra)
+
+
+def bench_speedup(sync_t, t):
+    import bench
+    return bench.speedups([sync_t], [t])[0]
+
+
+SYNC_T = [16.0, 14.0, 18.0, 15.0, 17.0, 16.5, 13.5, 18.5, 15.5, 16.0]
+
+
+def test_a_speed_up_gets_an_interval_and_pairs_are_told_apart_or_not():
+    """hardware_summary over 10 seeds: each mode's speed-up is the median of the seeds' paired ratios, with a 90%
+    interval; a mode 1.6x sooner on every seed is resolved from --lag 0, two modes 1.6x and 1.55x apart by noise are
+    not resolved from each other; a seed that never reached the target counts as the slowest (0), not left out; a
+    CPU-bound mode (one process 15% over its charge, on one seed) gets no speed-up and no comparison; the table says
+    all of it."""
+    import bench
+    import numpy as np
+    rng = np.random.default_rng(3)
+    rows = [hw_row("sync", s, SYNC_T[s]) for s in range(10)]
+    rows += [hw_row("lag1", s, SYNC_T[s] / 1.6, gain=0.03 + 0.005 * rng.standard_normal()) for s in range(10)]
+    rows += [hw_row("stream", s, SYNC_T[s] / (1.55 * np.exp(0.15 * rng.standard_normal())), gain=0.03 + 0.02 * rng.standard_normal())
+             for s in range(9)] + [hw_row("stream", 9, None, gain=-0.05)]
+    rows += [hw_row("full", s, SYNC_T[s] / 2, over=0.15 if s == 4 else 0.02) for s in range(10)]
+    summary = bench.hardware_summary(rows)
+    cells = {c["mode"]: c for c in summary["cells"].values()}
+    lag1 = cells["lag1"]
+    assert lag1["speedup_interp_first_step"] == pytest.approx(1.6) and lag1["speedup_interp_first_step_ci"] == pytest.approx([1.6, 1.6])
+    stream = cells["stream"]
+    ups = [r["speedup_interp_first_step"] for r in rows if r["mode"] == "stream"]
+    assert 0.0 in ups and stream["speedup_interp_first_step"] == pytest.approx(np.median(ups)) and stream["paired"] == 10
+    lo, hi = stream["speedup_interp_first_step_ci"]
+    assert 1 < lo < stream["speedup_interp_first_step"] < hi
+    assert cells["full"]["cpu_bound"] and cells["full"]["speedup_interp_first_step"] is None
+    assert cells["full"]["over"] == 0.15 and cells["full"]["over_process"] == "the trainer, seed 4"
+    assert cells["sync"]["speedup_interp_first_step"] == 1.0 and cells["sync"]["accuracy_gain"] == 0.0
+    assert cells["sync"]["speedup_interp_first_step_ci"] is None  # no interval of the baseline against itself
+    pairs = {(p["a"], p["b"]): p for p in summary["pairs"]}
+    assert set(pairs) == {("sync", "lag1"), ("sync", "stream"), ("sync", "full"), ("lag1", "stream"), ("lag1", "full"),
+                          ("stream", "full")}
+    assert pairs["sync", "lag1"]["resolved"] and pairs["sync", "stream"]["resolved"]
+    assert pairs["sync", "lag1"]["gain_resolved"] and pairs["sync", "lag1"]["accuracy_gain"] > 0
+    assert not pairs["lag1", "stream"]["resolved"] and pairs["lag1", "stream"]["seeds"] == 10
+    lo, hi = pairs["lag1", "stream"]["speedup_ci"]
+    assert lo < 1 < hi
+    assert pairs["sync", "stream"]["speedup_ci"] == stream["speedup_interp_first_step_ci"]  # one rule for both
+    assert all(pairs[k]["cpu_bound"] and "resolved" not in pairs[k] for k in pairs if "full" in k)
+    eh = dict(gain=0.15, costs=None, horizon=None, summary=summary)
+    text = "\n".join(bench.part9_table(eh))
+    assert f"1.60x [1.60, 1.60]" in text and "CPU-bound" in text
+    assert "    lag1 over sync    :" in text and "stream over lag1    :" in text and "not resolved" in text
+    assert "full over lag1    : not compared (CPU-bound)" in text
+    # a CPU-bound baseline: no speed-up over it for any mode of its cell; two modes within their charges still compared
+    rows = [dict(r, over=0.2) if r["mode"] == "sync" and r["seed"] == 2 else r for r in rows]
+    summary = bench.hardware_summary(rows)
+    cells = {c["mode"]: c for c in summary["cells"].values()}
+    assert cells["lag1"]["baseline_cpu_bound"] and not cells["lag1"]["cpu_bound"]
+    assert cells["lag1"]["speedup_interp_first_step"] is None and cells["lag1"]["accuracy_gain"] is None
+    pairs = {(p["a"], p["b"]): p for p in summary["pairs"]}
+    assert pairs["sync", "lag1"]["cpu_bound"] and not pairs["lag1", "stream"]["cpu_bound"]
+    assert "sync CPU-bound" in "\n".join(bench.part9_table(dict(eh, summary=summary)))
+
+
+def test_over_its_charge_is_per_process_with_the_pooled_share_for_old_rows():
+    """The CPU-bound rule reads each process's share over its own charge (the trainer's, each searcher's), the
+    largest named; a train row written before them falls back to the pooled seconds over all the charges."""
+    import bench
+    assert bench.over_share(dict(over_trainer=0.04, over_searchers={"0": 0.02, "3": 0.12}, over_budget=1.0,
+                                 charged=100.0)) == (0.12, "searcher 3")
+    assert bench.over_share(dict(over_trainer=0.3, over_searchers={})) == (0.3, "the trainer")
+    assert bench.over_share(dict(over_budget=5.0, charged=40.0, train_charged=10.0)) == (0.1, "pooled")
+    assert bench.over_share({}) == (0.0, "pooled")
+
+
+def test_bad_gain_or_horizon_is_refused_in_one_line(tmp_path):
+    """--gain and --horizon: a positive number, else one line, status 2, before anything is made."""
+    for args, line in ((["--gain", "0"], "--gain 0: give a positive number"),
+                       (["--horizon", "-5"], "--horizon -5: give a positive number"),
+                       (["--horizon", "nan"], "--horizon nan: give a positive number")):
+        p = subprocess.run([*BENCH, "--parts", "9", "--out", str(tmp_path / "b"), *args], cwd=tmp_path,
+                           env=env(tmp_path), capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and p.stderr == f"bench.py: error: {line}\n", p.stderr
+        assert not (tmp_path / "b").exists()
 
 
 # a row of part 9 as bench.py's hardware_row writes it, with the fields plot.py --slowdown reads
@@ -176,10 +343,26 @@ def test_plot_checks_a_bench_json_before_matplotlib(tmp_path, monkeypatch, capsy
     edited(lambda eh: eh["rows"][0].update(step=True), f"{path}: equal_hardware.rows[0].step is true, not a number or null")
     edited(lambda eh: eh["rows"][0].update(searchers=1.5), f"{path}: equal_hardware.rows[0].searchers is 1.5, not a whole number")
     edited(lambda eh: eh.update(costs=[]), f"{path}: equal_hardware.costs is [], not an object or null")
+    edited(lambda eh: eh["rows"][0].update(speedup_interp_first_step="1.5"),
+           f'{path}: equal_hardware.rows[0].speedup_interp_first_step is "1.5", not a number or null')
     path.write_text(json.dumps(good))  # a good file: only now is matplotlib looked for
     with pytest.raises(SystemExit) as e:
         plot.main(["--slowdown", str(path), "-o", str(tmp_path / "x.png")])
     assert e.value.code == 2 and "matplotlib is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_the_picture_draws_intervals_and_older_files(tmp_path):
+    """plot.py --slowdown: rows with the interpolated speed-up are drawn with their medians' 90% intervals (a seed
+    that never reached the target at 0); a bench.json written before them (the first evaluation past the target
+    alone) is still drawn."""
+    import plot
+    new = [dict(ROW, mode=m, seed=s, ratio=r, speedup_interp_first_step=u, step_interp=12.5)
+           for r in (1.0, 2.0) for s in range(4) for m, u in (("sync", 1.0), ("lag1", [1.4, 1.6, 1.5, 0.0][s]))]
+    for name, rows in (("new", new), ("old", [ROW, dict(ROW, ratio=2.0)])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"equal_hardware": {"gain": 0.15, "searchers": [1], "rows": rows}}))
+        plot.main(["--slowdown", str(tmp_path / f"{name}.json"), "-o", str(tmp_path / f"{name}.png")])
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
 
 
 def test_costs_are_checked_before_anything_starts(tmp_path, capsys):

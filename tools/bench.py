@@ -3,6 +3,7 @@
     python tools/bench.py                        # parts 1-5 (about 10 min on 2 CPU cores)
     python tools/bench.py --seeds 0 --cap 120    # a smaller budget
     python tools/bench.py --quick                # a tiny budget: checks that it runs, numbers mean little
+    python tools/bench.py --parts 9 --searchers 4 --ratios 1 --cap 400 --out runs/b9 -- --steps 40   # part 9's main point
     python tools/bench.py --full --out runs/bench                # whole runs (docs/performance.md's figures) ...
     python tools/plot.py runs/bench/seed0-searchers1 runs/bench/seed0-searchers0 runs/bench/seed0-trl   # ... as curves
     python tools/plot.py --study runs/bench/bench.json           # part 7's study as a picture
@@ -46,15 +47,21 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    synchronous round against the step, T = STEP), every mode of --modes (MODES: the synchronous baseline on
    the same N searchers, --lag 0, which runs first; one-step off-policy; streaming between rounds; in-flight;
    kept full), per seed: throughput (steps a second) apart from learning (steps to start + --gain, 0.15,
-   evaluations every --eval-every 2), seconds to it from launch and from the first step, accuracy at the
-   synchronous run's time, the speed-up over that run and the ideal (G + T) / max(G, T), the CPU used, and the
-   real compute over the charges (a CPU-bound cell gives no speed-up). The trainer keeps each evaluation's
-   weights and evaluates them after the last step (--evaluator after), so that no evaluation disturbs a mode:
-   none waits on searcher 0's, and no searcher generates while the clock stands still for one; every run
-   goes --steps (40) to its end.
+   evaluations every --eval-every 2), seconds to it from launch and from the first step, interpolated between
+   the two evaluations around the crossing (the first evaluation past it too), the mean held-out accuracy from
+   the first step to the same seed's synchronous run's end (or --horizon seconds), accuracy at the synchronous
+   run's time, the speed-up over that run and the ideal (G + T) / max(G, T), the CPU used, and each process's
+   real compute over its own charge (a cell with one over by 10% is CPU-bound: no speed-up given). Per cell,
+   each speed-up (the median of the seeds' paired ratios) and gain in mean accuracy with a 90% bootstrap
+   interval over the seeds (10 by default: 0-9), then which pairs of modes those intervals tell apart. The
+   trainer keeps each evaluation's weights and evaluates them after the last step (--evaluator after), so that
+   no evaluation disturbs a mode: none waits on searcher 0's, and no searcher generates while the clock stands
+   still for one; every run goes --steps (40) to its end.
    Then --tails at G_N = T with
    GPU-shaped decoding and long tails, and streaming on the fewest searchers at G_N / T = 2 (scaling). --slowdowns X adds points of X alone, each run calibrating itself (CPU packing, as
    measured before). Also drawn: OUT/equal_hardware.png (`python tools/plot.py --slowdown OUT/bench.json`).
+   The measured task is tba.py's: `-- --task countdown --steps 120 --decay-steps 20` with --gain 0.1 measures a
+   longer, slower curve than arith's (start + 0.1 near step 70, at the learning rate of its 200-step default).
 10. (only with --parts 10) fresher data per step, in that regime (X = 10) with 1, 2 and 4 searchers:
    time to start + 0.15 with the defaults and with one lever changed at a time (a round of B prompts
    or of half the default B / N, k = 2, m = 0.5, R = 2), against the synchronous run.
@@ -271,6 +278,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
         seconds=clock(hit) if hit else None, step=hit["step"] if hit else None,
         start_accuracy=evals[0]["accuracy"], target=evals[0]["accuracy"] + gain,
         first_step_seconds=clock(train[0]) - train[0]["seconds"] + train[0]["wait"] if train else None,
+        last_step_seconds=clock(train[-1]) if train else None,
         seconds_per_step=span / (len(train) - 1) if len(train) > 1 else None,
         utilisation=1 - sum(busy) / span if span > 0 else None,
         curve=[(clock(e), e["step"], e["accuracy"]) for e in evals], cpu=sum(cpu.values()),
@@ -370,6 +378,8 @@ MODES = {"sync": ["--lag", "0"],      # the synchronous baseline on the searcher
          "full": ["--inflight", "--keep-full"]}  # ... and a finished response's slot takes a new request at once
 GPU_TAILS = ["--decode-cost", "gpu", "--response-lengths", "gsm8k"]  # a GPU's decoding step, a real model's lengths
 STEP = 0.4  # s: the emulated training step T of part 9's points (--train-slowdown Y = STEP / its cost alone)
+PART9_SEEDS = 10  # part 9's seeds by default: with 3-5, time to start + 0.15 (about +-3 steps of noise at about 18
+# steps) told no two modes apart that differed by less than about 20%
 MIN_Y = 1.25  # T is at least this times a step alone (a slow or loaded machine's): the trainer's step stays emulated
 
 
@@ -381,8 +391,10 @@ def calibrate_costs(out: str, flags: list[str]) -> dict:
     file}."""
     run = os.path.join(out, "calibration")
     core = str(min(os.sched_getaffinity(0)))  # the first core this process may use (core 0 may not be one)
-    cmd = ["taskset", "-c", core, sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", "0", "--steps", "8",
-           "--eval-every", "0", "--generation-slowdown", "1.01", "--train-slowdown", "1.01", "--out", run, *flags]
+    # the user's flags first, so that its own come after them and win: a `-- --steps 200` of a longer task would
+    # otherwise make the calibration run 200 steps on one core for the 3 it times
+    cmd = ["taskset", "-c", core, sys.executable, os.path.join(ROOT, "tba.py"), *flags, "--searchers", "0", "--steps",
+           "8", "--eval-every", "0", "--generation-slowdown", "1.01", "--train-slowdown", "1.01", "--out", run]
     if run_to_end(cmd, run + ".log"):
         raise RuntimeError(f"the calibration run failed: {read_text(run + '.log')[-2000:]}")
     config = json.loads(read_text(os.path.join(run, "config.json")))
@@ -452,13 +464,14 @@ def reuse_costs(given: str, out: str) -> dict:
 
 def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, counts: list[int],
                    ratios: list[float], slowdowns: list[float], modes: list[str], gain: float, eval_every: int,
-                   tails: list[str], run_one=None, given: str | None = None) -> dict:
+                   tails: list[str], run_one=None, given: str | None = None, horizon: float | None = None) -> dict:
     """Part 9: for N searchers, each point (a ratio G_N / T with both phases emulated from one shared calibration, or
     a --generation-slowdown X alone, each run calibrating itself: the CPU packing of earlier measurements) x mode x
     seed, time to start + `gain` against the synchronous baseline on the same N searchers (--lag 0), which runs
     first, so that every other mode runs at least as long (its accuracy at the baseline's time). `tails`: the modes
     run again at ratio 1 with GPU-shaped decoding and long tails. The searchers' scaling: streaming at the same X, Y
-    on the fewest searchers, against the most."""
+    on the fewest searchers, against the most. `horizon`: the window of the mean accuracy, seconds from the first
+    step (None: each seed's synchronous run's end)."""
     costs = (reuse_costs(given, out) if given else calibrate_costs(out, flags)) if ratios else None
     cells = [dict(n=n, ratio=r, x=point(costs, r, max(counts))[0], y=point(costs, r, max(counts))[1], shape="linear",
                   modes=modes) for r in ratios for n in [max(counts)]]
@@ -484,15 +497,22 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, qui
                 until = sync["seconds"] if sync and sync["reached"] else 0.0
                 r = (run_one or (lambda f: f()))(lambda: run_until_target(cell["n"], seed, cap, run, extra, False, gain,
                                                                           until=until))
-                rows.append(dict(hardware_row(run, r, sync, baseline=mode == "sync"), searchers=cell["n"],
-                                 ratio=cell["ratio"], x=cell["x"],
+                rows.append(dict(hardware_row(run, r, sync, baseline=mode == "sync", horizon=horizon),
+                                 searchers=cell["n"], ratio=cell["ratio"], x=cell["x"],
                                  y=cell["y"], shape=cell["shape"], mode=mode, seed=seed))
                 sync = rows[-1] if mode == "sync" else sync
+                h = rows[-1]
                 print(f"9. N {cell['n']} {'G/T %g' % cell['ratio'] if cell['ratio'] else 'X %g' % cell['x']} "
                       f"{cell['shape']} {mode} seed {seed}: start + {gain:g} "
-                      f"{'at %.1f s, step %d' % (r['seconds'], r['step']) if r['reached'] else 'not reached'}, "
-                      f"{rows[-1]['steps_per_s']:.2f} steps/s, over budget {rows[-1]['over_budget']:.0%}", flush=True)
-    return dict(searchers=counts, gain=gain, cap=cap, costs=costs, rows=rows, summary=hardware_summary(rows))
+                      + (f"at {h['seconds_interp']:.1f} s interpolated ({h['from_first_step_interp']:.1f} s from the first "
+                         f"step, step {h['step_interp']:.1f}; first evaluation past it {r['seconds']:.1f} s, step "
+                         f"{r['step']})" if h["seconds_interp"] is not None else "not reached")
+                      + (f", mean accuracy {h['mean_accuracy']:.3f} over {h['horizon']:.1f} s" if h["mean_accuracy"]
+                         is not None else "")
+                      + f", {h['steps_per_s']:.2f} steps/s, over its charge {h['over']:.0%} ({h['over_process']})",
+                      flush=True)
+    return dict(searchers=counts, seeds=seeds, gain=gain, cap=cap, costs=costs, horizon=horizon, rows=rows,
+                summary=hardware_summary(rows))
 
 
 def without_streaming(flags: list[str]) -> list[str]:
@@ -515,65 +535,195 @@ GPU_SHAPE = 2.0  # the gpu+tails cell's X: ratio 1's, over about how much more a
 # tail runs at a GPU step's fixed cost; measured G / T is printed with each cell)
 
 
-def hardware_row(run: str, r: dict, sync: dict | None, baseline: bool = False) -> dict:
+def crossing(curve: list, level: float) -> tuple[float, float] | None:
+    """Where held-out accuracy first reaches `level` on a curve [(seconds, step, accuracy)], in order, the first
+    point the start: (seconds, step), linear between the last evaluation below it and the first at or above it; None
+    where it never does. The first evaluation past the level alone jumps by a whole evaluation interval with one
+    evaluation's sampling noise; between the two, the noise moves the crossing only by its share of the rise."""
+    for (t0, s0, a0), (t1, s1, a1) in zip(curve, curve[1:]):
+        if at_least(a1, level):
+            share = min(1.0, max(0.0, (level - a0) / (a1 - a0))) if a1 > a0 else 1.0
+            return t0 + share * (t1 - t0), s0 + share * (s1 - s0)
+    return None
+
+
+def accuracy_at(points: list, t: float) -> float:
+    """Held-out accuracy at `t` seconds on [(seconds, accuracy)] in time order: linear between evaluations, the first
+    one's before it (the start's weights), the last one's after it (the run's final weights, held)."""
+    return float(np.interp(t, [p[0] for p in points], [p[1] for p in points]))
+
+
+def mean_accuracy(points: list, horizon: float | None) -> float | None:
+    """The area under held-out accuracy against time over [0, horizon] seconds from the first step, over the horizon
+    (the mean accuracy in that window), from [(seconds from the first step, accuracy)] as `accuracy_at` reads them;
+    None without points or a horizon. Every evaluation counts, not only the two around one crossing."""
+    if not points or not horizon or horizon <= 0:
+        return None
+    points = sorted(points)
+    grid = [0.0, *(t for t, _ in points if 0 < t < horizon), horizon]
+    values = [accuracy_at(points, t) for t in grid]
+    return sum((a + b) / 2 * (t1 - t0) for t0, t1, a, b in zip(grid, grid[1:], values, values[1:])) / horizon
+
+
+def speedups(reference: list, times: list) -> list:
+    """Per seed, how many times sooner `times` reached the target than `reference` (seconds, None where a run never
+    did): a seed whose reference never reached it has no speed-up (None); one whose run never did, 0 (the slowest
+    rank: a median and its interval count it, not leave it out)."""
+    return [None if a is None or (b is not None and b <= 0) else 0.0 if b is None else a / b
+            for a, b in zip(reference, times)]
+
+
+def over_share(last: dict) -> tuple[float, str]:
+    """(the largest share of any one process's real compute over its own charge, that process) from a run's last
+    train row: the trainer's `over_trainer`, each searcher's `over_searchers`; a row written before them has only
+    the pooled `over_budget` seconds, whose share of all the charges is taken ("pooled")."""
+    if "over_trainer" in last:
+        shares = {"the trainer": last["over_trainer"],
+                  **{f"searcher {k}": v for k, v in (last.get("over_searchers") or {}).items()}}
+        who = max(shares, key=shares.get)
+        return float(shares[who]), who
+    charged = last.get("charged", 0.0) + last.get("train_charged", 0.0)
+    return (last.get("over_budget", 0.0) / charged if charged else 0.0), "pooled"
+
+
+def hardware_row(run: str, r: dict, sync: dict | None, baseline: bool = False, horizon: float | None = None) -> dict:
     """Part 9's figures of one run: its folder, run_until_target's dict `r` and the synchronous run of its cell and
     seed (`baseline`: this is it; None: the cell has none). G and T (the synchronous runs'): the median round wait and the median step without it,
     the first step left out. Throughput (steps a second, from the first step) apart from learning (steps to the
-    target); time to the target from launch and from the first step; the accuracy at the synchronous run's time to
-    the target (equal wall time, from the first step); the real compute over its charges (over budget, a share of
-    the charges); the CPU the run's processes used."""
+    target); time to the target from launch and from the first step, at the first evaluation past it and
+    interpolated between the two around it (`crossing`); the mean held-out accuracy from the first step to
+    `horizon` seconds (default: the synchronous run's end, or this run's where there is none: `mean_accuracy`) and its
+    gain over the synchronous run's; the accuracy at the synchronous run's interpolated time to the target (equal
+    wall time, from the first step); each process's real compute over its own charge (`over_share`; the pooled share
+    too: over_budget); the CPU the run's processes used."""
     train, evals, config = plot.read(run)
     later = train[1:] or train
     G = float(np.median([t["wait"] + t["sync"] for t in later])) if later else None
     T = float(np.median([t["seconds"] - t["wait"] - t["sync"] - t["search"] for t in later])) if later else None
     last = train[-1] if train else {}
     charged = last.get("charged", 0.0) + last.get("train_charged", 0.0)
+    first = r["first_step_seconds"] or 0.0
+    points = [(t - first, acc) for t, _, acc in r["curve"]]  # seconds from the first step
+    cross = crossing(r["curve"], r["target"])
+    end = r["last_step_seconds"] - first if r.get("last_step_seconds") is not None else None
+    horizon = horizon or (sync["end"] if sync else end)
     at = None
-    if sync and sync["reached"]:  # the latest evaluation by the synchronous run's time to the target
-        seen = [acc for t, _, acc in r["curve"] if t - r["first_step_seconds"] <= sync["from_first_step"] + 1e-9]
-        at = seen[-1] if seen else None
+    if sync and sync["from_first_step_interp"] is not None:
+        at = accuracy_at(points, sync["from_first_step_interp"])
+    over, who = over_share(last)
     span = later[-1]["time"] - train[0]["time"] - (later[-1]["overhead"] - train[0]["overhead"]) if len(train) > 1 else 0
     row = dict(reached=r["reached"], start=r["start_accuracy"], seconds=r["seconds"], step=r["step"],
                from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None,
+               seconds_interp=cross[0] if cross else None, from_first_step_interp=cross[0] - first if cross else None,
+               step_interp=cross[1] if cross else None, end=end, horizon=horizon,
+               mean_accuracy=mean_accuracy(points, horizon), times=[t for t, _ in points],
                first_step=r["first_step_seconds"], G=G, T=T, steps=last.get("step", 0),
                steps_per_s=(len(train) - 1) / span if span > 0 else 0.0,
                staleness=float(np.mean([t["staleness"] for t in train])) if train else None,
                staleness_last=float(np.mean([t.get("staleness_last", t["staleness"]) for t in train])) if train else None,
-               over_budget=last.get("over_budget", 0.0) / charged if charged else 0.0, cpu=r["cpu"],
+               over_budget=last.get("over_budget", 0.0) / charged if charged else 0.0, over=over, over_process=who,
+               over_trainer=last.get("over_trainer"), over_searchers=last.get("over_searchers"), cpu=r["cpu"],
                accuracy_at_sync=at, curve=[(e["step"], e["accuracy"]) for e in evals])
     if baseline:
-        row.update(speedup=1.0, speedup_first_step=1.0, ideal=(G + T) / max(G, T) if G and T else None)
-    elif sync is None:  # a cell without its baseline (the scaling's): no speed-up over one
-        row.update(speedup=None, speedup_first_step=None, ideal=None)
-    else:
-        both = row["reached"] and sync["reached"]
-        row.update(G=sync["G"], T=sync["T"], ideal=sync["ideal"],
-                   speedup=sync["seconds"] / row["seconds"] if both else None,
-                   speedup_first_step=sync["from_first_step"] / row["from_first_step"] if both else None)
+        one = 1.0 if row["reached"] else None
+        row.update(speedup=1.0, speedup_first_step=1.0, ideal=(G + T) / max(G, T) if G and T else None,
+                   speedup_interp=one, speedup_interp_first_step=one, accuracy_gain=0.0)
+        return row
+    if sync is None:  # a cell without its baseline (the scaling's): no speed-up over one
+        row.update(speedup=None, speedup_first_step=None, ideal=None, speedup_interp=None,
+                   speedup_interp_first_step=None, accuracy_gain=None)
+        return row
+    both = row["reached"] and sync["reached"]
+    gain = row["mean_accuracy"] - sync["mean_accuracy"] if None not in (row["mean_accuracy"], sync["mean_accuracy"]) else None
+    row.update(G=sync["G"], T=sync["T"], ideal=sync["ideal"],
+               speedup=sync["seconds"] / row["seconds"] if both else None,
+               speedup_first_step=sync["from_first_step"] / row["from_first_step"] if both else None,
+               speedup_interp=speedups([sync["seconds_interp"]], [row["seconds_interp"]])[0],
+               speedup_interp_first_step=speedups([sync["from_first_step_interp"]], [row["from_first_step_interp"]])[0],
+               accuracy_gain=gain)
     return row
 
 
+CPU_BOUND = 0.10  # a process more than this over its own charge: the CPU, not the emulation, set the run's pace
+
+
+def paired(a: list[dict], b: list[dict]) -> tuple[list, list]:
+    """Two modes' rows of one cell, by seed (the seeds both ran): b's speed-ups over a in interpolated time from the
+    first step (`speedups`) and b's mean accuracy less a's (the same horizon: the seed's synchronous run's end)."""
+    by = {r["seed"]: r for r in b}
+    both = [(r, by[r["seed"]]) for r in a if r["seed"] in by]
+    ups = speedups([x["from_first_step_interp"] for x, _ in both], [y["from_first_step_interp"] for _, y in both])
+    gains = [y["mean_accuracy"] - x["mean_accuracy"] for x, y in both
+             if x["mean_accuracy"] is not None and y["mean_accuracy"] is not None]
+    return ups, gains
+
+
 def hardware_summary(rows: list[dict]) -> dict:
-    """Per cell (N, point, shape) and mode: medians over seeds; CPU-bound where any run was over budget by more
-    than 10% of its charges (no speed-up is then claimed for it); and the searchers' scaling."""
+    """Per cell (N, point, shape) and mode: medians over seeds; the speed-ups over the synchronous run of the same
+    seed in interpolated time to the target (from launch; from the first step, the headline) and the gain in mean
+    accuracy, each with a 90% bootstrap interval over seeds (plot.interval); CPU-bound where any process of any seed
+    ran over its own charge by more than CPU_BOUND (no speed-up nor gain is then claimed for it, nor for any mode
+    of a cell whose synchronous baseline is); then, for every pair
+    of modes of a cell that are not CPU-bound, the later one's speed-up over the earlier and its gain in mean accuracy,
+    each with its interval and whether that interval excludes no difference (resolved); and the searchers' scaling."""
     out = {}
     med = lambda v: float(np.median(v)) if v else None
+    # Speed-ups: the median of the seeds' paired ratios, not the ratio of the medians: the two runs of a pair share
+    # their seed, so that what the seed makes easy for both cancels, and a median keeps one seed's lucky early
+    # crossing (ratios of 6.7x were seen) from moving it. Mean accuracies are bounded and without such jumps:
+    # the mean of their paired differences, which uses every seed's value.
+    mean = lambda v, axis=None: np.mean(v, axis=axis)
     key = lambda r: (r["searchers"], r["ratio"], r["x"], r["y"], r["shape"], r["mode"])
+    base = {key(r)[:5] for r in rows if r["mode"] == "sync" and r["over"] > CPU_BOUND}  # CPU-bound baselines' cells
     for k in sorted({key(r) for r in rows}, key=str):
         these = [r for r in rows if key(r) == k]
-        bound = max(r["over_budget"] for r in these) > 0.1
+        bound = max(r["over"] for r in these) > CPU_BOUND
+        withheld = bound or k[:5] in base  # a ratio to a CPU-bound baseline measures the CPU's packing too
+        worst = max(these, key=lambda r: r["over"])
+        up, up_ci = plot.interval([r["speedup_interp"] for r in these if r["speedup_interp"] is not None])
+        first, first_ci = plot.interval([r["speedup_interp_first_step"] for r in these
+                                         if r["speedup_interp_first_step"] is not None])
+        gain, gain_ci = plot.interval([r["accuracy_gain"] for r in these if r["accuracy_gain"] is not None], mean)
+        if k[5] == "sync":  # the baseline against itself: 1x and +0 by definition, no interval to give
+            up_ci = first_ci = gain_ci = None
         out[" ".join(map(str, k))] = dict(
             searchers=k[0], ratio=k[1], x=k[2], y=k[3], shape=k[4], mode=k[5], runs=len(these),
-            reached=sum(r["reached"] for r in these), cpu_bound=bound,
-            speedup=None if bound else med([r["speedup"] for r in these if r["speedup"]]),
-            speedup_first_step=None if bound else med([r["speedup_first_step"] for r in these if r["speedup_first_step"]]),
-            steps=med([r["step"] for r in these if r["reached"]]), steps_per_s=med([r["steps_per_s"] for r in these]),
+            reached=sum(r["reached"] for r in these), cpu_bound=bound, baseline_cpu_bound=k[:5] in base,
+            speedup=None if withheld else med([r["speedup"] for r in these if r["speedup"]]),
+            speedup_first_step=None if withheld else med([r["speedup_first_step"] for r in these if r["speedup_first_step"]]),
+            speedup_interp=None if withheld else up, speedup_interp_ci=None if withheld else up_ci,
+            speedup_interp_first_step=None if withheld else first,
+            speedup_interp_first_step_ci=None if withheld else first_ci,
+            paired=len([r for r in these if r["speedup_interp_first_step"] is not None]),
+            accuracy_gain=None if withheld else gain, accuracy_gain_ci=None if withheld else gain_ci,
+            mean_accuracy=med([r["mean_accuracy"] for r in these if r["mean_accuracy"] is not None]),
+            horizon=med([r["horizon"] for r in these if r["horizon"]]),
+            steps=med([r["step_interp"] for r in these if r["step_interp"] is not None]),
+            steps_first_eval=med([r["step"] for r in these if r["reached"]]), steps_per_s=med([r["steps_per_s"] for r in these]),
             staleness=med([r["staleness"] for r in these]), ideal=med([r["ideal"] for r in these if r["ideal"]]),
             G=med([r["G"] for r in these if r["G"]]), T=med([r["T"] for r in these if r["T"]]),
-            seconds=med([r["seconds"] for r in these if r["seconds"]]),
-            from_first_step=med([r["from_first_step"] for r in these if r["from_first_step"]]),
+            seconds=med([r["seconds_interp"] for r in these if r["seconds_interp"] is not None]),
+            from_first_step=med([r["from_first_step_interp"] for r in these if r["from_first_step_interp"] is not None]),
             accuracy_at_sync=med([r["accuracy_at_sync"] for r in these if r["accuracy_at_sync"] is not None]),
+            over=worst["over"], over_process=f"{worst['over_process']}, seed {worst['seed']}",
             over_budget=max(r["over_budget"] for r in these), cpu=med([r["cpu"] for r in these]))
+    pairs = []
+    for cell in sorted({k[:5] for k in map(key, rows)}, key=str):
+        modes = list(dict.fromkeys(r["mode"] for r in rows if key(r)[:5] == cell))
+        of = lambda mode: [r for r in rows if key(r) == (*cell, mode)]
+        for i, a in enumerate(modes):
+            for b in modes[i + 1:]:
+                row = dict(searchers=cell[0], ratio=cell[1], x=cell[2], y=cell[3], shape=cell[4], a=a, b=b)
+                if any(out[" ".join(map(str, (*cell, m)))]["cpu_bound"] for m in (a, b)):
+                    pairs.append(dict(row, cpu_bound=True))
+                    continue
+                ups, gains = paired(of(a), of(b))
+                up, up_ci = plot.interval([u for u in ups if u is not None])
+                gain, gain_ci = plot.interval(gains, mean)
+                pairs.append(dict(row, cpu_bound=False, seeds=len([u for u in ups if u is not None]), speedup=up,
+                                  speedup_ci=up_ci, resolved=bool(up_ci and (up_ci[0] > 1 or up_ci[1] < 1)),
+                                  accuracy_gain=gain, accuracy_gain_ci=gain_ci,
+                                  gain_resolved=bool(gain_ci and (gain_ci[0] > 0 or gain_ci[1] < 0))))
     scaling = {}
     for c in out.values():
         if c["mode"] == "stream" and c["ratio"]:
@@ -584,7 +734,9 @@ def hardware_summary(rows: list[dict]) -> dict:
                     scaling[f"{c['ratio']:g}"] = dict(ratio=d["from_first_step"] / c["from_first_step"],
                                                       ideal=c["searchers"] / d["searchers"], many=c["searchers"],
                                                       few=d["searchers"])
-    return dict(cells=out, scaling=scaling)
+    return dict(cells=out, pairs=pairs, scaling=scaling, bootstrap=dict(
+        plot.BOOTSTRAP, speedup="the median of the seeds' paired ratios, interpolated time from the first step",
+        accuracy_gain="the mean of the seeds' paired differences in mean accuracy to the horizon"))
 
 
 def round_cost(cfg, prompts, answers, sizes: list[int], repeat: int) -> dict:
@@ -878,7 +1030,8 @@ def trainer_overhead(cfg, prompts, repeat: int) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the time-to-target runs")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help=f"seeds of the time-to-target runs (default: 0 1; part 9: 0-{PART9_SEEDS - 1})")
     p.add_argument("--cap", type=float, default=600, help="time cap of each run, seconds")
     p.add_argument("--out", default=None, help="output folder (default: runs/bench-<time>)")
     p.add_argument("--quick", action="store_true", help="a tiny budget (for the tests)")
@@ -901,7 +1054,10 @@ def main(argv=None):
                    help="part 9: the modes at each point (MODES)")
     p.add_argument("--tails", nargs="*", default=["sync", "stream", "inflight", "full"], choices=list(MODES),
                    help="part 9: the modes at G_N = T again with GPU-shaped decoding and long tails (none: skipped)")
-    p.add_argument("--gain", type=float, default=0.15, help="part 9: the target, held-out accuracy >= start + GAIN")
+    p.add_argument("--gain", type=float, default=0.15, help="part 9: the target, held-out accuracy >= start + GAIN "
+                   "(a task with a slower curve, `-- --task countdown`, may want less: 0.1)")
+    p.add_argument("--horizon", type=float, default=None, help="part 9: the window of the mean accuracy, seconds from "
+                   "the first step (default: the same seed's synchronous run's end)")
     p.add_argument("--eval-every", type=int, default=2, help="part 9: steps between evaluations")
     p.add_argument("--costs", default=None, help="part 9: an earlier run's OUT/calibration.json instead of a new one")
     p.add_argument("--lags", type=int, nargs="+", default=[0, 2, 10], help="part 12: the exact lags L")
@@ -910,14 +1066,19 @@ def main(argv=None):
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
     args = p.parse_args(argv)
     flags = [f for f in args.flags if f != "--"]
+    for flag, value in (("--gain", args.gain), ("--horizon", args.horizon)):
+        if value is not None and not 0 < value < float("inf"):  # NaN too
+            raise BadInput(f"{flag} {value:g}: give a positive number")
     if args.costs is not None:  # checked before anything is made or started
         if 9 not in args.parts:
             raise BadInput("--costs acts only with --parts 9")
         read_costs(args.costs)
     out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
+    seeds9 = args.seeds or list(range(PART9_SEEDS))
+    args.seeds = args.seeds or [0, 1]
     if args.quick:
-        args.seeds, args.cap = args.seeds[:1], min(args.cap, 90)
+        args.seeds, seeds9, args.cap = args.seeds[:1], seeds9[:1], min(args.cap, 90)
     repeat = 3 if args.quick else 10
 
     # the embedded default's config, as tba.py resolves it (this builds the tiny model if needed)
@@ -948,9 +1109,10 @@ def main(argv=None):
         result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
     if 9 in args.parts:
         result["equal_hardware"] = equal_hardware(
-            args.seeds, out, flags, args.cap, args.quick, [1] if args.quick else args.searchers,
+            seeds9, out, flags, args.cap, args.quick, [1] if args.quick else args.searchers,
             [1.0] if args.quick else args.ratios, args.slowdowns, ["sync", "stream"] if args.quick else args.modes,
-            0.05 if args.quick else args.gain, args.eval_every, [] if args.quick else args.tails, given=args.costs)
+            0.05 if args.quick else args.gain, args.eval_every, [] if args.quick else args.tails, given=args.costs,
+            horizon=args.horizon)
     if 12 in args.parts:
         result["miniature"] = miniature(args.seeds, out, flags, args.quick, args.lags)
     if 10 in args.parts:
@@ -1061,33 +1223,7 @@ def table(r: dict) -> str:
                              f"{per_step or 0:>7.3f}")
     eh = r.get("equal_hardware")
     if eh:
-        fmt = lambda t, f="{:.1f}": f.format(t) if t is not None else "-"
-        c0 = eh["costs"]
-        lines += [f"9. asynchrony on equal hardware, emulated: every mode on the same N searchers, each a device of its own, "
-                  f"and the trainer a device of its own; G/T: the synchronous round against its step (--generation-slowdown X, "
-                  f"--train-slowdown Y from one calibration" + (f": {c0['seconds_per_token'] * 1e3:.3f} ms a token, "
-                  f"a step {c0['train_step']:.3f} s alone" if c0 else "") + "; G/T '-': X alone, each run its own "
-                  f"calibration, CPU packing); time to held-out accuracy >= start + {eh['gain']:g}, medians over seeds; "
-                  f"speed-ups over --lag 0 on the same searchers; ideal (G + T) / max(G, T); acc@sync: accuracy at the "
-                  f"synchronous run's time to the target; over: real compute above the charges (CPU-bound above 10%: "
-                  f"no speed-up given)",
-                  f"   {'N':>2} {'G/T':>4} {'X':>6} {'Y':>5} {'decoding':<9} {'mode':<8} | {'reached':>7} | "
-                  f"{'launch (s)':>10} {'1st step':>8} | {'speed-up':>8} {'1st step':>8} {'ideal':>5} | {'steps':>5} "
-                  f"{'step/s':>6} | {'acc@sync':>8} | {'stale':>5} | {'G (s)':>6} {'T (s)':>6} | {'CPU (s)':>7} {'over':>5}"]
-        for c in eh["summary"]["cells"].values():
-            lines.append(f"   {c['searchers']:>2} {fmt(c['ratio'], '{:g}'):>4} {c['x']:>6g} {c['y']:>5g} {c['shape']:<9} "
-                         f"{c['mode']:<8} | {c['reached']:>3}/{c['runs']:<3} | {fmt(c['seconds']):>10} "
-                         f"{fmt(c['from_first_step']):>8} | "
-                         f"{'CPU-bound' if c['cpu_bound'] else fmt(c['speedup'], '{:.2f}x'):>8} "
-                         f"{'' if c['cpu_bound'] else fmt(c['speedup_first_step'], '{:.2f}x'):>8} "
-                         f"{fmt(c['ideal'], '{:.2f}'):>5} | {fmt(c['steps'], '{:.0f}'):>5} {fmt(c['steps_per_s'], '{:.2f}'):>6} | "
-                         f"{fmt(c['accuracy_at_sync'], '{:.3f}'):>8} | {fmt(c['staleness'], '{:.2f}'):>5} | "
-                         f"{fmt(c['G'], '{:.3f}'):>6} {fmt(c['T'], '{:.3f}'):>6} | {fmt(c['cpu'], '{:.0f}'):>7} "
-                         f"{c['over_budget']:>5.0%}")
-        for ratio, sc in eh["summary"]["scaling"].items():
-            lines.append(f"   searcher scaling at G/T {ratio} (the same X, Y): streaming with {sc['many']} searchers "
-                         f"reaches the target {sc['ratio']:.2f}x sooner than with {sc['few']}, from the first step "
-                         f"(ideal {sc['ideal']:.0f})")
+        lines += part9_table(eh)
     rc = r.get("round_cost")
     if rc:
         lines += [f"11. a search round's cost against its size (one engine, warm; K = {rc['K']}): generation, and the "
@@ -1130,6 +1266,73 @@ def table(r: dict) -> str:
                              f"{per(mine, lambda x: times(x['speedup'])):>13} | "
                              f"{per(mine, lambda x: times(x['speedup_first_step'])):>13}")
     return "\n".join(lines)
+
+
+def times_ci(point, ci) -> str:
+    """A speed-up and its interval: "1.62x [1.41, 1.80]" ("-" without one)."""
+    x = lambda v: "inf" if v == float("inf") else f"{v:.2f}"
+    return "-" if point is None else f"{x(point)}x" + (f" [{x(ci[0])}, {x(ci[1])}]" if ci else "")
+
+
+def plus_ci(point, ci) -> str:
+    """A gain in mean accuracy and its interval: "+0.021 [+0.010, +0.033]" ("-" without one)."""
+    return "-" if point is None else f"{point:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
+
+
+def part9_table(eh: dict) -> list[str]:
+    """Part 9's lines of the table: a row per cell and mode, then which pairs of modes of a cell its seeds tell apart."""
+    fmt = lambda t, f="{:.1f}": f.format(t) if t is not None else "-"
+    c0, boot = eh["costs"], eh["summary"]["bootstrap"]
+    window = f"{eh['horizon']:g} s" if eh.get("horizon") else "the same seed's synchronous run's end"
+    lines = [f"9. asynchrony on equal hardware, emulated: every mode on the same N searchers, each a device of its own, "
+             f"and the trainer a device of its own; G/T: the synchronous round against its step (--generation-slowdown X, "
+             f"--train-slowdown Y from one calibration" + (f": {c0['seconds_per_token'] * 1e3:.3f} ms a token, "
+             f"a step {c0['train_step']:.3f} s alone" if c0 else "") + "; G/T '-': X alone, each run its own "
+             f"calibration, CPU packing); time to held-out accuracy >= start + {eh['gain']:g}, interpolated between the "
+             f"two evaluations around it, medians over seeds (steps too); speed-ups over --lag 0 on the same searchers "
+             f"and seed: the median of the seeds' ratios, from launch and from the first step (the headline), with "
+             f"{boot['level']:.0%} intervals ({boot['resamples']} bootstrap resamples of the seeds); ideal "
+             f"(G + T) / max(G, T); mean acc: held-out accuracy averaged from the first step to {window}, and its gain "
+             f"over --lag 0 (the mean of the seeds' differences); acc@sync: accuracy at the synchronous run's time to "
+             f"the target; over: the most any process's real compute ran above its own charge (CPU-bound above "
+             f"{CPU_BOUND:.0%}: no speed-up given, nor over a CPU-bound sync)",
+             f"   {'N':>2} {'G/T':>4} {'X':>6} {'Y':>5} {'decoding':<9} {'mode':<8} | {'reached':>7} | "
+             f"{'launch (s)':>10} {'1st step':>8} | {'speed-up, 1st step':>20} {'from launch':>20} {'ideal':>5} | "
+             f"{'mean acc':>8} {'gain':>24} | {'steps':>5} {'step/s':>6} | {'acc@sync':>8} | {'stale':>5} | "
+             f"{'G (s)':>6} {'T (s)':>6} | {'CPU (s)':>7} {'over':>5}"]
+    for c in eh["summary"]["cells"].values():
+        bound = "CPU-bound" if c["cpu_bound"] else "sync CPU-bound" if c.get("baseline_cpu_bound") else ""
+        lines.append(f"   {c['searchers']:>2} {fmt(c['ratio'], '{:g}'):>4} {c['x']:>6g} {c['y']:>5g} {c['shape']:<9} "
+                     f"{c['mode']:<8} | {c['reached']:>3}/{c['runs']:<3} | {fmt(c['seconds']):>10} "
+                     f"{fmt(c['from_first_step']):>8} | "
+                     f"{bound or times_ci(c['speedup_interp_first_step'], c['speedup_interp_first_step_ci']):>20} "
+                     f"{'' if bound else times_ci(c['speedup_interp'], c['speedup_interp_ci']):>20} "
+                     f"{fmt(c['ideal'], '{:.2f}'):>5} | {fmt(c['mean_accuracy'], '{:.3f}'):>8} "
+                     f"{'' if bound else plus_ci(c['accuracy_gain'], c['accuracy_gain_ci']):>24} | "
+                     f"{fmt(c['steps'], '{:.1f}'):>5} {fmt(c['steps_per_s'], '{:.2f}'):>6} | "
+                     f"{fmt(c['accuracy_at_sync'], '{:.3f}'):>8} | {fmt(c['staleness'], '{:.2f}'):>5} | "
+                     f"{fmt(c['G'], '{:.3f}'):>6} {fmt(c['T'], '{:.3f}'):>6} | {fmt(c['cpu'], '{:.0f}'):>7} "
+                     f"{c['over']:>5.0%}")
+    for ratio, sc in eh["summary"]["scaling"].items():
+        lines.append(f"   searcher scaling at G/T {ratio} (the same X, Y): streaming with {sc['many']} searchers "
+                     f"reaches the target {sc['ratio']:.2f}x sooner than with {sc['few']}, from the first step "
+                     f"(ideal {sc['ideal']:.0f})")
+    pairs = eh["summary"]["pairs"]
+    if pairs:
+        lines.append(f"   resolved at {boot['level']:.0%}: the later mode's speed-up over the earlier in time to the target "
+                     f"from the first step, paired by seed, and its gain in mean accuracy; resolved where the interval "
+                     f"excludes no difference (1x; +0)")
+    for p in pairs:
+        where = f"N {p['searchers']} {'G/T %g' % p['ratio'] if p['ratio'] else 'X %g' % p['x']} {p['shape']}"
+        head = f"   {where:<22} {p['b']:>8} over {p['a']:<8}:"
+        if p["cpu_bound"]:
+            lines.append(f"{head} not compared (CPU-bound)")
+            continue
+        said = lambda ok, ci: "resolved" if ok else "not resolved" if ci else "no interval (under 2 seeds)"
+        lines.append(f"{head} {times_ci(p['speedup'], p['speedup_ci']):>20} {said(p['resolved'], p['speedup_ci']):<12}"
+                     f" | gain {plus_ci(p['accuracy_gain'], p['accuracy_gain_ci']):>24} "
+                     f"{said(p['gain_resolved'], p['accuracy_gain_ci'])} ({p['seeds']} seeds)")
+    return lines
 
 
 def cli():

@@ -215,10 +215,34 @@ def study(bench_json: str, out: str):
     save(fig, out)
 
 
-# the fields of part 9's rows that equal_hardware reads (bench.py's hardware_row: null where a run has none)
+# the fields of part 9's rows that equal_hardware reads (bench.py's hardware_row: null where a run has none); those
+# of PART9_NEWER only where the row has them (a bench.json written before they were: the first evaluation past the
+# target alone, no interval)
 PART9_ROW = dict(searchers="a whole number", ratio="a number or null", shape="a string", mode="a string",
                  ideal="a number or null", speedup_first_step="a number or null", steps_per_s="a number or null",
                  step="a number or null")
+PART9_NEWER = dict(speedup_interp_first_step="a number or null", step_interp="a number or null")
+
+BOOTSTRAP = dict(resamples=2000, level=0.90, seed=0)  # part 9's intervals: bench.py's table and the picture alike
+
+
+def interval(values, stat=None, resamples: int = BOOTSTRAP["resamples"], level: float = BOOTSTRAP["level"],
+             seed: int = BOOTSTRAP["seed"]) -> tuple[float | None, list[float] | None]:
+    """(stat of `values`, [lo, hi]): a percentile bootstrap of `stat` (default the median) over `values`, one per
+    seed, resampled `resamples` times with replacement by a fixed RNG, so that the same runs give the same interval;
+    NaN values are left out; no interval below 2 values, (None, None) with none. The ends are order statistics of the
+    resampled statistics (the 5th and 95th percentiles at 90%), not interpolated between them."""
+    import numpy as np
+    stat = stat or np.median
+    v = np.asarray([x for x in values if x == x], dtype=float)
+    if not len(v):
+        return None, None
+    point = float(stat(v))
+    if len(v) < 2:
+        return point, None
+    draws = np.sort(stat(v[np.random.default_rng(seed).integers(0, len(v), (resamples, len(v)))], axis=1))
+    lo, hi = (1 - level) / 2 * (resamples - 1), (1 + level) / 2 * (resamples - 1)
+    return point, [float(draws[int(np.floor(lo))]), float(draws[int(np.ceil(hi))])]
 
 
 def read_part9(bench_jsons: list[str]) -> dict:
@@ -234,7 +258,10 @@ def read_part9(bench_jsons: list[str]) -> dict:
             raise BadRun(f"{bench_json}: equal_hardware.searchers is {json.dumps(counts)[:40]}, not a list of searcher counts")
         if "costs" in part:
             field(bench_json, part, "costs", "an object or null", "equal_hardware")
-        rows_of(bench_json, part, "equal_hardware", PART9_ROW)
+        for i, row in enumerate(rows_of(bench_json, part, "equal_hardware", PART9_ROW)):
+            for key, kind in PART9_NEWER.items():
+                if key in row:
+                    field(bench_json, row, key, kind, f"equal_hardware.rows[{i}]")
         same = lambda p: (p["gain"], {k: v for k, v in (p.get("costs") or {}).items() if k != "file"})
         if parts and same(part) != same(parts[0]):
             raise BadRun(f"{bench_json}: another target or other emulated costs than {bench_jsons[0]}")
@@ -245,14 +272,18 @@ def read_part9(bench_jsons: list[str]) -> dict:
 
 def equal_hardware(bench_jsons: list[str], out: str):
     """bench.py part 9 (read_part9: one or more bench.json) along G_N / T (both phases emulated, the most searchers,
-    linear decoding): left, each mode's speed-up in time to the target over the synchronous baseline on the same searchers (--lag 0), from the first
-    step, with the ideal (G + T) / max(G, T) dashed (dots: seeds, lines: medians); middle, its throughput in steps a
-    second; right, the steps it needed (learning)."""
+    linear decoding): left, each mode's speed-up over the synchronous baseline on the same searchers (--lag 0) in time
+    to the target from the first step, interpolated between evaluations where the rows have it (else the first
+    evaluation past it), with the ideal (G + T) / max(G, T) dashed (dots: seeds; squares: the median of the seeds'
+    ratios, with its 90% bootstrap interval, `interval`); middle, its throughput in steps a second; right, the steps
+    it needed (learning). Each mode's points sit a little apart along G / T, so that the bars do not hide each other."""
     eh = read_part9(bench_jsons)  # the files first: a bad one is named even where matplotlib is missing
     rows = [r for r in eh["rows"] if r["ratio"] and r["shape"] == "linear" and r["searchers"] == max(eh["searchers"])]
     if not rows:
         raise BadRun(f"{' '.join(bench_jsons)}: no point of part 9 with both phases emulated")
     plt = pyplot()
+    newer = all("speedup_interp_first_step" in r for r in rows)  # one measure for all, never two mixed
+    speedup, steps_key = ("speedup_interp_first_step", "step_interp") if newer else ("speedup_first_step", "step")
     ratios = sorted({r["ratio"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     median = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
@@ -261,15 +292,28 @@ def equal_hardware(bench_jsons: list[str], out: str):
     speed.plot(ratios, ideal, "--", color="gray", label="ideal")
     for i, mode in enumerate(modes):
         mine = [r for r in rows if r["mode"] == mode]
-        for ax, key in ((speed, "speedup_first_step"), (rate, "steps_per_s"), (steps, "step")):
-            got = [[r[key] for r in mine if r["ratio"] == x and r[key]] for x in ratios]
-            for x, g in zip(ratios, got):
+        apart = [x * 1.04 ** (i - (len(modes) - 1) / 2) for x in ratios]  # log axis: the same gap at every point
+        for ax, key in ((speed, speedup), (rate, "steps_per_s"), (steps, steps_key)):
+            # a speed-up of 0 is a seed that never reached the target: kept (it counts in the median), drawn at 0
+            got = [[r[key] for r in mine if r["ratio"] == x and r[key] is not None and (r[key] or key == speedup)]
+                   for x in ratios]
+            for x, g in zip(apart, got):
                 ax.plot([x] * len(g), g, "o", color=f"C{i}", alpha=0.35, markersize=4)
-            ax.plot(ratios, [median(g) for g in got], "-s", color=f"C{i}", label=mode, markersize=5)  # one point too
+            if ax is speed:
+                both = [interval(g) for g in got]
+                mid = [m if m is not None else float("nan") for m, _ in both]
+                bars = [[max(0.0, m - ci[0]) if ci else 0 for m, (_, ci) in zip(mid, both)],  # (an end may be the
+                        [max(0.0, ci[1] - m) if ci else 0 for m, (_, ci) in zip(mid, both)]]   # median itself)
+                finite = all(b == b and b != float("inf") for side in bars for b in side)
+                ax.errorbar(apart, mid, yerr=bars if finite else None, fmt="-s", color=f"C{i}", capsize=3, markersize=5,
+                            label=f"{mode} (90% interval)" if finite else mode)
+            else:
+                ax.plot(apart, [median(g) for g in got], "-s", color=f"C{i}", label=mode, markersize=5)  # one point too
     speed.axhline(1, color="gray", linewidth=0.8, linestyle=":")
-    speed.set(ylabel="speed-up over --lag 0, from the first step (x)")
+    how = "interpolated between evaluations" if newer else "first evaluation past it"
+    speed.set(ylabel=f"speed-up over --lag 0 to start + {eh['gain']:g}, from the first step (x)", title=how)
     rate.set(ylabel="throughput (steps a second)")
-    steps.set(ylabel=f"learning: steps to start + {eh['gain']:g}")
+    steps.set(ylabel=f"learning: steps to start + {eh['gain']:g}", title=how)
     for ax in (speed, rate, steps):
         ax.set(xscale="log", xlabel="G / T (the synchronous round over the training step)")
         ax.set_xticks(ratios, [f"{x:g}" for x in ratios])
