@@ -171,9 +171,16 @@ def start(cmd: list[str], log) -> subprocess.Popen:
     return proc
 
 
-def stop(proc: subprocess.Popen):
+def stop(proc: subprocess.Popen, grace: float = 0.0):
     """Kill the whole process group `start` made for `proc` (whatever of it is left, even after the leader's own
-    exit) and reap the leader."""
+    exit) and reap the leader. `grace`: a run still going is first asked to stop (SIGTERM: tba.py writes a checkpoint
+    and makes the evaluations it kept, --evaluator after's, whose rows part 9 reads) and given that many seconds."""
+    if grace and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:  # every process of it has exited already
@@ -259,7 +266,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
             rows, hit = read()
             cpu.update(cpu_seconds(proc.pid))
     finally:
-        stop(proc)  # the whole run: trainer and searchers
+        stop(proc, grace=GRACE)  # the whole run: trainer and searchers, its kept evaluations made first
     rows, hit = read()
     if not rows:
         raise RuntimeError(f"tba.py produced no metrics: {read_text(out + '.log')[-2000:]}")
@@ -372,11 +379,18 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
 # --- 9: asynchrony on equal hardware, both phases on devices of their own, emulated --------------------------------
 MODES = {"sync": ["--lag", "0"],      # the synchronous baseline on the searchers' hardware: each step waits
          "lag1": ["--lag", "1"],      # one-step off-policy: every batch sampled by the weights of the step before
-         "stream": ["--no-inflight"],  # TBA: searchers stream rounds, weights reach them between rounds
-         "inflight": ["--inflight"],  # ... and between the decoding steps of a round in flight (the default)
+         "stream": ["--no-inflight"],  # TBA: searchers stream rounds, weights reach them between rounds (the default)
+         "inflight": ["--inflight"],  # ... and between the decoding steps of a round in flight
          "recompute": ["--inflight", "--inflight-kv", "recompute"],  # ... with the KV cache recomputed
-         "full": ["--inflight", "--keep-full"]}  # ... and a finished response's slot takes a new request at once
+         "full": ["--inflight", "--keep-full"],  # ... and a finished response's slot takes a new request at once
+         # the version-aware sampler's study, streaming between rounds: each part apart, then together
+         "fresh": ["--no-inflight", "--fresh-first"],    # the B prompts searched last, each its newest round
+         "once": ["--no-inflight", "--use-once"],        # each trajectory drawn once
+         "bound": ["--no-inflight", "--stale-bound", "2"],  # nothing more than 2 steps stale
+         "norep": ["--no-inflight", "--recency", "1"],   # no whole-buffer replay (m = 1)
+         "sampler": ["--no-inflight", "--fresh-first", "--use-once", "--stale-bound", "2", "--recency", "1"]}
 GPU_TAILS = ["--decode-cost", "gpu", "--response-lengths", "gsm8k"]  # a GPU's decoding step, a real model's lengths
+GRACE = 300.0  # s a run stopped at the cap may take to make its kept evaluations (--evaluator after) and stop
 STEP = 0.4  # s: the emulated training step T of part 9's points (--train-slowdown Y = STEP / its cost alone)
 PART9_SEEDS = 10  # part 9's seeds by default: with 3-5, time to start + 0.15 (about +-3 steps of noise at about 18
 # steps) told no two modes apart that differed by less than about 20%
