@@ -134,7 +134,6 @@ class Engine:
 
     def __init__(self, cfg, device: str, memory: float, prompts: list[list[int]], answers: list[str],
                  evaluates: bool = True):
-        from transformers import AutoTokenizer
         self.cfg, self.prompts, self.answers = cfg, prompts, answers
         self.device = torch.device(device)
         task = tasks.get(cfg.task)
@@ -149,7 +148,7 @@ class Engine:
         # vLLM labels each token with the weights' version that made it (CompletionOutput.weight_versions:
         # vllm/outputs.py:42-48, 90; vllm/v1/engine/output_processor.py:484-500): a round in flight has several
         self.llm.llm_engine.set_weight_version("0")
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        self.tokenizer = self.llm.get_tokenizer()  # vLLM's, loaded with its engine: not a second load
         self.version = 0          # trainer step of the weights loaded (0 = the initial model)
         self.verified = -1        # the last version whose arrival was checked (`verify`)
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)

@@ -3,6 +3,7 @@ as a local folder, and the tokenizer saved beside it; each refusal one line nami
 model is built by tiny.py (runtime/checks.py asks it for --model tiny).
 """
 
+import functools
 import os
 
 from runtime.errors import ConfigError
@@ -63,8 +64,10 @@ def check_weights(path: str, flag: str = "model", why: str = ""):
         raise ConfigError(f"--{flag}: {path} holds no weights (none of {', '.join(WEIGHTS)}{why})")
 
 
+@functools.lru_cache(maxsize=8)
 def load_tokenizer(path: str, flag: str = "model"):
-    """The tokenizer saved beside the model, or a one-line refusal naming what is missing."""
+    """The tokenizer saved beside the model, or a one-line refusal naming what is missing; loaded once a process (the
+    checks and the trainer ask for it: a tokenizer of a real model takes a second or more)."""
     from transformers import AutoTokenizer
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(path, f)) for f in files):
