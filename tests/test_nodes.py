@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import types
 
@@ -25,17 +26,19 @@ from test_faults import assert_all_gone, assert_checkpoint, searcher_pids, wait_
 SMALL = ["--prompts-per-step", "8", "--samples-per-prompt", "4", "--max-new-tokens", "6"]
 
 
-def launch(node: int, port: int, args, tmp, output=None):
+def launch(node: int, port: int, args, tmp, output=None, script=None):
     """One 'node': torchrun with a static rendezvous on 127.0.0.1:port, in its own session; its output
-    to a pipe, or to the file `output` (readable while it runs)."""
+    to a pipe, or to the file `output` (readable while it runs). `script`: a wrapper of tba.py in `tmp`, whose
+    modules there the searchers import too (on PYTHONPATH: the fork server's path)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
            "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-           os.path.join(ROOT, "tba.py"), *args]
+           script or os.path.join(ROOT, "tba.py"), *args]
+    environ = dict(env(tmp), PYTHONPATH=str(tmp)) if script else env(tmp)
     if output is None:
-        return subprocess.Popen(cmd, cwd=tmp, env=env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, cwd=tmp, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
     with open(output, "w") as f:
-        return subprocess.Popen(cmd, cwd=tmp, env=env(tmp), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=tmp, env=environ, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def tree(proc) -> list[int]:
@@ -92,10 +95,10 @@ def test_two_nodes_learn_with_node_1s_trajectories(tiny_model, tmp_path):
     assert "done: 40 steps" in outputs[0]
 
 
-def in_flow(port: int, args, out, tmp, outputs=(None, None)):
-    """Two 'nodes' (node 1 launched first) in full flow: node 0 has taken 3 steps and node 1's searcher
-    has sent data. Returns (node 0, node 1); kills both if they do not get there."""
-    node1 = launch(1, port, args, tmp, outputs[1])
+def in_flow(port: int, args, out, tmp, outputs=(None, None), script1=None):
+    """Two 'nodes' (node 1 launched first, through `script1` if given) in full flow: node 0 has taken 3 steps
+    and node 1's searcher has sent data. Returns (node 0, node 1); kills both if they do not get there."""
+    node1 = launch(1, port, args, tmp, outputs[1], script1)
     node0 = launch(0, port, args, tmp, outputs[0])
     try:
         wait_for_steps(node0, out, 3)
@@ -178,6 +181,80 @@ def test_a_silent_searcher_of_any_node_stops_the_run_after_a_checkpoint(node, ti
     assert f"tba.py: warning: node {node}: searcher 0 (pid {pid}) has sent nothing for " in output, output[-3000:]
     last = next(line for line in output.splitlines() if line.startswith("tba.py: error:"))
     assert last.startswith(f"tba.py: error: node {node}: searcher 0 (pid {pid}) has sent nothing for "), output[-3000:]
+    assert last.endswith(f"(--timeout {timeout}); checkpoint in {out / 'checkpoint'}"), last
+    state = assert_checkpoint(out)
+    assert state["step"] == max(r["step"] for r in metrics(out) if r["kind"] == "train")
+    assert_all_gone(everything, within=30)
+
+
+# node 1's searcher, once the file STOP exists, writes its next search message half-way into the queue's pipe and
+# stops itself (SIGSTOP): as if stopped while the queue's thread wrote it (a message over 16 KB goes in two writes,
+# and a full pipe cuts any; a round at the default sizes is about 19 KB), at a moment the test chooses
+HALFWAY = textwrap.dedent("""
+    import os, signal, struct
+    from multiprocessing.reduction import ForkingPickler
+    import searcher
+
+    def run(index, cfg, shared, channels, *rest):
+        if index == 1:  # node 1's first searcher
+            plain = searcher.send
+
+            def send(queue, message, stop):
+                if message["kind"] == "search" and os.path.exists({stop!r}):
+                    data = ForkingPickler.dumps(message)
+                    with queue._wlock:  # the queue's thread writes under it: no other message in between
+                        os.write(queue._writer.fileno(), struct.pack("!i", len(data)) + bytes(data[:len(data) // 2]))
+                        os.kill(os.getpid(), signal.SIGSTOP)
+                return plain(queue, message, stop)
+            searcher.send = send
+        searcher.run(index, cfg, shared, channels, *rest)
+""")
+HALFWAY_TBA = textwrap.dedent("""
+    import runpy, sys
+    sys.path.insert(0, {root!r})
+    sys.argv = [{tba!r}, *sys.argv[1:]]
+    from runtime import vllm_env
+    vllm_env.set_up()
+    import halfway, searcher
+    searcher.run = halfway.run  # Fleet.spawn's target, pickled by name: the searcher imports it from PYTHONPATH
+    runpy.run_path({tba!r}, run_name="__main__")
+""")
+
+
+@pytest.mark.engine
+def test_a_searcher_stopped_half_way_through_a_message_stops_the_run_after_a_checkpoint(tiny_model, tmp_path):
+    """multiprocessing reads a queued message whole, with no timeout: a leader that read it itself would wait inside
+    the half message for good, and rank 0 in the leaders' meeting until the groups' timeout (2 x --timeout + 600 s),
+    with no checkpoint and no line naming the searcher (the watchdog sees a leader outside any collective). A thread
+    reads the messages (runtime.fleet.Messages): the run stops after a checkpoint within --timeout and a little,
+    with one line naming node 1's searcher, as for a silent one."""
+    out, port, timeout = tmp_path / "run", free_port(), 15
+    stop = tmp_path / "STOP"
+    (tmp_path / "halfway.py").write_text(HALFWAY.format(stop=str(stop)))
+    wrapper = tmp_path / "halfway_tba.py"
+    wrapper.write_text(HALFWAY_TBA.format(root=ROOT, tba=os.path.join(ROOT, "tba.py")))
+    args = ["--model", tiny_model, *SMALL, "--steps", "100000", "--eval-every", "0", "--timeout", str(timeout),
+            "--out", str(out)]
+    logs = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
+    node0, node1 = in_flow(port, args, out, tmp_path, logs, script1=str(wrapper))
+    try:
+        everything = tree(node0) + tree(node1)
+        (pid,) = searcher_pids(node1.pid)
+        stop.touch()
+        deadline = time.time() + 60
+        while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            assert time.time() < deadline, "node 1's searcher did not stop half-way through a message"
+            time.sleep(0.1)
+        t0 = time.time()
+        while (node0.poll() is None or node1.poll() is None) and time.time() - t0 < timeout + 60:
+            time.sleep(0.2)
+        took, codes = time.time() - t0, [node0.poll(), node1.poll()]
+        output = logs[0].read_text()
+    finally:
+        kill_all(tree(node0) + tree(node1))  # only if the test failed: by now none of them is left
+    assert all(c not in (0, None) for c in codes), (codes, took, output[-3000:], logs[1].read_text()[-3000:])
+    last = next(line for line in output.splitlines() if line.startswith("tba.py: error:"))
+    assert last.startswith(f"tba.py: error: node 1: searcher 0 (pid {pid}) has sent nothing for "), output[-3000:]
     assert last.endswith(f"(--timeout {timeout}); checkpoint in {out / 'checkpoint'}"), last
     state = assert_checkpoint(out)
     assert state["step"] == max(r["step"] for r in metrics(out) if r["kind"] == "train")
@@ -374,7 +451,7 @@ def searcherless_fleet(path, out, world):
     log = Log(cfg, int(os.environ["RANK"]), time.time())
     signals = types.SimpleNamespace(first=None, training=True)
     fleet = Fleet(dataclasses.replace(cfg, searchers=0), data, int(os.environ["RANK"]), world, log, signals)
-    fleet.channels = types.SimpleNamespace(queue=queue_module.Queue())
+    fleet.channels, fleet.messages = types.SimpleNamespace(queue=queue_module.Queue()), queue_module.Queue()
     fleet.watch = types.SimpleNamespace(heard=lambda msg: [], check=lambda: [])
     model = policy.load_policy(cfg.model_path, torch.device("cpu"), "float32")
     fleet.share(model, 0)
@@ -445,11 +522,38 @@ def test_take_hears_every_message():
     for msg in ({"kind": "search", "searcher": 2, "trajectories": [t]}, {"kind": "beat", "searcher": 2, "done": 8}):
         q.put(msg)
     fleet = Fleet.__new__(Fleet)
-    fleet.channels, fleet.silent = types.SimpleNamespace(queue=q), None
+    fleet.messages, fleet.silent = q, None
     fleet.watch = types.SimpleNamespace(heard=lambda msg: heard.append(msg) or [f"heard {msg['kind']}"],
                                         check=lambda: ["checked"])
     assert fleet.queued() == ([t], ["heard search", "heard beat", "checked"])
     assert [m["kind"] for m in heard] == ["search", "beat"]
+
+
+def test_a_message_left_half_written_blocks_no_wait():
+    """runtime.fleet.Messages: a message whose writer stopped half-way (a searcher stopped while its queue's thread
+    wrote) keeps only the reading thread waiting; the leader's take (Fleet.queued) and every timed get return on
+    time, so that the watch can name the silent searcher."""
+    import multiprocessing
+    import queue as queue_module
+    import struct
+    from runtime.fleet import Fleet, Messages
+    q = multiprocessing.get_context("spawn").Queue()
+    messages = Messages(q, 4)
+    try:
+        q.put({"kind": "beat", "searcher": 0})
+        assert messages.get(timeout=30)["kind"] == "beat"
+        os.write(q._writer.fileno(), struct.pack("!i", 1000) + bytes(500))  # the length, then half the message
+        fleet = Fleet.__new__(Fleet)
+        fleet.messages, fleet.silent = messages, None
+        fleet.watch = types.SimpleNamespace(heard=lambda msg: [], check=lambda: ["checked"])
+        t0 = time.time()
+        assert fleet.queued() == ([], ["checked"])
+        with pytest.raises(queue_module.Empty):
+            messages.get(timeout=1.0)
+        assert time.time() - t0 < 5
+    finally:
+        messages.close()
+        os.write(q._writer.fileno(), bytes(500))  # the rest: the reading thread gets its message (no pickle) and ends
 
 
 @pytest.mark.engine
