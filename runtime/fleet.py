@@ -147,7 +147,7 @@ class Fleet:
             return 0.0
         done = lambda: self.rank == 0 and (until() or bool(self.signals.first) or bool(self.silent or self.dead))
         return wait_together(self.rank, self.world, some, done, what, self.log, min(5.0, self.cfg.timeout / 4),
-                             self.signals)
+                             self.signals, say_every=min(30.0, self.cfg.timeout / 4))
 
     def take(self, buffer, done, budget: float = math.inf) -> float:
         """Every waiting message into the buffer or the log (a beat only counts as life); then, while not done(), wait

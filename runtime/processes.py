@@ -10,7 +10,6 @@ them knows what a searcher computes.
 """
 
 import contextlib
-import os
 import signal
 import time
 from typing import NamedTuple
@@ -21,13 +20,7 @@ from runtime import vllm_env
 from runtime.errors import Silent, Stop
 
 
-def quiet_resource_tracker():
-    """A searcher killed (-9, a crashed vLLM) leaves a semaphore of its own in multiprocessing's resource tracker,
-    the trainer's, which unlinks it at the trainer's exit and warns that it leaked, two lines after the run's one
-    (multiprocessing/resource_tracker.py:254). The run has said what happened: the tracker, started by the
-    trainer's first lock, inherits a filter for that warning alone."""
-    quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
+quiet_resource_tracker = vllm_env.quiet_resource_tracker
 
 
 class Signals:

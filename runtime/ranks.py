@@ -127,12 +127,10 @@ def broadcast_bytes(data: bytes, rank: int) -> bytes:
     return payload.numpy().tobytes()
 
 
-SAY_EVERY = 30.0  # s between two "waiting for" lines
-
-
-def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float, signals=None) -> float:
+def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float, signals=None,
+                  say_every: float = 30.0) -> float:
     """Rank 0 waits (`wait(seconds)`, returning seconds waited) until `done()`, in slices of `slice_s`
-    seconds, saying every SAY_EVERY s what it still waits for (`what()`); after each slice every rank says whether
+    seconds, saying every `say_every` s what it still waits for (`what()`); after each slice every rank says whether
     to go on (rank 0: not done; any rank: no signal came to it, `signals`), so that no collective waits longer than a
     slice however long rank 0 waits, a signal to any rank ends the wait within a slice, and every rank leaves the
     wait together. Returns seconds waited."""
@@ -142,7 +140,7 @@ def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float, 
         if rank == 0:
             waited += wait(slice_s)
             finished = done()
-            if not finished and waited - said >= SAY_EVERY:
+            if not finished and waited - said >= say_every - 1e-6:
                 log.print(f"tba.py: waiting for {what()} ({waited:.0f} s so far)", file=sys.stderr)
                 said = waited
         if world == 1:

@@ -45,6 +45,16 @@ def early(argv: list[str]) -> bool:
     return True
 
 
+def quiet_resource_tracker():
+    """A searcher killed (-9, a crashed vLLM) leaves a semaphore of its own in multiprocessing's resource tracker,
+    the trainer's, which unlinks it at the trainer's exit and warns that it leaked, two lines after the run's one
+    (multiprocessing/resource_tracker.py:254). The run has said what happened: the tracker, started by the fork
+    server or the trainer's first lock, inherits a filter for that warning alone (idempotent)."""
+    quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if quiet not in os.environ.get("PYTHONWARNINGS", ""):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
+
+
 def start_fork_server():
     """Start the searchers' fork server (multiprocessing's one), which imports vLLM and searcher.py once; N searchers
     then fork from it instead of importing side by side on the cores they share (4 on 2 cores started 10 s later).
@@ -54,6 +64,7 @@ def start_fork_server():
     import atexit
     import multiprocessing
     from multiprocessing import forkserver
+    quiet_resource_tracker()  # the server starts the resource tracker: its filter first
     multiprocessing.get_context("forkserver").set_forkserver_preload(
         ["runtime.vllm_env", "searcher", "transformers", "vllm", "vllm.entrypoints.llm"])
     before = os.environ.get("PYTHONPATH")
