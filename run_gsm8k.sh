@@ -10,24 +10,24 @@
 #
 # GPU split: TRAINERS GPUs train (torchrun ranks, FSDP2), the next SEARCHERS GPUs each run one vLLM
 # searcher; the authors used 1 + 3. Change it with the environment, e.g. on an 8-GPU node:
-#   TRAINERS=1 SEARCHERS=7 bash run_gsm8k.sh                        # the authors' B = 7
-#   TRAINERS=2 SEARCHERS=6 bash run_gsm8k.sh    # with --prompts-per-step 8 in `settings`: B must be a multiple
-#                                               # of TRAINERS
+#   TRAINERS=1 SEARCHERS=7 bash run_gsm8k.sh                # the authors' B = 7
+#   TRAINERS=2 SEARCHERS=6 PROMPTS=8 bash run_gsm8k.sh      # B (PROMPTS) must be a multiple of TRAINERS
 set -euo pipefail
 cd "$(dirname "$0")"
 TRAINERS=${TRAINERS:-1}
 SEARCHERS=${SEARCHERS:-3}
+PROMPTS=${PROMPTS:-7}  # B
 # The authors' trainer waits at each sync (every k = 2 steps) until every searcher has finished its
 # round of 3 prompts x 24 = 72 (ceil(72 / 24) prompts: their searcher batch, src/tba_trainer_gsm8k.py:
 # 313-316), so it draws at most k B K = 2 x 7 x 20 = 280 per N x 72 made: 280 / 216 = 1.3 draws a
 # trajectory with their 3 searchers (docs/performance.md). The same bound for this split:
-REUSE=$(awk -v n="$SEARCHERS" 'BEGIN { printf "%.3g", 2 * 7 * 20 / (n * 3 * 24) }')
+REUSE=$(awk -v n="$SEARCHERS" -v b="$PROMPTS" 'BEGIN { printf "%.3g", 2 * b * 20 / (n * 3 * 24) }')
 
 settings=(
   --model rho-math-1b --task gsm8k          # RhoMath-1B SFT, GSM8K train split for searching
   --searchers "$SEARCHERS"
   --steps 700                               # 98,000 episodes at 140 a step
-  --prompts-per-step 7                      # B
+  --prompts-per-step "$PROMPTS"             # B
   --samples-per-prompt 20                   # K: the TB loss's log Z is over them
   --search-samples-per-prompt 24            # searchers draw 24 per prompt
   --round-prompts 3                         # a searcher's round: 3 prompts x 24 (their searcher batch)

@@ -31,10 +31,9 @@ import sys
 
 def stopped_at_start(signum, frame):
     """Ctrl-C or SIGTERM while importing and checking: nothing runs yet, so stop quietly."""
+    import atexit  # the searchers' fork server may be importing vLLM (vllm_env.early): the exit functions stop it
+    atexit._run_exitfuncs()  # and remove its socket's folder, before our line (its import's lines would follow it)
     print(f"tba.py: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
-    if "runtime.processes" in sys.modules:  # the searchers' fork server may be importing vLLM (main): its exit
-        import atexit                    # functions stop it and remove its socket's folder
-        atexit._run_exitfuncs()
     os._exit(128 + signum)  # 130 / 143; no searcher has been spawned yet
 
 
@@ -425,8 +424,10 @@ def pooled_backward(model, batch, rank: int, world: int, prompts, pad, device, c
     with torch.no_grad():
         mine = torch.cat([sequence_logps(model, [pairs[j] for j in rows], pad, device, cfg.temperature, R)
                           for rows in parts])                           # (n,) or (n, R)
-        everyone = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(everyone, mine)
+        everyone = [mine]                                                # one rank: no process group needed
+        if world > 1:
+            everyone = [torch.zeros_like(mine) for _ in range(world)]
+            dist.all_gather(everyone, mine)
         full = torch.cat([e.to(device) for e in everyone])              # (B K,) or (B K, R)
 
     def loss_of(x):

@@ -14,6 +14,7 @@
 """
 
 import datetime
+import contextlib
 import json
 import os
 import select
@@ -36,6 +37,8 @@ def fail(message: str, code: int, rank: int):
     """Exit with one line. Under torchrun, also leave it in the worker's error file, so that
     torchrun's failure report names it (torch/distributed/elastic/multiprocessing/errors/__init__.py,
     _format_failure: it shows the file's message.extraInfo.py_callstack)."""
+    if "runtime.vllm_env" in sys.modules:  # the searchers' fork server, maybe still importing vLLM: stopped before
+        sys.modules["runtime.vllm_env"].stop_fork_server()  # the line, which its import's lines would follow
     if rank == 0:
         print(message, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -265,9 +268,9 @@ class Watchdog:
         if self.store is None:
             return
         state["beat"] += 1
-        if self.store.check(["tba/watch/verdict"]):  # another rank found the run stalled: end with it
-            self.store.set(f"tba/watch/ended/{self.rank}", "1")
-            self.end(1, "", say=False)
+        if self.store.check(["tba/watch/verdict"]):  # another rank found the run stalled: end with it; rank 0
+            said = self.rank == 0 and self.store.get(f"tba/watch/line/{int(self.store.get('tba/watch/verdict'))}")
+            self.end(1, said.decode() if said else "", say=bool(said), mark=True)  # rank 0 says its line (the
         self.publish(state["beat"], where, stuck)
         if stuck >= self.bound / 2:  # the others' beats watched from here on
             self.check_others(now, stuck)
@@ -302,18 +305,22 @@ class Watchdog:
         line = (f"tba.py: error: step {self.step() + 1}: the trainer ranks have waited {self.bound:.0f} s in "
                 f"collectives that do not complete: {'; '.join(parts)}; no checkpoint can be written now (it is "
                 f"collective): the last is {self.last_checkpoint()}")
+        self.store.set(f"tba/watch/line/{self.rank}", line)  # for rank 0 to say, if this rank decides
         if self.store.compare_set("tba/watch/verdict", "", str(self.rank)) != str(self.rank).encode():
-            return  # another rank said it first: this one ends at its next beat, when it sees that
-        self.end(1, line, say=True, others=[r for r in range(self.world) if r != self.rank and r not in quiet])
+            return  # another rank decided first: this one ends at its next beat, when it sees that
+        self.end(1, line, say=self.rank == 0 or 0 in quiet,  # else rank 0 says it, at its next beat
+                 others=[r for r in range(self.world) if r != self.rank and r not in quiet])
 
     def last_checkpoint(self) -> str:
         link = os.path.join(self.out, "checkpoint")
         return f"{link} ({os.readlink(link)})" if os.path.islink(link) else "none (--save-every)"
 
-    def end(self, code: int, line: str, say: bool, others=()):
+    def end(self, code: int, line: str, say: bool, others=(), mark: bool = False):
         """End this rank now: its searchers killed, the line said (one rank says it), status `code`, whatever fails.
         `others`: the ranks this one waits for (5 s at most) to end first: a rank gone first would fail their
-        collectives with tracebacks of their own (and the store, where it lives in rank 0, with it)."""
+        collectives with tracebacks of their own, or abort them (and the store, where it lives in rank 0, with it).
+        `mark`: this rank is such another, and says it ends as its last act. The main thread may end the process
+        first (tba.py's end: status 1 too, its traceback unseen)."""
         try:
             for p in self.procs():
                 try:
@@ -328,10 +335,18 @@ class Watchdog:
                     with open(error_file, "w") as f:
                         json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
                                                                            "timestamp": str(int(time.time()))}}}, f)
+            # whichever rank goes first, the others' collectives fail ("Connection closed by peer") in their main
+            # threads, which would print that traceback after the line: from here on this rank's output goes nowhere
+            quiet = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(quiet, 1)
+            os.dup2(quiet, 2)
             deadline = time.time() + 5
             while others and time.time() < deadline and not self.store.check([f"tba/watch/ended/{r}" for r in others]):
                 time.sleep(0.1)
         finally:
+            if mark:
+                with contextlib.suppress(Exception):
+                    self.store.set(f"tba/watch/ended/{self.rank}", "1")
             os._exit(code)
 
     def close(self):

@@ -278,7 +278,8 @@ def test_resume_into_another_runs_folder_is_refused(tmp_path):
 
 @pytest.mark.parametrize("steps,match", [
     ("1", "--steps: 1 is below the checkpoint's step 2: a resumed run cannot go back; pass --steps above 2"),
-    ("2", "--steps: 2 is the checkpoint's step 2: nothing is left to do; pass --steps above 2 to continue"),
+    ("2", "--steps: 2 is the checkpoint's step 2: the run is finished \\(its final/ is written\\); pass --steps above 2 "
+            "to continue"),
 ])
 def test_resume_with_no_steps_left_is_refused(steps, match, tiny_model, checkpoint, tmp_path):
     """--steps at or below the checkpoint's step: one line at once, not a wait of --timeout for an evaluation of

@@ -388,8 +388,11 @@ def test_an_unexpected_error_exits_1_with_its_traceback_once(tiny_model, tmp_pat
     """An exception tba.py does not expect (here a simulated CUDA out-of-memory error in the loss): its
     traceback once, status 1, and no interpreter teardown (which can abort a finished 2-rank run; a
     canary's __del__ would print at teardown)."""
-    script = (f"import builtins, runpy, sys; sys.path.insert(0, {ROOT!r}); import loss\n"
-              "def boom(**_): raise RuntimeError('CUDA out of memory (simulated)')\n"
+    script = (f"import builtins, runpy, sys, torch; sys.path.insert(0, {ROOT!r}); import loss\n"
+              "tb = loss.LOSSES['tb']\n"  # the start-up check's random inputs (loss.pools: float64) pass
+              "def boom(**kw):\n"
+              "    if kw['logp'].dtype == torch.float64: return tb(**kw)\n"
+              "    raise RuntimeError('CUDA out of memory (simulated)')\n"
               "loss.LOSSES['tb'] = boom\n"
               "class Canary:\n    def __del__(self): print('interpreter teardown', flush=True)\n"
               "builtins.canary = Canary()\n"

@@ -333,7 +333,7 @@ def test_handoff_of_shared_tensors_to_a_spawned_reader(kind):
         first = [("embed.weight", exact((16, 8), 0)), ("norm.weight", exact((8,), 1))]
         weights.allocate(shared, [(n, t.to(device)) for n, t in first], {"lm_head.weight": "embed.weight"},
                          device, torch.bfloat16, with_pi_ref=True)
-        shared.handoff.put((shared.tensors, shared.pi_ref))
+        shared.handoff.put((shared.tensors, shared.pi_ref, shared.prints))
         r = get_report(out, [proc], TIMEOUT)
         assert (r["version"], r["pi_ref_version"]) == (0, 0)
         assert r["values"] == expected(first) and r["ref"] == expected(first)

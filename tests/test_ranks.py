@@ -223,7 +223,11 @@ STALLED = textwrap.dedent("""
     print("ready", child.pid, flush=True)
     if os.environ.get("WORKS") == str(rank):
         time.sleep(600)           # a rank that works alone (a checkpoint, say): not a stall
-    dist.recv(torch.zeros(1), src=1 - rank)  # a message that never comes: this rank waits for ever
+    try:
+        dist.recv(torch.zeros(1), src=1 - rank)  # a message that never comes: this rank waits for ever
+    except BaseException:  # as tba.py's end: a traceback, status 1, no interpreter teardown (it can abort)
+        __import__("traceback").print_exc()
+        os._exit(1)
 """)
 
 
@@ -237,8 +241,9 @@ def start_ranks(tmp_path, bound, **env):
              for r in (0, 1)]
     for r, p in enumerate(procs):
         p.err = tmp_path / f"rank{r}.err"
-    children = [int(p.stdout.readline().split()[1]) for p in procs]
-    return procs, children
+    said = [p.stdout.readline().split() for p in procs]
+    assert all(said), errors(procs)  # a rank that ended before its "ready": what it said
+    return procs, [int(words[1]) for words in said]
 
 
 def ended(procs, children, limit):
@@ -272,6 +277,7 @@ def test_ranks_waiting_in_collectives_that_never_complete_end_within_the_bound(t
     procs, children = start_ranks(tmp_path, 4)
     codes, errs, seconds = ended(procs, children, 20)
     assert codes == [1, 1], errs
+    assert errs[0].strip(), errs  # rank 0 says the line, whichever rank decided
     line = errs[0].strip().splitlines()[-1]
     assert line.startswith("tba.py: error: step 3: the trainer ranks have waited 4 s in collectives that do not "
                            "complete: rank 0 in recv"), errs[0]

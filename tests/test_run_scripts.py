@@ -227,7 +227,7 @@ def refused(script, *args, cwd=None, **environ):
     ("run_math.sh", ["--searchers", "2"], {}, "use SEARCHERS instead (SEARCHERS=2 bash {path})"),
     ("run_math.sh", ["--steps", "5"], {}, "edit its settings instead of passing an extra argument"),
     ("run_math.sh", ["--no-importance-weights"], {}, "edit its settings instead of passing an extra argument"),
-    ("run_gsm8k.sh", ["--prompts-per-step=8"], {}, "edit its settings instead of passing an extra argument"),
+    ("run_gsm8k.sh", ["--prompts-per-step=8"], {}, "use PROMPTS instead (PROMPTS=8 bash {path})"),
     ("scripts/run_tldr.sh", ["--model", "m"], {}, "use SIZE instead (see the script's header)"),
     ("scripts/run_tldr.sh", ["--no-activation-checkpointing"], {"SIZE": "2.8b"},
      "edit its settings instead of passing an extra argument"),

@@ -159,7 +159,7 @@ def run_protocol(kind: str, mode: str) -> dict:
     try:
         named = [(n, torch.zeros(size, device=device)) for n, size in SHAPES[kind]]
         weights.allocate(shared, named, {}, device, torch.float32)  # version 0: all zeros
-        shared.handoff.put((shared.tensors, shared.pi_ref))
+        shared.handoff.put((shared.tensors, shared.pi_ref, shared.prints))
         deadline = time.monotonic() + TIMEOUT
         while not ready.wait(timeout=0.5):  # the reader holds the tensors before the first publish
             alive()
