@@ -269,6 +269,19 @@ def test_bad_gain_or_horizon_is_refused_in_one_line(tmp_path):
         assert not (tmp_path / "b").exists()
 
 
+def test_part9_checks_the_emulations_knobs_as_its_runs_take_them(tiny_model):
+    """`-- --decode-cost gpu` acts only beside --generation-slowdown, which part 9 adds to each run: accepted for
+    part 9 (the config returned is the flags' own, not slowed), refused in one line elsewhere, and a bad flag after
+    `--` is one line (BadInput), not a traceback."""
+    import bench
+    cfg, _ = bench.checked(["--model", tiny_model, "--decode-cost", "gpu"], [9])
+    assert (cfg.decode_cost, cfg.generation_slowdown) == ("gpu", 1.0)
+    with pytest.raises(bench.BadInput, match="^the flags after --: --decode-cost: acts only in the emulated decoding"):
+        bench.checked(["--model", tiny_model, "--decode-cost", "gpu"], [1])
+    with pytest.raises(bench.BadInput, match="^the flags after --: --lr: "):
+        bench.checked(["--model", tiny_model, "--lr", "-1"], [9])
+
+
 # a row of part 9 as bench.py's hardware_row writes it, with the fields plot.py --slowdown reads
 ROW = dict(searchers=1, ratio=1.0, x=2.0, y=1.5, shape="linear", mode="sync", seed=0, ideal=1.8, speedup_first_step=1.0,
            steps_per_s=0.5, step=6, reached=True)

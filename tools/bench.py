@@ -1096,7 +1096,7 @@ def main(argv=None):
     repeat = 3 if args.quick else 10
 
     # the embedded default's config, as tba.py resolves it (this builds the tiny model if needed)
-    cfg, data, _ = checks.check(checks.parse(Config, flags), world=1)
+    cfg, data = checked(flags, args.parts)
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // 2)  # what the trainer and the searcher each get in a run with one searcher
     torch.set_num_threads(threads)  # before any vLLM engine starts in this process
@@ -1154,6 +1154,19 @@ def main(argv=None):
         picture(os.path.join(out, "bench.json"), os.path.join(out, "equal_hardware.png"))
     print(f"\nwritten: {os.path.join(out, 'bench.json')}")
     os._exit(0)  # the vLLM engines' teardown would try to destroy the process group twice
+
+
+def checked(flags: list[str], parts: list[int]) -> tuple:
+    """The flags after `--` checked as tba.py checks them (a refusal: BadInput, one line): the run's config and data.
+    Part 9 adds --generation-slowdown to each run, so the emulation's own knobs (--decode-cost gpu, ...) are checked
+    as they will run, beside it; the config returned is the flags' own."""
+    from runtime.errors import ConfigError
+    emulated = 9 in parts and not any(f.split("=")[0] == "--generation-slowdown" for f in flags)
+    try:
+        cfg, data, _ = checks.check(checks.parse(Config, ["--generation-slowdown", "2"] * emulated + flags), world=1)
+    except ConfigError as e:
+        raise BadInput(f"the flags after --: {e}") from None
+    return (dataclasses.replace(cfg, generation_slowdown=1.0) if emulated else cfg), data
 
 
 def table(r: dict) -> str:
