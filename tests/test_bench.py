@@ -269,13 +269,16 @@ def test_bad_gain_or_horizon_is_refused_in_one_line(tmp_path):
         assert not (tmp_path / "b").exists()
 
 
-def test_part9_checks_the_emulations_knobs_as_its_runs_take_them(tiny_model):
-    """`-- --decode-cost gpu` acts only beside --generation-slowdown, which part 9 adds to each run: accepted for
-    part 9 (the config returned is the flags' own, not slowed), refused in one line elsewhere, and a bad flag after
-    `--` is one line (BadInput), not a traceback."""
+def test_part9_checks_its_flags_beside_the_slowdown_it_adds(tiny_model):
+    """Part 9 adds --generation-slowdown to each run: its flags after `--` are checked beside it (the config returned
+    is the flags' own, not slowed); a decoding shape there is refused (a cell's X is chosen for its own shape: the
+    run would go at another G/T under the cell's label), and elsewhere acts nowhere; a bad flag after `--` is one
+    line (BadInput), not a traceback."""
     import bench
-    cfg, _ = bench.checked(["--model", tiny_model, "--decode-cost", "gpu"], [9])
-    assert (cfg.decode_cost, cfg.generation_slowdown) == ("gpu", 1.0)
+    cfg, _ = bench.checked(["--model", tiny_model, "--recency", "1"], [9])
+    assert (cfg.recency, cfg.generation_slowdown) == (1.0, 1.0)
+    with pytest.raises(bench.BadInput, match="^--decode-cost after --: part 9 sets the decoding's shape per cell"):
+        bench.checked(["--model", tiny_model, "--decode-cost", "gpu"], [9])
     with pytest.raises(bench.BadInput, match="^the flags after --: --decode-cost: acts only in the emulated decoding"):
         bench.checked(["--model", tiny_model, "--decode-cost", "gpu"], [1])
     with pytest.raises(bench.BadInput, match="^the flags after --: --lr: "):

@@ -1158,9 +1158,13 @@ def main(argv=None):
 
 def checked(flags: list[str], parts: list[int]) -> tuple:
     """The flags after `--` checked as tba.py checks them (a refusal: BadInput, one line): the run's config and data.
-    Part 9 adds --generation-slowdown to each run, so the emulation's own knobs (--decode-cost gpu, ...) are checked
-    as they will run, beside it; the config returned is the flags' own."""
+    Part 9 adds --generation-slowdown to each run, so its flags are checked beside it (the config returned is the
+    flags' own), and it refuses a decoding shape there: each cell sets its own, and its X is chosen for it."""
     from runtime.errors import ConfigError
+    shaped = [f for f in flags if f.split("=")[0] in ("--decode-cost", "--response-lengths")]
+    if 9 in parts and shaped:  # X is chosen for the cell's shape (point): another shape would run at another G/T
+        raise BadInput(f"{shaped[0].split('=')[0]} after --: part 9 sets the decoding's shape per cell (its X is chosen "
+                       f"for it): GPU-shaped decoding with long tails is the --tails cell")
     emulated = 9 in parts and not any(f.split("=")[0] == "--generation-slowdown" for f in flags)
     try:
         cfg, data, _ = checks.check(checks.parse(Config, ["--generation-slowdown", "2"] * emulated + flags), world=1)
