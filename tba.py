@@ -65,7 +65,7 @@ from runtime.config import Config
 from runtime.errors import ConfigError, Dead, Silent, Stop
 from runtime.fleet import Fleet
 from runtime.local import LocalFleet
-from runtime.processes import Signals, fork_server, quiet_resource_tracker
+from runtime.processes import Signals, fork_server
 from runtime.hub import load_tokenizer
 from runtime.log import Log
 from runtime.policy import AdamW, LaggedCopy, load_policy
@@ -516,7 +516,7 @@ def run(cfg, data, ckpt):
 def main(argv=None):
     cfg = parse(Config, sys.argv[1:] if argv is None else argv, __doc__.split("\n\n")[0])
     vllm_env.quiet_loading()
-    quiet_resource_tracker()  # before the first lock starts it
+    vllm_env.quiet_resource_tracker()  # before the first lock starts it
     if argv is None and cfg.searchers and os.environ.get("LOCAL_RANK", "0") == "0" and machine_device() == "cpu":
         fork_server()  # its import of vLLM for the searchers (5 s) runs beside this rank's checks and model load
         # (from the command line only: a caller of main() in its own process, a test, starts it with its searchers)

@@ -20,9 +20,6 @@ from runtime import vllm_env
 from runtime.errors import Silent, Stop
 
 
-quiet_resource_tracker = vllm_env.quiet_resource_tracker
-
-
 class Signals:
     """SIGINT and SIGTERM: before the first step one stops the run at once (nothing to save, Stop);
     after it, the first asks the trainer to stop after a checkpoint (`first`), and a second one
@@ -77,9 +74,6 @@ def fork_server():
     spawn keeps every process free of anything a parent could have set up for CUDA. Returns torch's context of it."""
     vllm_env.start_fork_server()
     return torch.multiprocessing.get_context("forkserver")
-
-
-stop_fork_server = vllm_env.stop_fork_server
 
 
 class Watch:

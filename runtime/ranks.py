@@ -13,8 +13,8 @@
   main thread waits inside a collective.
 """
 
-import datetime
 import contextlib
+import datetime
 import json
 import os
 import select
@@ -30,15 +30,14 @@ import torch.distributed as dist
 
 from runtime import nodes
 from runtime.errors import Dead, Silent, Stop
-from runtime.processes import stop_fork_server
+from runtime.vllm_env import stop_fork_server
 
 
 def fail(message: str, code: int, rank: int):
     """Exit with one line. Under torchrun, also leave it in the worker's error file, so that
     torchrun's failure report names it (torch/distributed/elastic/multiprocessing/errors/__init__.py,
     _format_failure: it shows the file's message.extraInfo.py_callstack)."""
-    if "runtime.vllm_env" in sys.modules:  # the searchers' fork server, maybe still importing vLLM: stopped before
-        sys.modules["runtime.vllm_env"].stop_fork_server()  # the line, which its import's lines would follow
+    stop_fork_server()  # the searchers' fork server, maybe still importing vLLM: gone before the line, not after it
     if rank == 0:
         print(message, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -346,14 +346,14 @@ def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_na
             t.ref_logps = (-rng.random(len(t.response)) * 2).astype(np.float32)
             t.logp_behaviour = float(t.behaviour_logps.sum())
     from runtime import checks
-    cfg = lambda mb: Config(samples_per_prompt=4, micro_batch=mb, loss=loss_name, temperature=1.0,
-                            loss_pools=checks.loss_pools(Config(loss=loss_name)))  # as runtime.checks derives it
+    pools = checks.loss_pools(Config(loss=loss_name))  # as runtime.checks derives it
+    cfg = lambda mb: Config(samples_per_prompt=4, micro_batch=mb, loss=loss_name, temperature=1.0, loss_pools=pools)
     grads, losses = [], []
     for mb in (8, micro_batch):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
         seen = []
         model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(len(kwargs["input_ids"])), with_kwargs=True)
-        if cfg(mb).loss_pools:  # as tba.train: a loss pooling across prompts gets the whole batch
+        if pools:  # as tba.train: a loss pooling across prompts gets the whole batch
             sums = tba.pooled_backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), cfg(mb), 0.05)
         else:
             sums = tba.backward(model, groups, 2, prompts, 0, torch.device("cpu"), cfg(mb), 0.05)
