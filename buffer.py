@@ -64,10 +64,9 @@ class Trajectory:
     reward: float            # r(y, x)
     logp_ref: float          # log pi_ref(y|x), summed over response tokens, from logits / temperature
     logp_behaviour: float    # log-prob under the searcher's policy that sampled y (vLLM's, same temperature)
-    version: int             # trainer step whose weights sampled y (0 = the initial model; in flight: the first)
+    version: int             # trainer step whose weights sampled y (0 = the initial model)
     pi_ref_version: int = 0  # trainer step whose weights were pi_ref when logp_ref was computed (TBA′)
     embedding: np.ndarray | None = vector("float32")  # (H,) unit sentence embedding (--dedup-similarity)
-    version_last: int = -1   # the last weights that sampled a token of y (in-flight updates); -1: `version`'s
     for_step: int = -1       # --lag: the trainer step whose batch this round is for; -1: streamed
     behaviour_logps: np.ndarray | None = token_field("float32")  # (T,) each token's log-prob when sampled
     ref_logps: np.ndarray | None = token_field("float32")  # (T,) each token's log-prob under pi_ref (per-token losses)
@@ -123,15 +122,11 @@ class ReplayBuffer:
     # its knobs, each named as here and as its flag (runtime/config.py): the run's buffer is built from them
     # (`from_config`), and saved and rebuilt by name (`settings`, `from_state`)
     FLAGS = {"capacity": "buffer_capacity", "recency": "recency", "reward_inv_temp": "reward_inv_temp",
-             "duplicates": "duplicates", "fresh_first": "fresh_first", "use_once": "use_once",
-             "stale_bound": "stale_bound"}
+             "duplicates": "duplicates"}
 
-    def __init__(self, capacity: int, recency: float, reward_inv_temp: float, duplicates: str = "count",
-                 fresh_first: bool = False, use_once: bool = False, stale_bound: int = 0):
+    def __init__(self, capacity: int, recency: float, reward_inv_temp: float, duplicates: str = "count"):
         self.capacity, self.recency, self.reward_inv_temp = capacity, recency, reward_inv_temp
         self.duplicates = duplicates  # count: draws follow the searchers' multiplicities; collapse: one each
-        # the version-aware sampler's parts, each off by default (docs/performance.md's study): `fresh`
-        self.fresh_first, self.use_once, self.stale_bound = fresh_first, use_once, stale_bound
         self.window = 0          # number of weight syncs so far
         self.pi_ref_version = 0  # the pi_ref of the data kept (TBA′)
         self.rounds: dict[int, list[Trajectory]] = {}  # --lag: step -> the trajectories of its rounds
@@ -231,62 +226,24 @@ class ReplayBuffer:
         batch = []
         for _ in range(B):
             recent = rng.random() < self.recency
-            prompt = pick(recent_prompts[-B:] if self.fresh_first and recent else  # --fresh-first: the newest B
-                          recent_prompts if recent else self.prompts, chosen, rng)
+            prompt = pick(recent_prompts if recent else self.prompts, chosen, rng)
             chosen.add(prompt)
             if recent:   # data of the newest windows (on-policy up to the sync period and a round), uniformly
-                since = self.last_window[prompt] if self.fresh_first else cutoff  # --fresh-first: its newest round
-                pool_t = [t for t, w in self.groups[prompt].values() if w >= since]
+                pool_t = [t for t, w in self.groups[prompt].values() if w >= cutoff]
                 weights = np.ones(len(pool_t))
             else:        # the whole group, by softmax(reward x inverse temperature)
                 pool_t = self.whole(prompt)
                 logits = self.reward_inv_temp * np.array([t.reward for t in pool_t])
                 weights = np.exp(logits - logits.max())
             if self.duplicates == "count":  # each distinct response as often as the searchers sent it (since cutoff)
-                copies = self.multiplicity(prompt, since if recent else -1)
+                copies = self.multiplicity(prompt, cutoff if recent else -1)
                 batch.append([pool_t[i] for i in draw(np.array([copies.get(t.response.tobytes(), 1) for t in pool_t]),
                                                       weights, K, rng)])
             else:
                 p = None if recent else weights / weights.sum()  # uniform as None: NumPy draws another stream for a p
                 idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=p)
                 batch.append([pool_t[i] for i in idx])
-            self.use(prompt, batch[-1])
         return batch
-
-    # --- the version-aware sampler's parts (--fresh-first above, --use-once, --stale-bound): off by default ------
-    def use(self, prompt: int, drawn: list[Trajectory]):
-        """--use-once: each copy drawn for training leaves the buffer (a response whose copies are all drawn goes)."""
-        if not self.use_once:
-            return
-        for t in drawn:
-            counts = self.copies.get(prompt, {}).get(t.response.tobytes())
-            if counts:
-                newest = max(counts)
-                counts[newest] -= 1
-                if not counts[newest]:
-                    del counts[newest]
-                if not counts:
-                    self.remove(prompt, t.response.tobytes())
-
-    def drop_stale(self, step: int):
-        """--stale-bound S: the data sampled by weights more than S steps before `step` leaves the buffer (the trainer
-        asks before it counts what it has: tba.Trainer.waiting_for)."""
-        if not self.stale_bound:
-            return
-        for prompt in list(self.groups):
-            for key, (t, _) in list(self.groups[prompt].items()):
-                if t.version < step - self.stale_bound:
-                    self.remove(prompt, key)
-
-    def remove(self, prompt: int, key: bytes):
-        """A distinct response out of the buffer; a prompt left with none goes too."""
-        if self.groups[prompt].pop(key, None) is not None:
-            self.size -= 1
-        self.copies[prompt].pop(key, None)
-        if not self.groups[prompt]:
-            del self.groups[prompt], self.copies[prompt]
-            self.last_window.pop(prompt, None)
-            self.prompts.remove(prompt)
 
     # --- the knobs, checkpoints: plain arrays -----------------------------------------------------------
     @classmethod

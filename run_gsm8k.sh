@@ -33,7 +33,6 @@ settings=(
   --round-prompts 3                         # a searcher's round: 3 prompts x 24 (their searcher batch)
   --max-reuse "$REUSE"                      # draws per trajectory received: the authors' bound (above)
   --sync-every 2                            # k
-  --no-inflight                             # new weights load between a searcher's rounds, as theirs (docs/departures.md)
   --recency 0.95                            # m; the other 5% uniform over the buffer
   --reward-inv-temp 0
   --duplicates collapse                     # a response drawn once however often it came (their buffer_utils.py:36-83)

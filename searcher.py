@@ -7,8 +7,7 @@ to each with vLLM, scores them with the task's reward, computes their summed log
 queue to the trainer. Before each round it checks the weight version: if the trainer published new
 weights it reloads them into vLLM and resets the prefix cache (vLLM never clears it after new weights
 arrive; stale cached prefixes would keep the old policy's values). How the engine decodes (vLLM's loop, or
-step by step with new weights loaded in flight, --inflight, or kept full, --keep-full) is its decoder's
-(runtime/decoding.py); the emulated device time, --generation-slowdown, runtime/slowdown.py's.
+step by step for the emulated device time, --generation-slowdown) is its decoder's (runtime/decoding.py).
 
 This file is the searcher's loop (`run`, below) and its `Engine`: generate, score, pi_ref, reload,
 evaluate. The task's reward and evaluation come from its scorer (tasks/task.py); the weights arrive
@@ -63,7 +62,7 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
         slowdown.calibrate_alone(engine, channels.calibration, cfg, parent_alive)  # --generation-slowdown
         weights = Inbox(shared, index % cfg.searchers, channels.stop, parent_alive, cfg.timeout)
         requests = Requests(channels, parent_alive, cfg.timeout)
-        engine.follow(weights, requests, first_round)  # new weights load when asked for, and (--inflight) in flight
+        engine.follow(weights, requests, first_round)  # an evaluation's weights kept until it is made
         loop(index, cfg, channels, data, engine, weights, requests, first_round)
     except Dead:
         sys.exit(3)
@@ -103,9 +102,8 @@ def loop(index: int, cfg, channels, data, engine: "Engine", weights: Inbox, requ
         ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
         trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
                                             for_step=for_step)
-        if trajectories:  # (--keep-full: none from the call that fills the engine)
-            say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
-                     seconds=time.time() - t0, **stats))
+        say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
+                 seconds=time.time() - t0, **stats))
 
 
 def lagged(cfg, round_: int, wanted) -> tuple[int | None, int | None]:
@@ -145,29 +143,25 @@ class Engine:
         self.llms = []  # the vLLM engines in this process: the policy's first
         self.llm = self.start_llm(cfg.model_path, next(iter(self.split.values()), memory), cfg.max_model_len,
                                   logprobs_mode="processed_logprobs")  # behaviour log-probs after temperature
-        # vLLM labels each token with the weights' version that made it (CompletionOutput.weight_versions:
-        # vllm/outputs.py:42-48, 90; vllm/v1/engine/output_processor.py:484-500): a round in flight has several
-        self.llm.llm_engine.set_weight_version("0")
         self.tokenizer = self.llm.get_tokenizer()  # vLLM's, loaded with its engine: not a second load
         self.version = 0          # trainer step of the weights loaded (0 = the initial model)
         self.verified = -1        # the last version whose arrival was checked (`verify`)
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.pi_ref_model = None  # loaded on the first search (`pi_ref`)
-        self.weights = None       # the shared weights, followed in flight (--inflight: `follow`)
+        self.weights = None       # the shared weights (`follow`)
         self.resumed = (0, 0)     # (the step a run begins at, the pi_ref version published then): `follow`
         self.requests = Requests()  # searcher 0's evaluations asked for (`follow`); none elsewhere
         calibrated = slowdown.read_calibration(cfg.calibration)["seconds_per_token"] if cfg.calibration else None
         self.clock = slowdown.Clock(cfg.generation_slowdown, calibrated, cfg.decode_cost, limit=cfg.timeout,
                                     full=cfg.prompts_per_step * cfg.search_samples_per_prompt, model=cfg.decode_shape)
-        self.decoder = decoding.decoder(cfg, self.llm, self.clock, self.between_steps if cfg.inflight else None,
-                                        salt=lambda: f"v{self.version}")
+        self.decoder = decoding.decoder(cfg, self.llm, self.clock)
         self.scorer = task.scorer(self, task, evaluates)
 
     # --- searching -------------------------------------------------------------------------
     def generate(self, prompt_ids, n: int, seed: tuple, plain: bool = False) -> list[tuple[int, list]]:
         """vLLM's n samples of each prompt, seeded: (prompt id, its n completions) for each prompt done (decoding.py).
         `plain`: a round of these prompts alone, stepped, whatever the run's decoder (the emulation's calibration)."""
-        decoder = decoding.Stepped(self.llm, self.clock, None, lambda: "plain") if plain else self.decoder
+        decoder = decoding.Stepped(self.llm, self.clock) if plain else self.decoder
         return decoder.generate(self.to_requests(prompt_ids, n, seed))
 
     def to_requests(self, prompt_ids, n: int, seed: tuple) -> list[decoding.Request]:
@@ -175,24 +169,21 @@ class Engine:
                                  seed) for p in prompt_ids]
 
     def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1) -> tuple[list[Trajectory], dict]:
-        """n sampled responses to each prompt, scored, with pi_ref's and the behaviour's log-probs and the versions that
-        sampled them; `for_step`: --lag's step. No prompts: those still in flight (--keep-full), if any."""
+        """n sampled responses to each prompt, scored, with pi_ref's and the behaviour's log-probs and the version that
+        sampled them; `for_step`: --lag's step."""
         done = [(p, c) for p, completions in self.generate(prompt_ids, n, seed) for c in completions]
-        if not done:  # (--keep-full: the call that filled the engine)
-            return [], {}
         if for_step >= 0 and self.cfg.ref_reset_every:  # TBA′ with --lag: scored under the pi_ref of its step
             self.reference_of(for_step)
         texts = [c.text for _, c in done]
         rewards = self.scorer.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done], texts,
                                      [self.answers[p] for p, _ in done])
-        versions = [[int(span.version) for span in c.weight_versions] or [self.version] for _, c in done]
         trajectories = [Trajectory(prompt_id=p, response=np.asarray(c.token_ids, dtype=np.int32), reward=float(r),
-                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob), version=v[0],
-                                   pi_ref_version=self.pi_ref_version, version_last=v[-1], for_step=for_step,
+                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob), version=self.version,
+                                   pi_ref_version=self.pi_ref_version, for_step=for_step,
                                    truncated=int(c.finish_reason == "length"),
                                    behaviour_logps=np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
                                                             np.float32))
-                        for (p, c), r, v in zip(done, rewards, versions)]
+                        for (p, c), r in zip(done, rewards)]
         pairs, index, fields = *unique_pairs(trajectories, self.prompts), reads(LOSSES[self.cfg.loss])
         if "ref_logps" in fields:  # the loss reads pi_ref's log-prob of each token
             ref_logps = self.token_logprobs(self.pi_ref(), pairs, self.cfg.temperature)
@@ -252,22 +243,14 @@ class Engine:
 
     # --- weights ---------------------------------------------------------------------------
     def load(self, named_tensors, version: int):
-        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache; requests in flight (--inflight) keep
-        their KV cache (--inflight-kv keep) or recompute it."""
+        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache (between rounds: none in flight)."""
         named_tensors = list(named_tensors)  # read twice where the scorer keeps a copy
-        in_flight = self.decoder.busy()
         self.scorer.loaded(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        self.llm.llm_engine.set_weight_version(str(version))
-        if in_flight and self.cfg.inflight_kv == "keep":  # PipelineRL's choice; new requests are salted (decoding.py)
-            self.version = version
-            return
         # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV values.
         # reset_prefix_cache() returns False when blocks are still in use (vllm/v1/core/block_pool.py:837-845):
-        # between two rounds none are, so False is a bug to stop on; in flight, reset_running_requests preempts
-        # the requests, whose prompt and tokens so far are computed again, their seeded generators kept
-        # (vllm/v1/core/sched/scheduler.py:2850-2868)
-        if not self.llm.reset_prefix_cache(reset_running_requests=in_flight):
+        # between two rounds none are, so False is a bug to stop on
+        if not self.llm.reset_prefix_cache():
             raise RuntimeError(f"vLLM could not reset its prefix cache after loading the weights of step {version}")
         self.version = version
 
@@ -318,16 +301,11 @@ class Engine:
             self.pi_ref_version = self.weights.shared.pi_ref_version.value
 
     def follow(self, weights: Inbox, requests: "Requests", step: int = 0):
-        """From now on the engine keeps the weights of an evaluation asked for until it is made (`requests`), and
-        (--inflight) its decoder loads newly published weights between two decoding steps. `step`: where the run
-        (resumed) begins; the pi_ref published then is that of the resets before it (`reference_of`)."""
+        """From now on the engine keeps the weights of an evaluation asked for until it is made (`requests`). `step`:
+        where the run (resumed) begins; the pi_ref published then is that of the resets before it (`reference_of`)."""
         self.weights, self.requests = weights, requests
         self.resumed = (step, weights.versions()[1])
         requests.holds(self.version)
-
-    def between_steps(self):
-        if self.weights is not None:
-            self.sync(self.weights)
 
     # --- evaluation ------------------------------------------------------------------------
     def evaluate(self, prompts: list[list[int]], answers: list[str], beat=lambda done: None) -> tuple[dict, dict]:
@@ -461,15 +439,10 @@ class Requests:
         self.pending = [step for step in self.pending if step > version]
 
     def evaluate(self, engine: "Engine", data, say):
-        """If an evaluation of the weights held (or of older ones) is asked: the requests still in flight (--keep-full)
-        sent first, then the held-out problems' scores, a beat after each part (a long evaluation is no silence)."""
+        """If an evaluation of the weights held (or of older ones) is asked: the held-out problems' scores, a beat after
+        each part (a long evaluation is no silence)."""
         if not self.due(engine.version):
             return
-        t0 = time.time()
-        trajectories, stats = engine.search([], engine.cfg.search_samples_per_prompt, ())  # evaluating generates
-        if trajectories:
-            say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
-                     seconds=time.time() - t0, **stats))
         t0 = time.time()
         scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda n: say(dict(kind="beat", done=n)))
         self.done(engine.version)

@@ -221,7 +221,6 @@ class Trainer:
                                              f"{max(0, self.step - cfg.lag)} ({got} of {want} trajectories)")
         if fleet.received < initial:
             return f"the initial buffer ({fleet.received} of {initial} trajectories)"
-        self.buffer.drop_stale(self.step)  # --stale-bound: what is too old leaves before the buffer is counted
         if len(self.buffer.prompts) < cfg.prompts_per_step:
             return f"data for {cfg.prompts_per_step} prompts ({len(self.buffer.prompts)} so far)"
         if cfg.max_staleness and self.step - fleet.newest > cfg.max_staleness:

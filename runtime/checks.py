@@ -140,7 +140,6 @@ def check(cfg, world: int):
         from runtime import slowdown
         slowdown.read_calibration(cfg.calibration)  # refused in one line if it is not one
     need(cfg.max_staleness >= 0, "max-staleness", "must be 0 (no bound) or more")
-    need(cfg.stale_bound >= 0, "stale-bound", "must be 0 (no bound) or more")
     need(cfg.max_reuse is None or cfg.max_reuse >= 0, "max-reuse", f"must be 0 (no cap) or more, got {cfg.max_reuse}")
     cfg = dataclasses.replace(cfg, max_reuse=(MAX_REUSE if cfg.searchers and cfg.lag is None else 0.0)
                               if cfg.max_reuse is None else cfg.max_reuse)
@@ -251,18 +250,12 @@ def check_resumable(cfg, ckpt: dict):
 
 
 def check_lag(cfg, searchers: int):
-    """--lag L (every batch sampled by the weights of exactly L steps before) and --inflight (streaming)."""
+    """--lag L (every batch sampled by the weights of exactly L steps before)."""
     need(cfg.lag is None or cfg.lag >= 0, "lag", f"must be 0 (synchronous) or more, got {cfg.lag}")
-    need(not cfg.inflight or cfg.searchers, "inflight", "loads weights into the searchers' rounds in flight; with "
-         "--searchers 0 the trainer searches between its steps")
-    need(not cfg.keep_full or cfg.inflight, "keep-full", "keeps requests in flight from one round to the next, which "
-         "new weights reach only in flight: streaming with --inflight")
     need(cfg.behaviour_logprobs == "vllm" or not cfg.lora_rank, "behaviour-logprobs", "trainer keeps a copy of all the "
          "weights; with --lora-rank the adapter's are not kept: leave it at vllm")
     if cfg.lag is None:
         return
-    need(not cfg.inflight, "inflight", "streams weights into rounds in flight; with --lag each round is sampled by "
-         "the weights of one step")
     need(cfg.sync_every == 1, "sync-every", f"--lag publishes every step's weights (k = 1), got {cfg.sync_every}")
     need(cfg.initial_buffer == 0, "initial-buffer", "with --lag each step waits for its own rounds")
     rounds = searchers * cfg.round_prompts if cfg.searchers else cfg.prompts_per_step
@@ -305,12 +298,8 @@ ACTS_ONLY = (
     ("max_staleness", lambda c: c.lag is None, STREAMING),
     ("buffer_capacity", lambda c: c.lag is None, STREAMING),
     ("duplicates", lambda c: c.lag is None, STREAMING),
-    ("fresh_first", lambda c: c.lag is None, STREAMING),
-    ("use_once", lambda c: c.lag is None, STREAMING),
-    ("stale_bound", lambda c: c.lag is None, STREAMING),
     ("max_reuse", lambda c: c.lag is None and c.searchers > 0, "the streaming trainer's replay of what searchers "
      "sent: with --lag every batch is its step's rounds, with --searchers 0 every step searches its own data"),
-    ("inflight_kv", lambda c: c.inflight, "in-flight updates (--inflight, streaming with searchers)"),
     ("behaviour_logprobs", lambda c: c.lag is not None and "behaviour_logps" in reads(LOSSES.get(c.loss, tb_loss)),
      "--lag, for a loss that reads per-token behaviour log-probs (--loss drgrpo, tbprime): the weights that sampled "
      "a batch are then one step's"),

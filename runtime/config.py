@@ -39,11 +39,6 @@ class Config:
     buffer_capacity: int = arg(100, "distinct responses kept per prompt", fixed=True)
     duplicates: str = arg("count", "a batch draws each distinct response as often as the searchers sent it (count) "
                                    "| once (collapse: the authors' buffer)", choices=("count", "collapse"))
-    fresh_first: bool = arg(False, "streaming: a batch's recent prompts are the B searched last, each its newest "
-                                   "round's responses (off: uniform over the newest windows that cover B prompts)")
-    use_once: bool = arg(False, "streaming: each trajectory drawn for training leaves the buffer (used once)")
-    stale_bound: int = arg(0, "streaming: data sampled by weights more than S steps before the step trained leaves the "
-                              "buffer, never drawn; 0 = no bound")
     initial_buffer: int = arg(0, "trajectories that must have arrived before the first training step")
     max_reuse: float | None = arg(None, "R: draws for training at most R times the trajectories kept, over the run; "
                                         "0 = no cap; default: 1 with searchers, 0 without")
@@ -67,13 +62,6 @@ class Config:
                                           "(trainer: the authors')", choices=("vllm", "trainer"))
     lag: int | None = arg(None, "L: every batch of step n is sampled by the weights of step n - L exactly (0: "
                                 "synchronous, the searchers waiting for each step's weights); default: stream")
-    inflight: bool = arg(False, "streaming: searchers load new weights between the decoding steps of a round in "
-                                "flight (PipelineRL's); off: between rounds, as the paper's searchers (part 9 of "
-                                "docs/performance.md measured no gain from it)")
-    keep_full: bool = arg(False, "--inflight: a finished response's slot in a searcher's engine takes the next request "
-                                 "at once, so that no round waits for its slowest response")
-    inflight_kv: str = arg("keep", "--inflight: the KV cache of the tokens already made stays (keep) or is "
-                                   "recomputed with the new weights (recompute)", choices=("keep", "recompute"))
     lr: float = arg(5e-5, "peak learning rate (AdamW)")
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
     stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until the decay)")

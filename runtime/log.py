@@ -86,8 +86,7 @@ class Log:
 
     def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, clock, **fields):
         """The row of training step `step` (rank 0): the loss's statistics (means over prompts), the batch's reward
-        and staleness (steps between the weights that sampled each trajectory and those it trained: its first
-        token's, and with in-flight updates its last's), `fields` (the schedules' values, the step's seconds), and
+        and staleness (steps between the weights that sampled each trajectory and those it trained), `fields` (the schedules' values, the step's seconds), and
         the run's counts: trajectories received, their reuse, the buffer, pi_ref, the seconds of the rounds (their
         generation, the emulation's sleep and charge, the rewards' parts), the trainer's overhead, and with emulated
         device time the trainer's (`clock`: runtime.slowdown.TrainClock) and the seconds of real compute over the
@@ -97,8 +96,6 @@ class Log:
         trajectories = [traj for group in batch for traj in group]
         stale = [step - 1 - traj.version for traj in trajectories]
         fields = {k: v for k, v in fields.items() if not (k in ("gamma", "reward_temp") and v == 1.0)}  # Lee et al.'s
-        if self.cfg.inflight:
-            fields["staleness_last"] = float(np.mean([step - 1 - traj.version_last for traj in trajectories]))
         if self.cfg.ref_reset_every:  # TBA′: the oldest pi_ref that scored a trajectory of the batch
             fields["batch_reference"] = min(traj.pi_ref_version for traj in trajectories)
         self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},

@@ -214,7 +214,7 @@ def calibrate(engine, count: int, n: int, timed: bool = True):
     rng = np.random.default_rng([cfg.seed, seeds.CALIBRATION])
     ids = rng.choice(len(engine.prompts), min(count, len(engine.prompts)), replace=False)
     engine.llm.reset_prefix_cache()
-    clock.account()  # a plain round, stepped: whatever the run's decoder (--keep-full's first call returns none)
+    clock.account()  # a plain round, stepped, whatever the run's decoder (--response-lengths: its tails left out)
     done = engine.generate(ids, n, (cfg.seed, seeds.CALIBRATION, seeds.CALIBRATION, int(timed)), plain=True)
     seconds = clock.account()["generate"]
     engine.llm.reset_prefix_cache()

@@ -2,7 +2,7 @@
 # The Engine's tests on a GPU, where vLLM's CUDA build is installed (pip install -r requirements.txt): the same
 # tests the CPU suite runs on vLLM's CPU engine, with TBA_TEST_DEVICE=cuda:0 (tests/conftest.py): the engine
 # against the trainer's log-probs after a sync (Llama, GPT-NeoX), tied names, TBA′'s pi_ref, the searcher
-# process, a round in flight receiving new weights, --keep-full's full engine, the emulation's per-step charges.
+# process, the emulation's per-step charges.
 #     bash tests/gpu_engine_check.sh [python]     # default: $PYTHON, else python3
 # Writes pytest.log and summary.txt to $GPU_CHECK_OUT (default: runs/gpu_engine_check). Exit status: pytest's, or
 # 10 when vLLM or CUDA is missing (nothing was run). tests/gpu_check.sh covers what needs no vLLM.

@@ -395,37 +395,3 @@ def test_collapse_draws_the_recent_pool_as_the_authors_buffer_did():
     rng = np.random.default_rng(4)
     rng.random(), rng.integers(1)  # recent or not, the prompt
     assert drawn == rng.choice(6, size=3, replace=False).tolist()
-
-
-def test_the_version_aware_samplers_parts():
-    """--fresh-first draws the B prompts searched last, each from its newest round; --use-once takes each copy drawn
-    out of the buffer; --stale-bound S drops what weights more than S steps old sampled; all off by default."""
-    import numpy as np
-    from buffer import ReplayBuffer, Trajectory
-
-    def filled(**knobs):
-        buf = ReplayBuffer(100, 1.0, 0.0, **knobs)
-        for version in range(3):  # a window a version; prompts 0-3 at version 0, 4-7 at 1, 8-11 at 2
-            buf.add([Trajectory(p, np.array([p, r, version], np.int32), 0.0, 0.0, 0.0, version)
-                     for p in range(4 * version, 4 * version + 4) for r in range(2)])
-            buf.mark_sync()
-        return buf
-    rng = np.random.default_rng(0)
-    plain = filled().sample(4, 2, rng)
-    assert {g[0].prompt_id for g in plain} == {8, 9, 10, 11}  # the newest window covers B = 4 prompts already
-    fresh = filled(fresh_first=True)
-    fresh.add([Trajectory(9, np.array([9, 5, 3], np.int32), 0.0, 0.0, 0.0, 3)])  # prompt 9 searched again, last
-    fresh.mark_sync()
-    batch = fresh.sample(4, 2, rng)
-    assert {g[0].prompt_id for g in batch} == {8, 9, 10, 11}
-    assert all(t.version == 3 for g in batch if g[0].prompt_id == 9 for t in g)  # its newest round only
-    once = filled(use_once=True)
-    drawn = once.sample(4, 2, rng)
-    assert {g[0].prompt_id for g in drawn} == {8, 9, 10, 11}
-    assert not set(once.groups) & {8, 9, 10, 11} and once.size == 16 and len(once.prompts) == 8  # each used once
-    stale = filled(stale_bound=1)
-    stale.drop_stale(3)  # step 3: what versions 0 and 1 sampled is more than 1 step old
-    assert sorted(stale.groups) == [8, 9, 10, 11] and stale.size == 8
-    off = filled()
-    off.drop_stale(100)
-    assert off.size == 24

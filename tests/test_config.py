@@ -47,11 +47,6 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--loss", "ppo"], "--loss: unknown loss 'ppo'"),
     (["--clip", "0"], "--clip"),
     (["--lag", "-1"], "--lag"),
-    (["--keep-full", "--no-inflight"], "--keep-full: keeps requests in flight from one round to the next, which new "
-                                       "weights reach only in flight: streaming with --inflight"),
-    (["--keep-full", "--lag", "1"], "--keep-full: keeps requests in flight"),
-    (["--searchers", "0", "--inflight"], "--inflight: loads weights into the searchers' rounds in flight"),
-    (["--lag", "1", "--inflight", "--keep-full"], "--inflight: streams weights into rounds in flight"),
     (["--ref-reset-every", "-5"], "--ref-reset-every"),
     (["--dtype", "bfloat16"], "--dtype"),  # on the CPU
     (["--dtype", "int8"], "--dtype"),

@@ -6,13 +6,11 @@ import os
 import re
 import signal
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICE, SMALL, metrics, run_tba
+from conftest import SMALL, metrics, run_tba
 from test_faults import assert_all_gone, assert_checkpoint, searcher_pids, start, wait_for_steps
-
 
 
 def train_rows(out):
@@ -125,118 +123,6 @@ def test_a_killed_or_stopped_searcher_ends_the_run_in_one_line(tiny_model, tmp_p
         assert "has sent nothing for" in lines[0] and "checkpoint in" in lines[0], lines
     assert_checkpoint(out)
     assert_all_gone(pids)  # the stopped searcher too: killed as the run stopped
-
-
-# --- in-flight updates: a round in flight receives new weights ------------------------------------------
-@pytest.mark.engine
-def test_a_round_in_flight_receives_new_weights(tiny_model):
-    """The real engine, stepped: the trainer publishes new weights while a round is being generated, and the
-    searcher loads them between two decoding steps. The versions recorded within the round differ, each token
-    is labelled with one version, all sequences change version at the same step (no decoding step mixes two
-    versions), and the per-token log-probs add up to the behaviour log-prob."""
-    import dataclasses
-    import multiprocessing as mp
-    from runtime import weights
-    from searcher import Engine
-    from tasks.arith import splits
-    from test_weight_sync import config, load, perturbed, share
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    prompts = [tok(p.prompt).input_ids for p in splits()[0][:4]]
-    cfg = dataclasses.replace(config(tiny_model, inflight=True, max_new_tokens=8, temperature=1.0),
-                              max_model_len=64)
-    engine = Engine(cfg, DEVICE, 0.1, prompts, ["0"] * 4)
-    shared = share(load(tiny_model), mp.get_context("spawn"))
-    inbox = weights.Inbox(shared, 0, None, lambda: None, 10)
-    steps = [0]
-
-    def between():  # the trainer publishes at the 3rd decoding step; the searcher loads in flight
-        steps[0] += 1
-        if steps[0] == 3:
-            weights.write(shared, weights.gather(perturbed(tiny_model, 1)), 1, lambda: None, 10)
-        engine.sync(inbox)
-
-    engine.decoder.between = between  # what engine.follow(inbox) makes it do, with the trainer's publish inside
-    trajectories, _ = engine.search(np.arange(4), 4, (0, 1, 2))
-    assert engine.version == 1
-    weights.write(shared, weights.gather(perturbed(tiny_model, 2)), 2, lambda: None, 10)
-    steps[0] = 0
-    engine.decoder.between = lambda: (steps.__setitem__(0, steps[0] + 1), steps[0] == 2 and engine.sync(inbox))
-    done = engine.generate(np.arange(4), 4, (0, 1, 3))
-    spans = [[(s.version, s.start, s.end) for s in c.weight_versions] for _, cs in done for c in cs]
-    changed = [s for s in spans if len(s) > 1]
-    assert changed and all(s[0][0] == "1" and s[1][0] == "2" for s in changed), spans
-    assert len({s[0][2] for s in changed}) == 1, spans  # every sequence switched at the same decoding step
-    long = [t for t in trajectories if len(t.response) > 3]
-    assert long and all((t.version, t.version_last) == (0, 1) for t in long)
-    assert all(np.isclose(t.behaviour_logps.sum(), t.logp_behaviour, atol=1e-4) for t in trajectories)
-    engine.close()
-
-
-# --- --keep-full: a finished response's slot takes a new request at once ------------------------------------
-@pytest.mark.engine
-def test_the_engine_is_kept_full_and_every_response_comes_back_once(tiny_model):
-    """The real engine, stepped with --keep-full: the first call fills the engine and returns nothing; each later
-    call's requests enter as finished ones leave, so every decoding step runs with a round's sequences (plain
-    rounds run down to their slowest response); a call returns the prompts done first, earlier calls' among
-    them, with all their n responses; the drain returns the rest: every prompt's n responses exactly once."""
-    import dataclasses
-    from runtime import decoding
-    from searcher import Engine
-    from tasks.arith import splits
-    from test_weight_sync import config
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    prompts = [tok(p.prompt).input_ids for p in splits()[0][:24]]
-    n, per_call = 4, 4
-    cfg = dataclasses.replace(config(tiny_model, inflight=True, keep_full=True, max_new_tokens=8, temperature=1.0,
-                                     round_prompts=per_call, search_samples_per_prompt=n), max_model_len=64)
-    engine = Engine(cfg, DEVICE, 0.1, prompts, ["0"] * len(prompts))
-    llm = engine.llm.llm_engine
-    counts = []
-    assert isinstance(engine.decoder, decoding.Full)
-    engine.decoder.stepped.between = lambda: counts[-1].append(llm.get_num_unfinished_requests())  # after each refill
-    calls = [np.arange(i, i + per_call) for i in range(0, 24, per_call)]
-    back = []
-    for i, ids in enumerate(calls):
-        counts.append([])
-        trajectories, _ = engine.search(ids, n, (0, 1, i))
-        if i == 0:
-            assert trajectories == [] and llm.get_num_unfinished_requests() == per_call * n
-            continue
-        got = [t.prompt_id for t in trajectories]
-        assert got and all(got.count(p) == n for p in got), (i, got)  # whole prompts
-        assert set(got) & set(np.concatenate(calls[:i]).tolist()), (i, got)  # earlier calls' among them
-        back += trajectories
-    steps = [c for call in counts[1:] for c in call]
-    assert all(c == per_call * n for call in counts[1:] for c in call[:-1]), counts  # full but for a call's last step,
-    assert np.mean(steps) > 0.95 * per_call * n, counts  # after which the next call's requests take the free slots
-    counts.append([])
-    rest, _ = engine.search([], n, ())  # the drain (before an evaluation)
-    back += rest
-    assert not llm.has_unfinished_requests() and engine.decoder.open == {} and engine.decoder.pending == []
-    assert sorted(t.prompt_id for t in back) == sorted(np.repeat(np.arange(24), n).tolist())  # each n times, once
-    # the same prompts in plain rounds run down to their slowest response
-    low = []
-    engine.decoder = decoding.Stepped(engine.llm, engine.clock, lambda: low.append(llm.get_num_unfinished_requests()),
-                                      lambda: "v0")
-    for i, ids in enumerate(calls[1:3]):
-        engine.search(ids, n, (0, 1, i))
-    assert min(low) < per_call * n / 2, low
-    engine.close()
-
-
-@pytest.mark.engine
-def test_a_run_with_the_engine_kept_full(tiny_model, tmp_path_factory):
-    """tba.py --keep-full (--inflight by default): the run ends, its evaluations come (each drains the engine
-    first: streaming, of the newest weights), and the trainer learns from each trajectory once (test_probes' run)."""
-    from test_probes import grid_run
-    out, _ = grid_run(tmp_path_factory, tiny_model, ["--inflight", "--keep-full"], 8)
-    rows = train_rows(out)
-    assert [r["step"] for r in rows] == list(range(1, 9))
-    assert rows[-1]["samples"] >= 8 * 4 * 4 and rows[-1]["reuse"] <= 1.0 + 1e-9
-    evals = [r["step"] for r in metrics(out) if r["kind"] == "eval"]
-    assert evals == [0, 2, 4, 6, 8], evals  # the grid asked for: each of the step it names, the engine kept full
 
 
 @pytest.mark.engine

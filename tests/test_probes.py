@@ -86,8 +86,6 @@ def test_no_flag_takes_inf_or_nan(flag, value):
     (dict(lag=1, recency=0.5), "streaming"), (dict(lag=1, reward_inv_temp=2.0), "streaming"),
     (dict(lag=1, max_staleness=1), "streaming"), (dict(lag=1, buffer_capacity=1), "streaming"),
     (dict(lag=1, duplicates="collapse"), "streaming"),
-    (dict(searchers=0, inflight_kv="recompute"), "in-flight"), (dict(inflight=False, inflight_kv="recompute"), "in-flight"),
-    (dict(lag=1, inflight_kv="recompute"), "in-flight"),
     (dict(loss="tb", importance_weights=False), "--loss tbprime"), (dict(loss="tb", is_cap=2.0), "per-token"),
     (dict(loss="tb", norm="budget"), "per-token"), (dict(loss="tb", clip=0.1), "--loss grpo"),
     (dict(loss="grpo", is_cap=2.0), "per-token"), (dict(loss="drgrpo", importance_weights=False), "--loss tbprime"),
@@ -100,7 +98,7 @@ def test_a_flag_that_would_change_nothing_is_refused(given, acts):
     """One rule (checks.ACTS_ONLY): a flag given another value than its default where it cannot act."""
     cfg = Config(**given)
     derived = cfg
-    flag = next(k for k in given if k not in ("lag", "loss", "searchers", "inflight"))
+    flag = next(k for k in given if k not in ("lag", "loss", "searchers"))
     with pytest.raises(ConfigError, match=rf"^--{flag.replace('_', '-')}: acts only in .*{acts}.*; here it would "
                                           rf"change nothing$"):
         checks.check_unused(derived, cfg)
@@ -118,8 +116,7 @@ def grid_run(tmp_path_factory, tiny_model, mode: list, steps: int):
 @pytest.mark.engine
 @pytest.mark.parametrize("mode, steps, grid", [
     (["--lag", "2"], 8, [0, 2, 4, 6, 8]), (["--lag", "20"], 5, [0, 2, 4, 5]),  # past the last lagged round too
-    (["--inflight"], 8, [0, 2, 4, 6, 8]), (["--inflight", "--keep-full"], 8, [0, 2, 4, 6, 8]),  # in flight, kept full
-    (["--no-inflight", "--sync-every", "3"], 8, [0, 2, 4, 6, 8]),              # searchers holding older weights
+    ([], 8, [0, 2, 4, 6, 8]), (["--sync-every", "3"], 8, [0, 2, 4, 6, 8]),  # streaming; holding older weights
 ])
 def test_every_evaluation_is_of_the_step_asked_for(mode, steps, grid, tiny_model, tmp_path_factory):
     out, _ = grid_run(tmp_path_factory, tiny_model, mode, steps)
@@ -131,7 +128,7 @@ def test_a_resumed_runs_first_evaluation_is_of_its_checkpoint(tiny_model, tmp_pa
     """Streaming searchers that held older weights at the checkpoint (--sync-every 3, saved at step 4): the resumed
     run's first evaluation is of step 4's weights, and the summary credits its score to step 4."""
     out = tmp_path / "run"
-    flags = ["--model", tiny_model, *SMALL, "--sync-every", "3", "--no-inflight", "--eval-every", "2"]
+    flags = ["--model", tiny_model, *SMALL, "--sync-every", "3", "--eval-every", "2"]
     p = run_tba([*flags, "--steps", "4", "--save-every", "4", "--out", str(out)], tmp_path)
     assert p.returncode == 0, p.stdout[-3000:]
     p = run_tba([*flags, "--steps", "6", "--resume", str(out / "checkpoint")], tmp_path)

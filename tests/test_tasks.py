@@ -162,7 +162,7 @@ def test_a_tasks_defaults_give_way_to_the_command_line(tiny_model, tmp_path):
                                                              "0", "--out", str(tmp_path / "run"), *args]), 1)[0]
     assert check().max_new_tokens == 12
     assert check("--max-new-tokens", "8").max_new_tokens == check("--max-new-tokens=8").max_new_tokens == 8
-    assert checks.parse(Config, ["--no-inflight", "--lr=1", "--task", "x"]).given == ("inflight", "lr", "task")
+    assert checks.parse(Config, ["--no-importance-weights", "--lr=1", "--task", "x"]).given == ("importance_weights", "lr", "task")
 
 
 @pytest.mark.parametrize("flag", [f.name for f in __import__("dataclasses").fields(Config) if f.metadata.get("choices")])

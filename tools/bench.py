@@ -379,16 +379,8 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
 # --- 9: asynchrony on equal hardware, both phases on devices of their own, emulated --------------------------------
 MODES = {"sync": ["--lag", "0"],      # the synchronous baseline on the searchers' hardware: each step waits
          "lag1": ["--lag", "1"],      # one-step off-policy: every batch sampled by the weights of the step before
-         "stream": ["--no-inflight"],  # TBA: searchers stream rounds, weights reach them between rounds (the default)
-         "inflight": ["--inflight"],  # ... and between the decoding steps of a round in flight
-         "recompute": ["--inflight", "--inflight-kv", "recompute"],  # ... with the KV cache recomputed
-         "full": ["--inflight", "--keep-full"],  # ... and a finished response's slot takes a new request at once
-         # the version-aware sampler's study, streaming between rounds: each part apart, then together
-         "fresh": ["--no-inflight", "--fresh-first"],    # the B prompts searched last, each its newest round
-         "once": ["--no-inflight", "--use-once"],        # each trajectory drawn once
-         "bound": ["--no-inflight", "--stale-bound", "2"],  # nothing more than 2 steps stale
-         "norep": ["--no-inflight", "--recency", "1"],   # no whole-buffer replay (m = 1)
-         "sampler": ["--no-inflight", "--fresh-first", "--use-once", "--stale-bound", "2", "--recency", "1"]}
+         "stream": [],                # TBA: searchers stream rounds, weights reach them between rounds (the default)
+         "norep": ["--recency", "1"]}  # ... with no whole-buffer replay (m = 1)
 GPU_TAILS = ["--decode-cost", "gpu", "--response-lengths", "gsm8k"]  # a GPU's decoding step, a real model's lengths
 GRACE = 300.0  # s a run stopped at the cap may take to make its kept evaluations (--evaluator after) and stop
 STEP = 0.4  # s: the emulated training step T of part 9's points (--train-slowdown Y = STEP / its cost alone)
@@ -1064,9 +1056,9 @@ def main(argv=None):
                    help="part 9: the points G_N / T, both phases emulated from one calibration (--train-slowdown too)")
     p.add_argument("--slowdowns", type=float, nargs="*", default=[],
                    help="part 9: points of --generation-slowdown X alone, each run calibrating itself (CPU packing)")
-    p.add_argument("--modes", nargs="+", default=["sync", "lag1", "stream", "inflight", "full"], choices=list(MODES),
+    p.add_argument("--modes", nargs="+", default=["sync", "lag1", "stream"], choices=list(MODES),
                    help="part 9: the modes at each point (MODES)")
-    p.add_argument("--tails", nargs="*", default=["sync", "stream", "inflight", "full"], choices=list(MODES),
+    p.add_argument("--tails", nargs="*", default=["sync", "stream"], choices=list(MODES),
                    help="part 9: the modes at G_N = T again with GPU-shaped decoding and long tails (none: skipped)")
     p.add_argument("--gain", type=float, default=0.15, help="part 9: the target, held-out accuracy >= start + GAIN "
                    "(a task with a slower curve, `-- --task countdown`, may want less: 0.1)")
