@@ -1,15 +1,23 @@
 """The tiny model's warm start stops at its accuracy target, and its accuracy check is greedy decoding; its build
-shows progress and leaves no temporary folder behind."""
+shows progress, leaves no temporary folder behind and is whole whichever process makes it; a cache folder that is
+not whole is built again; a wait for another's build says so."""
 
 import json
 import os
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
 import torch
 
+from conftest import ROOT
 from runtime import tiny
+from runtime.errors import ConfigError
 from tasks.arith import splits as arith_splits
+
+SMALL = dict(tiny.RECIPE, hidden=32, layers=1, heads=2, ffn=64, sft_max_steps=2, sft_check=16, sft_batch=8)  # seconds
 
 
 def test_warm_start_stops_at_target(tiny_model):
@@ -32,13 +40,15 @@ def test_greedy_accuracy_is_transformers_greedy_decoding(tiny_model):
 
 
 def test_a_build_shows_progress_and_leaves_nothing_when_stopped(tmp_path, monkeypatch, capsys):
-    """A line every few seconds (here: every step) with the warm start's step and check accuracy; a build stopped
-    (Ctrl-C, an error) removes its temporary folder; a complete one is renamed into place."""
+    """A line every few seconds (here: every step) with the warm start's step and check accuracy, and one save (one
+    progress bar of transformers'; a build saved twice); a build stopped (Ctrl-C, an error) removes its temporary
+    folder; a complete one is renamed into place."""
     recipe = dict(tiny.RECIPE, sft_max_steps=3, sft_check=16, sft_batch=8)
     tiny.build(str(tmp_path / "built"), recipe, every=0)
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.rsplit(",", 1)[0] for line in lines] == [
+    out, err = capsys.readouterr()
+    assert [line.rsplit(",", 1)[0] for line in out.splitlines()] == [
         f"  warm start: step {s} (at most 3), check accuracy 0.000 (stops at 0.35)" for s in (1, 2, 3)]
+    assert err.count("Writing model shards: 100%") <= 1, err
     assert json.load(open(tmp_path / "built" / "tiny_recipe.json"))["sft_steps_taken"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["built"]
 
@@ -51,23 +61,111 @@ def test_a_build_shows_progress_and_leaves_nothing_when_stopped(tmp_path, monkey
 
 
 def test_the_next_build_removes_what_killed_builds_left(tmp_path, monkeypatch):
-    """A build killed outright (SIGKILL: no cleanup runs) leaves its .tiny-* folder; the next build, under the lock,
-    removes those made before it took the lock, and nothing else."""
+    """A build killed outright (SIGKILL: no cleanup runs) leaves its temporary folder (.NAME-*); the next build of the
+    same model, under its lock, removes those made before it took the lock, and nothing else."""
     root = tmp_path / "cache"
+    monkeypatch.setenv("TBA_CACHE", str(root))
+    path = tiny.folder()
     root.mkdir()
-    stale, other = root / ".tiny-dead1234", root / "tiny-000000000000"
+    stale, other = root / f".{os.path.basename(path)}-dead1234", root / ".tiny-000000000000-alive"
     stale.mkdir()
     other.mkdir()
-    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    for folder in (stale, other):
+        os.utime(folder, (time.time() - 3600, time.time() - 3600))
     built = []
 
     def build(out, *args, **kwargs):
         built.append(out)
         os.makedirs(out)
-        open(os.path.join(out, "tiny_recipe.json"), "w").write("{}")
+        for name in tiny.WHOLE:
+            open(os.path.join(out, name), "w").write("{}")
+        safetensors.torch.save_file({"w": torch.zeros(1)}, os.path.join(out, "model.safetensors"))
         return out
+    import safetensors.torch
     monkeypatch.setattr(tiny, "build", build)
-    monkeypatch.setenv("TBA_CACHE", str(root))
-    path = tiny.cached()
+    assert tiny.cached() == path
     assert built == [path] and not stale.exists() and other.is_dir()
     assert tiny.cached() == path and built == [path]  # cached: no second build
+
+
+def test_a_build_on_rank_1_of_a_group_is_whole(tmp_path):
+    """Built by rank 1 of a two-rank torch.distributed group (torchrun's ranks race for the build's lock), the folder
+    holds the config and the weights too, and loads (transformers saves them on rank 0 alone)."""
+    code = ("import sys, torch.distributed as dist\n"
+            f"sys.path.insert(0, {ROOT!r})\n"
+            "from runtime import tiny\n"
+            "rank = int(sys.argv[1])\n"
+            f"dist.init_process_group('gloo', init_method={'file://' + str(tmp_path / 'store')!r}, rank=rank, "
+            "world_size=2)\n"
+            f"if rank == 1: tiny.build({str(tmp_path / 'built')!r}, {SMALL!r})\n"
+            "dist.barrier()\n"
+            "dist.destroy_process_group()\n")
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outs
+    assert tiny.damage(str(tmp_path / "built")) == ""
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "built")).config.hidden_size == 32
+
+
+@pytest.mark.parametrize("harm", ["config.json gone", "weights gone", "weights cut short"])
+def test_a_damaged_cache_folder_is_built_again(harm, tmp_path, monkeypatch, capsys):
+    """A cached folder that is not whole (a build of the old code on rank 1: no config, no weights; a damaged disk)
+    is built again, said in one line naming it, and then loads: before, every run ended in transformers' traceback
+    until the folder was deleted by hand."""
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiny, "RECIPE", SMALL)
+    path = tiny.cached()
+    capsys.readouterr()
+    weights = os.path.join(path, "model.safetensors")
+    if harm == "config.json gone":
+        os.remove(os.path.join(path, "config.json"))
+    elif harm == "weights gone":
+        os.remove(weights)
+    else:
+        data = open(weights, "rb").read()
+        open(weights, "wb").write(data[:len(data) // 2])
+    assert tiny.cached() == path
+    why = {"config.json gone": "no config.json", "weights gone": "no model.safetensors",
+           "weights cut short": "model.safetensors does not parse (SafetensorError)"}[harm]
+    assert capsys.readouterr().out.splitlines()[0] == f"the tiny model in {path} is incomplete ({why}): building it again"
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_a_wait_for_anothers_build_says_so_and_ends(tmp_path, monkeypatch, capsys):
+    """A process that finds another building the same model says so in one line naming the folder, then a line now
+    and then, takes the lock once the builder lets go, and gives up after WAIT s in one line."""
+    import fcntl
+    path = str(tmp_path / "tiny-x")
+    with open(path + ".lock", "w") as builder:
+        fcntl.flock(builder, fcntl.LOCK_EX)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(tiny.held(path, every=0.5).__enter__()))
+        waiter.start()
+        time.sleep(2)
+        assert waiter.is_alive()  # waits while the builder holds the lock
+        fcntl.flock(builder, fcntl.LOCK_UN)
+        waiter.join(timeout=10)
+        assert not waiter.is_alive()
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0] == f"another process is building the tiny model into {path}: waiting for it (at most 3600 s) ..."
+        assert len(lines) >= 2 and all(line.startswith(f"  still waiting for the build of {path}: ") for line in lines[1:])
+    with open(path + ".lock", "w") as builder:
+        fcntl.flock(builder, fcntl.LOCK_EX)
+        monkeypatch.setattr(tiny, "WAIT", 1)
+        with pytest.raises(ConfigError, match=rf"^--model: another process has been building the tiny model into "
+                                              rf"{path} for over 1 s \(it holds {path}.lock\)"):
+            with tiny.held(path):
+                pass
+
+
+def test_the_module_with_no_argument_prints_the_cached_models_path(tmp_path, monkeypatch, capsys):
+    """`python -m runtime.tiny` builds (or finds) the model --model tiny uses and prints its path (before, it printed
+    its docstring and there was no way to build the default model ahead)."""
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiny, "RECIPE", SMALL)
+    tiny.main([])
+    path = capsys.readouterr().out.splitlines()[-1]
+    assert path == tiny.folder() and tiny.damage(path) == ""
