@@ -337,7 +337,7 @@ def main(argv: list[str]):
     args = p.parse_args(argv)
     if args.task is not None:
         import tasks
-        with_demos = [n for n in tasks.TASKS if tasks.get(n).demos]
+        with_demos = [n for n in tasks.names() if tasks.get(n).demos]
         if args.task not in with_demos:
             sys.exit(f"runtime.tiny: --task {args.task}: not a task with demos() (those with: {', '.join(with_demos)})")
     try:

@@ -200,3 +200,53 @@ def test_responses_cut_at_the_length_limit_are_counted(tiny_model, tmp_path):
     train = [r for r in metrics(out) if r["kind"] == "train"]
     assert all(r["truncated"] > 0.5 for r in train), [r["truncated"] for r in train]
     assert "cut " in p.stdout  # the console line says it
+
+
+# --- a file of tasks/ that makes no task (issue 58, item 7) -------------------------------------------------
+BROKEN = {  # name: (the file, the line its use says after "--task: FILE ")
+    "unclosed": ("from tasks.task import Task\nTASK = Task(load=(\n", "does not import (SyntaxError: '(' was never "
+                 "closed, line 2)"),
+    "needs": ("import numpy\nimport no_such_package\n", "does not import (ModuleNotFoundError: No module named "
+              "'no_such_package', line 2)"),
+    "divides": ("from tasks.task import Task\nTASK = Task(load=1 / 0)\n", "does not import (ZeroDivisionError: "
+                "division by zero, line 2)"),
+    "helper": ("SHARED = 1  # a module the tasks import\n", "holds no `TASK = Task(...)` (tasks/task.py says what a "
+               "task is)"),
+}
+
+
+@pytest.fixture
+def beside(tmp_path, monkeypatch):
+    """A second folder of the tasks package (as a file of tasks/ would be), holding BROKEN's files."""
+    where = tmp_path / "tasks"
+    where.mkdir()
+    for name, (code, _) in BROKEN.items():
+        (where / f"{name}.py").write_text(code)
+    monkeypatch.setattr(tasks, "__path__", [*tasks.__path__, str(where)])
+    for name in BROKEN:
+        monkeypatch.setitem(tasks.TASKS, name, f"tasks.{name}")
+    yield where
+    for name in BROKEN:
+        sys.modules.pop(f"tasks.{name}", None)
+
+
+@pytest.mark.parametrize("name", BROKEN)
+def test_a_file_that_makes_no_task_is_named_in_one_line_when_used(name, beside, tiny_model, tmp_path):
+    """`--task NAME` of a file that does not import (a syntax error, a missing import, an error at its top), holds no
+    TASK, is refused in one line naming the file; before, each ended every run, whatever --task, in a traceback (the
+    checks import every task)."""
+    line = f"--task: {beside / name}.py {BROKEN[name][1]}"
+    with pytest.raises(ConfigError) as e:
+        checks.check(checks.parse(Config, ["--model", tiny_model, "--task", name, "--out", str(tmp_path / "run")]), 1)
+    assert str(e.value) == line
+
+
+def test_a_broken_task_file_leaves_the_other_tasks_alone(beside, tiny_model, tmp_path):
+    """Beside the broken files, arith checks as ever; --help offers the tasks that load and names the broken ones apart (a helper module, with no TASK,
+    is neither)."""
+    cfg, _, _ = checks.check(checks.parse(Config, ["--model", tiny_model, "--out", str(tmp_path / "run")]), 1)
+    assert cfg.task == "arith"
+    assert not set(BROKEN) & set(tasks.names())
+    help = " ".join(checks.parser(Config).format_help().split())
+    assert "(broken: unclosed, needs, divides; --task NAME says why)" in help, help
+    assert "helper" not in help
