@@ -9,7 +9,7 @@ named by its file, so a new task is its file alone:
 - `math`: MATH, the paper's Sec. 6 run (Qwen 2.5 7B, TBA′ against Dr. GRPO), with the authors' grading.
 
 `TASKS` maps each `--task` name to the module that holds its `TASK`; `get(name)` imports it. A file that does not
-make a task (it does not import, it holds no `TASK`) is refused in one line naming
+make a task (it does not import, it holds no `TASK`, a folder of its name shadows it) is refused in one line naming
 it where it is used, and leaves the other tasks alone: `names()` lists the tasks that load, `broken()` the files
 that do not import (a module without `TASK` imported by tasks, a helper, is in neither).
 """
@@ -41,7 +41,15 @@ def get(name: str):
 
 
 def module(entry: str):
-    """The module `entry`, imported; refused in one line naming its file where it does not import."""
+    """The module `entry`, imported; refused in one line naming its file where it does not import, or where a folder
+    of its name shadows it."""
+    spec = importlib.util.find_spec(entry)
+    # A folder with an __init__ file (any suffix Python loads) is imported before a file of its name beside it
+    # (importlib's FileFinder.find_spec looks for the package first); a folder without one never shadows it.
+    folder = os.path.dirname(spec.origin) if spec and spec.origin and spec.submodule_search_locations else None
+    if folder and os.path.isfile(folder + ".py"):
+        raise ConfigError(f"--task: {relative(folder)}/ shadows {relative(folder)}.py (Python imports a folder "
+                          f"holding {os.path.basename(spec.origin)} before a file of its name): rename or remove one")
     try:
         return importlib.import_module(entry)
     except Exception as e:  # a syntax error, a missing import, an error at its top level

@@ -202,7 +202,7 @@ def test_responses_cut_at_the_length_limit_are_counted(tiny_model, tmp_path):
     assert "cut " in p.stdout  # the console line says it
 
 
-# --- a file of tasks/ that makes no task (issue 58, item 7) -------------------------------------------------
+# --- a file of tasks/ that makes no task (issue 58, items 7 and 15) -------------------------------------------------
 BROKEN = {  # name: (the file, the line its use says after "--task: FILE ")
     "unclosed": ("from tasks.task import Task\nTASK = Task(load=(\n", "does not import (SyntaxError: '(' was never "
                  "closed, line 2)"),
@@ -217,36 +217,46 @@ BROKEN = {  # name: (the file, the line its use says after "--task: FILE ")
 
 @pytest.fixture
 def beside(tmp_path, monkeypatch):
-    """A second folder of the tasks package (as a file of tasks/ would be), holding BROKEN's files."""
+    """A second folder of the tasks package (as a file of tasks/ would be), holding BROKEN's files, a copy of arith
+    beside a package folder of its name (`shadowed/__init__.py`) and one beside a folder without one (`plain/`)."""
     where = tmp_path / "tasks"
     where.mkdir()
     for name, (code, _) in BROKEN.items():
         (where / f"{name}.py").write_text(code)
+    for name in ("shadowed", "plain"):
+        (where / f"{name}.py").write_text("from tasks.arith import TASK\n")
+        (where / name).mkdir()
+    (where / "shadowed" / "__init__.py").write_text("TASK = None\n")
     monkeypatch.setattr(tasks, "__path__", [*tasks.__path__, str(where)])
-    for name in BROKEN:
+    for name in [*BROKEN, "shadowed", "plain"]:
         monkeypatch.setitem(tasks.TASKS, name, f"tasks.{name}")
     yield where
-    for name in BROKEN:
+    for name in [*BROKEN, "shadowed", "plain"]:
         sys.modules.pop(f"tasks.{name}", None)
 
 
-@pytest.mark.parametrize("name", BROKEN)
+@pytest.mark.parametrize("name", [*BROKEN, "shadowed"])
 def test_a_file_that_makes_no_task_is_named_in_one_line_when_used(name, beside, tiny_model, tmp_path):
     """`--task NAME` of a file that does not import (a syntax error, a missing import, an error at its top), holds no
-    TASK, is refused in one line naming the file; before, each ended every run, whatever --task, in a traceback (the
-    checks import every task)."""
-    line = f"--task: {beside / name}.py {BROKEN[name][1]}"
+    TASK, or is shadowed by a package folder of its name, is refused in one line naming the file; before, each
+    ended every run, whatever --task, in a traceback (the checks import every task), and a folder tasks/NAME/ with
+    an __init__.py silently took the place of tasks/NAME.py."""
+    file = str(beside / f"{name}.py")
+    line = (f"--task: {beside / name}/ shadows {file} (Python imports a folder holding __init__.py before a file of "
+            f"its name): rename or remove one") if name == "shadowed" else f"--task: {file} {BROKEN[name][1]}"
     with pytest.raises(ConfigError) as e:
         checks.check(checks.parse(Config, ["--model", tiny_model, "--task", name, "--out", str(tmp_path / "run")]), 1)
     assert str(e.value) == line
 
 
 def test_a_broken_task_file_leaves_the_other_tasks_alone(beside, tiny_model, tmp_path):
-    """Beside the broken files, arith checks as ever; --help offers the tasks that load and names the broken ones apart (a helper module, with no TASK,
+    """Beside the broken files, arith checks as ever; a folder without __init__.py beside a task's file (data, say)
+    shadows nothing; --help offers the tasks that load and names the broken ones apart (a helper module, with no TASK,
     is neither)."""
     cfg, _, _ = checks.check(checks.parse(Config, ["--model", tiny_model, "--out", str(tmp_path / "run")]), 1)
     assert cfg.task == "arith"
-    assert not set(BROKEN) & set(tasks.names())
+    assert tasks.get("plain") is tasks.get("arith")
+    assert "plain" in tasks.names() and not {*BROKEN, "shadowed"} & set(tasks.names())
     help = " ".join(checks.parser(Config).format_help().split())
-    assert "(broken: unclosed, needs, divides; --task NAME says why)" in help, help
+    assert "(broken: unclosed, needs, divides, shadowed; --task NAME says why)" in help, help
     assert "helper" not in help
