@@ -154,7 +154,7 @@ def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
     (its held-out metric, or its reward, of greedy responses)."""
     import tasks
     entry = tasks.get(task)
-    demos, (problems, _) = entry.demos(), entry.load(None)
+    demos, (problems, _) = demos_of(task), entry.load(None)
     score = entry.metric or entry.reward
 
     def accuracy(model, tokenizer, problems):
@@ -162,6 +162,29 @@ def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
         texts = greedy_texts(model, tokenizer, [p.prompt for p in problems], longest)
         return sum(score(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
     return demos, random.Random(seed + 1).sample(problems, min(len(check), len(problems))), accuracy
+
+
+def demos_of(task: str) -> list:
+    """The task's demos (its `demos()`), refused in one line (ConfigError) where there is nothing to warm-start on:
+    none, or not `Problem(prompt, solution)`s of text, or a `demos()` that fails."""
+    import tasks
+    from tasks.task import Problem
+    try:
+        demos = tasks.get(task).demos()
+    except Exception as e:
+        raise ConfigError(f"--task: {task}'s demos() fails ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})"
+                          f"; the tiny model is warm-started on them (--model tiny)") from None
+    what = "Problem(prompt, solution) with text in both"
+    if not isinstance(demos, (list, tuple)):
+        raise ConfigError(f"--task: {task}'s demos() returned {type(demos).__name__}, not a list of {what}")
+    if not demos:
+        raise ConfigError(f"--task: {task}'s demos() returned no demos; the tiny model is warm-started on them "
+                          f"(--model tiny): give some, or pass another --model")
+    bad = next((i for i, p in enumerate(demos) if not (isinstance(p, Problem) and isinstance(p.prompt, str)
+                                                       and isinstance(p.answer, str))), None)
+    if bad is not None:
+        raise ConfigError(f"--task: {task}'s demos() item {bad} is {demos[bad]!r:.80}, not a {what}")
+    return list(demos)
 
 
 @torch.no_grad()
@@ -269,6 +292,8 @@ def folder(task: str | None = None) -> str:
 def cached(task: str | None = None) -> str:
     """The path of the cached tiny model (warm-started on arith, or on `task`'s demos), building it on first use; a
     folder there that is not whole (`damage`) is built again, said in one line."""
+    if task is not None:
+        demos_of(task)  # refused before anything is built
     path = folder(task)
     if not damage(path):
         return path

@@ -169,3 +169,25 @@ def test_the_module_with_no_argument_prints_the_cached_models_path(tmp_path, mon
     tiny.main([])
     path = capsys.readouterr().out.splitlines()[-1]
     assert path == tiny.folder() and tiny.damage(path) == ""
+
+
+@pytest.mark.parametrize("demos,line", [
+    (lambda: [], "returned no demos; the tiny model is warm-started on them (--model tiny): give some, or pass "
+                 "another --model"),
+    (lambda: [("1+1=", "2")], "item 0 is ('1+1=', '2'), not a Problem(prompt, solution) with text in both"),
+    (lambda: None, "returned NoneType, not a list of Problem(prompt, solution) with text in both"),
+    (lambda: 1 / 0, "fails (ZeroDivisionError: division by zero); the tiny model is warm-started on them (--model "
+                    "tiny)"),
+])
+def test_demos_with_nothing_to_warm_start_on_are_refused_in_one_line(demos, line, tmp_path, monkeypatch):
+    """A task whose demos() is empty, not Problems or fails is refused in one line before anything is built (before:
+    an IndexError from random.sample inside the warm start)."""
+    import tasks
+    from tasks.task import Task
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(tasks.TASKS, "nodemos", Task(load=lambda data: arith_splits(), reward=lambda c, a: 0.0,
+                                                      demos=demos))
+    with pytest.raises(ConfigError) as e:
+        tiny.cached("nodemos")
+    assert str(e.value) == f"--task: nodemos's demos() {line}"
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
