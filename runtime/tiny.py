@@ -24,7 +24,9 @@ project's measurements' included, so they are not used.
 A task that brings demonstrations (tasks/task.py: `demos()`, solved problems) gets a tiny model warm-started on
 them instead, the same way, until greedy responses to 512 of its training problems score `TASK_TARGET` on its
 held-out metric: `--model tiny` builds it on first use for such a task (`cached(task)`), so a new task learns on
-a laptop from its own start.
+a laptop from its own start. A cached model's folder is named by the hash of what decides it (`made_of`: the
+recipe, the tokenizer's characters, and what the warm start reads, a task's demos and training problems), so an
+edited task gets a new warm start, said in one line.
 
 Tests make untrained models of other architectures (Pythia, Qwen2, GPT-2) in tests/models.py.
 """
@@ -248,8 +250,9 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
         done = warm_start(model, tokenizer, r["sft_max_steps"], r["sft_batch"], r["sft_lr"], r["seed"],
                           r["sft_target"], r["sft_check"], progress, r.get("task"))
         save(model, tokenizer, tmp)
+        made = made_of(r)
         with open(os.path.join(tmp, RECIPE_FILE), "w") as f:  # written last
-            json.dump(dict(r, **done), f, indent=1)
+            json.dump(dict(identity=identity(made), **made, **done), f, indent=1)
         os.rename(tmp, out)
     except OSError:  # `out` exists: another process finished the same build first (keep theirs, if whole)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -281,20 +284,69 @@ def damage(path: str) -> str:
     return ""
 
 
+def made_of(recipe: dict) -> dict:
+    """What decides the tiny model of `recipe`: the recipe, the tokenizer's characters and what the warm start reads
+    (arith's training problems; a task's demos and training problems), the last by hash. An edited task (its demos,
+    its problems) is then another model, warm-started anew."""
+    digest = lambda rows: hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+    task = recipe.get("task")
+    made = dict(recipe=recipe, tokens=digest(SPECIALS + CHARS))
+    if task is None:
+        problems = arith_splits()[0]
+    else:
+        import tasks
+        problems = tasks.get(task).load(None)[0]
+        made["demos"] = digest([[p.prompt, p.answer] for p in demos_of(task)])
+    made["problems"] = digest([[p.prompt, p.answer] for p in problems])
+    return made
+
+
+def identity(made: dict) -> str:
+    """The hash of what decides a tiny model (`made_of`): it names the model's folder in the cache."""
+    return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def changes(old: dict, new: dict) -> str:
+    """What differs between what decided two tiny models (`made_of`, as recorded in their recipe files), in words
+    ('' when nothing)."""
+    who = new["recipe"].get("task") or "arith"
+    keys = sorted(k for k in old["recipe"].keys() | new["recipe"].keys() if old["recipe"].get(k) != new["recipe"].get(k))
+    words = [f"the recipe ({', '.join(keys)})"] if keys else []
+    for key, what in (("tokens", "the tokenizer's characters"), ("demos", f"{who}'s demos"),
+                      ("problems", f"{who}'s training problems")):
+        words += [what] if old.get(key) != new.get(key) else []
+    return " and ".join(words)
+
+
 def folder(task: str | None = None) -> str:
     """Where the cached tiny model (of arith, or of `task`) is, built or not: $TBA_CACHE (default ~/.cache/tba),
-    in a folder named by the hash of what decides it."""
+    in a folder named by the hash of what decides it (`identity`)."""
     root = os.environ.get("TBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tba")
-    key = hashlib.sha256(json.dumps([recipe_for(task), SPECIALS, CHARS], sort_keys=True).encode()).hexdigest()[:12]
+    key = identity(made_of(recipe_for(task)))
     return os.path.join(root, f"tiny-{key}" if task is None else f"tiny-{task}-{key}")
+
+
+def previous(path: str, made: dict) -> tuple[str, str]:
+    """The latest whole model of the cache beside `path` made for the same task, and what changed since (`changes`);
+    ('', '') where there is none."""
+    root, task = os.path.dirname(path), made["recipe"].get("task")
+    found = []
+    for name in os.listdir(root):
+        other = os.path.join(root, name)
+        if name.startswith("tiny-") and other != path and os.path.isdir(other) and not damage(other):
+            recorded = json.load(open(os.path.join(other, RECIPE_FILE)))
+            if isinstance(recorded.get("recipe"), dict) and recorded["recipe"].get("task") == task:
+                found.append((os.path.getmtime(other), other, recorded))
+    if not found:
+        return "", ""
+    _, other, recorded = max(found)
+    return other, changes(recorded, made)
 
 
 def cached(task: str | None = None) -> str:
     """The path of the cached tiny model (warm-started on arith, or on `task`'s demos), building it on first use; a
     folder there that is not whole (`damage`) is built again, said in one line."""
-    if task is not None:
-        demos_of(task)  # refused before anything is built
-    path = folder(task)
+    path = folder(task)  # a task's demos are refused here, before anything is built
     if not damage(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -305,8 +357,10 @@ def cached(task: str | None = None) -> str:
                 print(f"the tiny model in {path} is incomplete ({why}): building it again", flush=True)
                 shutil.rmtree(path)
             else:
-                print(f"building the tiny model{f' for {task}' if task else ''} once into {path} (a line every few "
-                      f"seconds) ...", flush=True)
+                old, changed = previous(path, made_of(recipe_for(task)))
+                print(f"{changed} changed since {old} was built: warm-starting a new tiny model into {path}" if changed
+                      else f"building the tiny model{f' for {task}' if task else ''} once into {path}", "(a line every "
+                      "few seconds) ...", flush=True)
             remove_stale(path, time.time())
             t0 = time.time()
             build(path, recipe_for(task))

@@ -191,3 +191,29 @@ def test_demos_with_nothing_to_warm_start_on_are_refused_in_one_line(demos, line
         tiny.cached("nodemos")
     assert str(e.value) == f"--task: nodemos's demos() {line}"
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
+
+
+def test_an_edited_task_gets_a_new_warm_start(tmp_path, monkeypatch, capsys):
+    """The task's tiny model follows what its warm start reads: with its demos or its training problems edited,
+    `--model tiny --task NAME` warm-starts a new model, said in one line naming the one it no longer uses (before,
+    the cache was keyed by the task's name and reused the model of the old demos)."""
+    import tasks
+    from tasks.task import Problem, Task
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiny, "RECIPE", SMALL)
+    monkeypatch.setattr(tiny, "TASK_RECIPE", dict(sft_max_steps=2, sft_target=0.15))
+    train, test = arith_splits()
+    data = dict(demos=train[:50], problems=train[:100])
+    monkeypatch.setitem(tasks.TASKS, "sums", Task(load=lambda _: (data["problems"], test), reward=lambda c, a: 0.0,
+                                                  demos=lambda: data["demos"]))
+    first = tiny.cached("sums")
+    assert capsys.readouterr().out.startswith(f"building the tiny model for sums once into {first} ")
+    assert tiny.cached("sums") == first and capsys.readouterr().out == ""  # unchanged: the same model
+    latest = first
+    for edit, what in (("demos", "sums's demos"), ("problems", "sums's training problems")):
+        data[edit] = [Problem(p.prompt, p.answer + "0") for p in data[edit]]
+        now = tiny.cached("sums")
+        assert now != latest and tiny.damage(now) == ""
+        assert capsys.readouterr().out.splitlines()[0] == (f"{what} changed since {latest} was built: warm-starting a "
+                                                           f"new tiny model into {now} (a line every few seconds) ...")
+        latest = now
