@@ -1,24 +1,34 @@
 """The `tiny` model: a small Llama with a character-level tokenizer, warm-started on `arith`.
 
-It plays the paper's SFT model (pi_ref): `--model tiny` builds it once (about 20 s on two idle
-CPU cores, minutes on busy ones, with a line every few seconds), caches it under $TBA_CACHE
-(default ~/.cache/tba) and reuses it. A build is renamed into place only once whole, and a folder
-there that is not (`damage`) is built again, said in one line; a process that finds another
-building the same model says so and waits for it (`held`). The warm start is a short supervised pass on the answers of
-training problems, stopped on purpose as soon as greedy accuracy on 512 training problems, checked
-after every step near the target, reaches 35%, so that RL has room to improve it. Where the warm
-start stops decides how much RL gains in 200 steps: a fixed number of steps does not do (accuracy
-climbs from 25% to 70% within 30 steps, and float rounding moves that climb by several steps
-between CPUs). The held-out accuracy it starts RL from still depends on the CPU (0.385 on a 2-core
-AMD EPYC, 0.325 on a 2-core Intel Xeon, measured): each CPU's float kernels (AVX2 or AVX-512 code
-paths, another order of summation) round differently, the difference grows over some 240 steps
-into other weights, and the 512 check problems and the 400 held-out ones (sampling error about
-0.02 each) agree only roughly on where 35% lies. Equal kernels everywhere (one thread, ATen's
-default CPU capability, MKL's reproducible mode) would give another model on every CPU, this
-project's measurements' included, so they are not used.
+It plays the paper's SFT model (pi_ref), and ships with the project so that the toy run starts from the same
+weights, and the same held-out accuracy, on every CPU: runtime/tiny-arith/ holds its float32 weights (2.6 MB), its
+tokenizer and its `tiny_recipe.json` (what it is made of, `made_of`, with the hash of that, its identity; the warm
+start's steps and check accuracy; its greedy accuracy on arith's 400 held-out problems, `heldout_accuracy`). It was
+made on a 2-core AMD EPYC, in 100 s on cores shared with other jobs, by
 
-    python -m runtime.tiny                            # build (or find) it in the cache; print its path
-    python -m runtime.tiny OUT_DIR                    # build it into OUT_DIR instead of the cache
+    rm -rf runtime/tiny-arith && python -m runtime.tiny runtime/tiny-arith
+
+`--model tiny` takes it where its recorded identity is the code's (RECIPE, the tokenizer's characters and arith's
+training problems, unedited). Where it is not (RECIPE edited, say), `--model tiny` builds the model once into
+$TBA_CACHE (default ~/.cache/tba), saying why in one line, and reuses it: about 20 s on two idle CPU cores, 13
+minutes measured on busy ones, with a line every few seconds. A build is renamed into place only once whole, and a
+folder of the cache that is not (`damage`) is built again, said in one line; a process that finds another building
+the same model says so and waits for it (`held`).
+
+The warm start is a short supervised pass on the answers of training problems, stopped on purpose as soon as greedy
+accuracy on 512 training problems, checked after every step near the target, reaches 35%, so that RL has room to
+improve it. Where the warm start stops decides how much RL gains in 200 steps: a fixed number of steps does not do
+(accuracy climbs from 25% to 70% within 30 steps, and float rounding moves that climb by several steps between
+CPUs). A build on another CPU stops at another model (0.385 held-out on a 2-core AMD EPYC, the shipped one; 0.325
+on a 2-core Intel Xeon, measured): each CPU's float kernels (AVX2 or AVX-512 code paths, another order of
+summation) round differently, the difference grows over some 240 steps into other weights, and the 512 check
+problems and the 400 held-out ones (sampling error about 0.02 each) agree only roughly on where 35% lies. Equal
+kernels everywhere (one thread, ATen's default CPU capability, MKL's reproducible mode) would give another model
+on every CPU, this project's measurements' included, so they are not used: the shipped model is what makes the
+start the same.
+
+    python -m runtime.tiny                            # the model --model tiny uses (built if need be): its path
+    python -m runtime.tiny OUT_DIR                    # build it into OUT_DIR (a new folder)
     python -m runtime.tiny --task countdown [OUT_DIR] # warm-started on another task's demos (its `demos()`)
 
 A task that brings demonstrations (tasks/task.py: `demos()`, solved problems) gets a tiny model warm-started on
@@ -51,6 +61,7 @@ SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # printable ASCII and newline: enough for GSM8K too
 RECIPE_FILE = "tiny_recipe.json"  # the recipe and what the warm start did; a build writes it last
 WHOLE = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", RECIPE_FILE)  # a built model
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-arith")  # arith's, built as the docstring says
 WAIT = 3600  # s a process waits for another's build of the same model (on busy cores a build took 17 minutes)
 RECIPE = dict(  # everything that decides the cached model; its hash names the cache folder
     version=4, hidden=128, layers=3, heads=4, ffn=384, max_len=256, seed=0,
@@ -174,8 +185,9 @@ def demos_of(task: str) -> list:
     try:
         demos = tasks.get(task).demos()
     except Exception as e:
-        raise ConfigError(f"--task: {task}'s demos() fails ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})"
-                          f"; the tiny model is warm-started on them (--model tiny)") from None
+        first = (str(e).splitlines() or [""])[0][:160]
+        raise ConfigError(f"--task: {task}'s demos() fails ({type(e).__name__}: {first}); the tiny model is "
+                          f"warm-started on them (--model tiny)") from None
     what = "Problem(prompt, solution) with text in both"
     if not isinstance(demos, (list, tuple)):
         raise ConfigError(f"--task: {task}'s demos() returned {type(demos).__name__}, not a list of {what}")
@@ -236,7 +248,8 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
     whole; the folder goes whatever stops the build), with a line every `every` s: the warm start's step and check
     accuracy. A recipe with a `task` warm-starts on that task's demos."""
     r = recipe
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}-", dir=os.path.dirname(os.path.abspath(out)))
+    out = os.path.abspath(out)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=os.path.dirname(out))
     t0 = last = time.time()
 
     def progress(step, accuracy):
@@ -249,6 +262,8 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
         model, tokenizer = new_model(r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
         done = warm_start(model, tokenizer, r["sft_max_steps"], r["sft_batch"], r["sft_lr"], r["seed"],
                           r["sft_target"], r["sft_check"], progress, r.get("task"))
+        if r.get("task") is None:  # arith's start for RL: greedy on its 400 held-out problems
+            done["heldout_accuracy"] = round(greedy_accuracy(model, tokenizer, arith_splits()[1]), 4)
         save(model, tokenizer, tmp)
         made = made_of(r)
         with open(os.path.join(tmp, RECIPE_FILE), "w") as f:  # written last
@@ -310,7 +325,8 @@ def changes(old: dict, new: dict) -> str:
     """What differs between what decided two tiny models (`made_of`, as recorded in their recipe files), in words
     ('' when nothing)."""
     who = new["recipe"].get("task") or "arith"
-    keys = sorted(k for k in old["recipe"].keys() | new["recipe"].keys() if old["recipe"].get(k) != new["recipe"].get(k))
+    a, b = old["recipe"], new["recipe"]
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     words = [f"the recipe ({', '.join(keys)})"] if keys else []
     for key, what in (("tokens", "the tokenizer's characters"), ("demos", f"{who}'s demos"),
                       ("problems", f"{who}'s training problems")):
@@ -343,9 +359,26 @@ def previous(path: str, made: dict) -> tuple[str, str]:
     return other, changes(recorded, made)
 
 
+def shipped() -> str:
+    """Why the shipped arith model (SHIPPED) is not the one the code makes ('' when it is): not whole, or made of
+    other things (`changes`: RECIPE edited, say) than the code's."""
+    why = damage(SHIPPED)
+    if why:
+        return f"the shipped tiny model {SHIPPED} is incomplete ({why})"
+    recorded = json.load(open(os.path.join(SHIPPED, RECIPE_FILE)))
+    made = made_of(RECIPE)
+    if recorded.get("identity") == identity(made):
+        return ""
+    return f"{changes(recorded, made) or 'what made it'} changed since the shipped tiny model {SHIPPED} was built"
+
+
 def cached(task: str | None = None) -> str:
-    """The path of the cached tiny model (warm-started on arith, or on `task`'s demos), building it on first use; a
-    folder there that is not whole (`damage`) is built again, said in one line."""
+    """The path of the tiny model `--model tiny` uses: arith's shipped one (SHIPPED) where the code makes that one,
+    else the cached one (warm-started on arith, or on `task`'s demos), built on first use; a folder in the cache
+    that is not whole (`damage`) is built again, said in one line."""
+    why_not = shipped() if task is None else ""
+    if task is None and not why_not:
+        return SHIPPED
     path = folder(task)  # a task's demos are refused here, before anything is built
     if not damage(path):
         return path
@@ -358,7 +391,8 @@ def cached(task: str | None = None) -> str:
                 shutil.rmtree(path)
             else:
                 old, changed = previous(path, made_of(recipe_for(task)))
-                print(f"{changed} changed since {old} was built: warm-starting a new tiny model into {path}" if changed
+                print(f"{why_not}: building the tiny model into {path}" if why_not else
+                      f"{changed} changed since {old} was built: warm-starting a new tiny model into {path}" if changed
                       else f"building the tiny model{f' for {task}' if task else ''} once into {path}", "(a line every "
                       "few seconds) ...", flush=True)
             remove_stale(path, time.time())
@@ -414,6 +448,8 @@ def main(argv: list[str]):
     p.add_argument("--task", help="warm-start on this task's demos (its `demos()`) instead of arith")
     p.add_argument("out", nargs="?", metavar="OUT_DIR", help="build into this folder instead of the cache")
     args = p.parse_args(argv)
+    if args.out and os.path.exists(args.out):
+        sys.exit(f"runtime.tiny: {args.out} exists: remove it first, or name another folder")
     if args.task is not None:
         import tasks
         with_demos = [n for n in tasks.names() if tasks.get(n).demos]

@@ -65,6 +65,7 @@ def test_the_next_build_removes_what_killed_builds_left(tmp_path, monkeypatch):
     same model, under its lock, removes those made before it took the lock, and nothing else."""
     root = tmp_path / "cache"
     monkeypatch.setenv("TBA_CACHE", str(root))
+    monkeypatch.setattr(tiny, "RECIPE", SMALL)  # not the shipped model's: built into the cache
     path = tiny.folder()
     root.mkdir()
     stale, other = root / f".{os.path.basename(path)}-dead1234", root / ".tiny-000000000000-alive"
@@ -129,7 +130,8 @@ def test_a_damaged_cache_folder_is_built_again(harm, tmp_path, monkeypatch, caps
     assert tiny.cached() == path
     why = {"config.json gone": "no config.json", "weights gone": "no model.safetensors",
            "weights cut short": "model.safetensors does not parse (SafetensorError)"}[harm]
-    assert capsys.readouterr().out.splitlines()[0] == f"the tiny model in {path} is incomplete ({why}): building it again"
+    line = f"the tiny model in {path} is incomplete ({why}): building it again"
+    assert capsys.readouterr().out.splitlines()[0] == line
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(path)
 
@@ -150,8 +152,10 @@ def test_a_wait_for_anothers_build_says_so_and_ends(tmp_path, monkeypatch, capsy
         waiter.join(timeout=10)
         assert not waiter.is_alive()
         lines = capsys.readouterr().out.splitlines()
-        assert lines[0] == f"another process is building the tiny model into {path}: waiting for it (at most 3600 s) ..."
-        assert len(lines) >= 2 and all(line.startswith(f"  still waiting for the build of {path}: ") for line in lines[1:])
+        assert lines[0] == (f"another process is building the tiny model into {path}: waiting for it (at most 3600 "
+                            f"s) ...")
+        assert len(lines) >= 2 and all(line.startswith(f"  still waiting for the build of {path}: ")
+                                       for line in lines[1:])
     with open(path + ".lock", "w") as builder:
         fcntl.flock(builder, fcntl.LOCK_EX)
         monkeypatch.setattr(tiny, "WAIT", 1)
@@ -217,3 +221,48 @@ def test_an_edited_task_gets_a_new_warm_start(tmp_path, monkeypatch, capsys):
         assert capsys.readouterr().out.splitlines()[0] == (f"{what} changed since {latest} was built: warm-starting a "
                                                            f"new tiny model into {now} (a line every few seconds) ...")
         latest = now
+
+
+# How far the shipped model's held-out accuracy may lie from the figure its recipe file records (on the CPU that
+# built it: exactly that figure). Another CPU sums in another order, which moves these logits (at most 9 in size) by
+# about 1e-5; a greedy answer flips only where, at its deciding position, the top two logits lie that close. On the
+# shipped model the closest pair over the 400 problems is 6.4e-4 apart, the next ones over 1e-3 (9 under 1e-2):
+# one problem in 400 leaves room for that closest one.
+TOLERANCE = 1 / 400
+
+
+def test_the_shipped_model_is_its_recipes(tmp_path, monkeypatch, capsys):
+    """runtime/tiny-arith is whole and made of what the code makes the tiny model of (its recorded identity: RECIPE,
+    the characters, arith's training problems); --model tiny takes it, with nothing built; its greedy accuracy on
+    arith's 400 held-out problems is the one its recipe file records (TOLERANCE), and its warm start stopped where
+    the recipe says."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    recorded = json.load(open(os.path.join(tiny.SHIPPED, tiny.RECIPE_FILE)))
+    assert tiny.damage(tiny.SHIPPED) == "" and recorded["identity"] == tiny.identity(tiny.made_of(tiny.RECIPE))
+    assert tiny.cached() == tiny.SHIPPED and capsys.readouterr().out == "" and not (tmp_path / "cache").exists()
+    model = AutoModelForCausalLM.from_pretrained(tiny.SHIPPED, dtype=torch.float32)
+    accuracy = tiny.greedy_accuracy(model, AutoTokenizer.from_pretrained(tiny.SHIPPED), arith_splits()[1])
+    assert abs(accuracy - recorded["heldout_accuracy"]) <= TOLERANCE, (accuracy, recorded["heldout_accuracy"])
+    assert recorded["sft_check_accuracy"] >= tiny.RECIPE["sft_target"] > 0 and recorded["sft_steps_taken"] < 600
+
+
+def test_without_the_shipped_model_the_tiny_model_is_built_saying_why(tmp_path, monkeypatch, capsys):
+    """With RECIPE edited, or the shipped folder damaged, --model tiny builds into the cache as before, and its first
+    line says why."""
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiny, "RECIPE", SMALL)
+    path = tiny.cached()
+    assert path == tiny.folder() and tiny.damage(path) == ""
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"the recipe (ffn, heads, hidden, layers, sft_batch, sft_check, sft_max_steps) changed since the shipped tiny "
+        f"model {tiny.SHIPPED} was built: building the tiny model into {path} (a line every few seconds) ...")
+    shipped = tmp_path / "shipped"
+    tiny.build(str(shipped), SMALL)
+    os.remove(shipped / "config.json")
+    monkeypatch.setattr(tiny, "SHIPPED", str(shipped))
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "other"))
+    path = tiny.cached()
+    assert capsys.readouterr().out.splitlines()[0] == (f"the shipped tiny model {shipped} is incomplete (no "
+                                                       f"config.json): building the tiny model into {path} (a line "
+                                                       f"every few seconds) ...")
