@@ -452,8 +452,12 @@ def main(argv: list[str]):
         sys.exit(f"runtime.tiny: {args.out} exists: remove it first, or name another folder")
     if args.task is not None:
         import tasks
-        with_demos = [n for n in tasks.names() if tasks.get(n).demos]
-        if args.task not in with_demos:
+        try:
+            demos = args.task in tasks.TASKS and tasks.get(args.task).demos  # a broken file: its line
+        except ConfigError as e:
+            sys.exit(f"runtime.tiny: {e}")
+        if not demos:
+            with_demos = [n for n in tasks.names() if tasks.get(n).demos]
             sys.exit(f"runtime.tiny: --task {args.task}: not a task with demos() (those with: {', '.join(with_demos)})")
     try:
         print(build(args.out, recipe_for(args.task)) if args.out else cached(args.task))

@@ -260,3 +260,11 @@ def test_a_broken_task_file_leaves_the_other_tasks_alone(beside, tiny_model, tmp
     help = " ".join(checks.parser(Config).format_help().split())
     assert "(broken: unclosed, needs, divides, shadowed; --task NAME says why)" in help, help
     assert "helper" not in help
+
+
+def test_the_tiny_models_builder_names_a_broken_task_file(beside):
+    """`python -m runtime.tiny --task NAME` of a file that does not import says why, as --task does."""
+    from runtime import tiny
+    with pytest.raises(SystemExit) as e:
+        tiny.main(["--task", "needs"])
+    assert e.value.code == f"runtime.tiny: --task: {beside / 'needs'}.py {BROKEN['needs'][1]}"
