@@ -50,7 +50,9 @@ def parser(config_class, description: str = "") -> argparse.ArgumentParser:
     prefix of a flag is not that flag: a run script's checks of the flags it sets would miss one)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    listings = {"{tasks}": ", ".join(tasks.TASKS), "{losses}": ", ".join(LOSSES)}  # as they are, not as written
+    broken = ", ".join(tasks.broken())  # named, not offered
+    listings = {"{tasks}": ", ".join(tasks.names()) + (f" (broken: {broken}; --task NAME says why)" if broken else ""),
+                "{losses}": ", ".join(LOSSES)}  # as they are, not as written
     for f in dataclasses.fields(config_class):
         if f.metadata.get("derived"):
             continue
@@ -361,10 +363,10 @@ def check_task(cfg):
     Returns (the Config with them, the Task, Data, the training problems)."""
     from transformers import AutoConfig
 
-    need(cfg.task in tasks.TASKS, "task", f"unknown task {cfg.task!r} (choose from {', '.join(tasks.TASKS)})")
+    need(cfg.task in tasks.TASKS, "task", f"unknown task {cfg.task!r} (choose from {', '.join(tasks.names())})")
     task = tasks.get(cfg.task)
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for name in tasks.TASKS:
+    for name in tasks.names():  # those that load (a broken file's flags cannot be known)
         for flag in tasks.get(name).flags:
             need(name == cfg.task or getattr(cfg, flag) == defaults[flag], flag.replace("_", "-"),
                  f"belongs to the {name} task")

@@ -78,7 +78,7 @@ class Config:
     eval_limit: int | None = arg(None, "evaluate on the first N held-out problems only")
     eval_temperature: float = arg(0.0, "sampling temperature of the evaluation's responses; 0 = greedy")
     # ===== tasks and recipes ===========================================================================
-    model: str = arg("tiny", "'tiny' (built on first use), 'rho-math-1b', a hub id or a local folder; also pi_ref", fixed=True)
+    model: str = arg("tiny", "'tiny' (shipped in runtime/tiny-arith; a task's with demos() built on first use), 'rho-math-1b', a hub id or a local folder; also pi_ref", fixed=True)
     task: str = arg("arith", "a file of tasks/: {tasks} (arith: the toy)", fixed=True)
     data: str | None = arg(None, "folder of the task's JSONL files (default: the Hugging Face hub)", fixed=True)
     reward_model: str | None = arg(None, "a one-output sequence classifier (folder or hub id) that replaces the "

@@ -1,31 +1,47 @@
 """The `tiny` model: a small Llama with a character-level tokenizer, warm-started on `arith`.
 
-It plays the paper's SFT model (pi_ref): `--model tiny` builds it once (about 20 s on two idle
-CPU cores, minutes on busy ones, with a line every few seconds), caches it under $TBA_CACHE
-(default ~/.cache/tba) and reuses it. The warm start is a short supervised pass on the answers of
-training problems, stopped on purpose as soon as greedy accuracy on 512 training problems, checked
-after every step near the target, reaches 35%, so that RL has room to improve it. Where the warm
-start stops decides how much RL gains in 200 steps: a fixed number of steps does not do (accuracy
-climbs from 25% to 70% within 30 steps, and float rounding moves that climb by several steps
-between CPUs). The held-out accuracy it starts RL from still depends on the CPU (0.385 on a 2-core
-AMD EPYC, 0.325 on a 2-core Intel Xeon, measured): each CPU's float kernels (AVX2 or AVX-512 code
-paths, another order of summation) round differently, the difference grows over some 240 steps
-into other weights, and the 512 check problems and the 400 held-out ones (sampling error about
-0.02 each) agree only roughly on where 35% lies. Equal kernels everywhere (one thread, ATen's
-default CPU capability, MKL's reproducible mode) would give another model on every CPU, this
-project's measurements' included, so they are not used.
+It plays the paper's SFT model (pi_ref), and ships with the project so that the toy run starts from the same
+weights, and the same held-out accuracy, on every CPU: runtime/tiny-arith/ holds its float32 weights (2.6 MB), its
+tokenizer and its `tiny_recipe.json` (what it is made of, `made_of`, with the hash of that, its identity; the warm
+start's steps and check accuracy; its greedy accuracy on arith's 400 held-out problems, `heldout_accuracy`). It was
+made on a 2-core AMD EPYC, in 100 s on cores shared with other jobs, by
 
-    python -m runtime.tiny OUT_DIR                    # build it into OUT_DIR instead of the cache
+    rm -rf runtime/tiny-arith && python -m runtime.tiny runtime/tiny-arith
+
+`--model tiny` takes it where its recorded identity is the code's (RECIPE, the tokenizer's characters and arith's
+training problems, unedited). Where it is not (RECIPE edited, say), `--model tiny` builds the model once into
+$TBA_CACHE (default ~/.cache/tba), saying why in one line, and reuses it: about 20 s on two idle CPU cores, 13
+minutes measured on busy ones, with a line every few seconds. A build is renamed into place only once whole, and a
+folder of the cache that is not (`damage`) is built again, said in one line; a process that finds another building
+the same model says so and waits for it (`held`).
+
+The warm start is a short supervised pass on the answers of training problems, stopped on purpose as soon as greedy
+accuracy on 512 training problems, checked after every step near the target, reaches 35%, so that RL has room to
+improve it. Where the warm start stops decides how much RL gains in 200 steps: a fixed number of steps does not do
+(accuracy climbs from 25% to 70% within 30 steps, and float rounding moves that climb by several steps between
+CPUs). A build on another CPU stops at another model (0.385 held-out on a 2-core AMD EPYC, the shipped one; 0.325
+on a 2-core Intel Xeon, measured): each CPU's float kernels (AVX2 or AVX-512 code paths, another order of
+summation) round differently, the difference grows over some 240 steps into other weights, and the 512 check
+problems and the 400 held-out ones (sampling error about 0.02 each) agree only roughly on where 35% lies. Equal
+kernels everywhere (one thread, ATen's default CPU capability, MKL's reproducible mode) would give another model
+on every CPU, this project's measurements' included, so they are not used: the shipped model is what makes the
+start the same.
+
+    python -m runtime.tiny                            # the model --model tiny uses (built if need be): its path
+    python -m runtime.tiny OUT_DIR                    # build it into OUT_DIR (a new folder)
     python -m runtime.tiny --task countdown [OUT_DIR] # warm-started on another task's demos (its `demos()`)
 
 A task that brings demonstrations (tasks/task.py: `demos()`, solved problems) gets a tiny model warm-started on
 them instead, the same way, until greedy responses to 512 of its training problems score `TASK_TARGET` on its
 held-out metric: `--model tiny` builds it on first use for such a task (`cached(task)`), so a new task learns on
-a laptop from its own start.
+a laptop from its own start. A cached model's folder is named by the hash of what decides it (`made_of`: the
+recipe, the tokenizer's characters, and what the warm start reads, a task's demos and training problems), so an
+edited task gets a new warm start, said in one line.
 
 Tests make untrained models of other architectures (Pythia, Qwen2, GPT-2) in tests/models.py.
 """
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -38,11 +54,15 @@ import time
 
 import torch
 
+from runtime.errors import ConfigError
 from tasks.arith import splits as arith_splits
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [chr(i) for i in range(32, 127)] + ["\n"]  # printable ASCII and newline: enough for GSM8K too
-TMP = ".tiny-"  # the prefix of a build's temporary folder, beside the one it builds
+RECIPE_FILE = "tiny_recipe.json"  # the recipe and what the warm start did; a build writes it last
+WHOLE = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", RECIPE_FILE)  # a built model
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-arith")  # arith's, built as the docstring says
+WAIT = 3600  # s a process waits for another's build of the same model (on busy cores a build took 17 minutes)
 RECIPE = dict(  # everything that decides the cached model; its hash names the cache folder
     version=4, hidden=128, layers=3, heads=4, ffn=384, max_len=256, seed=0,
     sft_max_steps=600, sft_batch=64, sft_lr=1e-3, sft_target=0.35, sft_check=512,
@@ -74,9 +94,8 @@ def llama_config(tokenizer, hidden: int, layers: int, heads: int, ffn: int, max_
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **extra)
 
 
-def make_model(out: str, hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0, tokenizer=None):
-    """Save a randomly initialised tiny Llama and its tokenizer (default: the character-level one)
-    to `out`; return (model, tokenizer)."""
+def new_model(hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0, tokenizer=None):
+    """A randomly initialised tiny Llama and its tokenizer (default: the character-level one): (model, tokenizer)."""
     import transformers
 
     tokenizer = tokenizer or make_tokenizer()
@@ -84,9 +103,24 @@ def make_model(out: str, hidden=64, layers=2, heads=2, ffn=None, max_len=256, se
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def make_model(out: str, hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0, tokenizer=None):
+    """Save a randomly initialised tiny Llama and its tokenizer (default: the character-level one)
+    to `out`; return (model, tokenizer)."""
+    model, tokenizer = new_model(hidden, layers, heads, ffn, max_len, seed, tokenizer)
+    save(model, tokenizer, out)
+    return model, tokenizer
+
+
+def save(model, tokenizer, out: str):
+    """Save the model (config and weights) and its tokenizer to `out`, whole in whichever process saves: transformers
+    writes the config and weights only on rank 0 of a torch.distributed group (transformers/distributed/mixin.py:236,
+    should_save_on_this_rank; modeling_utils.py:3352), and a build runs on whichever rank takes its lock first."""
+    model.should_save_on_this_rank = lambda is_main_process: True  # this model is whole in every process
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return model, tokenizer
 
 
 def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, target: float = 1.0,
@@ -133,7 +167,7 @@ def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
     (its held-out metric, or its reward, of greedy responses)."""
     import tasks
     entry = tasks.get(task)
-    demos, (problems, _) = entry.demos(), entry.load(None)
+    demos, (problems, _) = demos_of(task), entry.load(None)
     score = entry.metric or entry.reward
 
     def accuracy(model, tokenizer, problems):
@@ -141,6 +175,30 @@ def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
         texts = greedy_texts(model, tokenizer, [p.prompt for p in problems], longest)
         return sum(score(t, p.answer) for t, p in zip(texts, problems)) / len(problems)
     return demos, random.Random(seed + 1).sample(problems, min(len(check), len(problems))), accuracy
+
+
+def demos_of(task: str) -> list:
+    """The task's demos (its `demos()`), refused in one line (ConfigError) where there is nothing to warm-start on:
+    none, or not `Problem(prompt, solution)`s of text, or a `demos()` that fails."""
+    import tasks
+    from tasks.task import Problem
+    try:
+        demos = tasks.get(task).demos()
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0][:160]
+        raise ConfigError(f"--task: {task}'s demos() fails ({type(e).__name__}: {first}); the tiny model is "
+                          f"warm-started on them (--model tiny)") from None
+    what = "Problem(prompt, solution) with text in both"
+    if not isinstance(demos, (list, tuple)):
+        raise ConfigError(f"--task: {task}'s demos() returned {type(demos).__name__}, not a list of {what}")
+    if not demos:
+        raise ConfigError(f"--task: {task}'s demos() returned no demos; the tiny model is warm-started on them "
+                          f"(--model tiny): give some, or pass another --model")
+    bad = next((i for i, p in enumerate(demos) if not (isinstance(p, Problem) and isinstance(p.prompt, str)
+                                                       and isinstance(p.answer, str))), None)
+    if bad is not None:
+        raise ConfigError(f"--task: {task}'s demos() item {bad} is {demos[bad]!r:.80}, not a {what}")
+    return list(demos)
 
 
 @torch.no_grad()
@@ -186,11 +244,12 @@ def recipe_for(task: str | None) -> dict:
 
 
 def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
-    """Build the tiny model into `out` (made atomically: a temporary folder, then a rename; the folder goes
-    whatever stops the build), with a line every `every` s: the warm start's step and check accuracy. A recipe
-    with a `task` warm-starts on that task's demos."""
+    """Build the tiny model into `out` (made atomically: a temporary folder beside it, renamed into place only once
+    whole; the folder goes whatever stops the build), with a line every `every` s: the warm start's step and check
+    accuracy. A recipe with a `task` warm-starts on that task's demos."""
     r = recipe
-    tmp = tempfile.mkdtemp(prefix=TMP, dir=os.path.dirname(os.path.abspath(out)))
+    out = os.path.abspath(out)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=os.path.dirname(out))
     t0 = last = time.time()
 
     def progress(step, accuracy):
@@ -200,16 +259,19 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
             print(f"  warm start: step {step} (at most {r['sft_max_steps']}), check accuracy {accuracy:.3f} "
                   f"(stops at {r['sft_target']:g}), {last - t0:.0f} s", flush=True)
     try:
-        model, tokenizer = make_model(tmp, r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
+        model, tokenizer = new_model(r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
         done = warm_start(model, tokenizer, r["sft_max_steps"], r["sft_batch"], r["sft_lr"], r["seed"],
                           r["sft_target"], r["sft_check"], progress, r.get("task"))
-        model.save_pretrained(tmp)
-        with open(os.path.join(tmp, "tiny_recipe.json"), "w") as f:
-            json.dump(dict(r, **done), f, indent=1)
+        if r.get("task") is None:  # arith's start for RL: greedy on its 400 held-out problems
+            done["heldout_accuracy"] = round(greedy_accuracy(model, tokenizer, arith_splits()[1]), 4)
+        save(model, tokenizer, tmp)
+        made = made_of(r)
+        with open(os.path.join(tmp, RECIPE_FILE), "w") as f:  # written last
+            json.dump(dict(identity=identity(made), **made, **done), f, indent=1)
         os.rename(tmp, out)
-    except OSError:  # another process finished the same build first (`out` exists): keep theirs
+    except OSError:  # `out` exists: another process finished the same build first (keep theirs, if whole)
         shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.isfile(os.path.join(out, "tiny_recipe.json")):
+        if damage(out):
             raise
     except BaseException:  # Ctrl-C, an error: no half-built folder left behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -217,43 +279,191 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
     return out
 
 
-def cached(task: str | None = None) -> str:
-    """The path of the cached tiny model (warm-started on arith, or on `task`'s demos), building it on first use."""
+def damage(path: str) -> str:
+    """What keeps the folder at `path` from loading as a built tiny model ('' when nothing does): a file of WHOLE
+    missing, or one that does not parse. A build is renamed into place only once whole; before, a build on rank 1
+    of a torch.distributed group had no config or weights, and a disk or a hand can damage any folder."""
+    from safetensors import safe_open
+    missing = [name for name in WHOLE if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        return f"no {', '.join(missing)}"
+    for name in WHOLE:
+        try:
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), "pt"):  # its header, and the data it covers
+                    pass
+            else:
+                json.load(open(os.path.join(path, name)))
+        except Exception as e:  # JSONDecodeError, SafetensorError, a read error
+            return f"{name} does not parse ({type(e).__name__})"
+    return ""
+
+
+def made_of(recipe: dict) -> dict:
+    """What decides the tiny model of `recipe`: the recipe, the tokenizer's characters and what the warm start reads
+    (arith's training problems; a task's demos and training problems), the last by hash. An edited task (its demos,
+    its problems) is then another model, warm-started anew."""
+    digest = lambda rows: hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+    task = recipe.get("task")
+    made = dict(recipe=recipe, tokens=digest(SPECIALS + CHARS))
+    if task is None:
+        problems = arith_splits()[0]
+    else:
+        import tasks
+        problems = tasks.get(task).load(None)[0]
+        made["demos"] = digest([[p.prompt, p.answer] for p in demos_of(task)])
+    made["problems"] = digest([[p.prompt, p.answer] for p in problems])
+    return made
+
+
+def identity(made: dict) -> str:
+    """The hash of what decides a tiny model (`made_of`): it names the model's folder in the cache."""
+    return hashlib.sha256(json.dumps(made, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def changes(old: dict, new: dict) -> str:
+    """What differs between what decided two tiny models (`made_of`, as recorded in their recipe files), in words
+    ('' when nothing)."""
+    who = new["recipe"].get("task") or "arith"
+    a, b = old["recipe"], new["recipe"]
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    words = [f"the recipe ({', '.join(keys)})"] if keys else []
+    for key, what in (("tokens", "the tokenizer's characters"), ("demos", f"{who}'s demos"),
+                      ("problems", f"{who}'s training problems")):
+        words += [what] if old.get(key) != new.get(key) else []
+    return " and ".join(words)
+
+
+def folder(task: str | None = None) -> str:
+    """Where the cached tiny model (of arith, or of `task`) is, built or not: $TBA_CACHE (default ~/.cache/tba),
+    in a folder named by the hash of what decides it (`identity`)."""
     root = os.environ.get("TBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tba")
-    recipe = recipe_for(task)
-    key = hashlib.sha256(json.dumps([recipe, SPECIALS, CHARS], sort_keys=True).encode()).hexdigest()[:12]
-    path = os.path.join(root, f"tiny-{key}" if task is None else f"tiny-{task}-{key}")
-    os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time (torchrun ranks start together)
-        if not os.path.isfile(os.path.join(path, "tiny_recipe.json")):
-            remove_stale(root, time.time())
-            print(f"building the tiny model{f' for {task}' if task else ''} once into {path} (a line every few "
-                  f"seconds) ...", flush=True)
+    key = identity(made_of(recipe_for(task)))
+    return os.path.join(root, f"tiny-{key}" if task is None else f"tiny-{task}-{key}")
+
+
+def previous(path: str, made: dict) -> tuple[str, str]:
+    """The latest whole model of the cache beside `path` made for the same task, and what changed since (`changes`);
+    ('', '') where there is none."""
+    root, task = os.path.dirname(path), made["recipe"].get("task")
+    found = []
+    for name in os.listdir(root):
+        other = os.path.join(root, name)
+        if name.startswith("tiny-") and other != path and os.path.isdir(other) and not damage(other):
+            recorded = json.load(open(os.path.join(other, RECIPE_FILE)))
+            if isinstance(recorded.get("recipe"), dict) and recorded["recipe"].get("task") == task:
+                found.append((os.path.getmtime(other), other, recorded))
+    if not found:
+        return "", ""
+    _, other, recorded = max(found)
+    return other, changes(recorded, made)
+
+
+def shipped() -> str:
+    """Why the shipped arith model (SHIPPED) is not the one the code makes ('' when it is): not whole, or made of
+    other things (`changes`: RECIPE edited, say) than the code's."""
+    why = damage(SHIPPED)
+    if why:
+        return f"the shipped tiny model {SHIPPED} is incomplete ({why})"
+    recorded = json.load(open(os.path.join(SHIPPED, RECIPE_FILE)))
+    made = made_of(RECIPE)
+    if recorded.get("identity") == identity(made):
+        return ""
+    return f"{changes(recorded, made) or 'what made it'} changed since the shipped tiny model {SHIPPED} was built"
+
+
+def cached(task: str | None = None) -> str:
+    """The path of the tiny model `--model tiny` uses: arith's shipped one (SHIPPED) where the code makes that one,
+    else the cached one (warm-started on arith, or on `task`'s demos), built on first use; a folder in the cache
+    that is not whole (`damage`) is built again, said in one line."""
+    why_not = shipped() if task is None else ""
+    if task is None and not why_not:
+        return SHIPPED
+    path = folder(task)  # a task's demos are refused here, before anything is built
+    if not damage(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with held(path):  # one builder at a time (torchrun's ranks start together)
+        why = damage(path)
+        if why:
+            if os.path.exists(path):
+                print(f"the tiny model in {path} is incomplete ({why}): building it again", flush=True)
+                shutil.rmtree(path)
+            else:
+                old, changed = previous(path, made_of(recipe_for(task)))
+                print(f"{why_not}: building the tiny model into {path}" if why_not else
+                      f"{changed} changed since {old} was built: warm-starting a new tiny model into {path}" if changed
+                      else f"building the tiny model{f' for {task}' if task else ''} once into {path}", "(a line every "
+                      "few seconds) ...", flush=True)
+            remove_stale(path, time.time())
             t0 = time.time()
-            build(path, recipe)
+            build(path, recipe_for(task))
             print(f"built in {time.time() - t0:.0f} s", flush=True)
     return path
 
 
-def remove_stale(root: str, since: float):
-    """The temporary folders of builds that died (killed: no cleanup ran), found by the next builder under the
-    lock: made before it took the lock (`since`), so by a builder that no longer holds it."""
+@contextlib.contextmanager
+def held(path: str, every: float = 30.0):
+    """Hold the build lock of the model at `path` (a file beside it). While another process holds it, building the
+    same model, say so in one line, again every `every` s, and give up after WAIT s in one line (ConfigError). The
+    lock goes with its holder (flock): a lock held is a builder alive."""
+    with open(path + ".lock", "w") as lock:
+        start, said = time.time(), None
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.time()
+                if now - start > WAIT:
+                    raise ConfigError(f"--model: another process has been building the tiny model into {path} for "
+                                      f"over {WAIT} s (it holds {path}.lock); stop it, or let it finish and start "
+                                      f"again") from None
+                if said is None:
+                    print(f"another process is building the tiny model into {path}: waiting for it (at most "
+                          f"{WAIT} s) ...", flush=True)
+                    said = now
+                elif now - said >= every:
+                    print(f"  still waiting for the build of {path}: {now - start:.0f} s", flush=True)
+                    said = now
+                time.sleep(0.5)
+        yield
+
+
+def remove_stale(path: str, since: float):
+    """The temporary folders of builds of `path` that died (killed: no cleanup ran), found by the next builder under
+    its lock: made before it took the lock (`since`), so by a builder that no longer holds it."""
+    root, prefix = os.path.dirname(path), f".{os.path.basename(path)}-"
     for name in os.listdir(root):
-        folder = os.path.join(root, name)
-        if name.startswith(TMP) and os.path.isdir(folder) and os.path.getmtime(folder) < since:
-            shutil.rmtree(folder, ignore_errors=True)
+        stale = os.path.join(root, name)
+        if name.startswith(prefix) and os.path.isdir(stale) and os.path.getmtime(stale) < since:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def main(argv: list[str]):
+    """`python -m runtime.tiny [--task NAME] [OUT_DIR]`: the path of the tiny model `--model tiny` uses (of arith,
+    or of the task), built or found; or a build into OUT_DIR."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m runtime.tiny", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", help="warm-start on this task's demos (its `demos()`) instead of arith")
+    p.add_argument("out", nargs="?", metavar="OUT_DIR", help="build into this folder instead of the cache")
+    args = p.parse_args(argv)
+    if args.out and os.path.exists(args.out):
+        sys.exit(f"runtime.tiny: {args.out} exists: remove it first, or name another folder")
+    if args.task is not None:
+        import tasks
+        try:
+            demos = args.task in tasks.TASKS and tasks.get(args.task).demos  # a broken file: its line
+        except ConfigError as e:
+            sys.exit(f"runtime.tiny: {e}")
+        if not demos:
+            with_demos = [n for n in tasks.names() if tasks.get(n).demos]
+            sys.exit(f"runtime.tiny: --task {args.task}: not a task with demos() (those with: {', '.join(with_demos)})")
+    try:
+        print(build(args.out, recipe_for(args.task)) if args.out else cached(args.task))
+    except ConfigError as e:
+        sys.exit(f"runtime.tiny: {e}")
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    task = args.pop(args.index("--task") + 1) if "--task" in args[:-1] else None
-    args = [a for a in args if a != "--task"]
-    if len(args) > 1 or (not args and task is None):
-        sys.exit(__doc__)
-    if task is not None:
-        import tasks
-        if task not in tasks.TASKS or tasks.get(task).demos is None:
-            sys.exit(f"runtime.tiny: --task {task}: not a task with demos() (those with: "
-                     f"{', '.join(n for n in tasks.TASKS if tasks.get(n).demos)})")
-    print(build(args[0], recipe_for(task)) if args else cached(task))
+    main(sys.argv[1:])

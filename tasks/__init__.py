@@ -8,18 +8,99 @@ named by its file, so a new task is its file alone:
 - `redteam`: the paper's red-teaming task after Lee et al.: an attacker against a frozen victim;
 - `math`: MATH, the paper's Sec. 6 run (Qwen 2.5 7B, TBA′ against Dr. GRPO), with the authors' grading.
 
-`TASKS` maps each `--task` name to the module that holds its `TASK`; `get(name)` imports it (only the
-task a run uses is imported).
+`TASKS` maps each `--task` name to the module that holds its `TASK`; `get(name)` imports it. A file that does not
+make a task (it does not import, it holds no `TASK`, a folder of its name shadows it) is refused in one line naming
+it where it is used, and leaves the other tasks alone: `names()` lists the tasks that load, `broken()` the files
+that do not import (a module without `TASK` imported by tasks, a helper, is in neither).
 """
 
 import importlib
+import importlib.util
+import os
 import pkgutil
+import traceback
+
+from runtime.errors import ConfigError
 
 TASKS = {m.name: f"tasks.{m.name}" for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name)
          if m.name != "task"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get(name: str):
-    """The Task of `--task name` (an entry may also be a Task itself, registered in code)."""
+    """The Task of `--task name` (an entry may also be a Task itself, registered in code); refused in one line
+    naming its file where the file does not make one (ConfigError)."""
+    from tasks.task import Task
     entry = TASKS[name]
-    return importlib.import_module(entry).TASK if isinstance(entry, str) else entry
+    if not isinstance(entry, str):
+        return entry
+    task = getattr(module(entry), "TASK", None)
+    if not isinstance(task, Task):
+        raise ConfigError(f"--task: {where(entry)} holds no `TASK = Task(...)` (tasks/task.py says what a task is)")
+    return task
+
+
+def module(entry: str):
+    """The module `entry`, imported; refused in one line naming its file where it does not import, or where a folder
+    of its name shadows it."""
+    spec = importlib.util.find_spec(entry)
+    # A folder with an __init__ file (any suffix Python loads) is imported before a file of its name beside it
+    # (importlib's FileFinder.find_spec looks for the package first); a folder without one never shadows it.
+    folder = os.path.dirname(spec.origin) if spec and spec.origin and spec.submodule_search_locations else None
+    if folder and os.path.isfile(folder + ".py"):
+        raise ConfigError(f"--task: {relative(folder)}/ shadows {relative(folder)}.py (Python imports a folder "
+                          f"holding {os.path.basename(spec.origin)} before a file of its name): rename or remove one")
+    try:
+        return importlib.import_module(entry)
+    except Exception as e:  # a syntax error, a missing import, an error at its top level
+        file = where(entry)
+        raise ConfigError(f"--task: {file} does not import ({why(e, file)})") from None
+
+
+def why(e: Exception, file: str) -> str:
+    """An import's error in a phrase: its kind, its message's first line and where (the last line of ours it ran; its
+    line alone where that is in `file`)."""
+    if isinstance(e, SyntaxError):
+        at = (e.filename or "?", e.lineno)
+    else:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<frozen")]
+        at = (frames[-1].filename, frames[-1].lineno) if frames else None
+    where = "" if at is None else f", line {at[1]}" if relative(at[0]) == file else f", {relative(at[0])} line {at[1]}"
+    text = (e.msg if isinstance(e, SyntaxError) else str(e)).splitlines() or [""]
+    return f"{type(e).__name__}: {text[0][:160]}{where}"
+
+
+def where(entry: str) -> str:
+    """The file of module `entry` (relative to the project where it is inside it)."""
+    spec = importlib.util.find_spec(entry)
+    return relative(spec.origin) if spec and spec.origin else entry
+
+
+def relative(path: str) -> str:
+    path = os.path.abspath(path)
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+
+
+def names() -> list[str]:
+    """The tasks that load (`--task` takes them; --help lists them)."""
+    out = []
+    for name in TASKS:
+        try:
+            get(name)
+            out.append(name)
+        except ConfigError:
+            pass
+    return out
+
+
+def broken() -> dict[str, str]:
+    """The files of tasks/ that do not import, each with its line (a module that imports without a TASK is a helper,
+    not listed)."""
+    out = {}
+    for name, entry in TASKS.items():
+        if isinstance(entry, str):
+            try:
+                module(entry)
+            except ConfigError as e:
+                out[name] = str(e)
+    return out

@@ -1,7 +1,7 @@
 """What a task is: its problems, its reward and its evaluation, and the loaders the tasks share.
 
-A task is one file of this folder with one `TASK = Task(...)`: every module here but this one is a task, named
-by its file (`tasks.TASKS`). The rest of the code asks the entry, never the task's name:
+A task is one file of this folder with one `TASK = Task(...)`: every module here that holds one is a task, named
+by its file (`tasks.TASKS`; tasks/__init__.py says what happens to one that does not import). The rest of the code asks the entry, never the task's name:
 - `load(--data folder or None) -> (train, test)` problems, each `Problem(prompt, answer)`;
 - `reward(completion, answer) -> float`, the training reward: a plain string function (rewards.py), or none where
   a model scores the responses (`--reward-model`, or a `Scorer` of the task's own);

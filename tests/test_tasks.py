@@ -200,3 +200,71 @@ def test_responses_cut_at_the_length_limit_are_counted(tiny_model, tmp_path):
     train = [r for r in metrics(out) if r["kind"] == "train"]
     assert all(r["truncated"] > 0.5 for r in train), [r["truncated"] for r in train]
     assert "cut " in p.stdout  # the console line says it
+
+
+# --- a file of tasks/ that makes no task (issue 58, items 7 and 15) -------------------------------------------------
+BROKEN = {  # name: (the file, the line its use says after "--task: FILE ")
+    "unclosed": ("from tasks.task import Task\nTASK = Task(load=(\n", "does not import (SyntaxError: '(' was never "
+                 "closed, line 2)"),
+    "needs": ("import numpy\nimport no_such_package\n", "does not import (ModuleNotFoundError: No module named "
+              "'no_such_package', line 2)"),
+    "divides": ("from tasks.task import Task\nTASK = Task(load=1 / 0)\n", "does not import (ZeroDivisionError: "
+                "division by zero, line 2)"),
+    "helper": ("SHARED = 1  # a module the tasks import\n", "holds no `TASK = Task(...)` (tasks/task.py says what a "
+               "task is)"),
+}
+
+
+@pytest.fixture
+def beside(tmp_path, monkeypatch):
+    """A second folder of the tasks package (as a file of tasks/ would be), holding BROKEN's files, a copy of arith
+    beside a package folder of its name (`shadowed/__init__.py`) and one beside a folder without one (`plain/`)."""
+    where = tmp_path / "tasks"
+    where.mkdir()
+    for name, (code, _) in BROKEN.items():
+        (where / f"{name}.py").write_text(code)
+    for name in ("shadowed", "plain"):
+        (where / f"{name}.py").write_text("from tasks.arith import TASK\n")
+        (where / name).mkdir()
+    (where / "shadowed" / "__init__.py").write_text("TASK = None\n")
+    monkeypatch.setattr(tasks, "__path__", [*tasks.__path__, str(where)])
+    for name in [*BROKEN, "shadowed", "plain"]:
+        monkeypatch.setitem(tasks.TASKS, name, f"tasks.{name}")
+    yield where
+    for name in [*BROKEN, "shadowed", "plain"]:
+        sys.modules.pop(f"tasks.{name}", None)
+
+
+@pytest.mark.parametrize("name", [*BROKEN, "shadowed"])
+def test_a_file_that_makes_no_task_is_named_in_one_line_when_used(name, beside, tiny_model, tmp_path):
+    """`--task NAME` of a file that does not import (a syntax error, a missing import, an error at its top), holds no
+    TASK, or is shadowed by a package folder of its name, is refused in one line naming the file; before, each
+    ended every run, whatever --task, in a traceback (the checks import every task), and a folder tasks/NAME/ with
+    an __init__.py silently took the place of tasks/NAME.py."""
+    file = str(beside / f"{name}.py")
+    line = (f"--task: {beside / name}/ shadows {file} (Python imports a folder holding __init__.py before a file of "
+            f"its name): rename or remove one") if name == "shadowed" else f"--task: {file} {BROKEN[name][1]}"
+    with pytest.raises(ConfigError) as e:
+        checks.check(checks.parse(Config, ["--model", tiny_model, "--task", name, "--out", str(tmp_path / "run")]), 1)
+    assert str(e.value) == line
+
+
+def test_a_broken_task_file_leaves_the_other_tasks_alone(beside, tiny_model, tmp_path):
+    """Beside the broken files, arith checks as ever; a folder without __init__.py beside a task's file (data, say)
+    shadows nothing; --help offers the tasks that load and names the broken ones apart (a helper module, with no TASK,
+    is neither)."""
+    cfg, _, _ = checks.check(checks.parse(Config, ["--model", tiny_model, "--out", str(tmp_path / "run")]), 1)
+    assert cfg.task == "arith"
+    assert tasks.get("plain") is tasks.get("arith")
+    assert "plain" in tasks.names() and not {*BROKEN, "shadowed"} & set(tasks.names())
+    help = " ".join(checks.parser(Config).format_help().split())
+    assert "(broken: unclosed, needs, divides, shadowed; --task NAME says why)" in help, help
+    assert "helper" not in help
+
+
+def test_the_tiny_models_builder_names_a_broken_task_file(beside):
+    """`python -m runtime.tiny --task NAME` of a file that does not import says why, as --task does."""
+    from runtime import tiny
+    with pytest.raises(SystemExit) as e:
+        tiny.main(["--task", "needs"])
+    assert e.value.code == f"runtime.tiny: --task: {beside / 'needs'}.py {BROKEN['needs'][1]}"
