@@ -549,10 +549,10 @@ def main(argv=None):
         fail(f"tba.py: stopped by {name}; {where}", 130 if name == "SIGINT" else 143, rank_env)
     except KeyboardInterrupt:
         fail("tba.py: stopped at once by a second signal, without a checkpoint", 130, rank_env)
-    except Exception as e:  # several nodes: a collective failed because another node went away
-        if not nodes.lost(e):
+    except Exception as e:  # a collective failed because another trainer rank or node went away: each node says it
+        if not nodes.lost(e, rank_env, world):
             raise
-        fail(f"tba.py: error: {nodes.lost(e)}", 1, int(os.environ.get("LOCAL_RANK", "0")))  # each node says it
+        fail(f"tba.py: error: {nodes.lost(e, rank_env, world)}", 1, int(os.environ.get("LOCAL_RANK", "0")))
 
 
 if __name__ == "__main__":
