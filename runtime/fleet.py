@@ -414,7 +414,7 @@ class Fleet:
         """Why rank 0 stops the run, or None: ("dead", message), ("silent", message) or ("signal", name)."""
         first = self.signals.first
         return (("dead", self.dead) if self.dead else ("silent", self.silent) if self.silent else
-                ("signal", first[0]) if first else None)
+                ("signal", self.signals.named(first[0])) if first else None)
 
     def close(self):
         """Stop the searchers: ask (they finish their round), then kill; nothing is left behind."""
