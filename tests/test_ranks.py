@@ -646,3 +646,26 @@ def test_ctrl_c_during_start_up_is_said_once_a_node(tiny_model, tmp_path):
     finally:
         kill_run(p)
     assert said(tmp_path).count("tba.py: stopped by SIGINT during start-up") == 1, said(tmp_path)[-3000:]
+
+
+@pytest.mark.engine
+def test_a_dead_rank_is_named_as_a_trainer_rank_on_one_node(tiny_model, tmp_path):
+    """kill -9 of rank 1 at step 3 of a 2-rank run on one node: rank 0's next collective fails, and its line names
+    trainer rank 1 (before: 'lost contact with another node of the run'); nothing of the run is left."""
+    p, out = launch(tmp_path, tiny_model, "--steps", "100000", "--timeout", "60")
+    pids = set()
+    try:
+        deadline = time.time() + 400
+        while steps_done(out) < 3:
+            assert p.poll() is None and time.time() < deadline, said(tmp_path)[-3000:]
+            time.sleep(0.2)
+        pids = family(p.pid)
+        rank1 = [pid for pid in alive(pids) if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGKILL)
+        p.wait(timeout=60)
+        gone_within(pids, 10)
+    finally:
+        kill_run(p, pids)
+    assert "tba.py: error: lost contact with trainer rank 1 (" in said(tmp_path), \
+        said(tmp_path)[-3000:]
