@@ -45,11 +45,14 @@ from runtime.errors import Dead, WrongWeights
 from runtime.weights import WAIT, Inbox, SharedWeights
 
 
+SAID = 5  # the exit status of a searcher that said its fault to the trainer first (`last_word`)
+
+
 # ===== the searcher's loop: its side of the paper's Algorithm 1 ==================================
 def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, first_round: int = 0):
     """A searcher process: its start (signals, the engine, the weights' inbox, searcher 0's evaluation requests), its
-    loop (`loop`), and its end: an exit status a fault (3: the trainer is gone; 4: no weights for --timeout; 5: weights
-    that did not arrive intact, said to the trainer first)."""
+    loop (`loop`), and its end: an exit status a fault (3: the trainer is gone; 4: no weights for --timeout; 5, SAID:
+    weights that did not arrive intact, said to the trainer first)."""
     become_searcher()
     try:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
@@ -69,9 +72,9 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
     except TimeoutError as e:  # the trainer lives but sent no weights for --timeout: one line, not a traceback
         print(f"searcher {index}: {e}", file=sys.stderr, flush=True)
         sys.exit(4)
-    except WrongWeights as e:  # the trainer's line names it (runtime.fleet.Fleet.take)
+    except WrongWeights as e:  # the trainer's line names it (runtime.fleet.Fleet.take, alive)
         last_word(channels, dict(kind="fault", searcher=index, line=f"searcher {index}: {e}"))
-        sys.exit(5)
+        sys.exit(SAID)
     except BaseException:
         traceback.print_exc()
         sys.exit(1)

@@ -30,16 +30,20 @@ import sys
 
 
 def stopped_at_start(signum, frame):
-    """Ctrl-C or SIGTERM while importing and checking: nothing runs yet, so stop quietly."""
+    """Ctrl-C or SIGTERM while importing and checking: nothing runs yet, so stop quietly, in one line a node (torchrun
+    forwards the signal to every rank)."""
     import atexit  # the searchers' fork server may be importing vLLM (vllm_env.early): the exit functions stop it
     atexit._run_exitfuncs()  # and remove its socket's folder, before our line (its import's lines would follow it)
-    print(f"tba.py: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"tba.py: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
     os._exit(128 + signum)  # 130 / 143; no searcher has been spawned yet
 
 
 if __name__ == "__main__":  # before the heavy imports below, which take seconds
     signal.signal(signal.SIGINT, stopped_at_start)
     signal.signal(signal.SIGTERM, stopped_at_start)
+# torchrun, this rank's launcher, read before it can be gone: a rank stops once it is (runtime.ranks.Watchdog)
+LAUNCHER = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 import math  # noqa: E402  (after the handlers: a signal during these imports stops quietly)
 import time
@@ -83,7 +87,7 @@ def train(t: "Trainer"):
         t.evaluate()  # the initial model's score
     first_step = t.step
     while t.step < cfg.steps:
-        t_step = time.time()
+        t_step, t.at = time.time(), t.step + 1
         # ===== collect: searched trajectories into the buffer ====================================
         initial = cfg.initial_buffer if t.step == first_step and not t.resumed else 0  # before the first step
         wait, search = t.fleet.collect(t.buffer, t.step, lambda: t.waiting_for(initial))
@@ -142,13 +146,15 @@ class Trainer:
     def __init__(self, cfg, data, ckpt, signals, t_start: float):
         self.cfg, self.data, self.resumed, self.fleet = cfg, data, ckpt is not None, None
         self.rank, self.world, local_rank = init_distributed(cfg.timeout, cfg.device)
-        self.watchdog = Watchdog(self.rank, self.world, stall_bound(cfg.timeout), lambda: self.step,
-                                 lambda: self.fleet.procs if self.fleet else [], cfg.out)  # a stall, a stuck signal
+        self.step = ckpt["step"] if ckpt else 0
+        self.at = self.step + 1  # the step under way, for the watchdog's lines (its sync, log and checkpoint too)
+        # a stall, a signal while stuck in a collective, torchrun gone
+        self.watchdog = Watchdog(self.rank, self.world, stall_bound(cfg.timeout), lambda: self.at,
+                                 lambda: self.fleet.procs if self.fleet else [], cfg.out, signals)
         self.device = torch.device(f"cuda:{local_rank}" if cfg.device == "cuda" else "cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
-        self.step = ckpt["step"] if ckpt else 0
         # the step whose weights the searchers were last sent (a checkpoint's: they may hold older ones), and since
         # when the trainer waits for searcher 0 to hold an evaluation's weights
         self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
@@ -503,7 +509,8 @@ LR_DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress))
 # ===== the run ====================================================================================
 def run(cfg, data, ckpt):
     t_start = time.time()
-    signals = Signals()  # from here a signal stops the run: at once before the first step, else after a checkpoint
+    # from here a signal stops the run (at once before the first step, else after a checkpoint), and torchrun's end too
+    signals = Signals(LAUNCHER)
     trainer = Trainer(cfg, data, ckpt, signals, t_start)
     try:
         train(trainer)
@@ -548,10 +555,10 @@ def main(argv=None):
         fail(f"tba.py: stopped by {name}; {where}", 130 if name == "SIGINT" else 143, rank_env)
     except KeyboardInterrupt:
         fail("tba.py: stopped at once by a second signal, without a checkpoint", 130, rank_env)
-    except Exception as e:  # several nodes: a collective failed because another node went away
-        if not nodes.lost(e):
+    except Exception as e:  # a collective failed because another trainer rank or node went away: each node says it
+        if not nodes.lost(e, rank_env, world):
             raise
-        fail(f"tba.py: error: {nodes.lost(e)}", 1, int(os.environ.get("LOCAL_RANK", "0")))  # each node says it
+        fail(f"tba.py: error: {nodes.lost(e, rank_env, world)}", 1, int(os.environ.get("LOCAL_RANK", "0")))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from runtime.processes import Channels, Watch, fork_server
 from runtime.ranks import wait_together
 from runtime.weights import WAIT, Outbox, aliases, create, gather, join_gathers
 
+FAULT_WAIT = 5.0  # s the trainer waits for the line of a searcher that exited saying one (searcher.SAID)
+
 
 class Fleet:
     """This node's searchers and every wait on them (the module docstring gives the verbs). On several nodes
@@ -297,9 +299,13 @@ class Fleet:
                 * cfg.search_samples_per_prompt)
 
     def alive(self):
+        """Dead if a searcher of this node has exited: its own line if it said one before (searcher.SAID: it is in the
+        pipe before the exit, and the trainer may see the exit first, waiting for the lock or a message), else its
+        exit code."""
         for i, p in enumerate(self.procs):
             if p.exitcode is not None:
-                raise Dead(f"searcher {i} (pid {p.pid}) died with exit code {p.exitcode}")
+                said = self.messages.fault(self.first + i, wait=FAULT_WAIT if p.exitcode == searcher.SAID else 0)
+                raise Dead(said or f"searcher {i} (pid {p.pid}) died with exit code {p.exitcode}")
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
     def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
@@ -408,7 +414,7 @@ class Fleet:
         """Why rank 0 stops the run, or None: ("dead", message), ("silent", message) or ("signal", name)."""
         first = self.signals.first
         return (("dead", self.dead) if self.dead else ("silent", self.silent) if self.silent else
-                ("signal", first[0]) if first else None)
+                ("signal", self.signals.named(first[0])) if first else None)
 
     def close(self):
         """Stop the searchers: ask (they finish their round), then kill; nothing is left behind."""
@@ -436,11 +442,13 @@ class Messages:
     no timeout, once its first byte is in the pipe (Connection.recv_bytes), and a searcher stopped while it wrote
     one (stopped by a signal, a debugger, a frozen container) leaves part of it there for good: a message over
     16 KB goes in two writes, and a full pipe cuts any. That wait is this thread's, never the trainer's, whose watch
-    then names the silent searcher (on another node: before the leaders' group's timeout)."""
+    then names the silent searcher (on another node: before the leaders' group's timeout). A searcher's fault line
+    is also kept as it is read (`fault`), for the trainer that sees the searcher's exit before the message."""
 
     def __init__(self, queue, size: int):
         # the local queue is as long as the searchers' own, whose bound (searcher.send waits) stays theirs
         self.queue, self.local, self.closed = queue, Queue(maxsize=max(1, size)), threading.Event()
+        self.faults = {}  # searcher -> its fault line (searcher.last_word)
         self.thread = threading.Thread(target=self.read, name="tba-messages", daemon=True)
         self.thread.start()
 
@@ -452,6 +460,8 @@ class Messages:
                 continue
             except Exception as e:  # a message that does not unpickle, a closed queue: raised where the trainer reads
                 msg = e
+            if isinstance(msg, dict) and msg.get("kind") == "fault":
+                self.faults[msg["searcher"]] = msg["line"]
             while not self.closed.is_set():
                 try:
                     self.local.put(msg, timeout=WAIT)
@@ -470,6 +480,13 @@ class Messages:
 
     def get_nowait(self) -> dict:
         return self.get(False)
+
+    def fault(self, searcher: int, wait: float = 0.0) -> str | None:
+        """Searcher `searcher`'s fault line, waiting up to `wait` s for it to be read; None if none came."""
+        deadline = time.time() + wait
+        while searcher not in self.faults and time.time() < deadline and self.thread.is_alive():
+            time.sleep(0.05)
+        return self.faults.get(searcher)
 
     def close(self):
         """The thread ends within WAIT (or with the process, if it waits inside a message that never ends)."""

@@ -107,7 +107,7 @@ class LocalFleet:
     def stop_reason(self):
         """A signal's name (the trainer's process stops after a checkpoint), or None."""
         first = self.signals.first
-        return ("signal", first[0]) if first else None
+        return ("signal", self.signals.named(first[0])) if first else None
 
     def close(self):
         self.engine.close()

@@ -203,14 +203,16 @@ def decode(payload: torch.Tensor) -> tuple[list[Trajectory], dict]:
     return trajectories, report
 
 
-def lost(e: BaseException) -> str | None:
-    """The line for a collective that failed because another node went away; None for other errors.
-    gloo raises RuntimeError ("Connection closed by peer" when the other process died, a timeout when
-    its machine is unreachable: third_party/gloo/gloo/transport/tcp/pair.cc); c10d's own errors are
-    DistError subclasses."""
+def lost(e: BaseException, rank: int, world: int) -> str | None:
+    """The line for a collective that failed because another trainer rank (another node, on several) went away; None
+    for other errors. gloo raises RuntimeError ("Connection closed by peer" when the other process died, a timeout
+    when its machine is unreachable: third_party/gloo/gloo/transport/tcp/pair.cc); c10d's own errors are DistError
+    subclasses. On one node the other rank is named where there are two (gloo names only an address)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     gone = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out", "Broken pipe")
     if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(g in text for g in gone)):
         text = text.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's source location and advice
-        return f"lost contact with another node of the run ({text}); stopping"
+        other = ("another node of the run" if layout(world)[0] > 1 else
+                 f"trainer rank {1 - rank}" if world == 2 else "another trainer rank")
+        return f"lost contact with {other} ({text}); stopping"
     return None

@@ -10,6 +10,7 @@ them knows what a searcher computes.
 """
 
 import contextlib
+import os
 import signal
 import time
 from typing import NamedTuple
@@ -25,14 +26,26 @@ class Signals:
     after it, the first asks the trainer to stop after a checkpoint (`first`), and a second one
     stops it at once (KeyboardInterrupt). Under torchrun, Ctrl-C's SIGINT reaches the trainer twice
     at once (the terminal's and torchrun's): a second signal counts only after 1 s. One that comes while
-    a searcher starts acts once it has started (`deferred`)."""
+    a searcher starts acts once it has started (`deferred`). `launcher`: torchrun's pid; once it is gone, the ranks
+    send themselves SIGTERM (runtime.ranks.Watchdog), and the stop's line says why (`named`)."""
 
-    def __init__(self):
+    def __init__(self, launcher: int | None = None):
         self.first = None      # (name, time) of the first signal once training began
         self.training = False  # set by the loop after its first step
         self.holding = None    # signals that came while `deferred`, acted on at its end
+        self.launcher = launcher
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGTERM, self.on_signal)
+
+    def orphaned(self) -> bool:
+        """This process's launcher is gone (it was reparented)."""
+        return bool(self.launcher) and os.getppid() != self.launcher
+
+    def named(self, name: str) -> str:
+        """A signal's name in the lines, read when they are said (any rank's signal may be rank 0's stop): SIGTERM, or
+        SIGTERM (its launcher torchrun, pid 12, is gone)."""
+        return name + (f" (its launcher torchrun, pid {self.launcher}, is gone)"
+                       if name == "SIGTERM" and self.orphaned() else "")
 
     @contextlib.contextmanager
     def deferred(self):
@@ -52,7 +65,7 @@ class Signals:
             self.holding.append(signum)
             return
         if not self.training:
-            raise Stop(name, False)
+            raise Stop(self.named(name), False)
         if self.first and time.time() - self.first[1] > 1:
             raise KeyboardInterrupt
         self.first = self.first or (name, time.time())

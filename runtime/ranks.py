@@ -8,9 +8,9 @@
   rank 0 checkpoints alone. A refusal of the configuration on any rank stops all (`first_refusal`).
 - `fail`: the one line a run ends with, and its exit status, also in torchrun's error file.
 - `Watchdog`: a rank that waits in a collective no other rank will join (or that stopped answering) ends the run
-  within `stall_bound(--timeout)` seconds, in one line naming the step and where each rank waits; a signal ends a
-  rank stuck in a collective within GRACE seconds. A thread of each rank's: no Python handler can run while the
-  main thread waits inside a collective.
+  within `stall_bound(--timeout)` seconds (and a beat or two), in one line naming the step and where each rank waits;
+  a signal ends a rank stuck in a collective within GRACE seconds; a rank whose launcher (torchrun) is gone stops as
+  on SIGTERM. A thread of each rank's: no Python handler can run while the main thread waits inside a collective.
 """
 
 import contextlib
@@ -25,6 +25,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -176,6 +177,8 @@ def raise_stop(why, saved: bool, out: str):
 
 
 GRACE = 5.0  # s a rank stuck in a collective may keep a signal waiting before it ends at once
+TORCH = os.path.dirname(torch.__file__) + os.sep
+DISTRIBUTED = os.path.join(TORCH, "distributed") + os.sep
 
 
 def stall_bound(timeout: float) -> float:
@@ -188,20 +191,27 @@ def stall_bound(timeout: float) -> float:
 class Watchdog:
     """Each trainer rank's watch over its main thread, from a thread of its own: a thread still runs while the main
     one waits inside a collective, where no Python signal handler runs and no timeout of ours can act.
-    - A stall: this rank is inside a collective that has not completed for `bound` seconds (its process group's
-      sequence number unmoved, its main thread's innermost frame in torch.distributed), and so is every other rank,
-      or it stopped answering (its beats, once a second into the process group's store, plain JSON, stopped: a
-      process stopped, not dead). No rank will ever leave: the run ends in one line naming the step and where each
-      rank waits (said by the lowest rank that answers), status 1, this rank's searchers killed. No checkpoint can be
-      written then (it is collective): the line names the last one.
+    - A stall: this rank is inside a collective that has not completed for `bound` seconds (its process groups'
+      sequence numbers unmoved, a torch.distributed frame under its main thread's innermost torch frames: `where`),
+      and so is every other rank, or it stopped answering (its beats, once a second into the process group's store,
+      plain JSON, stopped: a process stopped, not dead). No rank will ever leave: the run ends in one line naming the
+      step and where each rank waits (said by the lowest rank that answers), status 1, this rank's searchers killed,
+      and a rank of this node that stopped answering killed too (SIGSTOP, a debugger: it would never leave). No
+      checkpoint can be written then (it is collective): the line names the last one.
     - A signal (SIGINT, SIGTERM; the C handler writes it to a wakeup pipe even while the main thread is blocked):
       the main thread stops after a checkpoint as ever (processes.Signals); if it is inside a collective that has not
       moved for GRACE seconds since the signal, or a second signal comes, the rank ends at once (its searchers killed),
       status 128 + the signal.
-    On one rank only signals are watched (no collective can stall there)."""
+    - Its launcher gone (`signals.launcher`: torchrun's pid, read at the rank's start): the rank sends itself
+      SIGTERM and stops as above, the line saying why (processes.Signals.named), as a searcher stops when its
+      trainer is gone. Else torchrun killed (kill -9, a batch scheduler's time limit) left its ranks training on,
+      unwatched, to the end.
+    On one rank only signals and the launcher are watched (no collective can stall there)."""
 
-    def __init__(self, rank: int, world: int, bound: float, step, procs, out: str):
+    def __init__(self, rank: int, world: int, bound: float, step, procs, out: str, signals=None):
+        """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends."""
         self.rank, self.world, self.bound, self.step, self.procs, self.out = rank, world, bound, step, procs, out
+        self.signals, self.orphaned = signals, False
         self.main, self.closed, self.came = threading.main_thread().ident, False, []
         self.store = None
         if world > 1:  # a client of its own: the store's default client is the main thread's
@@ -217,12 +227,20 @@ class Watchdog:
         self.thread.start()
 
     def publish(self, beat: int, where, stuck: float):
-        self.store.set(f"tba/watch/{self.rank}", json.dumps(dict(beat=beat, where=where, stuck=stuck)))
+        self.store.set(f"tba/watch/{self.rank}", json.dumps(dict(beat=beat, where=where, stuck=stuck, pid=os.getpid())))
 
     def where(self):
-        """(where the main thread waits, if inside torch.distributed: its function and our caller; else None)."""
+        """Where the main thread waits, if inside torch.distributed: the innermost torch.distributed function on its
+        stack and our caller; else None. The stack is walked outward through torch's own frames: a collective may wait
+        under other torch frames (DTensor's full_tensor, in weights.gather and in a checkpoint's state dict, waits in
+        a functional collective's wait_tensor, whose innermost frame is torch/_ops.py). The first frame outside torch
+        (the model's code, ours) ends the walk: the thread computes there (FSDP2's backward on the CPU shows
+        torch/autograd's frames, and its hooks' collectives above them)."""
         frame = sys._current_frames().get(self.main)
-        if frame is None or f"torch{os.sep}distributed{os.sep}" not in frame.f_code.co_filename:
+        while frame is not None and frame.f_code.co_filename.startswith(TORCH) and \
+                not frame.f_code.co_filename.startswith(DISTRIBUTED):
+            frame = frame.f_back
+        if frame is None or not frame.f_code.co_filename.startswith(DISTRIBUTED):
             return None
         here, root = frame, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         while here is not None and not (here.f_code.co_filename.startswith(root) and "site-packages" not in
@@ -248,12 +266,16 @@ class Watchdog:
                 time.sleep(1.0)
 
     def watch(self, state: dict):
-        """One beat: a signal that came, where the main thread waits and since when, the others' beats."""
+        """One beat: a signal that came, the launcher, where the main thread waits and since when, the others' beats."""
         if select.select([self.pipe[0]], [], [], 1.0)[0]:
             try:
                 self.came += [(b, time.time()) for b in os.read(self.pipe[0], 64)]
             except OSError:
                 pass
+        if not self.orphaned and self.signals is not None and self.signals.orphaned():  # torchrun gone, its store too
+            self.orphaned = True
+            if not self.came:  # else a signal came first (torchrun's own, before it died): the rank stops for that
+                os.kill(os.getpid(), signal.SIGTERM)
         now, where = time.time(), self.where()
         if (self.sequence(), where) != state["last"] or where is None:  # a collective issued, or none waited in
             state.update(last=(self.sequence(), where), since=now)
@@ -261,9 +283,11 @@ class Watchdog:
         if self.came:
             signum, first = self.came[0]
             if (len(self.came) > 1 and self.came[-1][1] - first > 1) or (where and min(stuck, now - first) >= GRACE):
+                name = signal.Signals(signum).name
+                name = self.signals.named(name) if self.signals is not None else name
                 self.end(128 + signum, f"tba.py: {'' if self.rank == 0 else f'(rank {self.rank}) '}stopped by "
-                         f"{signal.Signals(signum).name} while this rank waited in a collective ({where}); no "
-                         f"checkpoint: the last is {self.last_checkpoint()}", say=True)
+                         f"{name} while this rank waited in a collective ({where}); no checkpoint: the last is "
+                         f"{self.last_checkpoint()}", say=True)
         if self.store is None:
             return
         state["beat"] += 1
@@ -279,7 +303,7 @@ class Watchdog:
     def check_others(self, now: float, stuck: float):
         """This rank has waited in a collective: once `bound` s, end the run if every rank has too, or stopped
         answering (no new beat for bound / 2 s)."""
-        waits, quiet, working = {}, [], False
+        waits, quiet, pids, working = {}, [], {}, False
         for r in range(self.world):
             if r == self.rank:
                 continue
@@ -293,6 +317,7 @@ class Watchdog:
                 self.seen[r] = (state["beat"], now)
             elif now - changed >= self.bound / 2:
                 quiet.append(r)
+                pids[r] = state["pid"]
                 continue
             working = working or state["stuck"] < self.bound  # it works, or has not waited as long: it may yet join
             waits[r] = state["where"]
@@ -301,25 +326,29 @@ class Watchdog:
         waits[self.rank] = self.where()
         parts = [f"rank {r} in {waits[r]}" for r in sorted(waits)] + [f"rank {r} stopped answering (no beat for "
                                                                        f"{self.bound / 2:.0f} s)" for r in quiet]
-        line = (f"tba.py: error: step {self.step() + 1}: the trainer ranks have waited {self.bound:.0f} s in "
+        line = (f"tba.py: error: step {self.step()}: the trainer ranks have waited {self.bound:.0f} s in "
                 f"collectives that do not complete: {'; '.join(parts)}; no checkpoint can be written now (it is "
                 f"collective): the last is {self.last_checkpoint()}")
         self.store.set(f"tba/watch/line/{self.rank}", line)  # for rank 0 to say, if this rank decides
         if self.store.compare_set("tba/watch/verdict", "", str(self.rank)) != str(self.rank).encode():
             return  # another rank decided first: this one ends at its next beat, when it sees that
         self.end(1, line, say=self.rank == 0 or 0 in quiet,  # else rank 0 says it, at its next beat
-                 others=[r for r in range(self.world) if r != self.rank and r not in quiet])
+                 others=[r for r in range(self.world) if r != self.rank and r not in quiet], stopped=pids.values(),
+                 began=now - stuck)
 
     def last_checkpoint(self) -> str:
         link = os.path.join(self.out, "checkpoint")
         return f"{link} ({os.readlink(link)})" if os.path.islink(link) else "none (--save-every)"
 
-    def end(self, code: int, line: str, say: bool, others=(), mark: bool = False):
+    def end(self, code: int, line: str, say: bool, others=(), mark: bool = False, stopped=(), began=None):
         """End this rank now: its searchers killed, the line said (one rank says it), status `code`, whatever fails.
         `others`: the ranks this one waits for (5 s at most) to end first: a rank gone first would fail their
         collectives with tracebacks of their own, or abort them (and the store, where it lives in rank 0, with it).
-        `mark`: this rank is such another, and says it ends as its last act. The main thread may end the process
-        first (tba.py's end: status 1 too, its traceback unseen)."""
+        `mark`: this rank is such another, and says it ends as its last act. `stopped`: the pids of ranks that stopped
+        answering, killed if they are this rank's siblings (the same launcher's, on this machine): stopped, they
+        would outlive the run, until torchrun kills them 30 s later, or for ever if it is gone. `began`: when the fault
+        began, in torchrun's error file (its report names the earliest failure: this one, not the ranks killed). The
+        main thread may end the process first (tba.py's end: status 1 too, its traceback unseen)."""
         try:
             for p in self.procs():
                 try:
@@ -332,8 +361,12 @@ class Watchdog:
                 error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
                 if error_file:
                     with open(error_file, "w") as f:
-                        json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                           "timestamp": str(int(time.time()))}}}, f)
+                        json.dump({"message": {"message": line, "extraInfo": {
+                            "py_callstack": line, "timestamp": str(int(began or time.time()))}}}, f)
+            for pid in stopped:
+                with contextlib.suppress(Exception):
+                    if psutil.Process(pid).ppid() == os.getppid():
+                        os.kill(pid, signal.SIGKILL)
             # whichever rank goes first, the others' collectives fail ("Connection closed by peer") in their main
             # threads, which would print that traceback after the line: from here on this rank's output goes nowhere
             quiet = os.open(os.devnull, os.O_WRONLY)

@@ -445,20 +445,51 @@ runpy.run_path({tba!r}, run_name="__main__")
 
 
 @pytest.mark.engine
-def test_weights_that_do_not_arrive_intact_stop_the_run_in_one_line(tiny_model, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_weights_that_do_not_arrive_intact_stop_the_run_in_one_line(tiny_model, tmp_path, ranks):
     """One tensor of the weights of step 3 altered in the shared copy after the trainer fingerprinted it: the searcher
     that loads them finds it (read back from its engine) and the run stops after a checkpoint, in one line naming the
-    version, the searcher and the tensor; the rows before say which versions were verified."""
+    version, the searcher and the tensor; the rows before say which versions were verified. Two trainer ranks under
+    torchrun too (before, their line was 'searcher 0 died with exit code 5': the trainer saw the exit first)."""
     wrapper = tmp_path / "wrong_weights.py"
     wrapper.write_text(WRONG_WEIGHTS.format(root=ROOT, tba=os.path.join(ROOT, "tba.py")))
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, str(wrapper), "--model", tiny_model, "--steps", "50", *SMALL, "--out", str(out)],
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node=2"] if ranks == 2 else [])
+    p = subprocess.run([*launch, str(wrapper), "--model", tiny_model, "--steps", "50", *SMALL, "--out", str(out)],
                        cwd=tmp_path, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=300)
+                       timeout=400)
     assert p.returncode == 1, p.stdout[-3000:]
-    last = p.stdout.strip().splitlines()[-1]
+    last = [line for line in p.stdout.splitlines() if line.startswith("tba.py: ")][-1]  # torchrun's report follows
     assert last.startswith("tba.py: error: searcher 0: the weights of step 3 did not arrive intact: "
                            "model.layers.0.mlp.down_proj.weight holds sum"), last
     assert last.endswith(f"checkpoint in {out / 'checkpoint'}")
     verified = [r["verified"] for r in metrics(out) if r["kind"] == "train"]
     assert verified[0] == -1 and 1 in verified and max(verified) <= 2, verified  # (the initial weights came from disk)
+
+
+def test_a_searchers_own_line_wins_over_its_exit_code():
+    """A searcher that says its fault (searcher.SAID) puts its line in the pipe before it exits, but the trainer may
+    see the exit first (waiting for the weights' lock, or between two messages): alive() waits for the line and
+    raises it (before, under torchrun: 'searcher 0 died with exit code 5'). A searcher that said nothing: its exit
+    code, at once."""
+    import queue
+    import threading
+    import types
+    import searcher
+    from runtime.errors import Dead
+    from runtime.fleet import Fleet, Messages
+    line = "searcher 0: the weights of step 3 did not arrive intact: model.embed_tokens.weight holds sum 1"
+    fleet = Fleet.__new__(Fleet)
+    fleet.first, fleet.procs, q = 0, [types.SimpleNamespace(pid=42, exitcode=searcher.SAID)], queue.Queue()
+    fleet.messages = Messages(q, 4)
+    try:
+        threading.Timer(0.5, q.put, [dict(kind="fault", searcher=0, line=line)]).start()  # read after the exit is seen
+        with pytest.raises(Dead) as said:
+            fleet.alive()
+        assert str(said.value) == line
+        fleet.messages.faults, fleet.procs[0].exitcode, t0 = {}, 1, time.time()
+        with pytest.raises(Dead) as said:
+            fleet.alive()
+        assert str(said.value) == "searcher 0 (pid 42) died with exit code 1" and time.time() - t0 < 0.5
+    finally:
+        fleet.messages.close()

@@ -302,13 +302,23 @@ def test_embeddings_cross_nodes_too():
         nodes.decode(nodes.encode(ts)[:-4])
 
 
-def test_lost_connections_are_told_apart_from_bugs():
+def test_lost_connections_are_told_apart_from_bugs(monkeypatch):
+    """A lost connection names another node on several nodes, and a trainer rank on one (before, a rank's death on
+    one node was 'lost contact with another node'); other errors are no lost connection."""
     gone = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
                         "peer [127.0.0.1]:60095. This is typically caused by a remote worker crashing.")
-    assert nodes.lost(gone) == ("lost contact with another node of the run (Connection closed by peer "
-                                "[127.0.0.1]:60095); stopping")
-    assert nodes.lost(RuntimeError("CUDA out of memory")) is None
-    assert nodes.lost(ValueError("Connection closed by peer")) is None
+    said = " (Connection closed by peer [127.0.0.1]:60095); stopping"
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # torchrun's: nodes, and trainer ranks on each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert nodes.lost(gone, 0, 2) == "lost contact with another node of the run" + said
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert nodes.lost(gone, 0, 2) == "lost contact with trainer rank 1" + said
+    assert nodes.lost(gone, 1, 2) == "lost contact with trainer rank 0" + said
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert nodes.lost(gone, 0, 4) == "lost contact with another trainer rank" + said
+    assert nodes.lost(RuntimeError("CUDA out of memory"), 0, 4) is None
+    assert nodes.lost(ValueError("Connection closed by peer"), 0, 4) is None
 
 
 def cast_worker(rank, port, results):

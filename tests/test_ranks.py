@@ -212,18 +212,25 @@ STALLED = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})
     import torch, torch.distributed as dist
-    from runtime import ranks
+    from runtime import checkpoint, ranks, weights
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
+    from torch.distributed.fsdp import fully_shard
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    fully_shard(model)  # DTensor parameters, as the trainer's
     child = __import__("subprocess").Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                                            stdout=-3, stderr=-3)  # DEVNULL: the pipes are the rank's
-    watch = ranks.Watchdog(rank, 2, {bound}, lambda: 2, lambda: [child], {out!r})
+    watch = ranks.Watchdog(rank, 2, {bound}, lambda: 3, lambda: [child], {out!r})
     from runtime.processes import Signals
     Signals()
     print("ready", child.pid, flush=True)
     if os.environ.get("WORKS") == str(rank):
         time.sleep(600)           # a rank that works alone (a checkpoint, say): not a stall
     try:
+        if rank == 0 and os.environ.get("IN") == "gather":  # all-gathers that rank 1 never joins, as the trainer's
+            list(weights.gather(model))
+        elif rank == 0 and os.environ.get("IN") == "checkpoint":
+            checkpoint.full_state_dict(model)
         dist.recv(torch.zeros(1), src=1 - rank)  # a message that never comes: this rank waits for ever
     except BaseException:  # as tba.py's end: a traceback, status 1, no interpreter teardown (it can abort)
         __import__("traceback").print_exc()
@@ -232,6 +239,8 @@ STALLED = textwrap.dedent("""
 
 
 def start_ranks(tmp_path, bound, **env):
+    """Two ranks of STALLED, each with a child (its searchers' stand-in); `env`: WORKS (a rank that works alone), IN
+    (where rank 0 waits: recv, gather, checkpoint)."""
     port = free_port()
     code = STALLED.format(root=ROOT, bound=bound, out=str(tmp_path))
     procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, RANK=str(r), WORLD_SIZE="2",
@@ -269,18 +278,25 @@ def errors(procs) -> list[str]:
     return [open(p.err).read() for p in procs]
 
 
+WAITS = {"recv": "recv", "gather": "wait_tensor, from runtime/weights.py:", "checkpoint": "wait_tensor, from "
+         "runtime/checkpoint.py:"}  # where rank 0 waits (IN), as the line names it
+
+
 @pytest.mark.engine
-def test_ranks_waiting_in_collectives_that_never_complete_end_within_the_bound(tmp_path):
-    """Both ranks wait for a message that never comes: within the bound (4 s here) plus a few seconds of beats,
-    both end with status 1, rank 0 says one line naming the step and where each rank waits, and the processes
-    each rank started (its searchers) are gone."""
-    procs, children = start_ranks(tmp_path, 4)
+@pytest.mark.parametrize("where", list(WAITS))
+def test_ranks_waiting_in_collectives_that_never_complete_end_within_the_bound(tmp_path, where):
+    """Both ranks wait in collectives that never complete (rank 1 for a message that never comes; rank 0 for the
+    same, or in the weights' all-gathers, or in a checkpoint's, whose innermost frame is torch/_ops.py, under
+    DTensor's wait_tensor: before, the watchdog did not see those): within the bound (4 s here) plus a few seconds
+    of beats, both end with status 1, rank 0 says one line naming the step and where each rank waits, and the
+    processes each rank started (its searchers) are gone."""
+    procs, children = start_ranks(tmp_path, 4, IN=where)
     codes, errs, seconds = ended(procs, children, 20)
     assert codes == [1, 1], errs
     assert errs[0].strip(), errs  # rank 0 says the line, whichever rank decided
     line = errs[0].strip().splitlines()[-1]
     assert line.startswith("tba.py: error: step 3: the trainer ranks have waited 4 s in collectives that do not "
-                           "complete: rank 0 in recv"), errs[0]
+                           f"complete: rank 0 in {WAITS[where]}"), errs[0]
     assert "rank 1 in recv" in line and "the last is none (--save-every)" in line
     assert errs[1].strip() == "", errs[1]  # one line, from one rank
 
@@ -305,17 +321,19 @@ def test_a_rank_that_works_alone_is_no_stall_but_one_that_stops_answering_is(tmp
 
 
 @pytest.mark.engine
-def test_a_signal_ends_a_rank_stuck_in_a_collective_at_once(tmp_path):
-    """SIGTERM to a rank whose main thread waits in a collective (no Python handler can run there): it ends within
-    GRACE (5 s) plus a beat, with status 143 and one line, its children killed; well before the stall's bound."""
+@pytest.mark.parametrize("where", ["recv", "gather"])
+def test_a_signal_ends_a_rank_stuck_in_a_collective_at_once(tmp_path, where):
+    """SIGTERM to a rank whose main thread waits in a collective (no Python handler can run there; the weights'
+    all-gathers too): it ends within GRACE (5 s) plus a beat, with status 143 and one line, its children killed;
+    well before the stall's bound."""
     from runtime.ranks import GRACE
-    procs, children = start_ranks(tmp_path, 60)
+    procs, children = start_ranks(tmp_path, 60, IN=where)
     time.sleep(1)
     for p in procs:
         p.send_signal(signal.SIGTERM)
     codes, errs, seconds = ended(procs, children, GRACE + 8)
     assert codes == [143, 143], errs
-    assert "stopped by SIGTERM while this rank waited in a collective (recv" in errs[0], errs[0]
+    assert f"stopped by SIGTERM while this rank waited in a collective ({WAITS[where]}" in errs[0], errs[0]
 
 
 # ===== the run itself on two ranks, as run_math.sh runs it ====================================================
@@ -469,3 +487,185 @@ def test_a_signal_ends_the_run_within_15_s(tiny_model, tmp_path, to):
     if not stuck:
         assert "stopped by SIGTERM; checkpoint in" in output, output[-3000:]
         assert (out / "checkpoint" / "trainer.pt").is_file()
+
+
+STOPPED = textwrap.dedent("""
+    import os, runpy, signal, sys, time
+    sys.path.insert(0, {root!r})
+    sys.argv = [{tba!r}, *sys.argv[1:]]
+    from runtime import vllm_env
+    vllm_env.set_up()  # before torch is imported, as tba.py does
+    from runtime import checkpoint, weights
+    calls = [0]
+
+    def stop():  # rank 1, the {at}th time: it stops itself, as `kill -STOP` does, and says when
+        calls[0] += 1
+        if os.environ["RANK"] == "1" and calls[0] == {at}:
+            with open({mark!r}, "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    plain = weights.gather if {where!r} == "gather" else checkpoint.full_state_dict
+
+    def gather(*args, **kwargs):  # stopped after the first tensor's all-gather: rank 0 waits in the second
+        for i, named in enumerate(plain(*args, **kwargs)):
+            yield named
+            if i == 0:
+                stop()
+
+    def full_state_dict(model):  # stopped as the checkpoint begins: rank 0 waits in its first all-gather
+        stop()
+        return plain(model)
+
+    if {where!r} == "gather":
+        weights.gather = gather
+    else:
+        checkpoint.full_state_dict = full_state_dict
+    runpy.run_path({tba!r}, run_name="__main__")
+""")
+
+
+def launch(tmp_path, tiny_model, *flags, script=None):
+    """torchrun with two trainer ranks and one searcher, in a session of its own, its output in tmp/output.txt (read
+    while it runs: `said`); `script`: a wrapper of tba.py instead."""
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          script or os.path.join(ROOT, "tba.py"), "--model", tiny_model, *SMALL, "--eval-every", "0",
+                          *flags, "--out", str(out)], cwd=str(tmp_path),
+                         env=dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1"),
+                         stdout=open(tmp_path / "output.txt", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return p, out
+
+
+def said(tmp_path) -> str:
+    return (tmp_path / "output.txt").read_text()
+
+
+def kill_run(p, pids=()):
+    """Only where a test failed: kill every process of the run (its ranks run in sessions of their own)."""
+    for pid in alive(set(pids) | (family(p.pid) if p.poll() is None else set())):
+        os.kill(pid, signal.SIGKILL)
+
+
+def gone_within(pids, within: float) -> float:
+    """Seconds until none of `pids` is left (zombies count as gone), at most `within`; those left are killed."""
+    t0 = time.time()
+    while alive(pids) and time.time() - t0 < within:
+        time.sleep(0.1)
+    left = alive(pids)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"left behind after {within} s: {left}"
+    return time.time() - t0
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("where", ["gather", "checkpoint"])
+def test_a_rank_stopped_in_the_weight_sync_or_a_checkpoint_ends_the_run_within_the_bound(tiny_model, tmp_path, where):
+    """The issue's probe: rank 1 stopped (SIGSTOP) inside the weights' all-gathers (weights.gather, after each step) or
+    inside a checkpoint (its state dict's all-gathers), at step 3: rank 0 waits in DTensor's wait_tensor, under
+    torch/_ops.py (before, the watchdog did not see it, and the run hung for the process group's timeout). Within the
+    bound (--timeout 10) and a few beats, one line naming the step and where each rank waits; status 1; no process
+    of the run left (the stopped rank killed: torchrun would wait 30 s for it)."""
+    mark, bound = tmp_path / "stopped", 10
+    script = tmp_path / "stopped_tba.py"
+    script.write_text(STOPPED.format(root=ROOT, tba=os.path.join(ROOT, "tba.py"), where=where, mark=str(mark),
+                                     at=4 if where == "gather" else 1))  # gathers: the shared copy's, then a step's
+    p, out = launch(tmp_path, tiny_model, "--steps", "100000", "--timeout", str(bound), "--sync-every", "1",
+                    *(["--save-every", "3"] if where == "checkpoint" else []), script=str(script))
+    pids = set()
+    try:
+        deadline = time.time() + 400
+        while not mark.exists():
+            assert p.poll() is None and time.time() < deadline, said(tmp_path)[-3000:]
+            time.sleep(0.2)
+        pids, deadline = family(p.pid), time.time() + bound + 60
+        while "collectives that do not complete" not in said(tmp_path):
+            assert time.time() < deadline, f"no line {bound + 60} s after the stop: {said(tmp_path)[-3000:]}"
+            time.sleep(0.1)
+        seconds = time.time() - float(mark.read_text())
+        p.wait(timeout=60)
+        gone = gone_within(pids, 10)
+    finally:
+        kill_run(p, pids)
+    output = said(tmp_path)
+    print(f"{where}: the line {seconds:.1f} s after the stop, every process gone {gone:.1f} s after torchrun")
+    assert seconds < bound + 10, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("tba.py: ")]  # (torchrun's report repeats it)
+    assert len(lines) == 1, output[-3000:]
+    caller = "runtime/weights.py:78 (gather)" if where == "gather" else "runtime/checkpoint.py:30 (full_state_dict)"
+    assert lines[0].startswith(f"tba.py: error: step 3: the trainer ranks have waited {bound} s in collectives that "
+                               f"do not complete: rank 0 in wait_tensor, from {caller}; rank 1 stopped answering"), \
+        lines
+    assert lines[0].endswith("the last is none (--save-every)"), lines
+    report = output[output.index("Root Cause"):]  # torchrun's: the earliest failure, rank 0's status and line
+    assert p.returncode == 1 and "rank      : 0" in report and "exitcode  : 1" in report, report
+
+
+@pytest.mark.engine
+def test_the_ranks_stop_within_seconds_when_torchrun_is_killed(tiny_model, tmp_path):
+    """kill -9 of torchrun at step 3 (a batch scheduler's time limit): each rank sees its launcher gone and stops as
+    on SIGTERM, after a checkpoint, in one line; every rank, the fork server and the searcher are gone within
+    seconds (before, the ranks trained on to the end, unwatched)."""
+    p, out = launch(tmp_path, tiny_model, "--steps", "100000", "--timeout", "60")
+    pids = set()
+    try:
+        deadline = time.time() + 400
+        while steps_done(out) < 3:
+            assert p.poll() is None and time.time() < deadline, said(tmp_path)[-3000:]
+            time.sleep(0.2)
+        pids = family(p.pid) - {p.pid}
+        t0 = time.time()
+        p.kill()
+        p.wait()
+        gone_within(pids, 60)
+        gone = time.time() - t0
+    finally:
+        kill_run(p, pids)
+    output = said(tmp_path)
+    print(f"every process of the run gone {gone:.1f} s after torchrun's kill")
+    assert f"tba.py: stopped by SIGTERM (its launcher torchrun, pid {p.pid}, is gone); checkpoint in " \
+           f"{out / 'checkpoint'}" in output, output[-3000:]
+    assert (out / "checkpoint" / "trainer.pt").is_file()
+    assert gone < 45, gone
+
+
+@pytest.mark.engine
+def test_ctrl_c_during_start_up_is_said_once_a_node(tiny_model, tmp_path):
+    """Ctrl-C reaches torchrun (its ranks run in sessions of their own), which sends SIGINT to each rank: during the
+    ranks' start-up, one line (before: one a rank)."""
+    from test_faults import catches
+    p, out = launch(tmp_path, tiny_model)
+    try:
+        deadline = time.time() + 120
+        while len([pid for pid in family(p.pid) - {p.pid} if catches(pid, signal.SIGTERM)]) < 2:  # tba.py's handlers
+            assert p.poll() is None and time.time() < deadline, said(tmp_path)[-3000:]
+            time.sleep(0.01)
+        os.kill(p.pid, signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        kill_run(p)
+    assert said(tmp_path).count("tba.py: stopped by SIGINT during start-up") == 1, said(tmp_path)[-3000:]
+
+
+@pytest.mark.engine
+def test_a_dead_rank_is_named_as_a_trainer_rank_on_one_node(tiny_model, tmp_path):
+    """kill -9 of rank 1 at step 3 of a 2-rank run on one node: rank 0's next collective fails, and its line names
+    trainer rank 1 (before: 'lost contact with another node of the run'); nothing of the run is left."""
+    p, out = launch(tmp_path, tiny_model, "--steps", "100000", "--timeout", "60")
+    pids = set()
+    try:
+        deadline = time.time() + 400
+        while steps_done(out) < 3:
+            assert p.poll() is None and time.time() < deadline, said(tmp_path)[-3000:]
+            time.sleep(0.2)
+        pids = family(p.pid)
+        rank1 = [pid for pid in alive(pids) if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGKILL)
+        p.wait(timeout=60)
+        gone_within(pids, 10)
+    finally:
+        kill_run(p, pids)
+    assert "tba.py: error: lost contact with trainer rank 1 (" in said(tmp_path), \
+        said(tmp_path)[-3000:]
