@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from runtime import lora
-from runtime.hub import check_weights
+from runtime.hub import check_weights, safetensors_damage
 from runtime.errors import ConfigError
 
 
@@ -235,8 +235,9 @@ def check_resumed_flags(cfg, folder: str):
     if adapter and (cfg.lora_rank or saved["lora_rank"]):
         raise ConfigError(f"--resume: {', '.join(map(show, adapter))} cannot change mid-run (the checkpoint's weights "
                           f"and optimizer state are those of its own adapter, or of all weights)")
-    if cfg.lora_rank and not os.path.isfile(os.path.join(folder, "adapter", "adapter_model.safetensors")):
-        raise ConfigError(f"--resume: {folder} has no adapter/adapter_model.safetensors (an incomplete checkpoint?)")
+    weights = os.path.join(folder, "adapter", "adapter_model.safetensors")
+    if cfg.lora_rank and safetensors_damage(weights):
+        raise ConfigError(f"--resume: {weights} {safetensors_damage(weights)} (an incomplete checkpoint?)")
     if differ and int(os.environ.get("RANK", "0")) == 0:
         print(f"tba.py: resuming with flags that differ from the checkpoint's: {', '.join(map(show, differ))}",
               flush=True)
