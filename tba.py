@@ -204,6 +204,9 @@ class Trainer:
             if flag not in fixed_on_resume():
                 setattr(self.buffer, name, getattr(self.cfg, flag))
         self.cap.credit, self.cap.counted, self.cap.drawn = ckpt["reuse"]
+        if self.fleet.nodes:  # each other node's count (node 0's is the rest; a node no longer there: node 0's)
+            counts = ckpt.get("node_samples", [])[1:self.fleet.nodes.count]
+            self.fleet.nodes.samples[1:1 + len(counts)] = counts
 
     # --- what the next step waits for, its batch ---------------------------------------------------
     def waiting_for(self, initial: int) -> str | None:
@@ -290,7 +293,8 @@ class Trainer:
         """The run's counts that a checkpoint carries (plain data)."""
         cap = self.cap
         return dict(elapsed=self.log.now(), samples=self.fleet.received, kept=self.fleet.kept,
-                    first_eval=self.log.first_eval, reuse=[cap.credit, cap.counted, cap.drawn])
+                    first_eval=self.log.first_eval, reuse=[cap.credit, cap.counted, cap.drawn],
+                    node_samples=self.fleet.nodes.samples if self.fleet.nodes else [])  # several nodes: each one's
 
     def checkpoint(self, stopping: bool = False) -> bool | str:
         """OUT/checkpoint-STEP (every rank: its gathers are collective), unless the link already names this
