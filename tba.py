@@ -63,10 +63,10 @@ import tasks
 from buffer import PER_TOKEN, SCALARS, ReuseCap
 from loss import LOSSES, collate, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import nodes, seeds, slowdown
-from runtime.checkpoint import fixed_on_resume, full_state_dict, linked, save_checkpoint, save_hf
+from runtime.checkpoint import fixed_on_resume, full_state_dict, linked, save_checkpoint, save_final
 from runtime.checks import check, parse
 from runtime.config import Config
-from runtime.errors import ConfigError, Dead, Silent, Stop
+from runtime.errors import ConfigError, Dead, Silent, Stop, Unsaved
 from runtime.fleet import Fleet
 from runtime.local import LocalFleet
 from runtime.processes import Signals, fork_server
@@ -74,7 +74,7 @@ from runtime.hub import load_tokenizer
 from runtime.log import Log
 from runtime.policy import AdamW, LaggedCopy, load_policy
 from runtime.ranks import (Watchdog, broadcast, broadcast_batch, fail, first_refusal, init_distributed, machine_device,
-                           raise_stop, share_signals, stall_bound)
+                           raise_stop, saved_where, share_signals, stall_bound)
 from runtime.weights import gather
 
 
@@ -159,6 +159,7 @@ class Trainer:
         # when the trainer waits for searcher 0 to hold an evaluation's weights
         self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
         self.held_since = None
+        self.unsaved_said = False  # a checkpoint that could not be written mid-run was said (once)
         calibrated = slowdown.read_calibration(cfg.calibration)["train_step"] if cfg.calibration else None
         self.clock = slowdown.TrainClock(cfg.train_slowdown, calibrated, limit=cfg.timeout)  # --train-slowdown
         self.log = Log(cfg, self.rank, t_start - (ckpt["elapsed"] if ckpt else 0.0), self.step,
@@ -209,6 +210,9 @@ class Trainer:
             if flag not in fixed_on_resume():
                 setattr(self.buffer, name, getattr(self.cfg, flag))
         self.cap.credit, self.cap.counted, self.cap.drawn = ckpt["reuse"]
+        if self.fleet.nodes:  # each other node's count (node 0's is the rest; a node no longer there: node 0's)
+            counts = ckpt.get("node_samples", [])[1:self.fleet.nodes.count]
+            self.fleet.nodes.samples[1:1 + len(counts)] = counts
 
     # --- what the next step waits for, its batch ---------------------------------------------------
     def waiting_for(self, initial: int) -> str | None:
@@ -265,9 +269,7 @@ class Trainer:
     def stop(self, saved: bool):
         """Every rank: stop for rank 0's reason, after a checkpoint if `saved` (a step was taken)."""
         why = broadcast(self.fleet.stop_reason(), self.rank)
-        if saved:
-            self.checkpoint()
-        raise_stop(why, saved, self.cfg.out)
+        raise_stop(why, self.checkpoint(stopping=True) if saved else False, self.cfg.out)
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
     def sync_weights(self, pi_ref: bool = False, final: bool = False):
@@ -296,20 +298,28 @@ class Trainer:
         """The run's counts that a checkpoint carries (plain data)."""
         cap = self.cap
         return dict(elapsed=self.log.now(), samples=self.fleet.received, kept=self.fleet.kept,
-                    first_eval=self.log.first_eval, reuse=[cap.credit, cap.counted, cap.drawn])
+                    first_eval=self.log.first_eval, reuse=[cap.credit, cap.counted, cap.drawn],
+                    node_samples=self.fleet.nodes.samples if self.fleet.nodes else [])  # several nodes: each one's
 
-    def checkpoint(self):
+    def checkpoint(self, stopping: bool = False) -> bool | str:
         """OUT/checkpoint-STEP (every rank: its gathers are collective), unless the link already names this
         step (a signal right after a --save-every save, or finish() after the last one): saving a step again
         deletes the linked checkpoint before it renames the new one in, and a kill between the two would
-        leave the link on nothing."""
+        leave the link on nothing. True once written; a write that fails (a full disk) leaves the one before
+        linked and returns the line saying so (rank 0), which a stop ends with and mid-run is a warning, once:
+        training goes on."""
         if broadcast(self.rank == 0 and linked(self.cfg.out, self.step), self.rank):
-            return
+            return True
         t0 = time.time()
-        save_checkpoint(self.cfg, self.rank, self.model, self.opt, self.buffer,
-                        self.fleet.saved(self.step) if self.rank == 0 else None, self.counters(), self.step,
-                        self.tokenizer)
+        failed = save_checkpoint(self.cfg, self.rank, self.model, self.opt, self.buffer,
+                                 self.fleet.saved(self.step) if self.rank == 0 else None, self.counters(), self.step,
+                                 self.tokenizer)
         self.log.overhead += time.time() - t0
+        if failed and not stopping and not self.unsaved_said:
+            self.log.print(f"tba.py: warning: {failed}; training goes on (a later checkpoint that fails is not said "
+                           f"again)", file=sys.stderr)
+            self.unsaved_said = True
+        return failed or True
 
     def finish(self):
         """The final weights to the searchers, the final evaluation, the final model (OUT/final)."""
@@ -323,15 +333,19 @@ class Trainer:
             share_signals(self.fleet.signals, self.world)
             why = broadcast(self.fleet.stop_reason(), self.rank)  # all ranks together: a checkpoint is collective
             if why:
-                self.checkpoint()
-                raise_stop(why, True, cfg.out)
+                raise_stop(why, self.checkpoint(stopping=True), cfg.out)
         sd = full_state_dict(self.model)
-        if self.rank == 0:
-            save_hf(self.model, sd, self.tokenizer, os.path.join(cfg.out, "final"))
-            self.log.summary()
-        # every rank leaves together: a rank that tears its group down while rank 0 still writes the
-        # model can die at exit (SIGABRT in gloo's teardown)
-        dist.all_reduce(torch.zeros(1))  # a CPU tensor: gloo, also beside NCCL
+        failed = None
+        if self.rank == 0:  # on a full disk: kept in memory and tried again until --timeout (runtime.checkpoint)
+            failed = save_final(self.model, sd, self.tokenizer, cfg.out, self.step, cfg.timeout, self.fleet.signals,
+                                self.log)
+            if not failed:
+                self.log.summary()
+        # every rank leaves together, with rank 0's outcome: a rank that tears its group down while rank 0 still
+        # writes the model can die at exit (SIGABRT in gloo's teardown)
+        failed = broadcast(failed, self.rank)  # (CPU tensors: gloo, also beside NCCL)
+        if failed:
+            raise Unsaved(failed)
 
     def close(self):
         """Whatever happened: --evaluator after's kept evaluations made (unless a second signal stops at once), the log
@@ -547,12 +561,11 @@ def main(argv=None):
         fail(f"tba.py: error: {refusal}", 2, rank_env)
     try:
         run(cfg, data, ckpt)
-    except (Dead, Silent, FloatingPointError, TimeoutError) as e:  # a searcher died or went silent, a non-finite loss, a wait timed out
-        fail(f"tba.py: error: {e}", 1, rank_env)
+    except (Dead, Silent, FloatingPointError, TimeoutError, Unsaved) as e:  # a searcher died or went silent, a
+        fail(f"tba.py: error: {e}", 1, rank_env)  # non-finite loss, a wait timed out, final/ could not be written
     except Stop as e:
         name, saved = e.args
-        where = f"checkpoint in {os.path.join(cfg.out, 'checkpoint')}" if saved else "before the first step: nothing to save"
-        fail(f"tba.py: stopped by {name}; {where}", 130 if name == "SIGINT" else 143, rank_env)
+        fail(f"tba.py: stopped by {name}; {saved_where(saved, cfg.out)}", 130 if name == "SIGINT" else 143, rank_env)
     except KeyboardInterrupt:
         fail("tba.py: stopped at once by a second signal, without a checkpoint", 130, rank_env)
     except Exception as e:  # a collective failed because another trainer rank or node went away: each node says it

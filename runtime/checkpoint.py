@@ -8,19 +8,25 @@ TBA′ is on (trainer.pt, read back with torch.load(weights_only=True)), the rep
 config (config.json). OUT/checkpoint links to the
 newest complete one (`atomic_checkpoint`). Nothing read back runs code the file could carry.
 `check_resumed_flags` refuses a --resume whose flags differ where the checkpoint's data depend on them.
+A checkpoint and OUT/final are written whole or not at all (`write_folder`): a write that fails (a full disk)
+leaves no temporary folder, and the one before in place; `save_final` keeps the final weights in memory and
+retries (`write_error` tells a failed write from a bug).
 """
 
 import dataclasses
 import glob
 import json
 import os
+import re
 import shutil
+import sys
+import time
 
 import numpy as np
 import torch
 
 from runtime import lora
-from runtime.hub import check_weights
+from runtime.hub import check_weights, safetensors_damage
 from runtime.errors import ConfigError
 
 
@@ -30,10 +36,12 @@ def full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_checkpoint(cfg, rank, model, opt, buffer, held, counters: dict, step: int, tokenizer):
+def save_checkpoint(cfg, rank, model, opt, buffer, held, counters: dict, step: int, tokenizer) -> str | None:
     """Model (Hugging Face format), optimizer, step (the schedules and per-step seeds derive from it), RNG
     state, the run's `counters` (plain data: the reuse cap's among them), replay buffer, and `held`
-    (runtime.weights.Outbox.saved: the weights the searchers hold if older than the model's, --lag's history, TBA′'s pi_ref)."""
+    (runtime.weights.Outbox.saved: the weights the searchers hold if older than the model's, --lag's history, TBA′'s pi_ref).
+    None once written; a write that fails (a full disk: `write_error`) leaves the one before linked and returns the
+    line saying so (rank 0)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     sd = full_state_dict(model)
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -44,12 +52,19 @@ def save_checkpoint(cfg, rank, model, opt, buffer, held, counters: dict, step: i
         save_hf(model, sd, tokenizer, os.path.join(folder, "model"))
         if lora.active(model):  # what --resume rebuilds the policy from, with the frozen --model
             lora.save_adapter(model, sd, os.path.join(folder, "adapter"))
-        torch.save(dict(optimizer=osd, step=step, torch_rng=torch.get_rng_state(), **counters, **held),
-                   os.path.join(folder, "trainer.pt"))
+        with open(os.path.join(folder, "trainer.pt"), "wb") as f:  # our file: a failed write's OSError is kept
+            torch.save(dict(optimizer=osd, step=step, torch_rng=torch.get_rng_state(), **counters, **held), f)
         np.savez(os.path.join(folder, "buffer.npz"), **buffer.state())
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
-    atomic_checkpoint(cfg.out, step, write)
+    try:
+        atomic_checkpoint(cfg.out, step, write)
+    except Exception as e:
+        if write_error(e) is None:
+            raise
+        return (f"the checkpoint of step {step} could not be written in {cfg.out} ({write_error(e)}): the last is "
+                f"{last_checkpoint(cfg.out)}")
+    return None
 
 
 def load_checkpoint(folder: str) -> dict:
@@ -91,15 +106,11 @@ def linked(out: str, step: int) -> bool:
 def atomic_checkpoint(out: str, step: int, write):
     """OUT/checkpoint is a link to the newest complete OUT/checkpoint-STEP: the new one is written
     under a temporary name, renamed, then the link is swapped in one rename, then the old one goes.
-    A crash at any point leaves the link on a complete checkpoint."""
+    A crash at any point leaves the link on a complete checkpoint; a write that fails, no temporary folder."""
     name = f"checkpoint-{step:06d}"
-    for stale in glob.glob(os.path.join(out, "checkpoint-*.tmp")):  # left by a crash mid-save
+    for stale in glob.glob(os.path.join(out, "checkpoint-*.tmp")):  # left by a process killed mid-save
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = os.path.join(out, name + ".tmp")
-    os.makedirs(tmp)
-    write(tmp)
-    shutil.rmtree(os.path.join(out, name), ignore_errors=True)
-    os.replace(tmp, os.path.join(out, name))
+    write_folder(os.path.join(out, name), write)
     link = os.path.join(out, "checkpoint")
     previous = os.path.realpath(link) if os.path.islink(link) else None
     if os.path.lexists(link + ".tmp"):
@@ -108,6 +119,80 @@ def atomic_checkpoint(out: str, step: int, write):
     os.replace(link + ".tmp", link)
     if previous and os.path.basename(previous) != name:
         shutil.rmtree(previous, ignore_errors=True)
+
+
+def last_checkpoint(out: str) -> str:
+    """The checkpoint OUT/checkpoint links to, for a line that says what is left."""
+    link = os.path.join(out, "checkpoint")
+    return f"{link} ({os.readlink(link)})" if os.path.islink(link) else "none (--save-every)"
+
+
+def write_folder(path: str, write):
+    """PATH written whole or not at all: `write(PATH.tmp)`, then renamed to PATH (an older PATH goes only once the new
+    one is complete). Whatever stops the write (an error, a signal), the temporary folder goes with it."""
+    tmp, old = path + ".tmp", path + ".old"
+    for stale in (tmp, old):  # left by a process killed mid-write
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_error(e: BaseException) -> str | None:
+    """What failed, if `e` (or an exception it came from) is a failed write (a full disk, a quota, a file size
+    limit, a read-only or failing disk), else None (a bug: its traceback). safetensors, which transformers saves
+    the weights with, says the OS's error in its message only ("... I/O error: No space left on device (os error
+    28)"); torch.save's RuntimeError keeps the OSError of the file it was given (save_checkpoint opens it)."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e.strerror or type(e).__name__
+        code = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+        if code:
+            return os.strerror(int(code.group(1)))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+RETRY = 5.0  # s between two tries to write OUT/final
+
+
+def save_final(model, state_dict, tokenizer, out: str, step: int, timeout: float, signals, log) -> str | None:
+    """OUT/final (`save_hf`), whole or not at all. A write that fails keeps the weights in memory (nothing smaller
+    than them could be written in their place: a checkpoint is larger), says so in one line, and is tried again
+    every RETRY s until it succeeds, `timeout` s have passed or a signal comes (`signals.first`: at once). Returns
+    None once written, else the line that ends the run."""
+    path, deadline = os.path.join(out, "final"), None
+    while True:
+        try:
+            write_folder(path, lambda tmp: save_hf(model, state_dict, tokenizer, tmp))
+            if deadline is not None:
+                log.print(f"tba.py: {path} written at a later try", file=sys.stderr)
+            return None
+        except Exception as e:
+            why = write_error(e)
+            if why is None:
+                raise
+        if deadline is None:
+            deadline = time.time() + timeout
+            if not signals.first:
+                log.print(f"tba.py: warning: {path} could not be written ({why}): free space there; the weights of "
+                          f"step {step} are kept in memory and written again every {RETRY:g} s, for {timeout:g} s "
+                          f"(--timeout)", file=sys.stderr)
+        wake = min(deadline, time.time() + RETRY)
+        while not signals.first and time.time() < wake:
+            time.sleep(0.25)
+        if signals.first or time.time() >= deadline:
+            given_up = (f", and {signals.first[0]} stopped the tries" if signals.first else
+                        f" in {timeout:g} s of tries (--timeout)")
+            return (f"{path} could not be written ({why}){given_up}: the weights of step {step} are lost; the last "
+                    f"checkpoint is {last_checkpoint(out)}")
 
 
 def save_hf(model, state_dict, tokenizer, path):
@@ -150,8 +235,9 @@ def check_resumed_flags(cfg, folder: str):
     if adapter and (cfg.lora_rank or saved["lora_rank"]):
         raise ConfigError(f"--resume: {', '.join(map(show, adapter))} cannot change mid-run (the checkpoint's weights "
                           f"and optimizer state are those of its own adapter, or of all weights)")
-    if cfg.lora_rank and not os.path.isfile(os.path.join(folder, "adapter", "adapter_model.safetensors")):
-        raise ConfigError(f"--resume: {folder} has no adapter/adapter_model.safetensors (an incomplete checkpoint?)")
+    weights = os.path.join(folder, "adapter", "adapter_model.safetensors")
+    if cfg.lora_rank and safetensors_damage(weights):
+        raise ConfigError(f"--resume: {weights} {safetensors_damage(weights)} (an incomplete checkpoint?)")
     if differ and int(os.environ.get("RANK", "0")) == 0:
         print(f"tba.py: resuming with flags that differ from the checkpoint's: {', '.join(map(show, differ))}",
               flush=True)

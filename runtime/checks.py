@@ -82,21 +82,53 @@ def given(cfg, flag: str) -> bool:
     return getattr(cfg, flag) != next(f.default for f in dataclasses.fields(cfg) if f.name == flag)
 
 
+KINDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", type(None): "None"}
+
+
 def task_defaults(cfg):
-    """The task's own defaults (tasks/task.py: `defaults`) for the flags the command line did not give."""
+    """The task's own defaults (tasks/task.py: `defaults`) for the flags the command line did not give, each a flag
+    (not a derived value) and of its type, else refused in one line naming the task. Returns (the Config, the flags
+    they filled in: a refusal of one of them says it came from the task, `check`)."""
     if cfg.task not in tasks.TASKS:
-        return cfg  # refused below
-    return dataclasses.replace(cfg, **{flag: value for flag, value in tasks.get(cfg.task).defaults.items()
-                                       if not given(cfg, flag)})
+        return cfg, ()  # refused below
+    flags = {f.name: f.type for f in dataclasses.fields(cfg) if not f.metadata.get("derived")}
+    filled = {}
+    for key, value in tasks.get(cfg.task).defaults.items():
+        need(key in flags, "task", f"{cfg.task}'s defaults name {key!r}, which is not a flag (tba.py --help lists "
+             f"them, with - for _)")
+        kinds = typing.get_args(flags[key]) or (flags[key],)
+        number = float in kinds and isinstance(value, int) and not isinstance(value, bool)  # 1 for 1.0, as argparse
+        need(number or any(type(value) is k for k in kinds), key.replace("_", "-"), f"must be "
+             f"{' or '.join(KINDS[k] for k in kinds)}, got {value!r} (task {cfg.task}'s default)")
+        if not given(cfg, key):
+            filled[key] = float(value) if number else value
+    return dataclasses.replace(cfg, **filled), tuple(filled)
 
 
 def check(cfg, world: int):
-    """Validate flags and data; compute the derived values. Returns (a new Config, Data, checkpoint or None)."""
+    """Validate flags and data; compute the derived values. Returns (a new Config, Data, checkpoint or None). A
+    refusal of a value that the task's defaults gave (not the command line) says so."""
+    cfg, filled = task_defaults(cfg)
+    try:
+        return check_flags(cfg, world)
+    except ConfigError as e:
+        if str(e).split(":")[0].removeprefix("--").replace("-", "_") not in filled:
+            raise
+        raise ConfigError(f"{e} (task {cfg.task}'s default)") from None
+
+
+def check_flags(cfg, world: int):
+    """`check` after the task's defaults."""
+    for f in dataclasses.fields(cfg):  # an empty path or name (an unset shell variable) is no value: never "not given"
+        need(f.metadata.get("derived") or getattr(cfg, f.name) != "", f.name.replace("_", "-"), "empty (an unset "
+             "shell variable?): give a value, or leave the flag out")
     for f in dataclasses.fields(cfg):  # a fixed set of values: any other refused, whatever the flag
         if f.metadata.get("choices") and getattr(cfg, f.name) not in f.metadata["choices"]:
             need(False, f.name.replace("_", "-"), f"unknown {getattr(cfg, f.name)!r} (choose from "
                  f"{', '.join(f.metadata['choices'])})")
-    cfg = task_defaults(cfg)
+    # every consumer of the seed takes it: numpy's seeds (vLLM's engine seeds random, numpy and torch with it,
+    # vllm/utils/torch_utils.py:548-550, from cpu_worker.py:165 and gpu_worker.py:522), SeedSequence lists, torch
+    need(0 <= cfg.seed < 2**32, "seed", f"must be in [0, 2**32 - 1] (numpy's and vLLM's seeds), got {cfg.seed}")
     given = cfg  # the flags as given, before the defaults that depend on others fill in
     for f in dataclasses.fields(cfg):  # argparse reads 'inf' and 'nan' as floats: no flag means either
         value = getattr(cfg, f.name)

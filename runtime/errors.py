@@ -22,5 +22,9 @@ class Stop(Exception):
     """A signal asked the run to stop (after a checkpoint, once training has begun)."""
 
 
+class Unsaved(RuntimeError):
+    """The final weights could not be written (a full disk) in --timeout; the message says what is left."""
+
+
 class WrongWeights(RuntimeError):
     """A searcher's engine holds other weights than the trainer published (runtime/weights.fingerprint)."""

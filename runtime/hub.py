@@ -4,7 +4,9 @@ model is built by tiny.py (runtime/checks.py asks it for --model tiny).
 """
 
 import functools
+import json
 import os
+import struct
 
 from runtime.errors import ConfigError
 
@@ -58,10 +60,61 @@ def from_hub(name: str, flag: str) -> str:
 
 
 def check_weights(path: str, flag: str = "model", why: str = ""):
-    """Refuse a model folder without weights in one line before anything starts (transformers and vLLM would
-    fail in every process, with tracebacks); `why`: a guess at the cause, said after the files looked for."""
+    """Refuse a model folder without weights, or whose safetensors files are truncated or damaged, in one line
+    before anything starts (transformers and vLLM would fail in every process, with tracebacks); `why`: a guess at
+    the cause, said after the files looked for."""
     if not any(os.path.isfile(os.path.join(path, w)) for w in WEIGHTS):
         raise ConfigError(f"--{flag}: {path} holds no weights (none of {', '.join(WEIGHTS)}{why})")
+    files = ["model.safetensors"] if os.path.isfile(os.path.join(path, "model.safetensors")) else []
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not files and os.path.isfile(index):  # sharded: every shard its index names
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise ConfigError(f"--{flag}: {index} does not parse (a weight_map of tensor names to files){why}") from None
+    for name in files:
+        damage = safetensors_damage(os.path.join(path, name))
+        if damage:
+            raise ConfigError(f"--{flag}: {os.path.join(path, name)} {damage}: it would not load{why}")
+
+
+def safetensors_damage(path: str) -> str | None:
+    """What makes a .safetensors file unloadable, read from its header alone, or None. The format: 8 bytes (the
+    header's length, little-endian), a JSON header giving each tensor's byte range in the data after it, the data;
+    safetensors refuses a file whose ranges do not tile the data exactly. Plain json and struct: nothing it holds
+    runs, and the tensors are not read."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if n is None or n > size - 8:
+                return f"is truncated ({size} bytes: its header does not fit)"
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        return f"has a damaged header ({getattr(e, 'strerror', None) or type(e).__name__})"
+    if not isinstance(header, dict):
+        return "has a damaged header (not a JSON object)"
+    ranges = []
+    for name, tensor in header.items():
+        offsets = tensor.get("data_offsets") if isinstance(tensor, dict) and name != "__metadata__" else [0, 0]
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            return f"has a damaged header (tensor {name!r} has no byte range)"
+        ranges.append(offsets)
+    data, end = size - 8 - n, 0
+    for begin, stop in sorted(ranges):
+        if begin != end and stop > begin:
+            return "has a damaged header (its tensors' byte ranges overlap or leave gaps)"
+        end = max(end, stop)
+    if end > data:
+        return f"is truncated (its tensors end at byte {end} of the data, which holds {data})"
+    if end < data:
+        return f"is damaged ({data - end} bytes after its tensors' data)"
+    return None
 
 
 @functools.lru_cache(maxsize=8)

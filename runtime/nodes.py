@@ -36,7 +36,7 @@ On one node nothing here runs (runtime/fleet.py's Fleet holds `nodes`: None on o
   once (a closed connection), or at the groups' timeout (`allowance`) when the machine is
   unreachable, and each node's leader stops with one line (`lost`); the searchers of every node are
   stopped as on one node.
-Train rows gain `samples_per_node` (trajectories received from each node so far) and
+Train rows gain `samples_per_node` (trajectories received from each node so far; checkpoints carry them) and
 `version_per_node` (the newest weight version in the trajectories from each node other than node 0,
 whose searchers read rank 0's own copy; null for node 0).
 """

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import nodes
+from runtime.checkpoint import last_checkpoint
 from runtime.errors import Dead, Silent, Stop
 from runtime.vllm_env import stop_fork_server
 
@@ -167,13 +168,20 @@ def share_signals(signals, world: int):
         signals.first = (signal.Signals(int(came.item())).name, time.time())
 
 
-def raise_stop(why, saved: bool, out: str):
-    """Stop every rank for rank 0's reason (broadcast): a dead or silent searcher, or a signal."""
+def raise_stop(why, saved: bool | str, out: str):
+    """Stop every rank for rank 0's reason (broadcast): a dead or silent searcher, or a signal. `saved`: whether a
+    checkpoint was written, or the line of one that could not be (Trainer.checkpoint)."""
     kind, what = why or ("signal", "a signal")
-    where = f"checkpoint in {os.path.join(out, 'checkpoint')}" if saved else "before the first step: nothing to save"
     if kind in ("dead", "silent"):
-        raise (Dead if kind == "dead" else Silent)(f"{what}; {where}")
+        raise (Dead if kind == "dead" else Silent)(f"{what}; {saved_where(saved, out)}")
     raise Stop(what, saved)
+
+
+def saved_where(saved: bool | str, out: str) -> str:
+    """What a stopped run left: its checkpoint, nothing yet, or why its checkpoint could not be written."""
+    if isinstance(saved, str):
+        return saved
+    return f"checkpoint in {os.path.join(out, 'checkpoint')}" if saved else "before the first step: nothing to save"
 
 
 GRACE = 5.0  # s a rank stuck in a collective may keep a signal waiting before it ends at once
@@ -287,7 +295,7 @@ class Watchdog:
                 name = self.signals.named(name) if self.signals is not None else name
                 self.end(128 + signum, f"tba.py: {'' if self.rank == 0 else f'(rank {self.rank}) '}stopped by "
                          f"{name} while this rank waited in a collective ({where}); no checkpoint: the last is "
-                         f"{self.last_checkpoint()}", say=True)
+                         f"{last_checkpoint(self.out)}", say=True)
         if self.store is None:
             return
         state["beat"] += 1
@@ -328,17 +336,13 @@ class Watchdog:
                                                                        f"{self.bound / 2:.0f} s)" for r in quiet]
         line = (f"tba.py: error: step {self.step()}: the trainer ranks have waited {self.bound:.0f} s in "
                 f"collectives that do not complete: {'; '.join(parts)}; no checkpoint can be written now (it is "
-                f"collective): the last is {self.last_checkpoint()}")
+                f"collective): the last is {last_checkpoint(self.out)}")
         self.store.set(f"tba/watch/line/{self.rank}", line)  # for rank 0 to say, if this rank decides
         if self.store.compare_set("tba/watch/verdict", "", str(self.rank)) != str(self.rank).encode():
             return  # another rank decided first: this one ends at its next beat, when it sees that
         self.end(1, line, say=self.rank == 0 or 0 in quiet,  # else rank 0 says it, at its next beat
                  others=[r for r in range(self.world) if r != self.rank and r not in quiet], stopped=pids.values(),
                  began=now - stuck)
-
-    def last_checkpoint(self) -> str:
-        link = os.path.join(self.out, "checkpoint")
-        return f"{link} ({os.readlink(link)})" if os.path.islink(link) else "none (--save-every)"
 
     def end(self, code: int, line: str, say: bool, others=(), mark: bool = False, stopped=(), began=None):
         """End this rank now: its searchers killed, the line said (one rank says it), status `code`, whatever fails.

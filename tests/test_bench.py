@@ -269,6 +269,32 @@ def test_bad_gain_or_horizon_is_refused_in_one_line(tmp_path):
         assert not (tmp_path / "b").exists()
 
 
+def test_earlier_results_and_unknown_parts_are_refused_in_one_line(tmp_path):
+    """bench.py replaces no results unasked: an --out that holds any (a bench.json, a part's run folders) is refused
+    before anything runs, and so is a part that does not exist (before, --parts 42 ran nothing, exited 0 and wrote an
+    empty bench.json over the one there)."""
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "bench.json").write_text('{"equal_hardware": "hours of part 9"}')
+    (out / "seed0-searchers1").mkdir()
+    for args, line in (([], f"--out {out} already holds results (bench.json, seed0-searchers1): pass a new folder, or "
+                            f"--overwrite to replace them"),
+                       (["--parts", "42"], "--parts 42: no such part (they are 1-12: tools/bench.py --help)"),
+                       (["--parts", "9", "0", "--overwrite"], "--parts 0: no such part (they are 1-12: tools/bench.py "
+                                                               "--help)")):
+        p = subprocess.run([*BENCH, "--parts", "9", "--out", str(out), *args], cwd=tmp_path, env=env(tmp_path),
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and p.stderr == f"bench.py: error: {line}\n", p.stderr
+    assert (out / "bench.json").read_text() == '{"equal_hardware": "hours of part 9"}'
+    import bench
+    bench.check_out(str(out), overwrite=True)  # asked for: taken
+    bench.check_out(str(tmp_path / "new"), overwrite=False)
+    (out / "seed0-searchers1" / "metrics.jsonl").write_text("{}")
+    assert bench.vacated(str(out / "seed0-searchers1")) == str(out / "seed0-searchers1")
+    assert sorted(os.listdir(out)) == ["bench.json"]  # the run's folder goes as its run starts again; bench.json is
+    # replaced whole when the new one is written (write_json)
+
+
 def test_part9_checks_its_flags_beside_the_slowdown_it_adds(tiny_model):
     """Part 9 adds --generation-slowdown to each run: its flags after `--` are checked beside it (the config returned
     is the flags' own, not slowed); a decoding shape there is refused (a cell's X is chosen for its own shape: the

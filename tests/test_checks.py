@@ -144,6 +144,63 @@ def test_resume_without_model_weights_is_refused(tiny_model, checkpoint, tmp_pat
 
 
 @pytest.mark.engine
+def test_resume_with_truncated_weights_is_refused(tiny_model, checkpoint, tmp_path, refusal):
+    """A checkpoint whose model.safetensors was cut short (a full disk, a copy stopped half-way): one line. Before, a
+    SafetensorError traceback from load_policy."""
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    weights = broken / "model" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    status, lines = refusal(["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(broken),
+                             "--out", str(tmp_path / "b")])
+    assert status == 2 and len(lines) == 1 and lines[0].startswith(
+        f"tba.py: error: --resume: {weights} is truncated (its tensors end at byte "), lines
+    assert lines[0].endswith(": it would not load; an incomplete checkpoint?"), lines
+
+
+def test_a_damaged_safetensors_file_is_named_from_its_header(tmp_path):
+    """hub.safetensors_damage reads the header alone (plain json and struct) and finds every damage that safetensors
+    would refuse the file for: a file cut anywhere, bytes added, a header that is not JSON or whose ranges do not
+    tile the data; an intact file passes. A sharded model's shards are each checked, a missing one named."""
+    import json
+    import struct
+    from safetensors.torch import load_file, save_file
+    from runtime.hub import check_weights, safetensors_damage
+    intact = tmp_path / "intact.safetensors"
+    save_file({"a": torch.zeros(10), "b": torch.ones(3), "empty": torch.zeros(0)}, str(intact), metadata={"x": "y"})
+    data = intact.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    overlap = dict(header, b=dict(header["b"], data_offsets=[36, 48]))
+    rehead = lambda h: (lambda raw: struct.pack("<Q", len(raw)) + raw)(json.dumps(h).encode()) + data[8 + n:]
+    damaged = {"cut in the data": data[:-5], "cut in the header": data[:20], "cut in the length": data[:5], "empty": b"",
+               "bytes added": data + b"junk", "not JSON": data[:8] + b"{" * n + data[8 + n:],
+               "a huge length": struct.pack("<Q", 2**60) + data[8:], "a list": rehead([1]),
+               "no range": rehead(dict(header, a={"dtype": "F32"})), "overlapping": rehead(overlap)}
+    assert safetensors_damage(str(intact)) is None and load_file(str(intact))["b"].sum() == 3
+    for what, content in damaged.items():
+        path = tmp_path / f"{what}.safetensors"
+        path.write_bytes(content)
+        assert safetensors_damage(str(path)), what
+        with pytest.raises(Exception):
+            load_file(str(path))  # safetensors refuses each too: none is refused here that would load
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(data[:-5])
+    with pytest.raises(ConfigError, match=rf"^--model: {model / 'model.safetensors'} is truncated \(its tensors end at "
+                                          rf"byte 52 of the data, which holds 47\): it would not load$"):
+        check_weights(str(model))
+    (model / "model.safetensors").unlink()
+    (model / "a.safetensors").write_bytes(data)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "a.safetensors",
+                                                                                   "b": "b.safetensors"}}))
+    with pytest.raises(ConfigError, match=rf"^--model: {model / 'b.safetensors'} is missing: it would not load$"):
+        check_weights(str(model))
+
+
+@pytest.mark.engine
 def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, checkpoint, tmp_path, refusal):
     flags = ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint)]
     status, lines = refusal([*flags, "--temperature", "0.5", "--out", str(tmp_path / "b")])

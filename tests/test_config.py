@@ -349,3 +349,69 @@ def test_a_refusal_leaves_a_callers_process_group(tmp_path, monkeypatch, capsys)
     finally:
         if made:
             dist.destroy_process_group()
+
+
+STRING_FLAGS = [f.name for f in __import__("dataclasses").fields(Config)
+                if str in (__import__("typing").get_args(f.type) or (f.type,)) and not f.metadata.get("derived")]
+
+
+@pytest.mark.parametrize("flag", STRING_FLAGS)
+def test_an_empty_value_is_no_value(flag, refusal, tiny_model):
+    """One rule for every flag of text (a path, a name, a choice): "" is refused in one line. Before, --resume ""
+    (an unset $CKPT) started a fresh run in a new folder, and --out, --calibration, --wandb "" were taken as not
+    given."""
+    name = "--" + flag.replace("_", "-")
+    status, lines = refusal([*(["--model", tiny_model, "--searchers", "0"] if flag != "model" else []), name, ""])
+    assert status == 2 and lines == [f"tba.py: error: {name}: empty (an unset shell variable?): give a value, or leave "
+                                     f"the flag out"], lines
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_that_numpy_and_vllm_do_not_take_is_refused(seed, refusal):
+    """--seed goes to vLLM's engine, which seeds numpy with it (0 to 2**32 - 1), and to numpy's SeedSequence lists
+    (no negative numbers). Before, -1 and 2**32 killed the searcher inside vLLM's engine start."""
+    status, lines = refusal(["--seed", seed])
+    assert status == 2 and lines == [f"tba.py: error: --seed: must be in [0, 2**32 - 1] (numpy's and vLLM's seeds), "
+                                     f"got {seed}"], lines
+
+
+def test_the_largest_seed_is_taken(tiny_model, tmp_path):
+    import numpy as np
+    import torch
+    cfg = checks.check(checks.parse(Config, ["--model", tiny_model, "--seed", str(2**32 - 1), "--searchers", "0",
+                                             "--out", str(tmp_path / "run")]), 1)[0]
+    np.random.seed(cfg.seed)  # what vLLM's set_random_seed does with it
+    np.random.default_rng([cfg.seed, 1, 2])
+    torch.manual_seed(cfg.seed)
+
+
+def test_a_tasks_defaults_are_checked(refusal, monkeypatch):
+    """A task's `defaults` (tasks/task.py): a key that is not a flag (a typo, a derived value) or a value of another
+    type is refused in one line naming the task and the key; a value refused by the flag's own check says it came
+    from the task's defaults; the command line's own value is refused as ever. Before: a TypeError from
+    dataclasses.replace, a TypeError in the checks, and `--recency: must be in [0, 1]` with no --recency given."""
+    from tasks.task import Task
+    for defaults, line in (({"max_new_token": 12}, "--task: foo's defaults name 'max_new_token', which is not a flag "
+                                                   "(tba.py --help lists them, with - for _)"),
+                           ({"model_path": "x"}, "--task: foo's defaults name 'model_path', which is not a flag "
+                                                 "(tba.py --help lists them, with - for _)"),
+                           ({"max_new_tokens": "12"}, "--max-new-tokens: must be a whole number, got '12' (task foo's "
+                                                      "default)"),
+                           ({"eval_limit": 1.5}, "--eval-limit: must be a whole number or None, got 1.5 (task foo's "
+                                                 "default)"),
+                           ({"fresh_first": 1}, "--fresh-first: must be true or false, got 1 (task foo's default)"),
+                           ({"recency": 2}, "--recency: must be in [0, 1], got 2.0 (task foo's default)"),
+                           ({"duplicates": "once"}, "--duplicates: unknown 'once' (choose from count, collapse) (task "
+                                                    "foo's default)")):
+        monkeypatch.setitem(tasks.TASKS, "foo", Task(load=lambda data: ([], []), defaults=defaults))
+        status, lines = refusal(["--task", "foo"])
+        assert status == 2 and lines == [f"tba.py: error: {line}"], lines
+    monkeypatch.setitem(tasks.TASKS, "foo", Task(load=lambda data: ([], []), defaults={"recency": 0.5}))
+    status, lines = refusal(["--task", "foo", "--recency", "2"])  # the line's own value: no word of the task
+    assert status == 2 and lines == ["tba.py: error: --recency: must be in [0, 1], got 2.0"], lines
+    cfg, filled = checks.task_defaults(checks.parse(Config, ["--task", "foo", "--lr", "1"]))
+    assert (cfg.recency, filled) == (0.5, ("recency",))
+    monkeypatch.setitem(tasks.TASKS, "foo", Task(load=lambda data: ([], []), defaults={"recency": 1}))
+    assert checks.task_defaults(checks.parse(Config, ["--task", "foo", "--recency", "0.2"])) == (
+        checks.parse(Config, ["--task", "foo", "--recency", "0.2"]), ())  # given: the line's; an int for a float
+    assert checks.task_defaults(checks.parse(Config, ["--task", "foo"]))[0].recency == 1.0

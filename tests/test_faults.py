@@ -1,11 +1,16 @@
 """Faults: signals, a dying searcher, checkpoints and resume, non-finite losses. No hangs, no
 process left behind, no data lost."""
 
+import contextlib
+import errno
 import os
+import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import psutil
 import pytest
@@ -26,12 +31,12 @@ def sync_checkpoint(tmp_path_factory, tiny_model):
                                                             "--save-every", "2", *SMALL])
 
 
-def start(args, tmp, torchrun=False):
+def start(args, tmp, torchrun=False, preexec_fn=None):
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *args]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", *cmd[1:]]
     return subprocess.Popen(cmd, cwd=tmp, env=env(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, preexec_fn=preexec_fn)
 
 
 def wait_for_steps(proc, out, n, timeout=180):
@@ -335,9 +340,172 @@ def test_checkpoint_swap_is_atomic(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         checkpoint.atomic_checkpoint(str(tmp_path), 6, write("crash"))
     assert (tmp_path / "checkpoint" / "trainer.pt").read_text() == "three"  # the previous one, intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint-000003"]  # its tmp gone already
     checkpoint.atomic_checkpoint(str(tmp_path), 9, write("nine"))
     assert (tmp_path / "checkpoint" / "trainer.pt").read_text() == "nine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "checkpoint-000009"]  # no leftovers
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Every file this process writes cut at `limit` bytes, as on a full disk: a write beyond it fails with EFBIG
+    ("File too large"; Python ignores SIGXFSZ, which would kill it), needing no root and no small file system."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_failed_write_is_told_from_a_bug(tmp_path):
+    """write_error: each writer of a checkpoint and of final/ that fails on a full disk (here a file size limit) is
+    a failed write, with the OS's reason: safetensors (transformers' save_pretrained) says it in its message only,
+    torch.save's RuntimeError keeps the OSError of a file of ours; any other error is a bug (its traceback)."""
+    import json
+    import numpy as np
+    from safetensors.torch import save_file
+    big = torch.zeros(100_000)
+
+    def torch_save(path):
+        with open(path, "wb") as f:
+            torch.save({"w": big}, f)
+    writes = {"safetensors": lambda p: save_file({"w": big}, p), "torch.save": torch_save,
+              "numpy": lambda p: np.savez(p, w=big.numpy()), "json": lambda p: json.dump(big.tolist(), open(p, "w"))}
+    for name, write in writes.items():
+        with file_size_limit(100_000), pytest.raises(Exception) as e:
+            write(str(tmp_path / name))
+        assert checkpoint.write_error(e.value) == os.strerror(errno.EFBIG), (name, repr(e.value))
+    assert checkpoint.write_error(ValueError("a bug")) is None
+    assert checkpoint.write_error(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")) is None
+
+
+def final_writer(tmp_path, monkeypatch, fails: int, signals=None, error=OSError(errno.ENOSPC, "No space left on device")):
+    """save_final with save_hf failing its first `fails` tries (half a file written first) and tries every 0.05 s;
+    returns (a call of it with `timeout`, the lines it said)."""
+    tries, said = [], []
+
+    def save_hf(model, sd, tokenizer, path):
+        tries.append(path)
+        open(os.path.join(path, "model.safetensors"), "w").write("half")
+        if len(tries) <= fails:
+            raise error
+        open(os.path.join(path, "config.json"), "w").write("{}")
+    monkeypatch.setattr(checkpoint, "save_hf", save_hf)
+    monkeypatch.setattr(checkpoint, "RETRY", 0.05)
+    log = types.SimpleNamespace(print=lambda line, file=None: said.append(line))
+    signals = signals or types.SimpleNamespace(first=None)
+    return lambda timeout: checkpoint.save_final(None, {}, None, str(tmp_path), 7, timeout, signals, log), said
+
+
+def test_final_is_kept_in_memory_and_written_again_on_a_full_disk(tmp_path, monkeypatch):
+    """OUT/final is written whole or not at all: a write that fails keeps the weights in memory, says so once and is
+    tried again until it succeeds (replacing an older final/ only then) or --timeout passes (then one line naming
+    what is lost and the last checkpoint); a signal stops the tries at once; a bug is raised. No temporary folder is
+    ever left."""
+    (tmp_path / "final").mkdir()  # a resumed run's older one: replaced only by a whole new one
+    (tmp_path / "final" / "old").write_text("")
+    save, said = final_writer(tmp_path, monkeypatch, fails=3)
+    assert save(60) is None
+    assert sorted(os.listdir(tmp_path)) == ["final"] and sorted(os.listdir(tmp_path / "final")) == [
+        "config.json", "model.safetensors"]
+    assert said == [f"tba.py: warning: {tmp_path / 'final'} could not be written (No space left on device): free space "
+                    f"there; the weights of step 7 are kept in memory and written again every 0.05 s, for 60 s "
+                    f"(--timeout)", f"tba.py: {tmp_path / 'final'} written at a later try"]
+    (tmp_path / "final" / "config.json").unlink()
+
+    save, said = final_writer(tmp_path / "final", monkeypatch, fails=10**9)
+    t0 = time.time()
+    line = save(0.5)
+    assert 0.5 <= time.time() - t0 < 5 and len(said) == 1
+    assert line == (f"{tmp_path / 'final' / 'final'} could not be written (No space left on device) in 0.5 s of tries "
+                    f"(--timeout): the weights of step 7 are lost; the last checkpoint is none (--save-every)")
+    assert os.listdir(tmp_path / "final") == ["model.safetensors"]  # no final/, no final.tmp
+
+    signals = types.SimpleNamespace(first=None)
+    save, said = final_writer(tmp_path / "final", monkeypatch, fails=10**9, signals=signals)
+    threading.Timer(0.3, lambda: setattr(signals, "first", ("SIGTERM", time.time()))).start()  # as Signals does
+    t0 = time.time()
+    line = save(60)
+    assert time.time() - t0 < 5 and line.endswith(", and SIGTERM stopped the tries: the weights of step 7 are lost; "
+                                                  "the last checkpoint is none (--save-every)"), line
+    assert os.listdir(tmp_path / "final") == ["model.safetensors"]
+
+    save, said = final_writer(tmp_path / "final", monkeypatch, fails=1, error=ValueError("a bug"))
+    with pytest.raises(ValueError):
+        save(60)
+    assert os.listdir(tmp_path / "final") == ["model.safetensors"] and said == []
+
+
+FULL_DISK = 1_000_000  # bytes: the tiny model's weights (2.6 MB) and checkpoints do not fit; every other file of a run
+# does (its log and config, the searcher's and the fork server's files: tried with one searcher)
+
+
+def full_disk():
+    """A run's preexec_fn: every file it writes cut at FULL_DISK bytes (file_size_limit)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FULL_DISK, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+@pytest.mark.engine
+def test_a_full_disk_loses_no_weights(tiny_model, tmp_path):
+    """A run on a full disk (every file cut at 1 MB), with a searcher: each checkpoint (--save-every 1) fails, with one
+    warning for both and no temporary folder, and training goes on; final/ fails, the weights stay in memory and the
+    write is tried again until space comes back (the limit raised, as a user frees space): final/ whole, status 0, no
+    traceback. Before: a SafetensorError traceback, a half-written final/ and no checkpoint (two chained tracebacks
+    and a checkpoint-*.tmp with --save-every)."""
+    out, log = tmp_path / "run", tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tba.py"), "--model", tiny_model, *SMALL, "--steps",
+                                 "2", "--save-every", "1", "--timeout", "300", "--out", str(out)], cwd=tmp_path,
+                                env=env(tmp_path), stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=full_disk)
+    try:
+        deadline = time.time() + 300
+        while "could not be written (File too large): free space there" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert not (out / "final").exists()
+        hard = resource.prlimit(proc.pid, resource.RLIMIT_FSIZE)[1]
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (hard, hard))  # space freed (the run's own process only)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert "Traceback" not in output, output[-3000:]
+    warned = [line for line in output.splitlines() if "checkpoint of step" in line]
+    assert warned == [f"tba.py: warning: the checkpoint of step 1 could not be written in {out} (File too large): the "
+                      f"last is none (--save-every); training goes on (a later checkpoint that fails is not said "
+                      f"again)"], output[-3000:]
+    assert f"tba.py: {out / 'final'} written at a later try" in output and "done: 2 steps" in output
+    assert sorted(os.listdir(out)) == ["config.json", "final", "metrics.jsonl"]  # no checkpoint, no temporary folder
+    from runtime.hub import check_weights
+    check_weights(str(out / "final"))
+
+
+@pytest.mark.engine
+def test_a_checkpoint_that_cannot_be_written_on_a_stop_says_so(tiny_model, tmp_path):
+    """SIGTERM on a full disk: the stop's checkpoint fails, and the run's one line says so and names the last one
+    (status 143, no traceback, no temporary folder, nothing left). Before: "checkpoint in OUT/checkpoint" after two
+    chained tracebacks, with no checkpoint there."""
+    out = tmp_path / "run"
+    proc = start(["--model", tiny_model, "--steps", "100000", *SMALL, "--out", str(out)], tmp_path,
+                 preexec_fn=full_disk)
+    try:
+        wait_for_steps(proc, out, 2)
+        everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        os.kill(proc.pid, signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143 and "Traceback" not in output, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("tba.py: stopped by SIGTERM; the checkpoint of step ") and last.endswith(
+        f" could not be written in {out} (File too large): the last is none (--save-every)"), output[-3000:]
+    assert sorted(os.listdir(out)) == ["config.json", "metrics.jsonl"]
+    assert_all_gone(everything)
 
 
 def save_twice(path, out, port, results):

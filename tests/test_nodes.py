@@ -95,6 +95,33 @@ def test_two_nodes_learn_with_node_1s_trajectories(tiny_model, tmp_path):
     assert "done: 40 steps" in outputs[0]
 
 
+@pytest.mark.engine
+def test_a_resume_over_two_nodes_keeps_each_nodes_count(tiny_model, tmp_path):
+    """Two nodes, 6 steps and a checkpoint, then resumed to 8 steps: the checkpoint carries each node's count (plain
+    data), and every row after the resume counts on from it, for node 1 too. Before, every trajectory from before the
+    checkpoint was credited to node 0 and node 1's count restarted at 0."""
+    out = tmp_path / "run"
+    for steps, extra in ((6, ["--save-every", "6"]), (8, ["--resume", str(out / "checkpoint")])):
+        args = ["--model", tiny_model, *SMALL, "--steps", str(steps), "--eval-every", "0", "--out", str(out), *extra]
+        port = free_port()
+        node1, node0 = launch(1, port, args, tmp_path), launch(0, port, args, tmp_path)
+        try:
+            outputs = [p.communicate(timeout=600)[0] for p in (node0, node1)]
+        finally:
+            kill_all(tree(node0) + tree(node1))  # only if the test failed: by now none of them is left
+        assert node0.returncode == node1.returncode == 0, (outputs[0][-3000:], outputs[1][-3000:])
+        if steps == 6:
+            saved = torch.load(out / "checkpoint" / "trainer.pt", weights_only=True)
+    train = [r for r in metrics(out) if r["kind"] == "train"]
+    before, after = [r for r in train if "resumed" not in r], [r for r in train if r.get("resumed") == 6]
+    assert [r["step"] for r in after] == [7, 8] and before[-1]["step"] == 6
+    assert saved["node_samples"][1:] == before[-1]["samples_per_node"][1:] and before[-1]["samples_per_node"][1] > 0
+    for r in after:
+        assert sum(r["samples_per_node"]) == r["samples"]
+        assert all(now >= then for now, then in zip(r["samples_per_node"], before[-1]["samples_per_node"])), (
+            r["samples_per_node"], before[-1]["samples_per_node"])
+
+
 def in_flow(port: int, args, out, tmp, outputs=(None, None), script1=None):
     """Two 'nodes' (node 1 launched first, through `script1` if given) in full flow: node 0 has taken 3 steps
     and node 1's searcher has sent data. Returns (node 0, node 1); kills both if they do not get there."""

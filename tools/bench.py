@@ -76,12 +76,15 @@ on the devices a run would use: on a GPU node the trainer's GPU 0 and the first 
 Each run starts in a session of its own; Ctrl-C, SIGTERM (`timeout`) or SIGHUP kills the whole process group of
 every run bench.py started, then it exits 128 + the signal in one line (a second signal: at once). --costs is
 checked before anything starts (one line, status 2); calibration.json and bench.json are written whole or not at all.
+Earlier results are never replaced unasked: an --out that holds anything is refused in one line (status 2) unless
+--overwrite, and so is an unknown part.
 """
 
 import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +133,24 @@ def write_json(path: str, value):
 
 class BadInput(Exception):
     """A flag or file bench.py refuses before it starts anything: one line, status 2."""
+
+
+PARTS = range(1, 13)
+
+
+def check_out(out: str, overwrite: bool):
+    """Earlier results are never replaced unasked: an --out that holds anything (a bench.json, a part's runs) is
+    refused unless --overwrite (then each run folder goes just before its run again: `vacated`)."""
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if held and not overwrite:
+        raise BadInput(f"--out {out} already holds results ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+                       f"pass a new folder, or --overwrite to replace them")
+
+
+def vacated(run: str) -> str:
+    """A run's folder, emptied of an earlier bench's run there (--overwrite: tba.py refuses an --out that holds one)."""
+    shutil.rmtree(run, ignore_errors=True)
+    return run
 
 
 # --- stopping: every run bench.py started stops with it ----------------------------------------------------
@@ -244,7 +265,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     """Launch tba.py; stop it when an evaluation reaches start + `gain` (unless `full`) and `until` seconds have
     passed (from launch, less the trainer's overhead), or at the time cap. Its processes' CPU seconds are summed."""
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", str(searchers), "--seed", str(seed),
-           "--out", out, *flags]
+           "--out", vacated(out), *flags]
     launched = time.time()
     with open(out + ".log", "w") as log:  # the run's console, beside its folder (the run keeps its own copy)
         proc = start(cmd, log)
@@ -313,7 +334,8 @@ def cpu_seconds(pid: int) -> dict:
 def memory_growth(minutes: float, out: str, flags: list[str]) -> dict:
     """Resident memory summed over every process of an async run, sampled every 10 s."""
     import psutil
-    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--steps", str(10**9), "--eval-every", "0", "--out", out, *flags]
+    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--steps", str(10**9), "--eval-every", "0", "--out",
+           vacated(out), *flags]
     with open(out + ".log", "w") as log:
         proc = start(cmd, log)
     t0, samples = time.time(), []
@@ -345,7 +367,8 @@ def lagged_run(part: int, run: str, loss: str, args: list[str], lag: int, seed: 
     """Parts 7 and 12: one tba.py run of `loss` to its end with `args`, --lag `lag`, --seed `seed` and then `tail` (the
     user's flags, which come last) into `run` (its output in run.log): its held-out accuracy at the start, at the end (mean of the last 3 evaluations) and
     best, whether it collapsed (ended below its start), its staleness and curve; and its config."""
-    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *args, "--lag", str(lag), "--seed", str(seed), "--out", run, *tail]
+    cmd = [sys.executable, os.path.join(ROOT, "tba.py"), *args, "--lag", str(lag), "--seed", str(seed), "--out",
+           vacated(run), *tail]
     t0 = time.time()
     code = run_to_end(cmd, run + ".log")
     if code != 0:
@@ -395,7 +418,7 @@ def calibrate_costs(out: str, flags: list[str]) -> dict:
     searchers on 2 cores) times one engine's generated token and a training step, each alone (runtime/slowdown.py);
     its rounds give the tokens a round of B prompts makes. Returns {seconds_per_token, train_step, tokens_per_batch,
     file}."""
-    run = os.path.join(out, "calibration")
+    run = vacated(os.path.join(out, "calibration"))
     core = str(min(os.sched_getaffinity(0)))  # the first core this process may use (core 0 may not be one)
     # the user's flags first, so that its own come after them and win: a `-- --steps 200` of a longer task would
     # otherwise make the calibration run 200 steps on one core for the 3 it times
@@ -875,7 +898,8 @@ def reached(curve, level: float):
 
 def run_trl(python: str, seed: int, cap: float, out: str, model: str, extra: list[str]) -> dict:
     """Run trl_grpo.py to its end (or the time cap); times count from its launch, without evaluations."""
-    cmd = [python, os.path.join(ROOT, "tools", "trl_grpo.py"), "--seed", str(seed), "--out", out, "--model", model, *extra]
+    cmd = [python, os.path.join(ROOT, "tools", "trl_grpo.py"), "--seed", str(seed), "--out", vacated(out), "--model",
+           model, *extra]
     launched = time.time()
     with open(out + ".log", "w") as log:
         proc = start(cmd, log)
@@ -1039,7 +1063,10 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help=f"seeds of the time-to-target runs (default: 0 1; part 9: 0-{PART9_SEEDS - 1})")
     p.add_argument("--cap", type=float, default=600, help="time cap of each run, seconds")
-    p.add_argument("--out", default=None, help="output folder (default: runs/bench-<time>)")
+    p.add_argument("--out", default=None, help="output folder (default: runs/bench-<time>); one that holds anything is "
+                   "refused, unless --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace the results an --out holds (bench.json, and each "
+                   "run folder as its run starts again)")
     p.add_argument("--quick", action="store_true", help="a tiny budget (for the tests)")
     p.add_argument("--full", action="store_true", help="run tba.py to its end (whole accuracy curves for plot.py)")
     p.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3, 4, 5],
@@ -1072,6 +1099,10 @@ def main(argv=None):
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
     args = p.parse_args(argv)
     flags = [f for f in args.flags if f != "--"]
+    unknown = [n for n in args.parts if n not in PARTS]
+    if unknown:
+        raise BadInput(f"--parts {' '.join(map(str, unknown))}: no such part (they are {PARTS[0]}-{PARTS[-1]}: "
+                       f"tools/bench.py --help)")
     for flag, value in (("--gain", args.gain), ("--horizon", args.horizon)):
         if value is not None and not 0 < value < float("inf"):  # NaN too
             raise BadInput(f"{flag} {value:g}: give a positive number")
@@ -1080,6 +1111,7 @@ def main(argv=None):
             raise BadInput("--costs acts only with --parts 9")
         read_costs(args.costs)
     out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
+    check_out(out, args.overwrite)
     os.makedirs(out, exist_ok=True)
     seeds9 = args.seeds or list(range(PART9_SEEDS))
     args.seeds = args.seeds or [0, 1]
