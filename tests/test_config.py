@@ -82,7 +82,7 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--gamma-anneal-steps", "10"], "--gamma-anneal-steps: anneals gamma from 1 to --gamma-final, and --gamma-final is 1"),
     (["--weight-decay", "-0.01"], "--weight-decay"),
     (["--reward-temp", "0"], "--reward-temp: must be positive"),
-    (["--reward-temp", "2", "--loss", "rloo"], "--reward-temp: acts only in TB's log R"),
+    (["--reward-temp", "2", "--loss", "rloo"], "--reward-temp: acts only in --loss tb;"),
     (["--gamma-final", "-1"], "--gamma-final"),
     (["--explore-temp-min", "0.5"], "--explore-temp-min: the exploration temperatures need"),
     (["--explore-temp-min", "2", "--explore-temp-max", "0.5"], "--explore-temp-min"),
