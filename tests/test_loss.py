@@ -366,7 +366,7 @@ def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_na
     why = (f"--loss {loss_name} at --micro-batch {micro_batch}: the {{}} differs from one pass's over the whole batch, "
            f"so the loss pools across prompts and got parts of the batch: neither its `pools` nor the start-up "
            f"probe (runtime.checks.loss_pools) said that it pools")
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5), why.format(f"loss ({losses[1]} against {losses[0]})")
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5), why.format(f"loss ({losses[1]}, against {losses[0]} in one pass)")
     assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-8), why.format("gradient")
     assert grads[0].abs().max() > 1e-4
 
