@@ -15,11 +15,17 @@ policy, which is what lets TBA train on stale, replayed data.
 
 Every loss (`LOSSES`, chosen with `--loss`) takes the same (B, K) tensors by keyword: `logp` (the
 trainer's, with gradient), `logp_ref`, `logp_behaviour` (of the policy that sampled the response),
-`reward`, `length` (response tokens), `prompt_length` and every other number field of buffer.Trajectory, and the scalars
-`beta`, `clip`, `gamma` and `reward_temp` (TB's tempered log R: Lee et al.'s red-teaming); a loss marked
-`per_token` also gets (B, K, T) tensors of each response token (the per-token baselines below). It returns
-the scalar loss (a mean over the B x K responses) and a dict of (B,) statistics that are logged. A new
-objective is one more function of this shape, added to `LOSSES`.
+`reward`, `length` (response tokens), `prompt_length` and every other number field of buffer.Trajectory, and
+the numbers `loss_options` gives every call: this step's `beta`, `gamma` and `reward_temp` (TB's tempered log R:
+Lee et al.'s red-teaming), `budget` (--max-new-tokens) and the loss's own flags. It returns the scalar loss (a
+mean over the B x K responses) and a dict of (B,) statistics that are logged. A new objective is one more
+function of this shape, added to `LOSSES`, and what it says of itself, as attributes of the function:
+- `flags`: the Config fields it reads (each reaches it by name in every call, and is refused with another loss);
+- `reads`: the trajectory fields it reads (a searcher computes pi_ref's log-probs only for a loss that reads them);
+- `per_token = True`: it also gets (B, K, T) tensors of each response token (the per-token baselines below);
+- `pools = True`: it pools across prompts (a normaliser over the batch), so it gets the whole batch in every pass
+  of the gradient (`False`: it does not); every loss is probed at start-up too (runtime.checks.loss_pools).
+It is called many times a step (docs/experiments.md says how often), so it should be a pure function.
 """
 
 import torch
@@ -146,37 +152,23 @@ grpo_loss.reads = ("reward", "logp_ref", "logp_behaviour")
 drgrpo_loss.reads = ("reward", "behaviour_logps")
 tbprime_loss.reads = ("reward", "behaviour_logps", "ref_logps")
 
+# the Config fields each loss reads (loss_options passes them; runtime.checks refuses them with another loss); TB's
+# reach it annealed, as this step's gamma and reward_temp
+tb_loss.flags = ("reward_temp", "gamma_final")
+grpo_loss.flags = ("clip",)
+drgrpo_loss.flags = ("is_cap", "norm")
+tbprime_loss.flags = ("is_cap", "importance_weights", "norm")
+
 LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "grpo": grpo_loss, "drgrpo": drgrpo_loss, "tbprime": tbprime_loss}
 
 
-def pools(loss, options: dict, K: int = 3, T: int = 5) -> bool:
-    """Whether `loss` pools across prompts: on random inputs for 4 prompts, its value or its gradient differs from
-    the mean of its values on a part of 1 prompt and one of 3. tba.backward runs a loss in passes of whole prompts
-    (--micro-batch, and each trainer rank its share of B), which is the same only for a separable one; one that pools
-    gets the whole batch (tba.pooled_backward). Asked of every loss at start-up (runtime.checks), so that no author
-    has to say which kind theirs is."""
-    from buffer import SCALARS
-    g = torch.Generator().manual_seed(0)
-    B, per_token = 4, getattr(loss, "per_token", False)
-    rand = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)
-    mask = (torch.arange(T) < torch.randint(1, T + 1, (B, K, 1), generator=g)).double()   # (B, K, T)
-    x = {name: -5 * rand(B, K) for name in SCALARS}                                        # (B, K) each
-    x.update(reward=rand(B, K), length=mask.sum(-1), prompt_length=torch.full((B, K), 7.0))
-    if per_token:
-        x.update(token_mask=mask, behaviour_logps=-rand(B, K, T) * mask, ref_logps=-rand(B, K, T) * mask)
-    leaf = (-rand(B, K, T) * mask if per_token else -5 * rand(B, K)).requires_grad_()
-
-    def run(rows):
-        y = leaf[rows]
-        value = loss(logp=y.sum(-1) if per_token else y, **({"token_logp": y} if per_token else {}),
-                     **{k: v[rows] for k, v in x.items()}, **options)[0]
-        return value * len(range(B)[rows])
-    whole = run(slice(None))
-    grad_whole, = torch.autograd.grad(whole, leaf)
-    split = run(slice(0, 1)) + run(slice(1, B))
-    grad_split, = torch.autograd.grad(split, leaf)
-    return not (torch.allclose(whole, split, rtol=1e-9, atol=1e-12)
-                and torch.allclose(grad_whole, grad_split, rtol=1e-9, atol=1e-12))
+def loss_options(cfg, beta: float, gamma: float = 1.0, reward_temp: float = 1.0) -> dict:
+    """The keyword arguments, besides the tensors, of every call of --loss: in the training step (tba.backward,
+    tba.pooled_backward) and the start-up check (runtime.checks.loss_pools) alike. Its own `flags`' values from
+    `cfg`, then this step's scheduled beta, gamma and T_R (tba.py's beta_at, gamma_at, reward_temp_at) and the
+    generation budget. A loss's new flag is a field of Config named in its `flags`: nothing else to wire."""
+    own = {flag: getattr(cfg, flag) for flag in getattr(LOSSES[cfg.loss], "flags", ())}
+    return {**own, "beta": beta, "gamma": gamma, "reward_temp": reward_temp, "budget": cfg.max_new_tokens}
 
 
 def reads(loss) -> tuple:

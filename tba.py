@@ -61,7 +61,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import tasks
 from buffer import PER_TOKEN, SCALARS, ReuseCap
-from loss import LOSSES, collate, response_logprobs, sequence_logprobs, unique_pairs
+from loss import LOSSES, collate, loss_options, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import nodes, seeds, slowdown
 from runtime.checkpoint import fixed_on_resume, full_state_dict, linked, save_checkpoint, save_final
 from runtime.checks import check, parse
@@ -103,7 +103,7 @@ def train(t: "Trainer"):
         tempering = dict(gamma=gamma_at(cfg, t.step), reward_temp=reward_temp_at(cfg, t.step))  # Lee et al.'s log R
         for g in t.opt.param_groups:
             g["lr"] = lr
-        if cfg.loss_pools:  # a loss that pools across prompts gets the whole batch (runtime.checks: loss.pools)
+        if cfg.loss_pools:  # a loss that pools across prompts gets the whole batch (runtime.checks.loss_pools)
             sums = pooled_backward(t.model, batch, t.rank, t.world, t.data.prompts, t.pad, t.device, cfg, beta, **tempering)
         else:
             sums = backward(t.model, mine, len(batch) / t.world, t.data.prompts, t.pad, t.device, cfg, beta, **tempering)
@@ -372,8 +372,7 @@ def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, 
     and each statistic's."""
     K, loss_fn = cfg.samples_per_prompt, LOSSES[cfg.loss]
     per_token = getattr(loss_fn, "per_token", False)
-    options = dict(beta=beta, clip=cfg.clip, is_cap=cfg.is_cap, importance_weights=cfg.importance_weights,
-                   norm=cfg.norm, budget=cfg.max_new_tokens, **tempering)
+    options = loss_options(cfg, beta, **tempering)  # every call's keyword arguments, as the start-up check's
     sums = {}
     for i in range(0, len(groups), max(1, cfg.micro_batch // K)):
         part = groups[i:i + max(1, cfg.micro_batch // K)]
@@ -424,16 +423,16 @@ def add_sums(sums: dict, loss, stats: dict, prompts: int, rows=slice(None)):
 
 
 def pooled_backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, beta: float, **tempering) -> dict:
-    """`backward` for a loss that pools across prompts (runtime.checks finds it: loss.pools): it gets the whole
-    batch of B prompts, on any --micro-batch and any number of trainer ranks. Each rank computes its share's log-probs
-    without gradient, in passes of --micro-batch sequences; the ranks exchange them (an all-gather: every rank then
-    holds the batch's); then each pass puts its sequences' log-probs, with gradient, among the batch's detached ones,
-    and backpropagates the whole batch's loss. The passes' gradients add up to the loss's over the whole batch (x
-    ranks, as FSDP averages them). Returns `backward`'s sums for this rank's share."""
+    """`backward` for a loss that pools across prompts (it says so, or the start-up probe finds it: runtime.checks.
+    loss_pools): it gets the whole batch of B prompts, on any --micro-batch and any number of trainer ranks. Each rank
+    computes its share's log-probs without gradient, in passes of --micro-batch sequences; the ranks exchange them (an
+    all-gather: every rank then holds the batch's); then each pass puts its sequences' log-probs, with gradient, among
+    the batch's detached ones, and backpropagates the whole batch's loss: the loss is called 1 + passes times. The
+    passes' gradients add up to the loss's over the whole batch (x ranks, as FSDP averages them). Returns `backward`'s
+    sums for this rank's share."""
     K, loss_fn = cfg.samples_per_prompt, LOSSES[cfg.loss]
     per_token = getattr(loss_fn, "per_token", False)
-    options = dict(beta=beta, clip=cfg.clip, is_cap=cfg.is_cap, importance_weights=cfg.importance_weights,
-                   norm=cfg.norm, budget=cfg.max_new_tokens, **tempering)
+    options = loss_options(cfg, beta, **tempering)  # every call's keyword arguments, as the start-up check's
     inputs = loss_inputs(batch, device, per_token, prompts)
     R = inputs["token_mask"].shape[-1] if per_token else 0
     share = slice(rank * len(batch) // world, (rank + 1) * len(batch) // world)

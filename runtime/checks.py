@@ -19,9 +19,11 @@ import time
 import typing
 
 import numpy as np
+import torch
 
 import tasks
-from loss import LOSSES, pools, reads, tb_loss
+from buffer import FIELDS, SCALARS
+from loss import LOSSES, loss_options, reads, tb_loss
 from runtime import lora, nodes, ranks, vllm_env
 from runtime.checkpoint import check_resumed_flags, load_checkpoint
 from runtime.errors import ConfigError
@@ -252,16 +254,66 @@ def check_flags(cfg, world: int):
 
 
 def loss_pools(cfg) -> bool:
-    """Whether --loss pools across prompts (loss.pools, on random inputs); a loss that fails on them is refused in
-    one line, before anything starts."""
-    options = dict(beta=cfg.beta, clip=cfg.clip, is_cap=cfg.is_cap, importance_weights=cfg.importance_weights,
-                   norm=cfg.norm, budget=cfg.max_new_tokens, gamma=1.0, reward_temp=1.0)
+    """Whether --loss gets the whole batch in every pass of the gradient (tba.pooled_backward): where it says that it
+    pools (`pools = True`, loss.py) or the probe finds that it does (`probe_pools`, with the run's options at step 0's
+    schedules). Where the two disagree, one line says so, and the loss gets whole batches, the reading that is right
+    either way. A loss that fails on the probe's inputs is refused in one line, before anything starts."""
+    loss, declared = LOSSES[cfg.loss], getattr(LOSSES[cfg.loss], "pools", None)
     try:
-        return pools(LOSSES[cfg.loss], options)
+        found = probe_pools(loss, loss_options(cfg, cfg.beta, 1.0, cfg.reward_temp))  # gamma_at, reward_temp_at at 0
     except Exception as e:
-        raise ConfigError(f"--loss: {cfg.loss} fails on a batch of random inputs ({type(e).__name__}: "
+        raise ConfigError(f"--loss: {cfg.loss} fails on the start-up check's batch ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); see docs/experiments.md for what a loss "
                           f"receives") from None
+    if declared is not None and bool(declared) != found and int(os.environ.get("RANK", "0")) == 0:
+        print(f"tba.py: --loss {cfg.loss} says pools = {declared}, and the start-up probe finds that it "
+              f"{'pools across prompts' if found else 'does not pool'}: it gets the whole batch in every pass",
+              flush=True)
+    return bool(declared) or found
+
+
+def probe_pools(loss, options: dict, K: int = 3, T: int = 5) -> bool:
+    """Whether `loss` pools across prompts: on a batch of 4 prompts, its value or its gradient differs from the sum of
+    its values on parts of it, each x its prompts (a part of 1 prompt and one of 3; each prompt alone). tba.backward
+    runs a loss in passes of whole prompts (--micro-batch, and each trainer rank its share of B), which is the same
+    only for a separable one. The batch is made as a run makes one, from buffer.Trajectory's number fields: the
+    integer ones integers (`prompt_id` one a prompt, `version` 0-4, `pi_ref_version` 0, `for_step` -1), the lengths integers, `reward` 0/1 (a prompt all 0, one all 1) and `truncated` 0/1 (a cut
+    response T long), with another count of ones in each prompt: a mean over the batch's responses with
+    truncated == 0 (DAPO's overlong filter) is then not the mean of the prompts' own, and so found."""
+    g = torch.Generator().manual_seed(0)
+    B, per_token, kind = 4, getattr(loss, "per_token", False), {f.name: f.type for f in FIELDS}
+    rand = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)
+    ones = lambda *counts: (torch.arange(K) < torch.tensor(counts)[:, None]).double()  # (B, K): counts[b] in prompt b
+    x = {name: torch.randint(0, 5, (B, K), generator=g).double() if kind[name] is int else -5 * rand(B, K)
+         for name in SCALARS}                                                            # (B, K) each
+    truncated = ones(0, 1, 2, 0)                                                         # (B, K)
+    length = torch.where(truncated > 0, T, torch.randint(1, T, (B, K), generator=g)).double()  # (B, K)
+    mask = (torch.arange(T) < length[..., None]).double()                               # (B, K, T)
+    x.update(prompt_id=7.0 * torch.arange(B)[:, None].expand(B, K), pi_ref_version=torch.zeros(B, K),
+             for_step=-torch.ones(B, K), reward=ones(0, 1, 2, 3),
+             truncated=truncated, length=length,
+             prompt_length=torch.randint(3, 30, (B, 1), generator=g).double().expand(B, K))
+    if per_token:
+        x.update(token_mask=mask, behaviour_logps=-rand(B, K, T) * mask, ref_logps=-rand(B, K, T) * mask)
+        x.update(logp_behaviour=x["behaviour_logps"].sum(-1), logp_ref=x["ref_logps"].sum(-1))
+    leaf = (-rand(B, K, T) * mask if per_token else -5 * rand(B, K)).requires_grad_()
+
+    def run(rows):  # the loss on prompts `rows`, x their number
+        y = leaf[rows]
+        value = loss(logp=y.sum(-1) if per_token else y, **({"token_logp": y} if per_token else {}),
+                     **{k: v[rows] for k, v in x.items()}, **options)[0]
+        return value * len(rows)
+    whole = run(list(range(B)))
+    if not torch.isfinite(whole):
+        raise ValueError(f"its loss on it is {whole.item()}")
+    grad_whole, = torch.autograd.grad(whole, leaf)
+    for parts in (([0], [1, 2, 3]), ([0], [1], [2], [3])):
+        split = sum(run(rows) for rows in parts)
+        grad_split, = torch.autograd.grad(split, leaf)
+        if not (torch.allclose(whole, split, rtol=1e-9, atol=1e-12)
+                and torch.allclose(grad_whole, grad_split, rtol=1e-9, atol=1e-12)):
+            return True
+    return False
 
 
 def check_resumable(cfg, ckpt: dict):
@@ -337,13 +389,6 @@ ACTS_ONLY = (
     ("behaviour_logprobs", lambda c: c.lag is not None and "behaviour_logps" in reads(LOSSES.get(c.loss, tb_loss)),
      "--lag, for a loss that reads per-token behaviour log-probs (--loss drgrpo, tbprime): the weights that sampled "
      "a batch are then one step's"),
-    ("clip", lambda c: c.loss == "grpo", "--loss grpo's importance ratio"),
-    ("is_cap", lambda c: c.loss in ("drgrpo", "tbprime"), "the per-token losses' importance ratio (--loss drgrpo, "
-     "tbprime)"),
-    ("importance_weights", lambda c: c.loss == "tbprime", "--loss tbprime"),
-    ("norm", lambda c: c.loss in ("drgrpo", "tbprime"), "the per-token losses (--loss drgrpo, tbprime)"),
-    ("reward_temp", lambda c: c.loss == "tb", "TB's log R (--loss tb)"),
-    ("gamma_final", lambda c: c.loss == "tb", "TB's log R (--loss tb)"),
     ("evaluator", lambda c: c.searchers > 0, "a run with searchers (with --searchers 0 the trainer evaluates)"),
     ("calibration", lambda c: c.generation_slowdown != 1 or c.train_slowdown != 1, "the emulated device time "
      "(--generation-slowdown or --train-slowdown above 1)"),
@@ -351,7 +396,10 @@ ACTS_ONLY = (
     ("decode_shape", lambda c: c.decode_cost == "gpu", "GPU-shaped emulated decoding (--decode-cost gpu)"),
     ("response_lengths", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above "
      "1)"),
-)
+) + tuple(  # a loss's own flags (its `flags`, loss.py): refused with another loss, as a task's with another task
+    (flag, lambda c, flag=flag: flag in getattr(LOSSES.get(c.loss), "flags", ()),
+     "--loss " + " or ".join(name for name, loss in LOSSES.items() if flag in getattr(loss, "flags", ())))
+    for flag in dict.fromkeys(f for loss in LOSSES.values() for f in getattr(loss, "flags", ())))
 
 
 def check_unused(cfg, given=None):

@@ -163,7 +163,7 @@ class Config:
     model_path: str = derived("")                     # the local folder of --model
     max_model_len: int = derived(0)                   # longest prompt + max_new_tokens, at most --context
     score: str = derived("accuracy")                  # the evaluation's headline figure (the task's)
-    loss_pools: bool = derived(False)                 # --loss pools across prompts: whole batches (loss.pools)
+    loss_pools: bool = derived(False)                 # --loss pools across prompts: whole batches (checks.loss_pools)
     given: tuple | None = derived(None)               # the flags the command line gave (None: not parsed from one)
     reward_model_path: str | None = derived(None)     # local folder of --reward-model
     eval_reward_model_path: str | None = derived(None)  # local folder of the judge

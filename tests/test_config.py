@@ -77,7 +77,7 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--gamma-anneal-steps", "10"], "--gamma-anneal-steps: anneals gamma from 1 to --gamma-final, and --gamma-final is 1"),
     (["--weight-decay", "-0.01"], "--weight-decay"),
     (["--reward-temp", "0"], "--reward-temp: must be positive"),
-    (["--reward-temp", "2", "--loss", "rloo"], "--reward-temp: acts only in TB's log R"),
+    (["--reward-temp", "2", "--loss", "rloo"], "--reward-temp: acts only in --loss tb;"),
     (["--gamma-final", "-1"], "--gamma-final"),
     (["--explore-temp-min", "0.5"], "--explore-temp-min: the exploration temperatures need"),
     (["--explore-temp-min", "2", "--explore-temp-max", "0.5"], "--explore-temp-min"),
@@ -399,7 +399,8 @@ def test_a_tasks_defaults_are_checked(refusal, monkeypatch):
                                                       "default)"),
                            ({"eval_limit": 1.5}, "--eval-limit: must be a whole number or None, got 1.5 (task foo's "
                                                  "default)"),
-                           ({"fresh_first": 1}, "--fresh-first: must be true or false, got 1 (task foo's default)"),
+                           ({"activation_checkpointing": 1}, "--activation-checkpointing: must be true or false, got 1 (task foo's "
+                                                   "default)"),
                            ({"recency": 2}, "--recency: must be in [0, 1], got 2.0 (task foo's default)"),
                            ({"duplicates": "once"}, "--duplicates: unknown 'once' (choose from count, collapse) (task "
                                                     "foo's default)")):

@@ -50,9 +50,18 @@ def test_the_page_has_an_example_of_each_kind():
     assert {path for path, _, _ in blocks()} >= {"loss.py", "runtime/config.py"} and "a new file" in kinds
 
 
+def applied() -> bool:
+    """Whether the page's new files are here already: this is a copy with its code applied, whose quick tier
+    test_the_quick_tier_stays_green_with_the_pages_code runs."""
+    return any(where == "a new file" and os.path.exists(os.path.join(ROOT, path)) for path, where, _ in blocks())
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    """A copy of the repository (its files as git sees them, tracked and new) with the page's blocks applied."""
+    """A copy of the repository (its files as git sees them, tracked and new) with the page's blocks applied (in such
+    a copy: the copy itself)."""
+    if applied():
+        return ROOT
     copy = str(tmp_path_factory.mktemp("experiments") / "repo")
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, stdout=subprocess.PIPE,
                            text=True, check=True).stdout.split()
@@ -62,6 +71,60 @@ def repo(tmp_path_factory):
             shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
     apply(copy)
     return copy
+
+
+SPY = """import functools, json, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np, torch
+import loss, tba
+from buffer import Trajectory
+from runtime import checks
+from runtime.config import Config
+from runtime.errors import ConfigError
+from transformers import AutoModelForCausalLM
+inner, calls, where = loss.LOSSES["tb_overlong"], [], ["the start-up probe"]
+
+@functools.wraps(inner)  # its flags, reads and pools too
+def spy(**kw):
+    calls.append((where[0], kw.get("overlong_weight")))
+    return inner(**kw)
+loss.LOSSES["tb_overlong"] = spy
+cfg = Config(loss="tb_overlong", overlong_weight=0.25, samples_per_prompt=4, micro_batch=2, temperature=1.0)
+pools = checks.loss_pools(cfg)
+rng = np.random.default_rng(0)
+prompts = [rng.integers(4, 60, 5).tolist() for _ in range(2)]
+groups = [[Trajectory(p, rng.integers(4, 60, 3).astype(np.int32), float(j % 2), -3.0, -3.0, 0,
+                      truncated=int(p == 0 and j == 0)) for j in range(4)] for p in range(2)]
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2])
+where[0] = "the training step"
+tba.backward(model, groups, 2, prompts, 0, torch.device("cpu"), cfg, 0.05)
+where[0] = "the pooled step"
+tba.pooled_backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), cfg, 0.05)
+where[0] = "the probe at 1"
+at_one = checks.loss_pools(Config(loss="tb_overlong"))
+try:
+    checks.check_unused(Config(loss="tb", overlong_weight=0.25))
+    refused = None
+except ConfigError as e:
+    refused = str(e)
+print(json.dumps(dict(calls=calls, pools=pools, at_one=at_one, refused=refused)))
+"""
+
+
+def test_a_losss_flag_reaches_every_call_of_the_loss(repo, tiny_model):
+    """The page's loss flag, wired as it says (a Config field named in the loss's `flags`): its value (not the
+    default) reaches every call of the loss, in the start-up probe, the training step's passes and the pooled step's
+    alike (a flag wired by hand into one of them would miss the others: before, three option dicts); the probe, run
+    with it, finds the loss pooling through `truncated` below 1 and not at 1; with another loss it is refused."""
+    p = subprocess.run([sys.executable, "-c", SPY, repo, tiny_model], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=600, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert p.returncode == 0, p.stdout[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    calls = [(where, value) for where, value in got["calls"] if where != "the probe at 1"]
+    assert {where for where, _ in calls} == {"the start-up probe", "the training step", "the pooled step"}, calls
+    assert all(value == 0.25 for _, value in calls), calls
+    assert got["pools"] is True and got["at_one"] is False
+    assert got["refused"] == "--overlong-weight: acts only in --loss tb_overlong; here it would change nothing"
 
 
 def tba(repo, tmp_path, *args, timeout=600):
@@ -88,6 +151,7 @@ def test_the_pages_examples_run_as_it_says(repo, tiny_model, tmp_path):
     penalty is refused."""
     code, out = tba(repo, tmp_path, "--help")
     assert code == 0 and "double" in out and "pooled_tb" in out and "--length-penalty" in out
+    assert "tb_overlong" in out and "--overlong-weight" in out
     small = [*SMALL, "--searchers", "0", "--steps", "2"]
     code, out = tba(repo, tmp_path, "--task", "double", *small, "--eval-every", "0", "--out", str(tmp_path / "double"))
     assert code == 0 and "building the tiny model for double" in out, out[-3000:]

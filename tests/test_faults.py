@@ -557,7 +557,7 @@ def test_an_unexpected_error_exits_1_with_its_traceback_once(tiny_model, tmp_pat
     traceback once, status 1, and no interpreter teardown (which can abort a finished 2-rank run; a
     canary's __del__ would print at teardown)."""
     script = (f"import builtins, runpy, sys, torch; sys.path.insert(0, {ROOT!r}); import loss\n"
-              "tb = loss.LOSSES['tb']\n"  # the start-up check's random inputs (loss.pools: float64) pass
+              "tb = loss.LOSSES['tb']\n"  # the start-up probe's batch (runtime.checks.probe_pools: float64) passes
               "def boom(**kw):\n"
               "    if kw['logp'].dtype == torch.float64: return tb(**kw)\n"
               "    raise RuntimeError('CUDA out of memory (simulated)')\n"

@@ -338,8 +338,10 @@ def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_na
     from transformers import AutoModelForCausalLM
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 60, 5).tolist() for _ in range(2)]
+    # as a run makes them: integer versions, and another count of responses cut at the length limit in each prompt
     groups = [[Trajectory(p, rng.integers(4, 60, int(rng.integers(1, 6))).astype(np.int32), float(rng.integers(2)),
-                          float(-rng.random() * 10), 0.0, 0, behaviour_logps=None) for _ in range(4)] for p in range(2)]
+                          float(-rng.random() * 10), 0.0, int(rng.integers(3)), truncated=int(p == 0 and j < 2),
+                          behaviour_logps=None) for j in range(4)] for p in range(2)]
     for g in groups:
         for t in g:
             t.behaviour_logps = (-rng.random(len(t.response)) * 2).astype(np.float32)
@@ -360,5 +362,153 @@ def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_na
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         losses.append(sums["loss"])
         assert max(seen) == min(mb, 4 if mb < 4 else 8), seen  # whole prompts (both) at 8; else at most mb
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5)  # the log-softmax is float32: sums in another order
-    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-8) and grads[0].abs().max() > 1e-4
+    # the log-softmax is float32: sums in another order
+    why = (f"--loss {loss_name} at --micro-batch {micro_batch}: the {{}} differs from one pass's over the whole batch, "
+           f"so the loss pools across prompts and got parts of the batch: neither its `pools` nor the start-up "
+           f"probe (runtime.checks.loss_pools) said that it pools")
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5), why.format(f"loss ({losses[1]}, against {losses[0]} in one pass)")
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-8), why.format("gradient")
+    assert grads[0].abs().max() > 1e-4
+
+
+# --- which losses pool across prompts: what a loss says (`pools`) and the start-up probe (runtime.checks) -----------
+def overlong_filtered_tb(logp, logp_ref, reward, truncated, beta, **_):
+    """TB over the responses not cut at the length limit (DAPO's overlong filter), a mean over the batch's: pools."""
+    delta = logp - logp_ref - reward / beta                      # (B, K)
+    log_z = -delta.mean(dim=1, keepdim=True).detach()            # (B, 1)
+    keep = (truncated < 0.5).double()                            # (B, K) 0/1
+    return ((log_z + delta).pow(2) * keep).sum() / keep.sum(), {"log_z": log_z.squeeze(1)}
+
+
+def equal_rewards_dropped_tb(logp, logp_ref, reward, beta, **_):
+    """TB over the prompts whose rewards are not all equal (DAPO's dynamic sampling), a mean over their responses."""
+    delta = logp - logp_ref - reward / beta                      # (B, K)
+    log_z = -delta.mean(dim=1, keepdim=True).detach()            # (B, 1)
+    keep = (reward.std(dim=1, keepdim=True) > 0).double().expand_as(reward)  # (B, K)
+    return ((log_z + delta).pow(2) * keep).sum() / keep.sum(), {}
+
+
+def per_prompt_filtered_tb(logp, logp_ref, reward, truncated, beta, **_):
+    """The overlong filter within each prompt, then the mean over prompts: separable."""
+    delta = logp - logp_ref - reward / beta                      # (B, K)
+    log_z = -delta.mean(dim=1, keepdim=True).detach()            # (B, 1)
+    keep = (truncated < 0.5).double()                            # (B, K)
+    return (((log_z + delta).pow(2) * keep).sum(1) / keep.sum(1)).mean(), {}
+
+
+@pytest.fixture
+def losses():
+    """loss.LOSSES, with the entries a test adds removed after it."""
+    import loss
+    before = dict(loss.LOSSES)
+    yield loss.LOSSES
+    loss.LOSSES.clear()
+    loss.LOSSES.update(before)
+
+
+@pytest.mark.parametrize("fn, pools", [(overlong_filtered_tb, True), (equal_rewards_dropped_tb, True),
+                                       (per_prompt_filtered_tb, False)])
+def test_the_probe_finds_a_loss_that_pools_through_a_0_1_field(losses, fn, pools, capsys):
+    """The probe's batch holds the 0/1 fields as a run makes them, with another count of ones in each prompt: a
+    filter over the batch's responses by `truncated` or by equal rewards is found pooling (before, `truncated` was
+    continuous noise that no response had cut, and both were judged separable), the same filter within each prompt
+    is not (before, its 0/0 on noise read as pooling)."""
+    from runtime import checks
+    from runtime.config import Config
+    losses["mine"] = fn
+    assert checks.loss_pools(Config(loss="mine")) is pools
+    assert capsys.readouterr().out == ""  # nothing declared: nothing to disagree with
+
+
+def test_the_probe_feeds_each_field_as_a_run_makes_it(losses):
+    """Integer fields integers, `truncated` 0/1 with some cut, `for_step` -1, a prompt's
+    responses one `prompt_id` and one `prompt_length`, a cut response the longest."""
+    from runtime import checks
+    from runtime.config import Config
+    seen = []
+
+    def strict(logp, reward, truncated, version, pi_ref_version, for_step, prompt_id, length,
+               prompt_length, **_):
+        for v in (reward, truncated, version, pi_ref_version, for_step, prompt_id, length, prompt_length):
+            assert torch.equal(v, v.round())
+        assert set(truncated.unique().tolist()) <= {0.0, 1.0} and set(reward.unique().tolist()) <= {0.0, 1.0}
+        assert (for_step == -1).all() and (version >= 0).all()
+        assert (prompt_id == prompt_id[:, :1]).all() and (prompt_length == prompt_length[:, :1]).all()
+        assert (length[truncated > 0] == length.max()).all()
+        seen.append(truncated.sum().item())
+        return logp.pow(2).mean(), {}
+    losses["strict"] = strict
+    assert checks.loss_pools(Config(loss="strict")) is False
+    assert seen[0] > 0  # the whole batch has cut responses
+
+
+@pytest.mark.parametrize("fn, says, line", [
+    (tb_loss, True, "says pools = True, and the start-up probe finds that it does not pool: it gets the whole batch "
+                    "in every pass"),
+    (overlong_filtered_tb, False, "says pools = False, and the start-up probe finds that it pools across prompts: "
+                                  "it gets the whole batch in every pass"),
+    (tb_loss, False, None), (overlong_filtered_tb, True, None)])
+def test_a_loss_says_whether_it_pools_and_a_disagreement_is_one_line(losses, fn, says, line, capsys):
+    """`pools` on a loss: whole batches where it or the probe says that it pools (the reading right either way), and
+    one line at start-up where they disagree."""
+    import functools
+    from runtime import checks
+    from runtime.config import Config
+    mine = functools.wraps(fn)(lambda **kw: fn(**kw))
+    mine.pools = says
+    losses["mine"] = mine
+    assert checks.loss_pools(Config(loss="mine")) is (says or fn is overlong_filtered_tb)
+    out = capsys.readouterr().out
+    assert (out == f"tba.py: --loss mine {line}\n") if line else out == "", out
+
+
+def test_a_loss_not_finite_on_the_probe_is_refused_in_one_line(losses):
+    from runtime import checks
+    from runtime.config import Config
+    from runtime.errors import ConfigError
+    losses["mine"] = lambda logp, **_: (logp.sum() / 0 * 0, {})
+    with pytest.raises(ConfigError, match=r"^--loss: mine fails on the start-up check's batch \(ValueError: its loss "
+                                          r"on it is nan\); see docs/experiments.md"):
+        checks.loss_pools(Config(loss="mine"))
+
+
+def test_a_losss_own_flags_reach_it_and_are_refused_with_another_loss(losses):
+    """Each loss's `flags`: their values reach every call (loss.loss_options), and one given another value than its
+    default with a loss that does not name it is refused in one line, as a task's flag with another task
+    (runtime.checks.ACTS_ONLY's entries for them derive from LOSSES)."""
+    from loss import loss_options
+    from runtime import checks
+    from runtime.config import Config
+    from runtime.errors import ConfigError
+    owned = {}
+    for name, fn in losses.items():
+        for flag in getattr(fn, "flags", ()):
+            owned.setdefault(flag, []).append(name)
+    other = {"clip": 0.1, "is_cap": 2.0, "importance_weights": False, "norm": "budget", "reward_temp": 2.0,
+             "gamma_final": 1.5}  # the built-in losses' flags (a researcher's loss may add more)
+    assert set(owned) >= set(other)
+    for flag in other:
+        names = owned[flag]
+        for name in losses:
+            cfg = Config(loss=name, **{flag: other[flag]})
+            if name in names:
+                checks.check_unused(cfg)
+                if flag not in ("reward_temp", "gamma_final"):  # TB's reach it as this step's (below)
+                    assert loss_options(cfg, 0.1, 1.0, 1.0)[flag] == other[flag]
+            else:
+                with pytest.raises(ConfigError, match=rf"^--{flag.replace('_', '-')}: acts only in --loss "
+                                                      rf"{' or '.join(names)}; here it would change nothing$"):
+                    checks.check_unused(cfg)
+    options = loss_options(Config(loss="tb", reward_temp=2.0, gamma_final=1.5), 0.1, gamma=1.2, reward_temp=1.5)
+    assert options["reward_temp"] == 1.5 and options["gamma"] == 1.2 and options["beta"] == 0.1  # this step's
+
+
+def test_loss_py_imports_torch_alone():
+    """TB on one screen stands on torch alone: the start-up probe lives with the other checks (runtime/checks.py)."""
+    import ast
+    import os
+    from conftest import ROOT
+    tree = ast.parse(open(os.path.join(ROOT, "loss.py")).read())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert names == {"torch"}, names
