@@ -9,7 +9,7 @@ the algorithm's state (`Trainer`), the gradient (`backward`) and the schedules; 
 of runtime/config.py's `Config`.
 
     torchrun --nproc_per_node=1 tba.py                  # the toy task on a laptop: about a minute
-    torchrun --nproc_per_node=1 tba.py --searchers 0    # the synchronous baseline, same code
+    torchrun --nproc_per_node=1 tba.py --searchers 0 --lag 0    # the synchronous on-policy baseline, same code
     python tba.py --help                                # every flag
     bash run_gsm8k.sh                                   # the paper's GSM8K run on a 4-GPU node
 

@@ -111,7 +111,7 @@ def check(cfg, world: int):
     need(cfg.prompts_per_step >= 1 and cfg.prompts_per_step % world == 0, "prompts-per-step",
          f"must be a positive multiple of the {world} trainer rank(s), got {cfg.prompts_per_step}")
     need(cfg.searchers >= 0, "searchers", "must be 0 or more")
-    need(cfg.searchers > 0 or world == 1, "searchers", "0 (the synchronous baseline) runs in one trainer process; "
+    need(cfg.searchers > 0 or world == 1, "searchers", f"0 (the trainer searching itself) runs in one trainer process; "
          f"got {world} (vLLM cannot share a multi-process group)")
     need(cfg.evaluator == "searcher" or world == 1, "evaluator", f"after runs an engine in the trainer's process, "
          f"which needs one trainer rank, got {world} (vLLM cannot share a multi-process group)")

@@ -1,5 +1,7 @@
-"""`--searchers 0`, the synchronous baseline: the trainer's one process searches itself, with the same
-searcher.Engine, before each step, and evaluates. `LocalFleet` has the verbs of runtime/fleet.py's `Fleet`
+"""`--searchers 0`: the trainer's one process searches itself, with the same searcher.Engine, before each step, and
+evaluates. With `--lag 0` each batch is that step's round, each trajectory used once: the on-policy synchronous
+baseline; without it the buffer streams as with searchers (m = 0.95 of a batch's prompts from the last round, the
+rest replayed from the whole buffer). `LocalFleet` has the verbs of runtime/fleet.py's `Fleet`
 (its docstring lists them), so the trainer's loop is the same code with searchers and without; runtime.checks
 refuses more trainer ranks (vLLM cannot share a multi-process group)."""
 

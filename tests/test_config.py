@@ -185,16 +185,16 @@ def test_unwritable_out_folder(tiny_model, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("nodes,world,local,args,match", [
     ("2", "3", "1", [], "--nproc-per-node: every node must run the same number of trainer ranks; this node runs 1"),
     ("2", "3", "2", [], "this node runs 2, but the 2 nodes run 3 in all"),
-    ("2", "2", "1", ["--searchers", "0"], "--searchers: 0 (the synchronous baseline) runs in one process on one node"),
+    ("2", "2", "1", ["--searchers", "0"], "--searchers: 0 (the trainer searching itself) runs in one process on one"),
 ])
 def test_bad_multi_node_launches_are_refused(nodes, world, local, args, match, tiny_model, tmp_path, monkeypatch,
-                                             capsys):
+                                             capfd):
     """torchrun --nnodes sets GROUP_WORLD_SIZE (nodes), WORLD_SIZE (all trainer ranks) and
     LOCAL_WORLD_SIZE (this node's): uneven nodes and the synchronous baseline are refused at once."""
     monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
     monkeypatch.setenv("WORLD_SIZE", world)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
+    refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capfd, match)
 
 
 def test_a_node_needs_gpus_for_its_own_ranks_and_searchers(tiny_model, monkeypatch):
