@@ -200,3 +200,10 @@ def test_responses_cut_at_the_length_limit_are_counted(tiny_model, tmp_path):
     train = [r for r in metrics(out) if r["kind"] == "train"]
     assert all(r["truncated"] > 0.5 for r in train), [r["truncated"] for r in train]
     assert "cut " in p.stdout  # the console line says it
+
+
+def test_the_tasks_page_has_a_row_for_every_task():
+    """docs/tasks.md's table names every task of tasks/ (countdown was missing)."""
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "tasks.md")).read()
+    rows = {line.split("|")[1].split("`")[1] for line in page.splitlines() if line.startswith("| `")}
+    assert set(tasks.TASKS) <= rows, set(tasks.TASKS) - rows
