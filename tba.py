@@ -199,6 +199,7 @@ class Trainer:
         set_optimizer_state_dict(self.model, self.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
         torch.set_rng_state(ckpt["torch_rng"])
         self.fleet.received, self.fleet.kept, self.log.first_eval = ckpt["samples"], ckpt["kept"], ckpt["first_eval"]
+        self.fleet.tokens = ckpt.get("tokens", 0)  # (a checkpoint saved before it counted them: from 0)
         for name, flag in self.buffer.FLAGS.items():  # the buffer's knobs that may change (fixed_on_resume: the others)
             if flag not in fixed_on_resume():
                 setattr(self.buffer, name, getattr(self.cfg, flag))
@@ -290,7 +291,7 @@ class Trainer:
     def counters(self) -> dict:
         """The run's counts that a checkpoint carries (plain data)."""
         cap = self.cap
-        return dict(elapsed=self.log.now(), samples=self.fleet.received, kept=self.fleet.kept,
+        return dict(elapsed=self.log.now(), samples=self.fleet.received, tokens=self.fleet.tokens, kept=self.fleet.kept,
                     first_eval=self.log.first_eval, reuse=[cap.credit, cap.counted, cap.drawn])
 
     def checkpoint(self):

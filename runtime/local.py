@@ -22,6 +22,7 @@ class LocalFleet:
     def __init__(self, cfg, data, log, signals, device):
         self.cfg, self.data, self.log, self.signals = cfg, data, log, signals
         self.received = self.kept = 0  # trajectories made over the run, and those the buffer kept (as Fleet's)
+        self.tokens = 0                # their responses' tokens
         self.newest = -1               # the newest weight version that sampled data
         self.published, self.evaluated, self.step, self.nodes = {}, [], 0, None
         self.shared = create(torch.multiprocessing.get_context("spawn"))  # read by the engine as a searcher does
@@ -62,6 +63,7 @@ class LocalFleet:
                                                     for_step=step if cfg.lag is not None else -1)
             search += time.time() - t_search
             self.received += len(trajectories)
+            self.tokens += sum(len(t.response) for t in trajectories)
             self.kept += len(buffer.add(trajectories))
             self.newest = max(self.newest, self.engine.version)
             self.log.searched(made)
