@@ -5,10 +5,11 @@ derived values, once, before anything is spawned or written.
 range, flags of another task, a model folder without weights or tokenizer, a reward model with more
 than one output, a batch the data cannot fill, a context too short for prompt + response, GPU settings
 a spawned process would fail on (runtime/gpu.py), an --out that exists or cannot be written, and a
---resume whose checkpoint is incomplete or whose run used other values of the flags that cannot change
-mid-run. It returns a new Config with the derived values filled in (paths, device, dtype, threads, the
-longest sequence, the defaults that depend on other flags); Config is frozen, so nothing writes to it
-after the checks.
+--resume whose checkpoint is incomplete, whose run used other values of the flags that cannot change
+mid-run, or whose --model holds other weights than the run started from (a resume takes the flags it is not given
+from its checkpoint, and records what changed in the Config's `resumes`). It returns a new Config with the derived
+values filled in (paths, device, dtype, threads, the longest sequence, the defaults that depend on other flags);
+Config is frozen, so nothing writes to it after the checks.
 """
 
 import argparse
@@ -23,7 +24,7 @@ import numpy as np
 import tasks
 from loss import LOSSES, pools, reads, tb_loss
 from runtime import lora, nodes, ranks, vllm_env
-from runtime.checkpoint import check_resumed_flags, load_checkpoint
+from runtime.checkpoint import check_model, check_resumed_flags, load_checkpoint, read_config, resumed_flags
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
 from runtime.log import check_out
@@ -90,6 +91,9 @@ def task_defaults(cfg):
 
 def check(cfg, world: int):
     """Validate flags and data; compute the derived values. Returns (a new Config, Data, checkpoint or None)."""
+    saved = read_config(cfg.resume, needed=False) if cfg.resume else None
+    if saved is not None:  # a resumed run goes on with its checkpoint's flags, but for those given now
+        cfg = resumed_flags(cfg, saved)
     for f in dataclasses.fields(cfg):  # a fixed set of values: any other refused, whatever the flag
         if f.metadata.get("choices") and getattr(cfg, f.name) not in f.metadata["choices"]:
             need(False, f.name.replace("_", "-"), f"unknown {getattr(cfg, f.name)!r} (choose from "
@@ -204,18 +208,28 @@ def check(cfg, world: int):
         flag = "searcher_memory" if cfg.searchers else "trainer_memory"
         cfg = dataclasses.replace(cfg, **{flag: gpu.check_memory(cfg, task, local)})
     cfg = dataclasses.replace(cfg, out=cfg.out or (
-        os.path.dirname(os.path.realpath(cfg.resume)) if cfg.resume  # the checkpoint's run (runtime.log.check_out)
+        run_of(cfg.resume) if cfg.resume  # the checkpoint's run (runtime.log.check_out)
         else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}")))
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
         check_out(cfg.out, cfg.resume)            # see its probe file
     if cfg.resume:
-        check_resumed_flags(cfg, cfg.resume)
+        saved = read_config(cfg.resume)
+        changed = check_resumed_flags(cfg, cfg.resume, same_weights=check_model(cfg, ckpt, cfg.resume))
+        cfg = dataclasses.replace(cfg, resumes=(*saved.get("resumes", ()), dict(step=ckpt["step"], changed=changed)))
         buffer = task.buffer(cfg, data.prompts)  # its kind, which the checkpoint's buffer must be
         try:
             ckpt["buffer"] = type(buffer).from_state(ckpt["buffer"])
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
     return cfg, data, ckpt
+
+
+def run_of(checkpoint: str) -> str:
+    """The run folder of a checkpoint (the parent of its real path: OUT/checkpoint links to OUT/checkpoint-STEP), named
+    as --resume names it where that is the same folder (runs/x/checkpoint: runs/x, as a fresh run's --out is said)."""
+    real = os.path.dirname(os.path.realpath(checkpoint))
+    given = os.path.dirname(os.path.normpath(checkpoint)) or "."
+    return given if os.path.realpath(given) == real else real
 
 
 def loss_pools(cfg) -> bool:

@@ -178,6 +178,7 @@ class Config:
     score: str = derived("accuracy")                  # the evaluation's headline figure (the task's)
     loss_pools: bool = derived(False)                 # --loss pools across prompts: whole batches (loss.pools)
     given: tuple | None = derived(None)               # the flags the command line gave (None: not parsed from one)
+    resumes: tuple = derived(())                      # each --resume of the run: its step, what changed (checks)
     reward_model_path: str | None = derived(None)     # local folder of --reward-model
     eval_reward_model_path: str | None = derived(None)  # local folder of the judge
     victim_path: str | None = derived(None)           # redteam: local folders of the victim,

@@ -111,7 +111,8 @@ class Fleet:
         """The shared weights (every rank gathers; each leader allocates them once), at `version`, or with
         `saved` (a checkpoint's) the older weights the searchers held, --lag's history and TBA′'s pi_ref; then
         handed to the searchers, which may read them from now on (shared memory / CUDA IPC handles, not copies)."""
-        self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved)
+        self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved,
+                       self.cfg.trainer_dtype)
         self.newest, self.model = newest, model  # (--evaluator after keeps its weights at each evaluation's step)
         if not self.leader:
             return

@@ -37,7 +37,8 @@ class LocalFleet:
         return self.engine.beside()
 
     def share(self, model, version: int, saved: dict | None = None, newest: int = -1):
-        self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved)
+        self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved,
+                       self.cfg.trainer_dtype)
         self.newest, self.model, self.step = newest, model, version  # the model: evaluated as it is (request_eval)
         self.published[version] = self.log.clock()
         self.inbox = Inbox(self.shared, 0, None, lambda: None, self.cfg.timeout)  # this process reads them too
