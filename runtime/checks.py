@@ -93,7 +93,7 @@ def check(cfg, world: int):
     """Validate flags and data; compute the derived values. Returns (a new Config, Data, checkpoint or None)."""
     saved = read_config(cfg.resume, needed=False) if cfg.resume else None
     if saved is not None:  # a resumed run goes on with its checkpoint's flags, but for those given now
-        cfg = resumed_flags(cfg, saved)
+        cfg = resumed(cfg, saved)
     for f in dataclasses.fields(cfg):  # a fixed set of values: any other refused, whatever the flag
         if f.metadata.get("choices") and getattr(cfg, f.name) not in f.metadata["choices"]:
             need(False, f.name.replace("_", "-"), f"unknown {getattr(cfg, f.name)!r} (choose from "
@@ -222,6 +222,16 @@ def check(cfg, world: int):
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
     return cfg, data, ckpt
+
+
+def resumed(cfg, saved: dict):
+    """--resume: the flags not given are the checkpoint's (runtime.checkpoint.resumed_flags), but for one that cannot
+    act beside the flags given now (ACTS_ONLY: a streaming run's --max-reuse, resumed with --lag), which is left to its
+    default: refused, it would be a flag the command line never gave."""
+    out = resumed_flags(cfg, saved)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    inert = {flag: defaults[flag] for flag, acts, _ in ACTS_ONLY if not given(cfg, flag) and not acts(out)}
+    return dataclasses.replace(out, **inert, given=tuple(n for n in out.given if n not in inert))
 
 
 def run_of(checkpoint: str) -> str:

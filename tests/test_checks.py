@@ -146,11 +146,11 @@ def test_resume_without_model_weights_is_refused(tiny_model, checkpoint, tmp_pat
 @pytest.mark.engine
 def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, checkpoint, tmp_path, refusal):
     flags = ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint)]
-    status, lines = refusal([*flags, "--temperature", "0.5", "--out", str(tmp_path / "b")])
+    status, lines = refusal([*flags, "--steps", "3", "--temperature", "0.5", "--out", str(tmp_path / "b")])
     assert status == 2 and lines == [
         "tba.py: error: --resume: --temperature 0.5 (was 1.0) cannot change mid-run (the checkpoint's buffer was "
         "searched, scored and kept with the old value)"]
-    status, lines = refusal([*flags, "--buffer-capacity", "50", "--out", str(tmp_path / "d")])
+    status, lines = refusal([*flags, "--steps", "3", "--buffer-capacity", "50", "--out", str(tmp_path / "d")])
     assert status == 2 and len(lines) == 1 and "--buffer-capacity 50 (was 100) cannot change mid-run" in lines[0], lines
     # --buffer-keep belongs to the redteam task (refused with arith): its change is refused the same way
     import dataclasses
@@ -368,6 +368,12 @@ def test_a_resume_takes_the_flags_it_is_not_given_from_the_checkpoint():
     assert cfg.given == ("lr", "resume", "samples_per_prompt", "steps", "task")
     made_in_code = json.loads(json.dumps(dataclasses.asdict(Config(task="countdown", lr=0.01))))
     assert resumed_flags(checks.parse(Config, ["--resume", "x"]), made_in_code).lr == 0.01
+    # a flag taken that cannot act beside one given now (a streaming run's --max-reuse, resumed with --lag): its
+    # default, not a refusal of a flag the command line never gave
+    streaming = json.loads(json.dumps(dataclasses.asdict(checks.parse(Config, ["--max-reuse", "2", "--lr", "0.1"]))))
+    cfg = checks.resumed(checks.parse(Config, ["--resume", "x", "--lag", "2"]), streaming)
+    assert (cfg.max_reuse, cfg.lr, cfg.lag, cfg.given) == (None, 0.1, 2, ("lag", "lr", "resume"))
+    checks.check_unused(cfg)
 
 
 def test_a_resumed_run_is_named_as_resume_names_it(tmp_path, monkeypatch):
