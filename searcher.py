@@ -13,7 +13,7 @@ This file is the searcher's loop (`run`, below) and its `Engine`: generate, scor
 evaluate. The task's reward and evaluation come from its scorer (tasks/task.py); the weights arrive
 through runtime/weights.py (shared tensors, a version counter and a lock: its docstring gives the
 protocol); vLLM's options and workarounds are in runtime/vllm_env.py. `Engine` is the same code in a
-searcher process and, with `--searchers 0` (the synchronous baseline), inside the trainer. Searcher 0
+searcher process and, with `--searchers 0`, inside the trainer. Searcher 0
 (of node 0) also evaluates (greedy, on the held-out problems) after a round when the trainer has asked
 for it, with a beat to the trainer after each part, so that a long evaluation is not taken for silence.
 """

@@ -9,7 +9,7 @@ the algorithm's state (`Trainer`), the gradient (`backward`) and the schedules; 
 of runtime/config.py's `Config`.
 
     torchrun --nproc_per_node=1 tba.py                  # the toy task on a laptop: about a minute
-    torchrun --nproc_per_node=1 tba.py --searchers 0    # the synchronous baseline, same code
+    torchrun --nproc_per_node=1 tba.py --searchers 0 --lag 0    # the synchronous on-policy baseline, same code
     python tba.py --help                                # every flag
     bash run_gsm8k.sh                                   # the paper's GSM8K run on a 4-GPU node
 
@@ -206,6 +206,7 @@ class Trainer:
         set_optimizer_state_dict(self.model, self.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
         torch.set_rng_state(ckpt["torch_rng"])
         self.fleet.received, self.fleet.kept, self.log.first_eval = ckpt["samples"], ckpt["kept"], ckpt["first_eval"]
+        self.fleet.tokens = ckpt.get("tokens", 0)  # (a checkpoint saved before it counted them: from 0)
         for name, flag in self.buffer.FLAGS.items():  # the buffer's knobs that may change (fixed_on_resume: the others)
             if flag not in fixed_on_resume():
                 setattr(self.buffer, name, getattr(self.cfg, flag))
@@ -297,7 +298,7 @@ class Trainer:
     def counters(self) -> dict:
         """The run's counts that a checkpoint carries (plain data)."""
         cap = self.cap
-        return dict(elapsed=self.log.now(), samples=self.fleet.received, kept=self.fleet.kept,
+        return dict(elapsed=self.log.now(), samples=self.fleet.received, tokens=self.fleet.tokens, kept=self.fleet.kept,
                     first_eval=self.log.first_eval, reuse=[cap.credit, cap.counted, cap.drawn],
                     node_samples=self.fleet.nodes.samples if self.fleet.nodes else [])  # several nodes: each one's
 

@@ -5,9 +5,12 @@ the adapter in adapter/, from which --resume rebuilds the policy: runtime/lora.p
 step, RNG state and counters, the weights the searchers hold if older than the model's, and pi_ref if
 TBA′ is on (trainer.pt, read back with torch.load(weights_only=True)), the replay buffer
 (buffer.npz, NumPy without pickle; runtime.checks rebuilds it as the task's buffer kind) and the run's
-config (config.json). OUT/checkpoint links to the
+config (config.json, with the run's history of resumes). OUT/checkpoint links to the
 newest complete one (`atomic_checkpoint`). Nothing read back runs code the file could carry.
-`check_resumed_flags` refuses a --resume whose flags differ where the checkpoint's data depend on them.
+A --resume continues its run: the flags its command line does not give are the checkpoint's (`resumed_flags`);
+`check_resumed_flags` refuses those that differ where the checkpoint's data depend on them and says which others
+differ, and `check_model` refuses a --model whose weights are not those the run started from (trainer.pt keeps
+their fingerprints: runtime.weights.identity).
 A checkpoint and OUT/final are written whole or not at all (`write_folder`): a write that fails (a full disk)
 leaves no temporary folder, and the one before in place; `save_final` keeps the final weights in memory and
 retries (`write_error` tells a failed write from a bug).
@@ -211,15 +214,43 @@ def fixed_on_resume() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("fixed"))
 
 
-def check_resumed_flags(cfg, folder: str):
-    """One line naming the flags that differ from the checkpoint's run; a refusal for those that
-    cannot change mid-run (`fixed_on_resume`). The others may: the schedules and seeds derive from the
-    step, and B, K, k, m, the buffer's sampling, the loss, --steps and the plumbing act from the next step on."""
+def read_config(folder: str, needed: bool = True) -> dict | None:
+    """A checkpoint's config.json: its run's flags and derived values. Not `needed`: None where the folder holds none
+    (load_checkpoint then says what the folder is)."""
+    path = os.path.join(folder, "config.json")
+    if not needed and not os.path.isfile(path):
+        return None
     try:
-        with open(os.path.join(folder, "config.json")) as f:
+        with open(path) as f:
             saved = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: {folder}/config.json does not read ({type(e).__name__})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--resume: {folder}/config.json does not read (not an object)")
+    return saved
+
+
+def resumed_flags(cfg, saved: dict):
+    """--resume continues its run: a flag the command line does not give takes the checkpoint's value where the
+    checkpoint's run (or a resume of it) gave it, and is otherwise left to its default (a task's, or one derived from
+    other flags) as it was there. `given` becomes both's. --resume and --out are this command line's alone."""
+    flags = {f.name: f.default for f in dataclasses.fields(cfg) if not f.metadata.get("derived")
+             and f.name not in ("resume", "out")}
+    mine = set(cfg.given) if cfg.given is not None else {n for n in flags if getattr(cfg, n) != flags[n]}
+    theirs = saved.get("given")
+    if theirs is None:  # a run made in code, or saved before `given` was: what it held other than the defaults
+        theirs = [n for n in flags if n in saved and saved[n] != flags[n]]
+    taken = {n: saved[n] for n in theirs if n in flags and n in saved and n not in mine}
+    return dataclasses.replace(cfg, **taken, given=tuple(sorted(mine | set(taken))))
+
+
+def check_resumed_flags(cfg, folder: str, same_weights: bool = False) -> dict:
+    """One line naming the flags that differ from the checkpoint's run; a refusal for those that
+    cannot change mid-run (`fixed_on_resume`). The others may: the schedules and seeds derive from the
+    step, and B, K, k, m, the buffer's sampling, the loss, --steps and the plumbing act from the next step on.
+    `same_weights`: --model's weights were found to be the checkpoint's (`check_model`), whatever its name or folder.
+    Returns what changed, {name: [old, new]}: the flags, and the models' folders (`*_path`) that moved."""
+    saved = read_config(folder)
     flags = [f.name for f in dataclasses.fields(cfg) if not f.metadata.get("derived") and f.name not in ("resume", "out")]
 
     def same_folder(n):  # --model tiny then --model FOLDER-IT-RESOLVED-TO: the same model, named two ways
@@ -227,7 +258,7 @@ def check_resumed_flags(cfg, folder: str):
         return bool(path and was) and os.path.realpath(path) == os.path.realpath(was)
     differ = [n for n in flags if n in saved and saved[n] != getattr(cfg, n) and not same_folder(n)]
     show = lambda n: f"--{n.replace('_', '-')} {getattr(cfg, n)} (was {saved[n]})"
-    fixed = [n for n in differ if n in fixed_on_resume()]
+    fixed = [n for n in differ if n in fixed_on_resume() and not (n == "model" and same_weights)]
     if fixed:
         raise ConfigError(f"--resume: {', '.join(map(show, fixed))} cannot change mid-run (the checkpoint's buffer "
                           f"was searched, scored and kept with the old value)")
@@ -241,3 +272,27 @@ def check_resumed_flags(cfg, folder: str):
     if differ and int(os.environ.get("RANK", "0")) == 0:
         print(f"tba.py: resuming with flags that differ from the checkpoint's: {', '.join(map(show, differ))}",
               flush=True)
+    paths = [f.name for f in dataclasses.fields(cfg) if f.name.endswith("_path") and f.name in saved]
+    return {n: [saved[n], getattr(cfg, n)] for n in differ + paths if saved[n] != getattr(cfg, n)}
+
+
+def check_model(cfg, ckpt: dict, folder: str) -> bool:
+    """--resume: --model's weights are those the checkpoint's run started from (pi_ref's, whose log-probs its buffer
+    holds), by their fingerprints (runtime.weights.identity), whatever folder --model resolves to now: a refusal in
+    one line naming both folders where they are not. A checkpoint saved before it kept them: a note, and False (its
+    --model is then compared by folder: check_resumed_flags)."""
+    from runtime.weights import covers, file_fingerprints
+    recorded = ckpt.get("model_prints")
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reads the files: its refusal reaches every rank (first_refusal)
+        return recorded is not None
+    was = (read_config(folder, needed=False) or {}).get("model_path", "?")
+    if recorded is None:
+        print(f"tba.py: note: {folder} keeps no fingerprints of its --model's weights (saved before they were kept): "
+              f"--model is compared by its folder alone", flush=True)
+        return False
+    held = file_fingerprints(cfg.model_path, recorded["dtypes"], "cuda" if cfg.device == "cuda" else "cpu")
+    if not covers(held, recorded["prints"]):
+        raise ConfigError(f"--model: {cfg.model} resolves to {cfg.model_path}, whose weights are not those the "
+                          f"checkpoint's run started from (in {was} then): pi_ref's, whose log-probs its buffer holds; "
+                          f"resume with those weights")
+    return True

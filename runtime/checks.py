@@ -5,10 +5,11 @@ derived values, once, before anything is spawned or written.
 range, flags of another task, a model folder without weights or tokenizer, a reward model with more
 than one output, a batch the data cannot fill, a context too short for prompt + response, GPU settings
 a spawned process would fail on (runtime/gpu.py), an --out that exists or cannot be written, and a
---resume whose checkpoint is incomplete or whose run used other values of the flags that cannot change
-mid-run. It returns a new Config with the derived values filled in (paths, device, dtype, threads, the
-longest sequence, the defaults that depend on other flags); Config is frozen, so nothing writes to it
-after the checks.
+--resume whose checkpoint is incomplete, whose run used other values of the flags that cannot change
+mid-run, or whose --model holds other weights than the run started from (a resume takes the flags it is not given
+from its checkpoint, and records what changed in the Config's `resumes`). It returns a new Config with the derived
+values filled in (paths, device, dtype, threads, the longest sequence, the defaults that depend on other flags);
+Config is frozen, so nothing writes to it after the checks.
 """
 
 import argparse
@@ -25,7 +26,7 @@ import tasks
 from buffer import FIELDS, SCALARS
 from loss import LOSSES, loss_options, reads, tb_loss
 from runtime import lora, nodes, ranks, vllm_env
-from runtime.checkpoint import check_resumed_flags, load_checkpoint
+from runtime.checkpoint import check_model, check_resumed_flags, load_checkpoint, read_config, resumed_flags
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
 from runtime.log import check_out
@@ -109,7 +110,11 @@ def task_defaults(cfg):
 
 def check(cfg, world: int):
     """Validate flags and data; compute the derived values. Returns (a new Config, Data, checkpoint or None). A
-    refusal of a value that the task's defaults gave (not the command line) says so."""
+    resumed run goes on with its checkpoint's flags but for those given now; a refusal of a value that the task's
+    defaults gave (not the command line) says so."""
+    saved = read_config(cfg.resume, needed=False) if cfg.resume else None
+    if saved is not None:
+        cfg = resumed(cfg, saved)
     cfg, filled = task_defaults(cfg)
     try:
         return check_flags(cfg, world)
@@ -120,7 +125,7 @@ def check(cfg, world: int):
 
 
 def check_flags(cfg, world: int):
-    """`check` after the task's defaults."""
+    """`check` after the checkpoint's flags and the task's defaults."""
     for f in dataclasses.fields(cfg):  # an empty path or name (an unset shell variable) is no value: never "not given"
         need(f.metadata.get("derived") or getattr(cfg, f.name) != "", f.name.replace("_", "-"), "empty (an unset "
              "shell variable?): give a value, or leave the flag out")
@@ -147,7 +152,7 @@ def check_flags(cfg, world: int):
     need(cfg.prompts_per_step >= 1 and cfg.prompts_per_step % world == 0, "prompts-per-step",
          f"must be a positive multiple of the {world} trainer rank(s), got {cfg.prompts_per_step}")
     need(cfg.searchers >= 0, "searchers", "must be 0 or more")
-    need(cfg.searchers > 0 or world == 1, "searchers", "0 (the synchronous baseline) runs in one trainer process; "
+    need(cfg.searchers > 0 or world == 1, "searchers", f"0 (the trainer searching itself) runs in one trainer process; "
          f"got {world} (vLLM cannot share a multi-process group)")
     need(cfg.evaluator == "searcher" or world == 1, "evaluator", f"after runs an engine in the trainer's process, "
          f"which needs one trainer rank, got {world} (vLLM cannot share a multi-process group)")
@@ -239,18 +244,38 @@ def check_flags(cfg, world: int):
         flag = "searcher_memory" if cfg.searchers else "trainer_memory"
         cfg = dataclasses.replace(cfg, **{flag: gpu.check_memory(cfg, task, local)})
     cfg = dataclasses.replace(cfg, out=cfg.out or (
-        os.path.dirname(os.path.realpath(cfg.resume)) if cfg.resume  # the checkpoint's run (runtime.log.check_out)
+        run_of(cfg.resume) if cfg.resume  # the checkpoint's run (runtime.log.check_out)
         else os.path.join("runs", time.strftime("%Y%m%d-%H%M%S") + f"-{cfg.task}-s{cfg.searchers}")))
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 writes the run's files; the others, looking, could
         check_out(cfg.out, cfg.resume)            # see its probe file
     if cfg.resume:
-        check_resumed_flags(cfg, cfg.resume)
+        saved = read_config(cfg.resume)
+        changed = check_resumed_flags(cfg, cfg.resume, same_weights=check_model(cfg, ckpt, cfg.resume))
+        cfg = dataclasses.replace(cfg, resumes=(*saved.get("resumes", ()), dict(step=ckpt["step"], changed=changed)))
         buffer = task.buffer(cfg, data.prompts)  # its kind, which the checkpoint's buffer must be
         try:
             ckpt["buffer"] = type(buffer).from_state(ckpt["buffer"])
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
     return cfg, data, ckpt
+
+
+def resumed(cfg, saved: dict):
+    """--resume: the flags not given are the checkpoint's (runtime.checkpoint.resumed_flags), but for one that cannot
+    act beside the flags given now (ACTS_ONLY: a streaming run's --max-reuse, resumed with --lag), which is left to its
+    default: refused, it would be a flag the command line never gave."""
+    out = resumed_flags(cfg, saved)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    inert = {flag: defaults[flag] for flag, acts, _ in ACTS_ONLY if not given(cfg, flag) and not acts(out)}
+    return dataclasses.replace(out, **inert, given=tuple(n for n in out.given if n not in inert))
+
+
+def run_of(checkpoint: str) -> str:
+    """The run folder of a checkpoint (the parent of its real path: OUT/checkpoint links to OUT/checkpoint-STEP), named
+    as --resume names it where that is the same folder (runs/x/checkpoint: runs/x, as a fresh run's --out is said)."""
+    real = os.path.dirname(os.path.realpath(checkpoint))
+    given = os.path.dirname(os.path.normpath(checkpoint)) or "."
+    return given if os.path.realpath(given) == real else real
 
 
 def loss_pools(cfg) -> bool:

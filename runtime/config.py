@@ -118,7 +118,8 @@ class Config:
     trainer_dtype: str = arg("float32", "the trainer's weights: float32 | bfloat16 (AdamW's moments stay float32)",
                              choices=("float32", "bfloat16"))
     # ===== plumbing: processes, devices, memory, files ====================================================
-    searchers: int = arg(1, "searcher processes (a GPU each on a GPU node); 0 = the synchronous baseline")
+    searchers: int = arg(1, "searcher processes (a GPU each on a GPU node); 0 = the trainer searches between its "
+                            "steps (with --lag 0: the on-policy synchronous baseline)")
     seed: int = arg(0, "seed of every random choice: prompts, sampling, batches")
     out: str | None = arg(None, "output folder (default: a new folder under runs/)")
     save_every: int = arg(0, "steps between checkpoints in OUT/checkpoint; 0 = only when stopped by a signal")
@@ -165,6 +166,7 @@ class Config:
     score: str = derived("accuracy")                  # the evaluation's headline figure (the task's)
     loss_pools: bool = derived(False)                 # --loss pools across prompts: whole batches (checks.loss_pools)
     given: tuple | None = derived(None)               # the flags the command line gave (None: not parsed from one)
+    resumes: tuple = derived(())                      # each --resume of the run: its step, what changed (checks)
     reward_model_path: str | None = derived(None)     # local folder of --reward-model
     eval_reward_model_path: str | None = derived(None)  # local folder of the judge
     victim_path: str | None = derived(None)           # redteam: local folders of the victim,

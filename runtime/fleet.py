@@ -57,6 +57,7 @@ class Fleet:
         self.where = f"node {rank // local}: " if self.nodes else ""  # in this node's lines
         self.first = rank // local * cfg.searchers  # this node's searchers are numbered from here
         self.received = 0      # trajectories received over the run (every node's; rank 0)
+        self.tokens = 0        # their responses' tokens
         self.kept = 0          # those the buffer kept (--max-reuse counts them)
         self.newest = -1       # the newest weight version that sampled data received (--max-staleness)
         self.verified = {}     # searcher -> the last version whose arrival in its engine it checked (this node's)
@@ -112,7 +113,8 @@ class Fleet:
         """The shared weights (every rank gathers; each leader allocates them once), at `version`, or with
         `saved` (a checkpoint's) the older weights the searchers held, --lag's history and TBA′'s pi_ref; then
         handed to the searchers, which may read them from now on (shared memory / CUDA IPC handles, not copies)."""
-        self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved)
+        self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved,
+                       self.cfg.trainer_dtype)
         self.newest, self.model = newest, model  # (--evaluator after keeps its weights at each evaluation's step)
         if not self.leader:
             return
@@ -197,8 +199,8 @@ class Fleet:
             self.log.print(line, file=sys.stderr)
 
     def add(self, buffer, trajectories):
-        self.received += len(trajectories)
-        self.kept += len(buffer.add(trajectories))
+        self.received, self.kept = self.received + len(trajectories), self.kept + len(buffer.add(trajectories))
+        self.tokens += sum(len(t.response) for t in trajectories)  # their responses' tokens (the train rows' `tokens`)
 
     def meet(self, buffer, until) -> float:
         """Several nodes, every leader: meet, forward, and repeat every POLL seconds until rank 0 says that

@@ -117,6 +117,18 @@ def safetensors_damage(path: str) -> str | None:
     return None
 
 
+def weight_files(path: str) -> list[str]:
+    """The files transformers loads a model folder's weights from (safetensors first): one, or an index's shards."""
+    import json
+    for single, index in zip(WEIGHTS[::2], WEIGHTS[1::2]):
+        if os.path.isfile(os.path.join(path, single)):
+            return [os.path.join(path, single)]
+        if os.path.isfile(os.path.join(path, index)):
+            with open(os.path.join(path, index)) as f:
+                return [os.path.join(path, shard) for shard in sorted(set(json.load(f)["weight_map"].values()))]
+    return []
+
+
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(path: str, flag: str = "model"):
     """The tokenizer saved beside the model, or a one-line refusal naming what is missing; loaded once a process (the

@@ -1,5 +1,7 @@
-"""`--searchers 0`, the synchronous baseline: the trainer's one process searches itself, with the same
-searcher.Engine, before each step, and evaluates. `LocalFleet` has the verbs of runtime/fleet.py's `Fleet`
+"""`--searchers 0`: the trainer's one process searches itself, with the same searcher.Engine, before each step, and
+evaluates. With `--lag 0` each batch is that step's round, each trajectory used once: the on-policy synchronous
+baseline; without it the buffer streams as with searchers (m = 0.95 of a batch's prompts from the last round, the
+rest replayed from the whole buffer). `LocalFleet` has the verbs of runtime/fleet.py's `Fleet`
 (its docstring lists them), so the trainer's loop is the same code with searchers and without; runtime.checks
 refuses more trainer ranks (vLLM cannot share a multi-process group)."""
 
@@ -20,6 +22,7 @@ class LocalFleet:
     def __init__(self, cfg, data, log, signals, device):
         self.cfg, self.data, self.log, self.signals = cfg, data, log, signals
         self.received = self.kept = 0  # trajectories made over the run, and those the buffer kept (as Fleet's)
+        self.tokens = 0                # their responses' tokens
         self.newest = -1               # the newest weight version that sampled data
         self.published, self.evaluated, self.step, self.nodes = {}, [], 0, None
         self.shared = create(torch.multiprocessing.get_context("spawn"))  # read by the engine as a searcher does
@@ -34,7 +37,8 @@ class LocalFleet:
         return self.engine.beside()
 
     def share(self, model, version: int, saved: dict | None = None, newest: int = -1):
-        self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved)
+        self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved,
+                       self.cfg.trainer_dtype)
         self.newest, self.model, self.step = newest, model, version  # the model: evaluated as it is (request_eval)
         self.published[version] = self.log.clock()
         self.inbox = Inbox(self.shared, 0, None, lambda: None, self.cfg.timeout)  # this process reads them too
@@ -60,6 +64,7 @@ class LocalFleet:
                                                     for_step=step if cfg.lag is not None else -1)
             search += time.time() - t_search
             self.received += len(trajectories)
+            self.tokens += sum(len(t.response) for t in trajectories)
             self.kept += len(buffer.add(trajectories))
             self.newest = max(self.newest, self.engine.version)
             self.log.searched(made)

@@ -77,7 +77,7 @@ def check(cfg, world: int):
         raise ConfigError(f"--nproc-per-node: every node must run the same number of trainer ranks; this node "
                           f"runs {local}, but the {nodes} nodes run {world} in all")
     if nodes > 1 and cfg.searchers == 0:
-        raise ConfigError("--searchers: 0 (the synchronous baseline) runs in one process on one node; "
+        raise ConfigError("--searchers: 0 (the trainer searching itself) runs in one process on one node; "
                           f"got {nodes} nodes")
     line = nodes > 1 and unreachable(os.environ)
     if line:

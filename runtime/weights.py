@@ -20,7 +20,7 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    transposes GPT-2's Conv1D, pads the vocabulary with zeros, repacks CPU linear weights:
    vllm_env.held_fingerprints); equal values in another order differ by float64 rounding alone, while one step's
    update (Adam moves every weight by about lr) moves a sum by far more. A few passes over the bytes: milliseconds
-   for Qwen2.5-7B's 15 GB at a GPU's bandwidth.
+   for Qwen2.5-7B's 15 GB at a GPU's bandwidth. Version 0's also identify --model's weights on --resume (`identity`).
 TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `pi_ref`, with
 its own `pi_ref_version`: pi_ref after the latest reset, published the same way.
 With --lag each searcher says in `wants` which version its next round needs and waits for it (`Inbox.wait_for`);
@@ -130,6 +130,51 @@ def fingerprint(t) -> torch.Tensor:
     """A tensor's (sum, sum of |x|, sum of x^2) in float64, on its device: blind to the elements' order, so that an
     engine's copy is checked in its own layout (the module docstring)."""
     return torch.stack(held(t.detach()))
+
+
+def identity(weights: SharedWeights, dtype, weights_dtype) -> dict:
+    """What identifies --model's weights on --resume (runtime.checkpoint.check_model): the fingerprints of the shared
+    copy's floating-point tensors at version 0, in no order, and the casts that made them (the trainer's weights'
+    dtype, then the copy's), so that a model folder's files give the same figures (`file_fingerprints`)."""
+    names, prints = weights.prints
+    rows = [i for i, n in enumerate(names) if weights.tensors[n].is_floating_point()]
+    return dict(prints=prints[rows].clone(), dtypes=[str(d).removeprefix("torch.") for d in (weights_dtype, dtype)])
+
+
+def file_fingerprints(path: str, dtypes: list[str], device="cpu") -> torch.Tensor:
+    """`fingerprint` of each floating-point tensor of a model folder's weight files (runtime.hub.weight_files), cast
+    through `dtypes` as the trainer casts them (`identity`), one tensor in memory at a time, summed on `device` (a
+    GPU sums a 7B model's 15 GB in well under a second; two busy CPU cores take minutes): (n, 3) on the CPU."""
+    from safetensors import safe_open
+
+    from runtime.hub import weight_files
+    rows = []
+
+    def add(t):
+        if t.is_floating_point():
+            t = t.to(device)
+            for d in dtypes:
+                t = t.to(getattr(torch, d))
+            rows.append(fingerprint(t).cpu())
+    for f in weight_files(path):
+        if f.endswith(".safetensors"):
+            with safe_open(f, "pt") as tensors:
+                for name in tensors.keys():
+                    add(tensors.get_tensor(name))
+        else:  # a pytorch_model.bin: tensors only (weights_only), read lazily (mmap)
+            for t in torch.load(f, map_location="cpu", weights_only=True, mmap=True).values():
+                add(t)
+    return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
+
+
+def covers(held: torch.Tensor, prints: torch.Tensor) -> bool:
+    """Whether each fingerprint of `prints` is among `held`'s, within the float64 rounding of one set of values
+    (searcher.Engine.verify's bound): blind to names, which a file and a state dict may spell apart, to a tied tensor
+    held once or twice, and to a file's extra tensors (a buffer the model does not keep)."""
+    if not len(held):
+        return not len(prints)
+    a, b = prints[:, None, :], held[None, :, :]                                          # (n, 1, 3), (1, m, 3)
+    return bool(((a - b).abs() <= 1e-9 * a[..., [1, 1, 2]] + 1e-12).all(-1).any(1).all())
 
 
 def held(t, chunk: int = 2**24) -> list:
@@ -246,14 +291,17 @@ class Outbox:
         self.shared, self.lag, self.timeout = shared, lag, timeout
         self.history = {}  # --lag: step -> the weights of that step (CPU), L steps back and those still to serve
         self.prints = {}   # --lag: step -> their fingerprints, computed where they were gathered (the GPU)
+        self.model_prints = None  # --model's weights' `identity` (a leader's), carried by checkpoints
 
-    def share(self, model, version: int, dtype, with_pi_ref: bool, saved: dict | None = None):
+    def share(self, model, version: int, dtype, with_pi_ref: bool, saved: dict | None = None, weights_dtype=None):
         """Allocate the shared copy from `model` (every rank gathers) at `version`; with `saved` (a checkpoint's)
-        the older weights the searchers held, --lag's history and TBA′'s pi_ref."""
+        the older weights the searchers held, --lag's history and TBA′'s pi_ref. `model_prints`: --model's identity,
+        the version-0 fingerprints of a fresh run (`weights_dtype`: the trainer's), or a checkpoint's."""
         allocate(self.shared, gather(model, dtype), aliases(model), next(model.parameters()).device, dtype,
                  with_pi_ref=with_pi_ref)
         if self.shared is None:
             return
+        self.model_prints = saved.get("model_prints") if saved else identity(self.shared, dtype, weights_dtype)
         self.shared.version.value = version
         if self.lag is not None:  # the weights the next rounds need: the checkpoint's L steps, and these
             names = {n: t for n, t in self.shared.tensors.items() if n not in aliases(model)}
@@ -310,6 +358,7 @@ class Outbox:
         cpu = lambda tensors: {n: t.cpu() for n, t in tensors.items()}
         s = self.shared
         return dict(synced=cpu(s.tensors) if s.version.value != step else None, synced_version=s.version.value,
+                    model_prints=self.model_prints,
                     pi_ref=cpu(s.pi_ref) if s.pi_ref is not None else None, pi_ref_version=s.pi_ref_version.value,
                     history={v: dict(w) for v, w in self.history.items() if v >= step - self.lag} if self.lag is not None
                     else {})

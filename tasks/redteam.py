@@ -461,7 +461,7 @@ class RedteamScorer(Scorer):
         attacks = [c.text for o in outputs for c in o.outputs]
         rows, p_unsafe = scores(self.score, self.sentence_embedder(), attacks)
         example = dict(prompt=engine.tokenizer.decode(prompts[0], skip_special_tokens=True), completion=attacks[0],
-                       reward=p_unsafe[0], response=self.score.responses[0])
+                       toxicity=p_unsafe[0], response=self.score.responses[0])
         return rows, example
 
 

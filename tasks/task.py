@@ -109,9 +109,11 @@ class Scorer:
         scores = self.metric(prompts, responses, texts, answers)
         return {self.cfg.score: list(scores)}, self.example(prompts, texts, scores)
 
-    def example(self, prompts, texts, rewards) -> dict:
+    def example(self, prompts, texts, values, name: str | None = None) -> dict:
+        """The eval row's `example`: the first problem's prompt, its completion, and that completion's value of the
+        score `name` (default: the task's headline score, `Task.score`), under that name."""
         return dict(prompt=self.engine.tokenizer.decode(prompts[0], skip_special_tokens=True), completion=texts[0],
-                    reward=float(rewards[0]))
+                    **{name or self.cfg.score: float(values[0])})
 
 
 def no_memory(cfg, evaluates: bool, engines: dict, beside: dict):

@@ -93,7 +93,7 @@ class TldrScorer(Scorer):
         scores = {"score": list(rewards), "win_rate": list(np.greater(ours, theirs)),
                   "kl_ref_theta_per_token": list(kl / length), "ppl_sft": list(np.exp(nll / length)),
                   "ppl_sft_authors": list(np.exp(nll / (length + [len(p) - 1 for p in prompts])))}
-        return scores, self.example(prompts, texts, rewards)
+        return scores, self.example(prompts, texts, rewards, "score")
 
 
 @torch.no_grad()

@@ -69,9 +69,9 @@ def test_linear_decay_after_warmup_and_stable_phases():
     (["--beta-stop-step", "-1"], "--beta-stop-step: must be 0 or more"),
     (["--eval-temperature", "-0.5"], "--eval-temperature: must be 0 (greedy) or more"),
 ])
-def test_new_flags_refuse_bad_values(args, match, tmp_path, monkeypatch, capsys):
+def test_new_flags_refuse_bad_values(args, match, tmp_path, monkeypatch, capfd):
     from test_config import refuse
-    refuse(args, tmp_path, monkeypatch, capsys, match)
+    refuse(args, tmp_path, monkeypatch, capfd, match)
 
 
 

@@ -203,11 +203,11 @@ def test_a_damaged_safetensors_file_is_named_from_its_header(tmp_path):
 @pytest.mark.engine
 def test_resume_names_the_flags_that_differ_and_refuses_fixed_ones(tiny_model, checkpoint, tmp_path, refusal):
     flags = ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint)]
-    status, lines = refusal([*flags, "--temperature", "0.5", "--out", str(tmp_path / "b")])
+    status, lines = refusal([*flags, "--steps", "3", "--temperature", "0.5", "--out", str(tmp_path / "b")])
     assert status == 2 and lines == [
         "tba.py: error: --resume: --temperature 0.5 (was 1.0) cannot change mid-run (the checkpoint's buffer was "
         "searched, scored and kept with the old value)"]
-    status, lines = refusal([*flags, "--buffer-capacity", "50", "--out", str(tmp_path / "d")])
+    status, lines = refusal([*flags, "--steps", "3", "--buffer-capacity", "50", "--out", str(tmp_path / "d")])
     assert status == 2 and len(lines) == 1 and "--buffer-capacity 50 (was 100) cannot change mid-run" in lines[0], lines
     # --buffer-keep belongs to the redteam task (refused with arith): its change is refused the same way
     import dataclasses
@@ -381,3 +381,145 @@ def test_resume_compares_models_by_their_folders(tmp_path):
         check_resumed_flags(Config(model=str(name), model_path=str(name)), str(ckpt))
     with pytest.raises(ConfigError, match=rf"^--resume: --model {other} \(was tiny\) cannot change mid-run"):
         check_resumed_flags(Config(model=str(other), model_path=str(other)), str(ckpt))
+
+
+# ===== a resume continues its run: its model, its flags, its record =================================
+def test_a_model_folder_gives_the_shared_copys_fingerprints_whatever_its_names(tmp_path):
+    """--model's identity (runtime.weights.identity: the shared copy's version-0 fingerprints) is found again in a
+    model folder's files (file_fingerprints, cast as the trainer casts them) though the file names its tensors apart,
+    holds a tied one twice and keeps a buffer and an integer tensor the copy has not; one tensor moved by 1e-3 is
+    not found."""
+    import types
+    from safetensors.torch import save_file
+    from runtime import weights
+    rng = torch.Generator().manual_seed(0)
+    embed, w = torch.randn(8, 4, generator=rng), torch.randn(4, 4, generator=rng)
+    for dtype in (torch.float32, torch.bfloat16):  # the sync dtype: float32 on the CPU, bf16 on a GPU
+        shared = types.SimpleNamespace()
+        weights.allocate(shared, [("model.embed.weight", embed), ("model.w", w)],
+                         {"lm_head.weight": "model.embed.weight"}, "cpu", dtype)
+        model = weights.identity(shared, dtype, "float32")
+        assert model["dtypes"] == ["float32", str(dtype).removeprefix("torch.")] and model["prints"].shape == (2, 3)
+        folder = tmp_path / str(dtype)
+        folder.mkdir()
+        save_file({"embed.weight": embed.clone(), "lm_head.weight": embed.clone(), "w": w.clone(),
+                   "rotary.inv_freq": torch.arange(4.0), "position_ids": torch.arange(4)}, folder / "model.safetensors")
+        assert weights.covers(weights.file_fingerprints(str(folder), model["dtypes"]), model["prints"])
+        save_file({"embed.weight": embed.clone(), "w": w + 1e-3}, folder / "model.safetensors")
+        assert not weights.covers(weights.file_fingerprints(str(folder), model["dtypes"]), model["prints"])
+
+
+def test_a_resume_takes_the_flags_it_is_not_given_from_the_checkpoint():
+    """`--resume` continues its run: a flag the command line does not give is the checkpoint's where its run gave it
+    (--task, --lr), left to its default where it did not (--search-samples-per-prompt follows a new K, as in the
+    checkpoint's run it followed the old one); the flags given now win. A run made in code (no `given`): its values
+    other than the defaults."""
+    import dataclasses
+    import json
+    from runtime.checkpoint import resumed_flags
+    saved = dataclasses.asdict(checks.parse(Config, ["--task", "countdown", "--lr", "0.001", "--steps", "20"]))
+    saved = json.loads(json.dumps(dict(saved, search_samples_per_prompt=8, model_path="/m")))  # as config.json holds it
+    cfg = resumed_flags(checks.parse(Config, ["--resume", "x", "--steps", "40", "--samples-per-prompt", "4"]), saved)
+    assert (cfg.task, cfg.lr, cfg.steps, cfg.samples_per_prompt) == ("countdown", 0.001, 40, 4)
+    assert cfg.search_samples_per_prompt is None and cfg.model_path == "" and cfg.out is None
+    assert cfg.given == ("lr", "resume", "samples_per_prompt", "steps", "task")
+    made_in_code = json.loads(json.dumps(dataclasses.asdict(Config(task="countdown", lr=0.01))))
+    assert resumed_flags(checks.parse(Config, ["--resume", "x"]), made_in_code).lr == 0.01
+    # a flag taken that cannot act beside one given now (a streaming run's --max-reuse, resumed with --lag): its
+    # default, not a refusal of a flag the command line never gave
+    streaming = json.loads(json.dumps(dataclasses.asdict(checks.parse(Config, ["--max-reuse", "2", "--lr", "0.1"]))))
+    cfg = checks.resumed(checks.parse(Config, ["--resume", "x", "--lag", "2"]), streaming)
+    assert (cfg.max_reuse, cfg.lr, cfg.lag, cfg.given) == (None, 0.1, 2, ("lag", "lr", "resume"))
+    checks.check_unused(cfg)
+
+
+def test_a_resumed_run_is_named_as_resume_names_it(tmp_path, monkeypatch):
+    """Without --out a resume goes on in its checkpoint's run, said as --resume says it (the summary line then names
+    the folder as a fresh run's names its --out); a checkpoint reached through a link elsewhere: its real run."""
+    run = tmp_path / "runs" / "a"
+    (run / "checkpoint-000002").mkdir(parents=True)
+    (run / "checkpoint").symlink_to("checkpoint-000002")
+    (tmp_path / "link").symlink_to(run / "checkpoint-000002")
+    monkeypatch.chdir(tmp_path)
+    assert checks.run_of("runs/a/checkpoint") == "runs/a" and checks.run_of("runs/a/checkpoint-000002/") == "runs/a"
+    assert checks.run_of("link") == str(run) and checks.run_of(str(run / "checkpoint")) == str(run)
+
+
+@pytest.mark.engine
+def test_a_resume_loads_the_model_it_was_trained_from(tiny_model, checkpoint, tmp_path, capsys):
+    """The checkpoint keeps its --model's fingerprints: a --model whose folder holds other weights (one tensor moved
+    by 1e-3: another warm start behind `--model tiny`, say) is refused in one line naming both folders; the same
+    weights in another folder are the same model, recorded as a change. A checkpoint saved before it kept them is
+    compared by folder, as before, with a note."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(tiny_model, same)
+    shutil.copytree(tiny_model, other)
+    moved = load_file(other / "model.safetensors")
+    moved["model.norm.weight"] += 1e-3
+    save_file(moved, other / "model.safetensors", metadata={"format": "pt"})
+    resume = lambda model, ckpt=checkpoint: checks.check(checks.parse(Config, [
+        "--resume", str(ckpt), "--model", str(model), "--steps", "3", "--out", str(tmp_path / "b")]), 1)[0]
+    rebuilt = tmp_path / "rebuilt"  # its run's --model folder holds other weights now (a cache rebuilt): the same name
+    shutil.copytree(checkpoint, rebuilt)
+    saved = json.load(open(rebuilt / "config.json"))
+    json.dump(dict(saved, model=str(other), model_path=str(other)), open(rebuilt / "config.json", "w"))
+    with pytest.raises(ConfigError, match=rf"^--model: {other} resolves to {other}, whose weights are not those the "
+                                          rf"checkpoint's run started from \(in {other} then\)"):
+        resume(other, rebuilt)
+    with pytest.raises(ConfigError) as e:
+        resume(other)
+    assert str(e.value) == (f"--model: {other} resolves to {other}, whose weights are not those the checkpoint's run "
+                            f"started from (in {tiny_model} then): pi_ref's, whose log-probs its buffer holds; resume "
+                            f"with those weights")
+    cfg = resume(same)
+    assert cfg.resumes[-1] == dict(step=2, changed=dict(steps=[2, 3], model=[tiny_model, str(same)],
+                                                         model_path=[tiny_model, str(same)]))
+    old = tmp_path / "old"  # saved before the fingerprints were kept
+    shutil.copytree(checkpoint, old)
+    state = torch.load(old / "trainer.pt", weights_only=True)
+    del state["model_prints"]
+    torch.save(state, old / "trainer.pt")
+    capsys.readouterr()
+    assert resume(tiny_model, old).model_path == tiny_model
+    assert capsys.readouterr().out.splitlines() == [
+        f"tba.py: note: {old} keeps no fingerprints of its --model's weights (saved before they were kept): --model "
+        f"is compared by its folder alone", "tba.py: resuming with flags that differ from the checkpoint's: --steps 3 "
+        "(was 2)"]
+    with pytest.raises(ConfigError, match=rf"^--resume: --model {same} \(was {tiny_model}\) cannot change mid-run"):
+        resume(same, old)
+
+
+@pytest.mark.engine
+def test_a_resume_goes_on_with_the_checkpoints_flags_and_records_what_changed(tiny_model, checkpoint, tmp_path):
+    """`--resume RUN/checkpoint` continues the run as it was: its --model, B, K, length and lr are the checkpoint's,
+    not the defaults; the flags given anew are named in one line and act (the new m is the buffer's). config.json
+    records each resume, its step and what changed (old and new), and the checkpoint carries the record to the next
+    resume. The train rows count the tokens generated over the run, on from the checkpoint's, and the batch's mean
+    response length. The summary names the run as --resume named it."""
+    import json
+    import shutil
+    shutil.copytree(checkpoint.parent, tmp_path / "run", symlinks=True)  # a resume writes into its run: a copy
+    p = run_tba(["--resume", "run/checkpoint", "--steps", "3", "--recency", "0.5", "--save-every", "1"], tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:]
+    lines = p.stdout.strip().splitlines()
+    assert ("tba.py: resuming with flags that differ from the checkpoint's: --steps 3 (was 2), --recency 0.5 (was "
+            "0.95), --save-every 1 (was 2)") in lines, p.stdout[-3000:]
+    assert lines[-1].endswith(" | run"), lines[-1]
+    config = json.load(open(tmp_path / "run" / "config.json"))
+    assert (config["model"], config["prompts_per_step"], config["samples_per_prompt"], config["max_new_tokens"],
+            config["lr"], config["searchers"]) == (tiny_model, 4, 4, 6, 1e-3, 0)
+    first = dict(step=2, changed=dict(steps=[2, 3], recency=[0.95, 0.5], save_every=[2, 1]))
+    assert config["resumes"] == [first]
+    with np.load(tmp_path / "run" / "checkpoint" / "buffer.npz", allow_pickle=False) as f:
+        assert ReplayBuffer.from_state(dict(f)).recency == 0.5
+    rows = [r for r in metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["resumed"] == 2
+    for a, b in zip(rows, rows[1:]):  # every round's 16 responses of 1 to 6 tokens, counted on over the resume
+        assert b["samples"] - a["samples"] == 16 and 16 <= b["tokens"] - a["tokens"] <= 16 * 6
+    assert all(1 <= r["response_length"] <= 6 for r in rows)
+    cfg = checks.check(checks.parse(Config, ["--resume", str(tmp_path / "run" / "checkpoint"), "--steps", "5",
+                                             "--out", str(tmp_path / "next")]), 1)[0]
+    assert cfg.resumes == (first, dict(step=3, changed=dict(steps=[3, 5])))

@@ -16,13 +16,16 @@ from runtime.errors import ConfigError
 from runtime.hub import resolve_model
 
 
-def refuse(args, tmp_path, monkeypatch, capsys, match):
+def refuse(args, tmp_path, monkeypatch, capfd, match):
+    """tba.main(args) refused: one line on stderr, status 2, nothing written. Captured at the file descriptors (capfd),
+    as a command line's: with capsys, sys.stderr has no file descriptor, torch's @record warns that it cannot enable
+    the fault handler, and without pytest's warnings plugin (-p no:warnings) that warning lands on stderr."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as e:
         tba.main(args)
-    err = capsys.readouterr().err.strip()
+    err = capfd.readouterr().err.strip()
     assert e.value.code == 2
     assert "\n" not in err and err.startswith("tba.py: error: ") and match in err, err
     assert not (tmp_path / "runs").exists()  # nothing was started or written
@@ -82,8 +85,8 @@ def refuse(args, tmp_path, monkeypatch, capsys, match):
     (["--explore-temp-min", "0.5"], "--explore-temp-min: the exploration temperatures need"),
     (["--explore-temp-min", "2", "--explore-temp-max", "0.5"], "--explore-temp-min"),
 ])
-def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capsys):
-    refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
+def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capfd):
+    refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capfd, match)
 
 
 def test_help_says_each_default_once():
@@ -96,19 +99,19 @@ def test_help_says_each_default_once():
 
 
 @pytest.mark.engine
-def test_bad_models(tmp_path, monkeypatch, capsys):
-    refuse(["--model", str(tmp_path / "missing")], tmp_path, monkeypatch, capsys, "--model")
-    refuse(["--model", "./missing"], tmp_path, monkeypatch, capsys, "does not exist")
+def test_bad_models(tmp_path, monkeypatch, capfd):
+    refuse(["--model", str(tmp_path / "missing")], tmp_path, monkeypatch, capfd, "--model")
+    refuse(["--model", "./missing"], tmp_path, monkeypatch, capfd, "does not exist")
     (tmp_path / "empty").mkdir()
-    refuse(["--model", str(tmp_path / "empty")], tmp_path, monkeypatch, capsys, "no config.json")
-    refuse(["--model", "nobody/no-such-model-xyz"], tmp_path, monkeypatch, capsys, "Hugging Face hub")
-    refuse(["--model", "rho-math-1b"], tmp_path, monkeypatch, capsys, "'realtreetune/rho-1b-sft-GSM8K'")  # the alias
+    refuse(["--model", str(tmp_path / "empty")], tmp_path, monkeypatch, capfd, "no config.json")
+    refuse(["--model", "nobody/no-such-model-xyz"], tmp_path, monkeypatch, capfd, "Hugging Face hub")
+    refuse(["--model", "rho-math-1b"], tmp_path, monkeypatch, capfd, "'realtreetune/rho-1b-sft-GSM8K'")  # the alias
 
 
 @pytest.mark.engine
-def test_a_file_is_not_a_model_folder(tmp_path, monkeypatch, capsys):
+def test_a_file_is_not_a_model_folder(tmp_path, monkeypatch, capfd):
     (tmp_path / "notes.txt").write_text("not a model")
-    refuse(["--model", str(tmp_path / "notes.txt")], tmp_path, monkeypatch, capsys,
+    refuse(["--model", str(tmp_path / "notes.txt")], tmp_path, monkeypatch, capfd,
            f"--model: {tmp_path / 'notes.txt'} is a file, not a model folder")
     monkeypatch.chdir(tmp_path)
     os.makedirs("some")
@@ -118,14 +121,14 @@ def test_a_file_is_not_a_model_folder(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.engine
-def test_model_without_weights(tiny_model, tmp_path, monkeypatch, capsys):
+def test_model_without_weights(tiny_model, tmp_path, monkeypatch, capfd):
     """A config and a tokenizer but no weights: one line before anything starts (every process started, then
     two tracebacks); the same check as a checkpoint's model/."""
     import shutil
     folder = tmp_path / "no-weights"
     shutil.copytree(tiny_model, folder)
     os.remove(folder / "model.safetensors")
-    refuse(["--model", str(folder)], tmp_path, monkeypatch, capsys,
+    refuse(["--model", str(folder)], tmp_path, monkeypatch, capfd,
            f"--model: {folder} holds no weights (none of model.safetensors, model.safetensors.index.json, "
            f"pytorch_model.bin, pytorch_model.bin.index.json)")
 
@@ -157,7 +160,7 @@ def test_an_unnamespaced_hub_id_resolves_from_the_cache(tmp_path):
 
 
 @pytest.mark.engine
-def test_model_without_tokenizer(tiny_model, tmp_path, monkeypatch, capsys):
+def test_model_without_tokenizer(tiny_model, tmp_path, monkeypatch, capfd):
     """config.json and weights only: one line naming --model and what is missing (transformers' own
     error is about sentencepiece and tiktoken, with exit 1)."""
     import shutil
@@ -165,13 +168,13 @@ def test_model_without_tokenizer(tiny_model, tmp_path, monkeypatch, capsys):
     folder.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(tiny_model, name), folder / name)
-    refuse(["--model", str(folder)], tmp_path, monkeypatch, capsys, "has no tokenizer")
+    refuse(["--model", str(folder)], tmp_path, monkeypatch, capfd, "has no tokenizer")
 
 
 @pytest.mark.engine
-def test_unwritable_out_folder(tiny_model, tmp_path, monkeypatch, capsys):
+def test_unwritable_out_folder(tiny_model, tmp_path, monkeypatch, capfd):
     (tmp_path / "file").write_text("not a folder")
-    refuse(["--model", tiny_model, "--out", str(tmp_path / "file" / "run")], tmp_path, monkeypatch, capsys,
+    refuse(["--model", tiny_model, "--out", str(tmp_path / "file" / "run")], tmp_path, monkeypatch, capfd,
            "--out: cannot write to")
     assert (tmp_path / "file").read_text() == "not a folder"
 
@@ -180,16 +183,16 @@ def test_unwritable_out_folder(tiny_model, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("nodes,world,local,args,match", [
     ("2", "3", "1", [], "--nproc-per-node: every node must run the same number of trainer ranks; this node runs 1"),
     ("2", "3", "2", [], "this node runs 2, but the 2 nodes run 3 in all"),
-    ("2", "2", "1", ["--searchers", "0"], "--searchers: 0 (the synchronous baseline) runs in one process on one node"),
+    ("2", "2", "1", ["--searchers", "0"], "--searchers: 0 (the trainer searching itself) runs in one process on one"),
 ])
 def test_bad_multi_node_launches_are_refused(nodes, world, local, args, match, tiny_model, tmp_path, monkeypatch,
-                                             capsys):
+                                             capfd):
     """torchrun --nnodes sets GROUP_WORLD_SIZE (nodes), WORLD_SIZE (all trainer ranks) and
     LOCAL_WORLD_SIZE (this node's): uneven nodes and the synchronous baseline are refused at once."""
     monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
     monkeypatch.setenv("WORLD_SIZE", world)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capsys, match)
+    refuse(["--model", tiny_model, *args], tmp_path, monkeypatch, capfd, match)
 
 
 def test_a_node_needs_gpus_for_its_own_ranks_and_searchers(tiny_model, monkeypatch):
@@ -202,7 +205,7 @@ def test_a_node_needs_gpus_for_its_own_ranks_and_searchers(tiny_model, monkeypat
 
 
 @pytest.mark.engine
-def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):
+def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capfd):
     import shutil
     folder = tmp_path / "noeos"
     shutil.copytree(tiny_model, folder)
@@ -211,7 +214,7 @@ def test_tokenizer_without_eos(tiny_model, tmp_path, monkeypatch, capsys):
     config["eos_token"] = None
     with open(folder / "tokenizer_config.json", "w") as f:
         json.dump(config, f)
-    refuse(["--model", str(folder)], tmp_path, monkeypatch, capsys, "no EOS token")
+    refuse(["--model", str(folder)], tmp_path, monkeypatch, capfd, "no EOS token")
 
 
 def test_more_searchers_than_gpus(tiny_model, monkeypatch):
@@ -336,7 +339,7 @@ def test_lee_et_al_schedules():
     assert [tba.gamma_at(held, s) for s in (0, 4999)] == [1.2, 1.2]
 
 
-def test_a_refusal_leaves_a_callers_process_group(tmp_path, monkeypatch, capsys):
+def test_a_refusal_leaves_a_callers_process_group(tmp_path, monkeypatch, capfd):
     """tba.main called in a process that already has a one-rank group (a vLLM engine's, as in the tests' own
     processes): a refusal of one rank destroys no group it did not make."""
     import torch.distributed as dist
@@ -344,7 +347,7 @@ def test_a_refusal_leaves_a_callers_process_group(tmp_path, monkeypatch, capsys)
     if made:
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        refuse(["--model", str(tmp_path / "none")], tmp_path, monkeypatch, capsys, "--model")
+        refuse(["--model", str(tmp_path / "none")], tmp_path, monkeypatch, capfd, "--model")
         assert dist.is_initialized()
     finally:
         if made:

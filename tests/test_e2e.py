@@ -190,4 +190,4 @@ def test_gsm8k_task(tiny_model, tmp_path):
     for e in evals:
         example = e["example"]
         assert example["prompt"] == tokenizer.decode(tokenizer(prompt).input_ids, skip_special_tokens=True)
-        assert example["reward"] == gsm8k_reward(example["completion"], test[0]["answer"])
+        assert example["accuracy"] == gsm8k_reward(example["completion"], test[0]["answer"])  # the metric's value

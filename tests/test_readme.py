@@ -119,3 +119,17 @@ def test_the_learners_path_stays_short():
 
 def test_the_readme_is_short():
     assert len(README.splitlines()) <= 300
+
+
+def test_the_synchronous_baseline_is_on_policy():
+    """Each command that the README or tba.py's docstring calls the synchronous baseline runs one: --lag 0, every
+    batch its step's own rounds, each trajectory used once. `--searchers 0` alone still replays the buffer (m = 0.95
+    of a batch's prompts from the last round, the rest from the whole buffer: staleness up to 51 steps in 60)."""
+    from runtime import checks
+    from runtime.config import Config
+    docstring = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "tba.py")).read()))
+    for text in (README, docstring):
+        lines = [line for line in text.splitlines() if "tba.py" in line and "synchronous" in line.split("#")[-1]]
+        assert lines
+        for line in lines:
+            assert checks.parse(Config, line.split("#")[0].split("tba.py")[1].split()).lag == 0, line

@@ -267,12 +267,12 @@ def test_take_counts_what_arrives_and_the_newest_version():
     fleet.messages, fleet.procs, fleet.cfg = q, [], types.SimpleNamespace(timeout=60, lag=None)
     fleet.watch = types.SimpleNamespace(heard=lambda msg: heard.append(msg) or [], check=lambda: [])
     fleet.log = types.SimpleNamespace(eval=lambda *row: rows.append(row), searched=lambda msg: None)
-    fleet.received = fleet.kept = 0
+    fleet.received = fleet.kept = fleet.tokens = 0
     fleet.heard, fleet.dead, fleet.silent = True, None, None
     fleet.newest, fleet.published, fleet.evaluated, fleet.verified = -1, {4: (1.0, 0.0)}, [], {}
     buffer = ReplayBuffer(10, 0.5, 0.0)
     assert fleet.take(buffer, lambda: True) == 0.0 and q.empty() and len(heard) == 4
-    assert (fleet.received, fleet.kept, len(buffer), fleet.newest) == (4, 3, 3, 5)
+    assert (fleet.received, fleet.kept, len(buffer), fleet.newest, fleet.tokens) == (4, 3, 3, 5, 4)  # a token each
     assert fleet.evaluated == [4] and rows == [(4, {"accuracy": 0.5}, {}, 1.0, (1.0, 0.0))]
 
 

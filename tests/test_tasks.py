@@ -268,3 +268,14 @@ def test_the_tiny_models_builder_names_a_broken_task_file(beside):
     with pytest.raises(SystemExit) as e:
         tiny.main(["--task", "needs"])
     assert e.value.code == f"runtime.tiny: --task: {beside / 'needs'}.py {BROKEN['needs'][1]}"
+
+
+def test_the_tasks_page_has_a_row_for_every_task_the_readme_names():
+    """docs/tasks.md's table has a row for each task the README's "Tasks" names (countdown was missing); a task a
+    researcher adds needs neither (docs/experiments.md: no page edited)."""
+    import re
+    from test_readme import section
+    named = set(re.findall(r"`(\w+)`", section("Tasks"))) & set(tasks.TASKS)
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "tasks.md")).read()
+    rows = {line.split("|")[1].split("`")[1] for line in page.splitlines() if line.startswith("| `")}
+    assert len(named) >= 6 and named <= rows, named - rows

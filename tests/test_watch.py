@@ -219,3 +219,35 @@ def test_plot_refuses_what_it_cannot_draw_in_one_line(tmp_path, capsys):
         plot.main([str(run), "-o", str(tmp_path / "file" / "x.png")])
     assert e.value.code == 2 and capsys.readouterr().err.strip().startswith(
         f"plot.py: cannot write {tmp_path / 'file' / 'x.png'} (")
+
+
+def test_train_rows_count_the_tokens_generated_and_the_batchs_response_length(tmp_path):
+    """A train row's `tokens`: the response tokens of every trajectory received over the run (the fleet's count, which
+    checkpoints carry); `response_length`: the batch's mean, in tokens."""
+    import dataclasses
+    import types
+
+    import numpy as np
+    from buffer import ReplayBuffer, ReuseCap, Trajectory
+    from runtime.config import Config
+    from runtime.log import Log
+    from runtime.slowdown import TrainClock
+    log = Log(dataclasses.replace(Config(), out=str(tmp_path)), 0, 0.0)
+    batch = [[Trajectory(0, np.arange(n, dtype=np.int32), 1.0, 0.0, 0.0, 0) for n in (2, 4)],
+             [Trajectory(1, np.arange(n, dtype=np.int32), 0.0, 0.0, 0.0, 0) for n in (6, 8)]]
+    fleet = types.SimpleNamespace(received=12, tokens=57, verified={}, nodes=None)
+    log.train_row(1, batch, {"loss": 0.5}, fleet, ReplayBuffer(4, 1.0, 0.0), ReuseCap(0, 1), TrainClock(1.0))
+    log.close()
+    row = json.loads(open(tmp_path / "metrics.jsonl").read())
+    assert (row["samples"], row["tokens"], row["response_length"]) == (12, 57, 5.0)
+
+
+def test_an_eval_rows_example_names_the_score_it_holds():
+    """The eval row's example holds its completion's value of the task's held-out metric, under that metric's name
+    (`accuracy`), not under `reward`: a task may shape its training reward apart from it (countdown)."""
+    import types
+    from tasks.task import Scorer
+    scorer = types.SimpleNamespace(engine=types.SimpleNamespace(tokenizer=types.SimpleNamespace(
+        decode=lambda ids, skip_special_tokens: "2+2=")), cfg=types.SimpleNamespace(score="accuracy"))
+    assert Scorer.example(scorer, [[5, 6]], ["4"], [1]) == {"prompt": "2+2=", "completion": "4", "accuracy": 1.0}
+    assert Scorer.example(scorer, [[5, 6]], ["4"], [0.3], "score")["score"] == 0.3

@@ -10,8 +10,10 @@
 
 It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
 1. time to target: the embedded default (`tba.py`, the toy task) with --searchers 1 (TBA) and
-   --searchers 0 (the synchronous baseline), same seed, flags and cores, each until held-out greedy
-   accuracy first reaches its start + 0.15 or the time cap; both times and sync / async per seed.
+   --searchers 0 (one process, labelled "sync": the trainer searches between its steps, but still replays the
+   buffer, m = 0.95; --searchers 0 --lag 0 is the on-policy synchronous baseline), same seed, flags and cores,
+   each until held-out greedy accuracy first reaches its start + 0.15 or the time cap; both times and sync / async
+   per seed.
    Time counts from the launch of the process, minus the time the trainer spent evaluating (the
    baseline evaluates inside the trainer, TBA in searcher 0) and checkpointing; it is also given
    from the start of the first training step (start-up, mostly importing vLLM and starting its
@@ -27,10 +29,11 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
 6. (only with --parts 6) memory: resident memory summed over all processes of a TBA run of
    --minutes (20), sampled every 10 s: growth after the first 5 minutes.
 7. (only with --parts 7) off-policy robustness, the paper's Table 1 in miniature: for each loss
-   (tb, rloo, grpo) and staleness (0, 4, 15 steps), synchronous runs (--searchers 0) that sync
-   every step and train on fresh data only (m = 1) generated with the weights of --lag steps
-   before, so that every batch is exactly that stale; the held-out accuracy at the end (mean of
-   the last 3 evaluations), the best, and whether the run collapsed (ended below its start).
+   (tb, rloo, grpo) and staleness (0, 4, 15 steps), one-process runs (--searchers 0) that sync
+   every step and train on each step's own rounds only, each trajectory once (--lag L), generated with the
+   weights of L steps before, so that every batch is exactly that stale (L = 0: the on-policy synchronous run);
+   the held-out accuracy at the end (mean of the last 3 evaluations), the best, and whether the run collapsed
+   (ended below its start).
    Same learning rate, beta, steps and batch for every loss (tba.py's defaults and --flags).
 8. (only with --parts 8) TRL's GRPOTrainer on the same setup (`trl_grpo.py`: the model, prompts,
    held-out problems, B x K, temperature, length, steps and lr decay of tba.py's flags; accuracy
@@ -64,7 +67,8 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    longer, slower curve than arith's (start + 0.1 near step 70, at the learning rate of its 200-step default).
 10. (only with --parts 10) fresher data per step, in that regime (X = 10) with 1, 2 and 4 searchers:
    time to start + 0.15 with the defaults and with one lever changed at a time (a round of B prompts
-   or of half the default B / N, k = 2, m = 0.5, R = 2), against the synchronous run.
+   or of half the default B / N, k = 2, m = 0.5, R = 2), against the one-process run (--searchers 0, which
+   replays the buffer as the searchers' runs do: m = 0.95).
 11. (only with --parts 11) a search round's cost against its size: one searcher's engine in this process,
    generating and searching rounds of 1 to 64 prompts x K, warm; a fixed cost and a cost per prompt.
 12. (only with --parts 12) TBA′ against Dr. GRPO as staleness grows, the paper's MATH comparison in
@@ -816,13 +820,13 @@ def fresher(seeds: list[int], out: str, flags: list[str], cap: float, quick: boo
             x: float = 10, counts: list[int] | None = None) -> dict:
     """At --generation-slowdown X (10), for N searchers: time to start + 0.15 (each run stops there) with the
     defaults and with one lever changed (FRESHER: a searcher round of B prompts, or of half the default
-    B / N; k; m; R), against the synchronous run of the same seed."""
+    B / N; k; m; R), against the one-process run (--searchers 0) of the same seed."""
     counts = counts or ([1] if quick else [1, 2, 4])
     variants = FRESHER[:2] if quick else FRESHER
     rows = []
     for n in [0] + counts:
         size = {"whole": cfg.prompts_per_step, "half": max(1, -(-cfg.prompts_per_step // max(1, n)) // 2)}
-        for name, extra in variants if n else [("synchronous", [])]:
+        for name, extra in variants if n else [("one process", [])]:
             for seed in seeds:
                 run = os.path.join(out, f"fresher-searchers{n}-{name.replace(' ', '').replace('/', '')}-seed{seed}")
                 these = [str(size.get(e, e)) for e in extra] + ["--eval-every", "2" if quick else "5",
@@ -1202,7 +1206,8 @@ def table(r: dict) -> str:
     lines = [f"machine: {m['cpu']}, {m['cores']} cores ({m['threads_per_process']} thread(s) per process), "
              f"torch {m['torch']}; tba.py flags: {' '.join(r['flags']) or '(the embedded default)'}", ""]
     if r["time_to_target"]:  # parts 1-5: only those that ran
-        lines += ["1. time to target (held-out greedy accuracy >= start + 0.15), seconds from launch",
+        lines += ["1. time to target (held-out greedy accuracy >= start + 0.15), seconds from launch; sync: "
+                  "--searchers 0 (one process, replaying the buffer: m = 0.95), async: one searcher",
                   f"   {'seed':>4} {'sync (s)':>9} {'async (s)':>10} {'ratio':>6}  | from the first step: "
                   f"{'sync':>5} {'async':>6} {'ratio':>6} | steps sync/async | s/step sync/async"]
     for seed in r["seeds"] if r["time_to_target"] else []:
@@ -1239,7 +1244,8 @@ def table(r: dict) -> str:
     study = r.get("off_policy")
     if study:
         st = study["settings"]
-        lines += [f"7. off-policy robustness: synchronous, sync every step, m = 1, --lag L (every batch L steps stale); "
+        lines += [f"7. off-policy robustness: one process, sync every step, --lag L (every batch its step's rounds, "
+                  f"L steps stale); "
                   f"lr {st['lr']:g}, beta {st['beta']:g}, {st['steps']} steps of {st['prompts_per_step']} x "
                   f"{st['samples_per_prompt']}, temperature {st['temperature']:g}, grpo clip {st['clip']:g}; "
                   f"end = mean of the last 3 evaluations",
@@ -1307,11 +1313,11 @@ def table(r: dict) -> str:
         times = lambda t: f"{t:.2f}x" if t is not None else "-"
         lines += [f"10. fresher data per step at --generation-slowdown {fr['x']:g}: one lever changed at a time; seconds "
                   f"to start + 0.15 from launch and from the first step (per seed), the step it was reached at, "
-                  f"speed-ups over the synchronous run of the same seed",
+                  f"speed-ups over the one-process run (--searchers 0, replaying: m = 0.95) of the same seed",
                   f"   {'N':>2} {'variant':<11} | {'+0.15 (s)':>13} | {'1st step':>13} | {'step':>9} | {'stale':>5} | "
                   f"{'speed-up':>13} | {'1st step':>13}"]
         for n in [0] + fr["searchers"]:
-            for v in fr["variants"] if n else ["synchronous"]:
+            for v in fr["variants"] if n else ["one process"]:
                 mine = [x for x in fr["rows"] if x["searchers"] == n and x["variant"] == v]
                 stale = [x["staleness"] for x in mine if x["staleness"] is not None]
                 lines.append(f"   {n:>2} {v:<11} | {per(mine, lambda x: secs(x['seconds'])):>13} | "
