@@ -193,7 +193,7 @@ def run_protocol(kind: str, mode: str) -> dict:
         shared.tensors = shared.pi_ref = None
 
 
-KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.mark.engine
@@ -213,11 +213,11 @@ def test_check_detects_a_reader_that_ignores_the_lock():
 
 
 @pytest.mark.engine
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="no CUDA device (on the CPU the race cannot occur: CPU copies finish before copy_ returns)")
+@pytest.mark.cuda
 def test_releasing_the_lock_before_the_copies_finish_is_detected():
     """GPU negative control: the lock held only while the copies are enqueued (what `locked` does
-    without its synchronize) lets the trainer overwrite tensors still being read."""
+    without its synchronize) lets the trainer overwrite tensors still being read (on the CPU the race cannot
+    occur: CPU copies finish before copy_ returns)."""
     out = run_protocol("cuda", "nosync")
     assert out["bad"] >= 1, (f"no violation in {out['syncs']} reads: the GPU ran the reader's copies before the "
                              f"writer's although the lock was released first")
