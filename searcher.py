@@ -42,7 +42,7 @@ from buffer import Trajectory
 from loss import LOSSES, collate, reads, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import decoding, seeds, slowdown
 from runtime.errors import Dead, WrongWeights
-from runtime.weights import WAIT, Inbox, SharedWeights
+from runtime.weights import WAIT, Inbox, SharedWeights, check_arrival
 
 
 SAID = 5  # the exit status of a searcher that said its fault to the trainer first (`last_word`)
@@ -275,19 +275,13 @@ class Engine:
         self.requests.holds(self.version)
         return True
 
-    def verify(self, names: list[str], prints):
+    def verify(self, names: list[str], prints) -> int:
         """The weights just loaded, read back from the engine, against the trainer's fingerprints: a version that did
-        not arrive intact stops the run, naming the tensor (docs/faults.md). `verified`: the last version checked."""
-        expected = dict(zip(names, prints.tolist()))
-        held, groups = vllm_env.held_fingerprints(self.llm, names)
-        for param, members in groups.items():
-            want = np.sum([expected[n] for n in members], axis=0)  # a fused parameter holds its parts' sums
-            got = np.array(held[param])
-            if (np.abs(got - want) > 1e-9 * want[[1, 1, 2]] + 1e-12).any():  # float64 rounding of one set of values
-                raise WrongWeights(f"the weights of step {self.version} did not arrive intact: "
-                                   f"{' + '.join(members)} holds sum {got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in "
-                                   f"vLLM's engine, where the trainer published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
+        not arrive intact, or one with a tensor that went into no parameter of the engine (unchecked), stops the run,
+        naming the tensor (docs/faults.md). `verified`: the last version checked. Returns the number of names checked."""
+        checked = check_arrival(self.version, names, prints, *vllm_env.held_fingerprints(self.llm, names))
         self.verified = self.version
+        return checked
 
     def reference_of(self, step: int):
         """TBA′ with --lag: pi_ref of the latest reset at or before `step` (the trainer's batch of `step` is trained

@@ -197,23 +197,28 @@ def quiet_loading():
 def held_fingerprints(llm, names: list[str]) -> tuple[dict[str, list[float]], dict[str, list[str]]]:
     """The weights the engine holds, read back from its model: ({its parameter: its three sums}, {its parameter:
     the Hugging Face names loaded into it}) for the parameters that Hugging Face's `names` map to (runtime.weights.
-    fingerprint gives the same figures from the trainer's side, blind to layout). A name goes where the model's own
-    loader sends it (its hf_to_vllm_mapper: vllm/model_executor/models/utils.py:80-146, which stacks q, k, v into
-    qkv_proj), or to the one parameter whose name ends with it (the Transformers backend's "model." prefix). On the CPU
-    a linear layer's weight is repacked for oneDNN and the parameter emptied (vllm/model_executor/layers/utils.py:
-    519-596): it is read back through the layer's own product, identity x W^T, which is what the engine computes with."""
+    fingerprint gives the same figures from the trainer's side, blind to layout); a name that maps to none is in no
+    group, and runtime.weights.check_arrival refuses it. A name goes where the model's own loader sends it (its
+    hf_to_vllm_mapper: vllm/model_executor/models/utils.py:80-146, which stacks q, k, v into qkv_proj), or to the one
+    parameter whose name ends with it (the Transformers backend's "model." prefix). On the CPU a linear layer's weight
+    is repacked for oneDNN and the parameter emptied (vllm/model_executor/layers/utils.py:519-596): it is read back
+    through the layer's own product, identity x W^T, which is what the engine computes with. The model is vLLM's own
+    unwrapped one: on CUDA the runner's `model` is a CUDA-graph wrapper, which the worker's get_model() takes off
+    (vllm/v1/worker/gpu_worker.py:1129-1130, vllm/v1/worker/gpu_model_runner.py:3112-3120; the CPU runner's is the
+    model itself, vllm/v1/worker/cpu_model_runner.py:80-81), reached through the wrapper collective_rpc gives
+    (vllm/v1/worker/worker_base.py:352-353)."""
     import torch
 
     from runtime.weights import held
 
     def read(worker):
-        model = worker.model_runner.model
+        model = worker.get_model()
         params, modules = dict(model.named_parameters()), dict(model.named_modules())
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         groups = {}
         for name in names:
             mapped = mapper.map_name(name) if mapper is not None else name
-            if mapped is None:  # a name the loader drops
+            if mapped is None:  # a name the loader drops: unchecked
                 continue
             if mapped not in params:
                 ends = [p for p in params if p.endswith("." + mapped) or mapped.endswith("." + p)]

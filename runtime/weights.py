@@ -18,9 +18,10 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    and sum of squares in float64, computed as it is copied. All three are blind to the order of the elements, so a
    searcher checks its engine's copy in the engine's own layout (vLLM fuses q, k and v, whose sums add up,
    transposes GPT-2's Conv1D, pads the vocabulary with zeros, repacks CPU linear weights:
-   vllm_env.held_fingerprints); equal values in another order differ by float64 rounding alone, while one step's
-   update (Adam moves every weight by about lr) moves a sum by far more. A few passes over the bytes: milliseconds
-   for Qwen2.5-7B's 15 GB at a GPU's bandwidth. Version 0's also identify --model's weights on --resume (`identity`).
+   vllm_env.held_fingerprints), every name published, or the check fails (`check_arrival`); equal values in another
+   order differ by float64 rounding alone, while one step's update (Adam moves every weight by about lr) moves a sum
+   by far more. A few passes over the bytes: milliseconds for Qwen2.5-7B's 15 GB at a GPU's bandwidth. Version 0's
+   also identify --model's weights on --resume (`identity`).
 TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `pi_ref`, with
 its own `pi_ref_version`: pi_ref after the latest reset, published the same way.
 With --lag each searcher says in `wants` which version its next round needs and waits for it (`Inbox.wait_for`);
@@ -36,9 +37,11 @@ import weakref
 from dataclasses import dataclass
 from queue import Empty
 
+import numpy as np
 import torch
 
 from runtime import lora
+from runtime.errors import WrongWeights
 
 WAIT = 1.0  # s: every blocking wait polls at this period and checks that the other side lives
 
@@ -187,6 +190,45 @@ def held(t, chunk: int = 2**24) -> list:
     return list(sums)
 
 
+def check_arrival(version: int, names: list[str], prints, read_back: dict, groups: dict) -> int:
+    """The fingerprints read back where version `version` arrived (`read_back`: {parameter: its three sums}; `groups`:
+    {parameter: the published names loaded into it}) against those published with it (`names`, `prints`: the (n, 3)
+    rows): WrongWeights naming the first parameter whose sums differ (a fused one holds its parts' sums) by more than
+    float64 rounding (`excess`), or the published names that went into no parameter (nothing of them was checked).
+    Returns the number of names checked: all of them."""
+    expected = dict(zip(names, prints.tolist()))
+    for param, members in groups.items():
+        want, got = np.sum([expected[n] for n in members], axis=0), read_back[param]
+        if excess(got, want) > 1:
+            raise WrongWeights(f"the weights of step {version} did not arrive intact: {' + '.join(members)} holds sum "
+                               f"{got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in vLLM's engine, where the trainer "
+                               f"published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
+    checked = {n for members in groups.values() for n in members}
+    unchecked = [n for n in names if n not in checked]
+    if unchecked:
+        raise WrongWeights(f"the weights of step {version} could not all be checked: {len(unchecked)} of the "
+                           f"{len(names)} tensors published map to no parameter of vLLM's engine ({', '.join(unchecked[:3])}"
+                           f"{', ...' if len(unchecked) > 3 else ''})")
+    return len(names)
+
+
+def excess(got, want) -> float:
+    """How far the three sums `got` are from `want`, in units of what `check_arrival` lets pass: float64 rounding of
+    one set of values, 1e-9 of the sum of |x| (for the sum and itself) or of the sum of x^2; above 1 is a mismatch."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    return float((np.abs(got - want) / (1e-9 * want[[1, 1, 2]] + 1e-12)).max())
+
+
+def on_host(rows: list, sums: list, like) -> torch.Tensor:
+    """The fingerprints `sums` (each `fingerprint`'s, on the device where its tensor was) in rows `rows` of a float64
+    (n, 3) host tensor shaped as `like`, the other rows 0: ONE copy to the host, so a publish waits for its device
+    once, not once a tensor (339 times for Qwen2.5-7B, each wait serialising the next all-gather behind the copies)."""
+    out = torch.zeros_like(like)
+    if rows:
+        out[rows] = torch.stack(sums).cpu()
+    return out
+
+
 class Slot(dict):
     """A dict of tensors that are views into one block of host memory (`flat_slot`), which it keeps page-locked for
     as long as it lives."""
@@ -260,22 +302,25 @@ def allocator_settings(device, **changes):
 
 def write(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",), prints=None):
     """Copy `named` (`gather(model)`, consumed under the lock) into the shared tensors of `to`, with their fingerprints
-    (or --lag's kept `prints`), then move the version(s). `weights` None: a rank that only joins the all-gathers."""
+    (or --lag's kept `prints`), then move the version(s). The copies and fingerprints are queued on the tensors' device
+    as they go by; the host waits for them once, after the loop (`synchronize`, `on_host`), so each all-gather follows
+    the last at once. `weights` None: a rank that only joins the all-gathers."""
     if weights is None:
         return join_gathers(named)
     targets = [t for key, t in (("policy", weights.tensors), ("pi_ref", weights.pi_ref)) if key in to]
     names, shared = weights.prints
     row = {n: i for i, n in enumerate(names)}
     with locked(weights, alive, timeout):
-        fresh = torch.zeros_like(shared) if prints is None else prints
+        rows, sums = [], []
         for name, t in named:  # tied names share a tensor: `named` gives it once
             for target in targets:
                 target[name].copy_(t, non_blocking=True)
             if prints is None and name in row:
-                fresh[row[name]] = fingerprint(t).cpu()
+                rows.append(row[name])
+                sums.append(fingerprint(t))  # on t's device, queued behind its copies: no wait here
         synchronize([t for target in targets for t in target.values()])  # done before the version moves
         if "policy" in to:
-            shared.copy_(fresh)
+            shared.copy_(on_host(rows, sums, shared) if prints is None else prints)
             weights.version.value = version
         if "pi_ref" in to:
             weights.pi_ref_version.value = version
@@ -327,19 +372,22 @@ class Outbox:
 
     def keep(self, named, version: int) -> dict | None:
         """--lag: the weights of step `version` into the history, in its slot of the ring of L + 1 host buffers
-        (every rank joins the all-gathers; the leader's copies are queued without waiting, so the next all-gather
-        follows at once, and waited for once at the end). The slot held step `version` - L - 1's, which no round
-        needs any more: the batch just trained was sampled by the weights of step `version` - 1 - L. Returns the
-        copy on a leader, else None."""
+        (every rank joins the all-gathers; the leader's copies and fingerprints are queued on the device without
+        waiting, so the next all-gather follows at once, and the host waits once, after the loop, when the
+        fingerprints come to it: `on_host`). The slot held step `version` - L - 1's, which no round needs any more:
+        the batch just trained was sampled by the weights of step `version` - 1 - L. Returns the copy on a leader,
+        else None."""
         if self.shared is None:
             return join_gathers(named)
         slot = self.ring[version % len(self.ring)]
         names, shared = self.shared.prints
-        row, prints = {n: i for i, n in enumerate(names)}, torch.zeros_like(shared)
+        row, rows, sums = {n: i for i, n in enumerate(names)}, [], []
         for n, t in named:
             slot[n].copy_(t.detach(), non_blocking=True)
-            prints[row[n]] = fingerprint(t).cpu()
-        synchronize([t for t in self.shared.tensors.values()])  # the copies from the GPU done (no-op on the CPU)
+            rows.append(row[n])
+            sums.append(fingerprint(t))
+        prints = on_host(rows, sums, shared)  # the copies before them on the stream done too
+        synchronize([t for t in self.shared.tensors.values()])  # and those of every device (no-op on the CPU)
         self.history = {v: w for v, w in self.history.items() if w is not slot}
         self.history[version] = slot
         self.prints = {v: p for v, p in self.prints.items() if v in self.history}

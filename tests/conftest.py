@@ -278,6 +278,8 @@ def pytest_configure(config):
     share_the_cores()
     config.addinivalue_line("markers", "engine: starts a vLLM engine, a process of the run or a whole run (the "
                                        "quick loop leaves these out: python -m pytest -q -m 'not engine' tests)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device, skipped without one (tests/gpu_lease.sh runs "
+                                       "these: -m cuda)")
     if config.option.durations is None:  # the slowest tests named at the end (CI's log too: the 20-minute budget)
         config.option.durations = 15
 
@@ -294,11 +296,19 @@ def share_the_cores():
         os.sched_setaffinity(0, cores[i % count::count] if len(cores) >= count else [cores[i % len(cores)]])
 
 
-ENGINE_FIXTURES = {"checkpoint", "logged_run", "run"}  # fixtures that run tba.py (test_checks, here, test_gpu_check)
+ENGINE_FIXTURES = {"checkpoint", "logged_run", "run"}  # fixtures that run tba.py (test_checks, here)
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test whose fixture starts a run is an engine test too."""
+    """A test whose fixture starts a run is an engine test too; a `cuda` test is skipped where torch sees no CUDA
+    device."""
+    cuda = None
     for item in items:
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.engine)
+        if item.get_closest_marker("cuda"):
+            if cuda is None:
+                import torch
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="no CUDA device visible"))

@@ -5,7 +5,7 @@
 # process, the emulation's per-step charges.
 #     bash tests/gpu_engine_check.sh [python]     # default: $PYTHON, else python3
 # Writes pytest.log and summary.txt to $GPU_CHECK_OUT (default: runs/gpu_engine_check). Exit status: pytest's, or
-# 10 when vLLM or CUDA is missing (nothing was run). tests/gpu_check.sh covers what needs no vLLM.
+# 10 when vLLM or CUDA is missing (nothing was run). tests/gpu_lease.sh covers what needs no vLLM.
 set -uo pipefail
 PY=${1:-${PYTHON:-python3}}
 cd "$(dirname "$0")/.."

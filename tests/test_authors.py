@@ -128,12 +128,11 @@ def direct_kl_nll(policy, ref, prompt, response):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device visible"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
 def test_full_vocabulary_kl_and_nll(arch, device, request):
     """searcher.response_kl_nll, batched with padding and chunked, against one sequence at a time; on a GPU too
-    (tests/gpu_check.sh), in float32 (the GPU's kernels: a looser bound)."""
+    (tests/gpu_lease.sh), in float32 (the GPU's kernels: a looser bound)."""
     from tasks.tldr import response_kl_nll
     from test_weight_sync import perturbed
     from transformers import AutoModelForCausalLM, AutoTokenizer

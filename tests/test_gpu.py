@@ -4,13 +4,13 @@ group beside NCCL, AdamW's float32 moments under bf16 weights, chunked log-probs
 refusals of `gpu.check_gpus`, a searcher GPU's memory split, and `weights.allocator_for_sharing` under
 expandable segments.
 
-Tests marked `needs_gpu` (and the "cuda" cases of the others) are skipped when no CUDA device is visible;
-they need PyTorch with CUDA, transformers where a model is built, and never vLLM. The rest runs on
+Tests marked `needs_gpu` (pytest's `cuda` marker, and the "cuda" cases of the others) are skipped when no CUDA
+device is visible (tests/conftest.py); they need PyTorch with CUDA, transformers where a model is built, and never vLLM. The rest runs on
 the CPU too, in CI: the refusals of `check_gpus`, the memory split and the allocator-settings rewrite
 (CUDA queries faked), and the "cpu" cases of the handoff, FSDP2 (one gloo rank), the leaders' group
 (two gloo ranks), AdamW and chunked log-prob tests, and a CPU run where CUDA looks present (it stays on the
 CPU: gloo, FSDP2's mesh on the CPU).
-Run them all on a GPU machine with `bash tests/gpu_check.sh`.
+On a GPU `bash tests/gpu_lease.sh` runs the `cuda` ones (`pytest -m cuda`).
 
 Every spawned process reports through a queue and every wait has a deadline; the processes that
 hold CUDA IPC tensors (producers) outlive their consumers, which are joined first (torch keeps a
@@ -45,7 +45,7 @@ from runtime.errors import ConfigError, Dead
 from loss import collate, sequence_logprobs
 from conftest import get_report
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+needs_gpu = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 TIMEOUT = 120.0  # s: any wait on a spawned process (first CUDA/NCCL start-up included)
 
 
@@ -623,8 +623,8 @@ def node_rank(kind, rank, port, path, results):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per node's rank)"))])
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs (one per node's rank)")])])
 def test_the_leaders_gloo_group_beside_nccl(kind, tmp_path):
     """Two nodes' leaders on this machine: NCCL all-gathers of the default group and gloo gathers of the
     leaders' group and of the default group's CPU side, interleaved, agree on both ranks (GPU: 2 GPUs)."""
@@ -821,7 +821,7 @@ def test_a_gpu_run_gets_the_computed_share_or_a_refusal(tmp_path, monkeypatch):
     from runtime import tiny
     model = str(tmp_path / "model")
     tiny.make_model(model, max_len=1024)  # untrained: only its config and tokenizer are read (the warm-started
-    # fixture's CPU minutes would count against tests/gpu_check.sh's time limit)
+    # fixture's CPU minutes would count against tests/gpu_lease.sh's time limit)
     check = lambda *args: checks.check(checks.parse(Config, ["--model", model, "--searchers", "2", *args]), 1)[0]
     import tasks
     cfg = check("--out", "a")

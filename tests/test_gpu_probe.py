@@ -1,10 +1,13 @@
-"""tools/gpu_probe.py on the CPU: its --reduced run (the same code at a toy's shapes: every part, the decoding probe
-too) prints one JSON line a figure and exits 0; a part that raises prints its error line and the next part still
-runs; the torch APIs are reported; without a GPU and without --reduced it refuses in one line before allocating
-anything; the pieces a GPU run rests on (the rotary buffers rebuilt after the meta device, the grouped-query
-attention of one new token) compute what they should."""
+"""tools/gpu_probe.py and tools/gpu_checks.py on the CPU: their --reduced runs (the same code at a toy's shapes: every
+part and check) print one JSON line a figure, each naming its torch, and exit 0; the parts run in the order given; a
+part that raises prints its error line and the next part still runs; one that hangs past its limit has its stacks
+dumped and ends the process; the torch APIs are reported; without a GPU and without --reduced they refuse in one line
+before allocating anything; the checks can fail (a copy left gathered, an altered or unmapped tensor, a stale copy);
+the pieces a GPU run rests on (the rotary buffers rebuilt after the meta device, the grouped-query attention of one
+new token) compute what they should. tests/gpu_lease.sh's own tests: tests/test_gpu_lease.py."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,10 +15,12 @@ import sys
 import pytest
 import torch
 
+import gpu_checks
 import gpu_probe
 from conftest import ROOT
 
 PROBE = os.path.join(ROOT, "tools", "gpu_probe.py")
+CHECKS = os.path.join(ROOT, "tools", "gpu_checks.py")
 GROUP_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -29,8 +34,8 @@ def in_process(monkeypatch, capsys):
             monkeypatch.setenv(k, "0")
             monkeypatch.delenv(k)  # absent while main runs, absent again after
 
-    def go(*argv):
-        code = gpu_probe.main(list(argv))
+    def go(*argv, **kw):
+        code = gpu_probe.main(list(argv), **kw)
         out, err = capsys.readouterr()
         return code, [json.loads(line) for line in out.splitlines()], err
     return go
@@ -45,14 +50,14 @@ def test_the_probe_runs_reduced_on_the_cpu(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in p.stdout.splitlines()]
     figures = {row["figure"] for row in rows}
-    assert figures == {"machine", "torch APIs", "weight write into the shared copy", "lag: pinned blocks",
-                       "lag: weights to the host", "MATH step peak memory", "MATH step peak memory per block", "seeded sampling a decoding step",
-                       "decode model", "decode step", "GSM8K training step", "timing", "done"}
+    assert figures == {"machine", "torch APIs", "weight write into the shared copy", "MATH step peak memory",
+                       "MATH step peak memory per block", "seeded sampling a decoding step", "decode model",
+                       "decode step", "GSM8K training step", "timing", "done"}
     assert not any("error" in row for row in rows)
+    assert all(row["on"] == f"torch {torch.__version__}, CUDA None, cpu" for row in rows)  # every figure names its torch
     by = {row["figure"]: row for row in rows}
-    assert by["weight write into the shared copy"]["seconds"] > 0 and by["lag: weights to the host"]["gigabytes"] > 0
-    blocks = by["lag: pinned blocks"]  # the slot: one block of the tensors' bytes at 64-byte offsets
-    assert blocks["flat_slot_block_bytes"] == blocks["requested_bytes"] >= blocks["tensor_bytes"] > 0
+    write = by["weight write into the shared copy"]
+    assert write["seconds"] > 0 and write["tensors"] == len(gpu_probe.hf_shapes(gpu_probe.TOY)) == 27
     assert by["seeded sampling a decoding step"]["sequences"] == 256
     assert [row["blocks"] for row in rows if row["figure"] == "MATH step peak memory"] == [1, 3]
     assert by["GSM8K training step"]["pass_seconds"] > 0 and by["GSM8K training step"]["K"] == 4
@@ -64,7 +69,69 @@ def test_the_probe_runs_reduced_on_the_cpu(tmp_path):
         assert row["sequences"] == list(gpu_probe.DECODE_TOY["sequences"]) and all(t > 0 for t in row["seconds"])
         assert row["a"] is not None and row["b"] is not None
     timing = [row["part"] for row in rows if row["figure"] == "timing"]
-    assert timing == [key for key, _, _ in gpu_probe.parts()] and by["done"]["failed"] == []
+    assert timing == [key for key, *_ in gpu_probe.parts()] and by["done"]["failed"] == []
+
+
+def test_qwen_has_339_tensors():
+    shapes = gpu_probe.hf_shapes(gpu_probe.QWEN)
+    assert len(shapes) == 339 and abs(sum(math.prod(s) for s in shapes.values()) - gpu_probe.QWEN["params"]) < 0.01e9
+    assert shapes["model.layers.27.self_attn.k_proj.bias"] == (512,) and shapes["lm_head.weight"] == (152064, 3584)
+
+
+@pytest.mark.engine
+def test_the_checks_run_reduced_on_the_cpu(tmp_path):
+    """tools/gpu_checks.py --reduced, as a command: one line of figures a check, each as a GPU would need it."""
+    from conftest import env
+    p = subprocess.run([sys.executable, CHECKS, "--reduced"], cwd=tmp_path, env=env(tmp_path), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [row["part"] for row in rows if row["figure"] == "timing"] == [key for key, *_ in gpu_checks.checks()]
+    assert all(row["on"] == f"torch {torch.__version__}, CUDA None, cpu" for row in rows) and rows[-1]["failed"] == []
+    by = {row["figure"]: row for row in rows}
+    prints = by["fingerprints against the tolerance"]  # order alone moves no sum past the tolerance; a step does
+    assert max(prints["fused"].values()) < 1 and prints["gpu_against_cpu"] < 1 and prints["embedding"]["excess"] < 1
+    assert prints["one_step_behind"]["caught"] and prints["one_step_behind"]["excess"] > 1
+    dog = by["watchdog's inputs"]
+    assert dog["backend"] == "gloo" and dog["sequence_moved_by"] == {"cpu": 1}
+    assert dog["seen_while_waiting"]["sleep"]["where"] is None  # the main thread in this file, not torch.distributed
+    lagged = by["LaggedCopy"]
+    assert lagged["max_gap"] == 0 and min(lagged["control_gaps"]) > 1e-4 and lagged["sharded_after_each"] == [True] * 3
+    slot = by["flat_slot"]
+    assert slot["tensors"] == 27 and slot["exact"] and slot["aligned_64"] and slot["copies_equal"]
+    assert slot["block_bytes"] == slot["asked_bytes"] >= slot["gigabytes"] * 1e9 and slot["pinned"] is None
+    assert by["Outbox.keep"]["prints_equal_each_tensors"]
+    arrival = by["arrival check without vLLM"]
+    assert arrival["checked"] == arrival["tensors"] == 27 and arrival["altered_caught"] and arrival["unmapped_caught"]
+
+
+def test_the_parts_run_in_the_order_given(in_process):
+    code, rows, _ = in_process("--reduced", "--parts", "seeded,apis,seeded")
+    assert code == 0 and [row["part"] for row in rows if row["figure"] == "timing"] == ["seeded", "apis"]
+
+
+def test_the_lagged_check_sees_a_copy_left_gathered(in_process, monkeypatch):
+    """Without set_reshard_after_forward(True) (runtime/policy.LaggedCopy), FSDP2 keeps the root's parameters
+    gathered after each rescore: the check says so."""
+    from torch.distributed.fsdp import FSDPModule
+    monkeypatch.setattr(FSDPModule, "set_reshard_after_forward", lambda self, *a, **k: None)
+    code, rows, _ = in_process("--reduced", "--parts", "lagged", table=gpu_checks.checks)
+    assert code == 0 and rows[1]["figure"] == "LaggedCopy" and rows[1]["sharded_after_each"] == [False] * 3
+
+
+def test_a_part_past_its_limit_dumps_its_stacks_and_ends(tmp_path):
+    """faulthandler's time-out: the stacks of every thread on stderr, exit status 1, the lines before it kept and no
+    part after it run (tests/gpu_lease.sh starts those again)."""
+    from conftest import env
+    code = ("import sys, time; sys.path.insert(0, 'tools'); import gpu_probe; "
+            "gpu_probe.seeded_sampling = lambda *a: time.sleep(60); "
+            "sys.exit(gpu_probe.main(['--reduced', '--parts', 'apis,seeded,write'], limits={'seeded': 2}))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(tmp_path), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1, p.stderr[-2000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [row["figure"] for row in rows] == ["machine", "torch APIs", "timing"]
+    assert "Timeout (0:00:02)!" in p.stderr and "in <lambda>" in p.stderr
 
 
 def test_a_part_that_raises_prints_its_error_and_the_next_part_runs(in_process, monkeypatch):
@@ -75,9 +142,10 @@ def test_a_part_that_raises_prints_its_error_and_the_next_part_runs(in_process, 
     assert code == 1
     assert [row["figure"] for row in rows] == ["machine", "torch APIs", "timing", "weight write into the shared copy",
                                                "timing", "seeded sampling a decoding step", "timing", "done"]
+    on = rows[0]["on"]
     assert rows[3] == {"figure": "weight write into the shared copy", "part": "write",
-                       "error": "RuntimeError: no allocator accessor on this torch"}
-    assert rows[4] == {"figure": "timing", "part": "write", "seconds": rows[4]["seconds"], "ok": False}
+                       "error": "RuntimeError: no allocator accessor on this torch", "on": on}
+    assert rows[4] == {"figure": "timing", "part": "write", "seconds": rows[4]["seconds"], "ok": False, "on": on}
     assert rows[5]["sequences"] == 256 and rows[-1]["failed"] == ["write"]
     assert "Traceback" in err and "second line" in err  # the whole story on stderr
 
@@ -90,8 +158,9 @@ def test_the_apis_the_weight_path_uses_are_reported(in_process):
     assert apis["present"]["torch._C._accelerator_getAllocatorSettings"] == hasattr(
         torch._C, "_accelerator_getAllocatorSettings")
     assert apis["present"]["torch.distributed.fsdp.fully_shard"]  # a submodule not yet imported is found too
+    assert apis["present"]["torch.distributed.fsdp.FSDPModule.set_reshard_after_forward"] is True
+    assert apis["present"]["torch.cuda.cudart().cudaHostRegister"] == "not checked: cudart() raised AssertionError"
     assert not gpu_probe.exists("torch.cuda.no_such_function") and not gpu_probe.exists("torch.no_such_module.x")
-    assert apis["pinned_max_round_threshold_mb"] == "not tried: no GPU"
 
 
 def test_without_a_gpu_the_full_shapes_are_refused_before_anything(in_process, monkeypatch):
@@ -103,11 +172,14 @@ def test_without_a_gpu_the_full_shapes_are_refused_before_anything(in_process, m
                    "on the CPU\n")
     code, rows, err = in_process("--parts", "apis,nope")
     assert code == 2 and rows == [] and "unknown nope" in err and len(err.splitlines()) == 1
+    code, rows, err = in_process(table=gpu_checks.checks, name="tools/gpu_checks.py")
+    assert code == 11 and rows == [] and err.startswith("tools/gpu_checks.py: no CUDA device here; pass --reduced")
 
 
-def test_the_command_refuses_without_a_gpu(tmp_path):
+@pytest.mark.parametrize("tool", [PROBE, CHECKS], ids=["probe", "checks"])
+def test_the_command_refuses_without_a_gpu(tmp_path, tool):
     from conftest import env
-    p = subprocess.run([sys.executable, PROBE], cwd=tmp_path, env=dict(env(tmp_path), CUDA_VISIBLE_DEVICES=""),
+    p = subprocess.run([sys.executable, tool], cwd=tmp_path, env=dict(env(tmp_path), CUDA_VISIBLE_DEVICES=""),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 11 and p.stdout == "" and len(p.stderr.splitlines()) == 1, p.stderr
     assert "pass --reduced" in p.stderr

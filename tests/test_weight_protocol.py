@@ -193,7 +193,7 @@ def run_protocol(kind: str, mode: str) -> dict:
         shared.tensors = shared.pi_ref = None
 
 
-KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+KINDS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.mark.engine
@@ -213,11 +213,41 @@ def test_check_detects_a_reader_that_ignores_the_lock():
 
 
 @pytest.mark.engine
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="no CUDA device (on the CPU the race cannot occur: CPU copies finish before copy_ returns)")
+@pytest.mark.cuda
 def test_releasing_the_lock_before_the_copies_finish_is_detected():
     """GPU negative control: the lock held only while the copies are enqueued (what `locked` does
-    without its synchronize) lets the trainer overwrite tensors still being read."""
+    without its synchronize) lets the trainer overwrite tensors still being read (on the CPU the race cannot
+    occur: CPU copies finish before copy_ returns)."""
     out = run_protocol("cuda", "nosync")
     assert out["bad"] >= 1, (f"no violation in {out['syncs']} reads: the GPU ran the reader's copies before the "
                              f"writer's although the lock was released first")
+
+
+def test_a_publish_copies_its_fingerprints_to_the_host_once(monkeypatch):
+    """`write` and `Outbox.keep` keep each tensor's fingerprint on the device it was computed on and copy them to the
+    host once after the loop (on a GPU one wait a publish, not one a tensor: 339 for Qwen2.5-7B); the fingerprints
+    written are each tensor's own, as when each was copied alone; `Outbox.write` of a kept step copies none."""
+    import multiprocessing
+    g = torch.Generator().manual_seed(0)
+    named = [(f"w{i}", torch.randn(5, 3, generator=g)) for i in range(6)]
+    shared = weights.create(multiprocessing.get_context("spawn"))
+    weights.allocate(shared, named, {}, "cpu", torch.float32)
+    outbox = weights.Outbox(shared, 1, TIMEOUT)
+    outbox.ring = [weights.flat_slot({n: (t.shape, t.dtype) for n, t in named}, False) for _ in range(2)]
+    calls, cpu = [0], torch.Tensor.cpu
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return cpu(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    for version, publish in ((1, lambda new: weights.write(shared, iter(new), 1, lambda: None, TIMEOUT)),
+                             (2, lambda new: outbox.keep(iter(new), 2))):
+        new = [(n, t + version) for n, t in named]
+        calls[0] = 0
+        publish(new)
+        assert calls[0] == 1, f"{calls[0]} copies of fingerprints to the host for one publish"
+        got = shared.prints[1] if version == 1 else outbox.prints[2]
+        assert torch.equal(got, torch.stack([weights.fingerprint(t) for _, t in new]))
+    calls[0] = 0
+    outbox.write(outbox.history[2].items(), 2, lambda: None)
+    assert calls[0] == 0 and torch.equal(shared.prints[1], outbox.prints[2]) and shared.version.value == 2

@@ -200,8 +200,9 @@ def test_searcher_process_after_sync(tiny_model):
 def test_each_version_is_verified_in_the_engine_and_a_wrong_tensor_named(arch, request, tmp_path):
     """The weights an engine holds, read back from it after each load (vLLM fuses Llama's and Qwen2's q, k, v and
     gate/up, transposes GPT-2's Conv1D, serves GPT-NeoX through its Transformers backend under other names, repacks
-    CPU linear weights; Llama ties its head), match the fingerprints the trainer published with them; one shared
-    tensor changed after its fingerprint stops the load, naming the version and the tensor."""
+    CPU linear weights; Llama ties its head), match the fingerprints the trainer published with them, every name
+    checked; a published name that maps to no parameter of the engine fails the check (it would pass unchecked); one
+    shared tensor changed after its fingerprint stops the load, naming the version and the tensor."""
     import models
     from runtime.errors import WrongWeights
     if arch == "llama":
@@ -222,6 +223,11 @@ def test_each_version_is_verified_in_the_engine_and_a_wrong_tensor_named(arch, r
                 model = perturbed(path, seed)
             weights.write(shared, weights.gather(model), version, lambda: None, 10)
             assert engine.sync(inbox) and engine.verified == version
+        names, prints = shared.prints  # every name published was checked, and one that maps to nothing fails
+        assert engine.verify(names, prints) == len(names)
+        with pytest.raises(WrongWeights, match=r"the weights of step 3 could not all be checked: 1 of the \d+ tensors "
+                                               r"published map to no parameter of vLLM's engine \(model\.extra\.weight\)"):
+            engine.verify([*names, "model.extra.weight"], torch.cat([prints, torch.ones(1, 3, dtype=prints.dtype)]))
         with engine.beside():
             model = perturbed(path, 3)
         weights.write(shared, weights.gather(model), 4, lambda: None, 10)

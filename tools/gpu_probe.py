@@ -1,23 +1,22 @@
-"""What the GPU path costs at the paper's models' shapes, on one CUDA GPU with PyTorch and no vLLM, budgeted to end
-within tests/gpu_check.sh's 190 s on an H200 (not yet run on one); one JSON line a figure, printed as it is measured
-(docs/gpu.md says what each means and what it cannot show).
+"""What the GPU path costs at the paper's models' shapes, on one CUDA GPU with PyTorch and no vLLM (tests/gpu_lease.sh's
+`probe` stage; not yet run on one); one JSON line a figure, printed as it is measured, each naming the torch, CUDA and
+card that produced it ("on"; docs/gpu.md says what each means and what it cannot show).
 
     python tools/gpu_probe.py                    # on a GPU: Qwen2.5-7B's and rho-math-1b's shapes
     python tools/gpu_probe.py --reduced          # anywhere, the CPU too: the same code at a toy's shapes (tested)
-    python tools/gpu_probe.py --parts host,math  # some parts only (their keys below)
+    python tools/gpu_probe.py --parts gsm8k,math # some parts only, in the order given
 
 Each part runs on its own: one that fails prints {"figure": its figure, "error": "<type>: <first line>"} (its
-traceback on stderr) and the next one runs; the exit status is 1 if any part failed (11: no CUDA device and no
---reduced, refused before anything is allocated). After each part a "timing" line gives its seconds.
+traceback on stderr) and the next one runs; one still running past its limit on a GPU (`parts`: a hang) has the
+stacks of every thread dumped on stderr and ends the process (status 1), so that tests/gpu_lease.sh starts the parts
+after it again. The exit status is 1 if any part failed (11: no CUDA device and no --reduced, refused before anything
+is allocated). After each part a "timing" line gives its seconds. tools/gpu_checks.py runs the GPU path's own checks
+through the same harness (`main`).
 
-apis    Which torch APIs the weight path and this probe use exist on this torch (a lent GPU may have another torch
-        than the pinned 2.13), and whether its allocator takes `pinned_max_round_threshold_mb`.
-write   runtime/weights.py's `write` of Qwen2.5-7B's bf16 weights into the shared copy on the GPU, against one
+apis    Which torch APIs the GPU path calls exist on this torch (a lent GPU may have another torch than the pinned
+        2.13): APIS.
+write   runtime/weights.py's `write` of Qwen2.5-7B's 339 bf16 tensors into the shared copy on the GPU, against one
         device-to-device copy of the same bytes (`allocate` first: it goes through `allocator_settings`).
-host    --lag's copy of them to the host: into pageable memory (a fresh tensor) against one slot of the pinned ring
-        (`weights.flat_slot`: one flat page-locked block, views into it); the bytes asked for against those locked:
-        by torch's caching host allocator for one block as it is (rounded up to a power of two) and with
-        pinned_max_round_threshold_mb:0 set around it, and by flat_slot; the host allocator's statistics.
 math    One MATH training step (tba.backward, --micro-batch 1, the group's statistics passes too, TBA′'s loss,
         gradient clipping, AdamW) of a model of Qwen2.5-7B's width with 1 and 3 decoder blocks, float32 weights,
         activation checkpointing, one rank: after a warm-up step (AdamW's state made), the peaks of allocated and
@@ -38,11 +37,12 @@ gsm8k   One training step of run_gsm8k.sh's batch at rho-math-1b's shape on one 
 """
 
 import argparse
+import faulthandler
 import gc
 import importlib
 import json
-import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -69,18 +69,29 @@ DECODE = dict(sequences=(1, 8, 32, 64, 128, 256), contexts=(256, 1024, 4096))
 DECODE_TOY = dict(sequences=(1, 4, 8), contexts=(16, 64))
 DECODE_BUDGET = {"rho": 35.0, "qwen": 45.0}  # s on a GPU: the grid stops where it runs over
 
-# the torch APIs the weight path (runtime/weights.py) and this probe reach for; a lent GPU may have another torch
-APIS = ("torch._C._accelerator_getAllocatorSettings", "torch._C._accelerator_setAllocatorSettings",
-        "torch.cuda.memory._set_allocator_settings", "torch.cuda.cudart", "torch.cuda.memory.host_memory_stats",
-        "torch.cuda.memory.reset_peak_host_memory_stats", "torch._C._accelerator_emptyHostCache",
-        "torch._C._host_emptyCache", "torch.nn.functional.rms_norm", "torch.cuda.CUDAGraph",
-        "torch.distributed.fsdp.fully_shard")
+# what the GPU path calls of torch (runtime/weights.py, ranks.py, policy.py, nodes.py, this probe): a lent GPU may have
+# another torch. "()" calls what is before it (torch.cuda.cudart() loads CUDA's runtime: a CUDA build only)
+APIS = ("torch.cuda.cudart().cudaHostRegister", "torch.cuda.cudart().cudaHostUnregister",
+        "torch.distributed.ProcessGroup._get_sequence_number_for_group",
+        "torch.distributed.distributed_c10d._world.pg_map",
+        "torch.distributed.distributed_c10d._set_pg_timeout", "torch.distributed.TCPStore",
+        "torch.distributed.device_mesh.DeviceMesh.from_group", "torch.distributed.fsdp.fully_shard",
+        "torch.distributed.fsdp.MixedPrecisionPolicy", "torch.distributed.fsdp.FSDPModule.reshard",
+        "torch.distributed.fsdp.FSDPModule.set_reshard_after_forward", "torch.distributed.tensor.DTensor.full_tensor",
+        "torch.distributed.tensor.DTensor.to_local", "torch.distributed._composable.checkpoint",
+        "torch.distributed.checkpoint.state_dict.set_model_state_dict", "torch.optim.adam.adam",
+        "torch._C._accelerator_getAllocatorSettings", "torch._C._accelerator_setAllocatorSettings",
+        "torch.cuda.memory._set_allocator_settings", "torch.cuda._sleep", "torch.cuda.CUDAGraph",
+        "torch.nn.functional.rms_norm")
 
-NO_CUDA = 11  # the exit status of a run refused for want of a GPU (tests/gpu_check.sh's for the same)
+NO_CUDA = 11  # the exit status of a run refused for want of a GPU (tests/gpu_lease.sh's for the same)
+
+
+ON = None  # "torch X, CUDA Y, card": what produced the figures, named in each line once main knows it
 
 
 def say(figure: str, **values):
-    print(json.dumps(dict(figure=figure, **values)), flush=True)
+    print(json.dumps(dict(figure=figure, **values, **({"on": ON} if ON else {}))), flush=True)
 
 
 def sync(device):
@@ -102,9 +113,9 @@ def timed(fn, device, repeat: int = 3, warmup: int = 0) -> float:
     return float(np.median(times))
 
 
-def exists(dotted: str) -> bool:
+def exists(dotted: str) -> bool | str:
     """Whether `dotted` (torch.x.y) is there: its longest importable module (a submodule is an attribute of its
-    package only once imported), then attributes."""
+    package only once imported), then attributes; a name ending in "()" is called (what it raises is said instead)."""
     names = dotted.split(".")
     for i in range(len(names), 0, -1):
         try:
@@ -113,9 +124,14 @@ def exists(dotted: str) -> bool:
         except ImportError:
             continue
     for name in names[i:]:
-        obj = getattr(obj, name, None)
+        obj = getattr(obj, name.removesuffix("()"), None)
         if obj is None:
             return False
+        if name.endswith("()"):
+            try:
+                obj = obj()
+            except Exception as e:  # noqa: BLE001 - what this machine says is the figure
+                return f"not checked: {name} raised {type(e).__name__}"
     return True
 
 
@@ -125,43 +141,41 @@ def gigabytes(n):
 
 # --- apis ------------------------------------------------------------------------------------------------------------
 def api_report(state, device, reduced):
-    """Which of APIS this torch has; on a GPU, whether its allocator settings take `pinned_max_round_threshold_mb`
-    (set beside the current settings, then the current ones put back)."""
-    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    current = get() if get else None
-    if device.type != "cuda":
-        pinned = "not tried: no GPU"
-    elif get is None or put is None:
-        pinned = "not tried: no getter or setter of the allocator settings"
-    else:
-        try:
-            put(",".join(filter(None, [current, "pinned_max_round_threshold_mb:0"])))
-            pinned = "accepted"
-        except Exception as e:  # noqa: BLE001 - what this torch says is the figure
-            pinned = f"refused: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        finally:
-            put(current)
-    say("torch APIs", present={name: exists(name) for name in APIS}, allocator_settings=current,
-        env={k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")},
-        pinned_max_round_threshold_mb=pinned)
+    """Which of APIS this torch has."""
+    say("torch APIs", present={name: exists(name) for name in APIS})
 
 
-# --- write, host ------------------------------------------------------------------------------------------------------
+# --- write ------------------------------------------------------------------------------------------------------------
+def hf_shapes(shape: dict) -> dict:
+    """{Hugging Face name: shape} of every tensor of a Qwen2 model of `shape` (a Llama's where it has no q/k/v
+    biases): Qwen2.5-7B's 339."""
+    h, f, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    d = h // shape["num_attention_heads"]
+    rows = dict(q=shape["num_attention_heads"] * d, k=shape["num_key_value_heads"] * d,
+                v=shape["num_key_value_heads"] * d)
+    out = {"model.embed_tokens.weight": (v, h)}
+    for i in range(shape["layers"]):
+        at = f"model.layers.{i}."
+        out[at + "input_layernorm.weight"] = (h,)
+        for x, n in rows.items():
+            out[at + f"self_attn.{x}_proj.weight"] = (n, h)
+            if shape["qkv_bias"]:
+                out[at + f"self_attn.{x}_proj.bias"] = (n,)
+        out.update({at + "self_attn.o_proj.weight": (h, rows["q"]), at + "post_attention_layernorm.weight": (h,),
+                    at + "mlp.gate_proj.weight": (f, h), at + "mlp.up_proj.weight": (f, h),
+                    at + "mlp.down_proj.weight": (h, f)})
+    out["model.norm.weight"] = (h,)
+    if not shape["tie_word_embeddings"]:
+        out["lm_head.weight"] = (v, h)
+    return out
+
+
 def named_weights(state, shape, device):
-    """write and host: the bf16 weights as a few large tensors of the model's total size (one block's shapes
-    repeated), made once for both parts."""
+    """The model's bf16 weights, random (N(0, 0.02)), every tensor of its own shape (hf_shapes), made once for the
+    parts that read them."""
     if "named" not in state:
-        h, f, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-        block = {"q": (h, h), "kv": (2 * h // 7 if h % 7 == 0 else h // 2, h), "o": (h, h), "up": (2 * f, h),
-                 "down": (h, f)}
-        per_block = sum(a * b for a, b in block.values())
-        layers = max(1, int((shape["params"] - 2 * v * h) / per_block))
-        named = [("embed", torch.randn(v, h, dtype=torch.bfloat16, device=device)),
-                 ("head", torch.randn(v, h, dtype=torch.bfloat16, device=device))]
-        named += [(f"{i}.{k}", torch.randn(s, dtype=torch.bfloat16, device=device)) for i in range(layers)
-                  for k, s in block.items()]
-        state["named"] = named
+        state["named"] = [(name, torch.empty(s, dtype=torch.bfloat16, device=device).normal_(0, 0.02))
+                          for name, s in hf_shapes(shape).items()]
     return state["named"]
 
 
@@ -177,102 +191,9 @@ def weight_write(state, device, reduced):
     source = torch.empty_like(flat)
     copy = timed(lambda: flat.copy_(source), device)
     del flat, source, shared
-    say("weight write into the shared copy", seconds=write, plain_copy_seconds=copy, ratio=write / copy,
-        gigabytes=nbytes / 1e9, note="write computes each tensor's fingerprint as it copies")
-
-
-def host_stats() -> dict | None:
-    """torch's pinned (host) allocator statistics, flat ("allocated_bytes.current", ...), where this torch has them."""
-    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
-    if stats is None or not torch.cuda.is_available():
-        return None
-    return dict(stats())
-
-
-def host_allocated():
-    """Bytes of pinned blocks torch's host allocator holds (in use and cached), each as rounded; None if unknown."""
-    return (host_stats() or {}).get("allocated_bytes.current")
-
-
-def empty_host_cache() -> str | None:
-    """Give the host allocator's cached pinned blocks back (a cached block is reused for any request of its
-    power-of-two bucket, so a block measured after it would read 0 bytes); the API used, or None."""
-    for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):
-        if hasattr(torch._C, name):
-            getattr(torch._C, name)()
-            return f"torch._C.{name}"
-    return None
-
-
-def pinned_block(nbytes: int, exact: bool):
-    """A page-locked block from torch's caching host allocator, its bytes as that allocator counts them (each block
-    rounded up to a power of two unless `pinned_max_round_threshold_mb` says otherwise: torch/include/ATen/core/
-    CachingHostAllocator.h in the wheel, lines 300-309), then given back. `exact`: with pinned_max_round_threshold_mb:0
-    set around the allocation through torch._C's setter (the current settings put back after), where this torch takes
-    it. Returns (bytes or None, how the setting went)."""
-    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    how, current = "not asked", None
-    if exact:
-        if get is None or put is None:
-            return None, "not tried: no getter or setter of the allocator settings"
-        current = get()
-        try:
-            put(",".join(filter(None, [current, "pinned_max_round_threshold_mb:0"])))
-            how = "set"
-        except Exception as e:  # noqa: BLE001 - what this torch says is the figure
-            return None, f"refused: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    try:
-        empty_host_cache()
-        before = host_allocated()
-        block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        got = None if before is None else host_allocated() - before
-        del block
-        empty_host_cache()
-    finally:
-        if how == "set":
-            put(current)
-    return got, how
-
-
-def lag_to_host(state, device, reduced):
-    from runtime import weights
-    named = named_weights(state, TOY if reduced else QWEN, device)
-    nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    pin = device.type == "cuda"
-    pageable = timed(lambda: [t.to("cpu", copy=True) for _, t in named], device, repeat=1 if pin else 2)
-    shapes = {n: (t.shape, t.dtype) for n, t in named}
-    requested = sum(-(-t.numel() * t.element_size() // 64) * 64 for _, t in named)  # flat_slot's 64-byte offsets
-    # one block of the slot's size from torch's pinned allocator, as it is and with the rounding turned off
-    plain, _ = pinned_block(requested, False) if pin else (None, None)
-    exact, how = pinned_block(requested, True) if pin else (None, "not tried: no GPU")
-    # the project's slot (weights.flat_slot): page-locked by torch's allocator or registered in place, the bytes
-    # locked are the allocator's count or else the block's own
-    before = host_allocated()
-    slot = weights.flat_slot(shapes, pin)
-    counted = None if before is None else host_allocated() - before
-    first = next(iter(slot.values()))
-    block, pinned = first.untyped_storage().nbytes(), pin and first.is_pinned()
-    locked = counted if counted else (block if pinned else 0)
-    say("lag: pinned blocks", tensor_bytes=nbytes, requested_bytes=requested, plain_block_bytes=plain,
-        threshold_block_bytes=exact, threshold_setting=how,
-        threshold_exact=None if exact is None else exact == requested,
-        flat_slot_block_bytes=block, flat_slot_pinned=pinned, flat_slot_allocator_bytes=counted,
-        flat_slot_locked_bytes=locked, flat_slot_exact=locked == requested if pinned else None,
-        note=None if pin else "the CPU: nothing page-locked")
-
-    def to_pinned():
-        for n, t in named:
-            slot[n].copy_(t, non_blocking=True)
-    ring = timed(to_pinned, device, repeat=2)
-    keep = ("allocated_bytes.current", "allocated_bytes.peak", "active_bytes.current", "num_host_alloc",
-            "num_host_free", "host_alloc_time.total", "host_free_time.total")
-    stats = host_stats()
-    say("lag: weights to the host", pageable_seconds=pageable, pinned_seconds=ring, speedup=pageable / ring,
-        gigabytes=nbytes / 1e9, host_stats=None if stats is None else {k: stats.get(k) for k in keep},
-        host_cache_emptied_by=empty_host_cache() if pin else None)
-    del slot, first
-    state.pop("named", None)  # the last part that needs them
+    state.pop("named")  # (15 GB on the GPU) no later part of this probe reads them
+    say("weight write into the shared copy", tensors=len(named), seconds=write, plain_copy_seconds=copy,
+        ratio=write / copy, gigabytes=nbytes / 1e9, note="write computes each tensor's fingerprint as it copies")
 
 
 # --- math, gsm8k: training steps -------------------------------------------------------------------------------------
@@ -598,35 +519,43 @@ def decode_qwen(state, device, reduced):
 
 # --- the parts, each on its own ---------------------------------------------------------------------------------------
 def parts() -> list:
-    """(key, figure, function) in the order they run; looked up when called, so a test can replace one."""
-    return [("apis", "torch APIs", api_report), ("write", "weight write into the shared copy", weight_write),
-            ("host", "lag: weights to the host", lag_to_host), ("math", "MATH step peak memory", math_step),
-            ("seeded", "seeded sampling a decoding step", seeded_sampling),
-            ("decode-rho", "decode step", decode_rho), ("decode-qwen", "decode step", decode_qwen),
-            ("gsm8k", "GSM8K training step", gsm8k_step)]
+    """(key, figure, function, limit) of each part; looked up when called, so a test can replace one. The limit: the
+    seconds a part may run on a GPU before it is taken for hung (its stacks dumped, the process ended), about three
+    times what it is estimated to take on an H100 or H200, at least a minute; none with --reduced (any CPU)."""
+    return [("apis", "torch APIs", api_report, 60), ("write", "weight write into the shared copy", weight_write, 60),
+            ("math", "MATH step peak memory", math_step, 150),
+            ("seeded", "seeded sampling a decoding step", seeded_sampling, 60),
+            ("decode-rho", "decode step", decode_rho, 90), ("decode-qwen", "decode step", decode_qwen, 120),
+            ("gsm8k", "GSM8K training step", gsm8k_step, 120)]
 
 
-def main(argv=None) -> int:
-    keys = [key for key, _, _ in parts()]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, table=parts, limits=None, name="tools/gpu_probe.py") -> int:
+    """Run the parts of `table()` that --parts names, in the order it names them, each under its limit (on a GPU:
+    `limits` where given, {key: seconds}, for a test)."""
+    global ON
+    rows = {key: (figure, run, limit) for key, figure, run, limit in table()}
+    p = argparse.ArgumentParser(prog=name)
     p.add_argument("--reduced", action="store_true", help="a toy's shapes (any machine, the CPU too)")
-    p.add_argument("--parts", default=",".join(keys), help=f"the parts to run, comma-separated: {', '.join(keys)}")
+    p.add_argument("--parts", default=",".join(rows), help=f"the parts to run, in this order: {', '.join(rows)}")
     args = p.parse_args(argv)
-    chosen = [k.strip() for k in args.parts.split(",") if k.strip()]
-    unknown = [k for k in chosen if k not in keys]
+    chosen = list(dict.fromkeys(k.strip() for k in args.parts.split(",") if k.strip()))
+    limits = limits if limits is not None else {} if args.reduced else {key: row[2] for key, row in rows.items()}
+    unknown = [k for k in chosen if k not in rows]
     if unknown or not chosen:
-        print(f"tools/gpu_probe.py: --parts {args.parts!r}: {'unknown ' + ', '.join(unknown) if unknown else 'none'} "
-              f"(the parts: {', '.join(keys)})", file=sys.stderr)
+        print(f"{name}: --parts {args.parts!r}: {'unknown ' + ', '.join(unknown) if unknown else 'none'} "
+              f"(the parts: {', '.join(rows)})", file=sys.stderr)
         return 2
     if not args.reduced and not torch.cuda.is_available():  # Qwen2.5-7B's tensors on the CPU: the OOM killer, silently
-        print("tools/gpu_probe.py: no CUDA device here; pass --reduced to run the same code at a toy's shapes on the "
-              "CPU", file=sys.stderr)
+        print(f"{name}: no CUDA device here; pass --reduced to run the same code at a toy's shapes on the CPU",
+              file=sys.stderr)
         return NO_CUDA
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     import transformers
-    say("machine", device=str(device), name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    ON = f"torch {torch.__version__}, CUDA {torch.version.cuda}, {card}"
+    say("machine", device=str(device), name=card,
         memory_gigabytes=torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None,
         torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__,
         shapes="toy" if args.reduced else "Qwen2.5-7B, rho-math-1b", parts=chosen)
@@ -634,21 +563,29 @@ def main(argv=None) -> int:
     from runtime import ranks
     made = not dist.is_initialized()  # a group of one, as the trainer has (FSDP2 needs one); a caller's is kept
     ranks.init_distributed(600, device.type)
+    # stopped by `timeout`: where it was, then the end (the process's own stderr: faulthandler writes to a descriptor)
+    faulthandler.register(signal.SIGTERM, file=sys.__stderr__, all_threads=True, chain=True)
     t0, state, failed = time.time(), {}, []
-    for key, figure, run in parts():
-        if key not in chosen:
-            continue
-        t = time.time()
-        try:
-            run(state, device, args.reduced)
-        except Exception as e:  # noqa: BLE001 - one part's failure is its figure; the next part runs
-            traceback.print_exc()
-            first = str(e).splitlines()[0] if str(e) else ""
-            say(figure, part=key, error=f"{type(e).__name__}: {first}")
-            failed.append(key)
-            state.clear()  # what it left (part 1's weights) is not trusted by the next
-        free(device)
-        say("timing", part=key, seconds=time.time() - t, ok=key not in failed)
+    try:
+        for key in chosen:
+            figure, run, _ = rows[key]
+            t = time.time()
+            if key in limits:
+                faulthandler.dump_traceback_later(limits[key], exit=True, file=sys.__stderr__)  # a hang: stacks, exit 1
+            try:
+                run(state, device, args.reduced)
+            except Exception as e:  # noqa: BLE001 - one part's failure is its figure; the next part runs
+                traceback.print_exc()
+                first = str(e).splitlines()[0] if str(e) else ""
+                say(figure, part=key, error=f"{type(e).__name__}: {first}")
+                failed.append(key)
+                state.clear()  # what it left (part 1's weights) is not trusted by the next
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+            free(device)
+            say("timing", part=key, seconds=time.time() - t, ok=key not in failed)
+    finally:
+        faulthandler.unregister(signal.SIGTERM)
     say("done", seconds=time.time() - t0, failed=failed)
     if made:
         dist.destroy_process_group()
