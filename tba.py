@@ -153,8 +153,9 @@ class Trainer:
         # when the trainer waits for searcher 0 to hold an evaluation's weights
         self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
         self.held_since = None
-        calibrated = slowdown.read_calibration(cfg.calibration)["train_step"] if cfg.calibration else None
-        self.clock = slowdown.TrainClock(cfg.train_slowdown, calibrated, limit=cfg.timeout)  # --train-slowdown
+        costs = slowdown.read_calibration(cfg.calibration) if cfg.calibration else {}  # --train-slowdown's clock
+        self.clock = slowdown.TrainClock(cfg.train_slowdown, costs.get("train_step"), cfg.timeout,
+                                         costs.get("devices", 1), costs.get("all_reduce", 0.0))
         self.log = Log(cfg, self.rank, t_start - (ckpt["elapsed"] if ckpt else 0.0), self.step,
                        resumed={"step": self.step} if ckpt else None)
         try:

@@ -59,6 +59,7 @@ class Fleet:
         self.newest = -1       # the newest weight version that sampled data received (--max-staleness)
         self.verified = {}     # searcher -> the last version whose arrival in its engine it checked (this node's)
         self.published = {}    # weight version -> (time, overhead) when the trainer made them (eval rows)
+        self.sent = {}         # weight version -> seconds since the start when the shared copy held it (train rows)
         self.asked = []        # steps whose evaluation was asked (rank 0)
         self.evaluated = []    # versions whose evaluation came
         self.silent = None     # a line, once a searcher of this node has sent nothing for --timeout
@@ -345,6 +346,7 @@ class Fleet:
             return False
         if self.leader and "policy" in to:
             self.published.setdefault(version, self.log.clock())
+            self.sent[version] = self.log.now()
         return self.leader
 
     def serve(self):
