@@ -369,10 +369,14 @@ def test_over_its_charge_is_per_process_with_the_pooled_share_for_old_rows():
 
 
 def test_bad_gain_or_horizon_is_refused_in_one_line(tmp_path):
-    """--gain and --horizon: a positive number, else one line, status 2, before anything is made."""
+    """--gain and --horizon: a positive number, --few-seeds 1 or more, --doc only with --table, a --table file that
+    does not read: else one line, status 2, before anything is made."""
     for args, line in ((["--gain", "0"], "--gain 0: give a positive number"),
                        (["--horizon", "-5"], "--horizon -5: give a positive number"),
-                       (["--horizon", "nan"], "--horizon nan: give a positive number")):
+                       (["--horizon", "nan"], "--horizon nan: give a positive number"),
+                       (["--few-seeds", "0"], "--few-seeds 0: give 1 or more"),
+                       (["--doc", "x.md"], "--doc acts only with --table"),
+                       (["--table", "none.json"], "--table: none.json does not read as JSON (FileNotFoundError)")):
         p = subprocess.run([*BENCH, "--parts", "9", "--out", str(tmp_path / "b"), *args], cwd=tmp_path,
                            env=env(tmp_path), capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and p.stderr == f"bench.py: error: {line}\n", p.stderr

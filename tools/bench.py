@@ -1252,6 +1252,8 @@ def main(argv=None):
     for flag, value in (("--gain", args.gain), ("--horizon", args.horizon)):
         if value is not None and not 0 < value < float("inf"):  # NaN too
             raise BadInput(f"{flag} {value:g}: give a positive number")
+    if args.few_seeds < 1:
+        raise BadInput(f"--few-seeds {args.few_seeds}: give 1 or more")
     if args.costs is not None:  # checked before anything is made or started
         if 9 not in args.parts:
             raise BadInput("--costs acts only with --parts 9")
