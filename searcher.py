@@ -106,7 +106,7 @@ def loop(index: int, cfg, channels, data, engine: "Engine", weights: Inbox, requ
         trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
                                             for_step=for_step)
         say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
-                 seconds=time.time() - t0, **stats))
+                 started=t0, seconds=time.time() - t0, **stats))
 
 
 def lagged(cfg, round_: int, wanted) -> tuple[int | None, int | None]:
@@ -154,9 +154,10 @@ class Engine:
         self.weights = None       # the shared weights (`follow`)
         self.resumed = (0, 0)     # (the step a run begins at, the pi_ref version published then): `follow`
         self.requests = Requests()  # searcher 0's evaluations asked for (`follow`); none elsewhere
-        calibrated = slowdown.read_calibration(cfg.calibration)["seconds_per_token"] if cfg.calibration else None
-        self.clock = slowdown.Clock(cfg.generation_slowdown, calibrated, cfg.decode_cost, limit=cfg.timeout,
-                                    full=cfg.prompts_per_step * cfg.search_samples_per_prompt, model=cfg.decode_shape)
+        costs = slowdown.read_calibration(cfg.calibration) if cfg.calibration else {}  # --generation-slowdown's clock
+        self.clock = slowdown.Clock(cfg.generation_slowdown, costs.get("seconds_per_token"), cfg.decode_cost,
+                                    cfg.prompts_per_step * cfg.search_samples_per_prompt, cfg.timeout, cfg.decode_shape,
+                                    costs.get("devices", 1))
         self.decoder = decoding.decoder(cfg, self.llm, self.clock)
         self.scorer = task.scorer(self, task, evaluates)
 
@@ -265,7 +266,7 @@ class Engine:
         policy = version != self.version and not self.requests.keeps(self.version, version)
         if not policy and pi_ref_version == self.pi_ref_version:
             return False
-        with weights.read(self.device):
+        with weights.read(self.device), self.clock.apart("reload"):  # no device pays for it: counted apart
             if policy and weights.shared.version.value != self.version:
                 self.load(list(weights.shared.tensors.items()), weights.shared.version.value)
                 self.verify(*weights.shared.prints)

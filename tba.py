@@ -160,8 +160,9 @@ class Trainer:
         self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
         self.held_since = None
         self.unsaved_said = False  # a checkpoint that could not be written mid-run was said (once)
-        calibrated = slowdown.read_calibration(cfg.calibration)["train_step"] if cfg.calibration else None
-        self.clock = slowdown.TrainClock(cfg.train_slowdown, calibrated, limit=cfg.timeout)  # --train-slowdown
+        costs = slowdown.read_calibration(cfg.calibration) if cfg.calibration else {}  # --train-slowdown's clock
+        self.clock = slowdown.TrainClock(cfg.train_slowdown, costs.get("train_step"), cfg.timeout,
+                                         costs.get("devices", 1), costs.get("all_reduce", 0.0))
         self.log = Log(cfg, self.rank, t_start - (ckpt["elapsed"] if ckpt else 0.0), self.step,
                        resumed={"step": self.step} if ckpt else None)
         try:

@@ -179,7 +179,9 @@ def check_flags(cfg, world: int):
         need(getattr(cfg, flag) >= 1, flag.replace("_", "-"), f"must be 1 (off) or more, got {getattr(cfg, flag)}")
     if cfg.calibration:
         from runtime import slowdown
-        slowdown.read_calibration(cfg.calibration)  # refused in one line if it is not one
+        colocated = slowdown.read_calibration(cfg.calibration)["devices"] > 1  # refused in one line if it is not one
+        need(not colocated or not cfg.searchers, "calibration", f"{cfg.calibration} holds a colocated run's devices "
+             f"(generation and training split over them): with --searchers 0 only")
     need(cfg.max_staleness >= 0, "max-staleness", "must be 0 (no bound) or more")
     need(cfg.max_reuse is None or cfg.max_reuse >= 0, "max-reuse", f"must be 0 (no cap) or more, got {cfg.max_reuse}")
     cfg = dataclasses.replace(cfg, max_reuse=(MAX_REUSE if cfg.searchers and cfg.lag is None else 0.0)

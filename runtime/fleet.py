@@ -39,7 +39,7 @@ from runtime.errors import Dead, Silent
 from runtime.local import evaluate_here
 from runtime.processes import Channels, Watch, fork_server
 from runtime.ranks import wait_together
-from runtime.weights import WAIT, Outbox, aliases, create, gather, join_gathers
+from runtime.weights import WAIT, Outbox, Reading, aliases, create, gather, join_gathers
 
 FAULT_WAIT = 5.0  # s the trainer waits for the line of a searcher that exited saying one (searcher.SAID)
 
@@ -62,6 +62,7 @@ class Fleet:
         self.newest = -1       # the newest weight version that sampled data received (--max-staleness)
         self.verified = {}     # searcher -> the last version whose arrival in its engine it checked (this node's)
         self.published = {}    # weight version -> (time, overhead) when the trainer made them (eval rows)
+        self.sent = {}         # weight version -> seconds since the start when the shared copy held it (train rows)
         self.asked = []        # steps whose evaluation was asked (rank 0)
         self.evaluated = []    # versions whose evaluation came
         self.silent = None     # a line, once a searcher of this node has sent nothing for --timeout
@@ -328,18 +329,23 @@ class Fleet:
         return self.write(named, version, ("policy", "pi_ref") if pi_ref else ("policy",))
 
     def write(self, named, version: int, to: tuple) -> bool:
-        """The outbox's write under this node's lock, and its faults: a lock a stopped searcher never freed stops
-        the run like a silent searcher; a searcher that died holding it, at once (several nodes: at the next
-        meeting). True where published (a leader)."""
+        """The outbox's write under this node's lock, and its faults: a searcher stopped while it read the weights
+        (named) or while it took their lock stops the run like a silent searcher; one that died reading or holding
+        the lock, at once (several nodes: at the next meeting). True where published (a leader)."""
         try:
             self.out.write(named, version, self.alive, to=to)
-        except TimeoutError:  # the lock stayed taken: a searcher of this node stopped while it read the weights
+        except TimeoutError as e:  # a searcher of this node stopped inside the shared copy, or holding its lock
             join_gathers(named)  # every other rank waits in these all-gathers; then all stop at the next batch
-            self.silent = self.silent or (  # rank 0's, or sent to it at the next meeting (`meet`)
-                f"{self.where}the weight-sync lock was not free for {self.cfg.timeout:g} s: a searcher stopped while "
-                f"it read the weights (--timeout {self.cfg.timeout:g})")
-            return False
-        except Dead as e:  # a searcher died holding the lock: every other rank waits in these all-gathers
+            timeout = self.cfg.timeout
+            if isinstance(e, Reading):
+                pid = f" (pid {self.procs[e.reader].pid})" if e.reader < len(self.procs) else ""
+                why = (f"searcher {self.first + e.reader}{pid} stopped while it read the weights: still reading after "
+                       f"{timeout:g} s")
+            else:
+                why = f"the weight-sync lock was not free for {timeout:g} s: a searcher stopped while it held it"
+            self.silent = self.silent or f"{self.where}{why} (--timeout {timeout:g})"  # rank 0's, or sent to it at the
+            return False                                                                # next meeting (`meet`)
+        except Dead as e:  # a searcher died reading or holding the lock: every other rank waits in these all-gathers
             join_gathers(named)
             if not self.nodes:  # the run stops at the next batch, after a checkpoint
                 self.dead = self.dead or str(e)
@@ -348,6 +354,7 @@ class Fleet:
             return False
         if self.leader and "policy" in to:
             self.published.setdefault(version, self.log.clock())
+            self.sent[version] = self.log.now()
         return self.leader
 
     def serve(self):

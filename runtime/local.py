@@ -25,6 +25,7 @@ class LocalFleet:
         self.tokens = 0                # their responses' tokens
         self.newest = -1               # the newest weight version that sampled data
         self.published, self.evaluated, self.step, self.nodes = {}, [], 0, None
+        self.sent = {}  # weight version -> seconds since the start when the engine's shared copy held it (rows)
         self.shared = create(torch.multiprocessing.get_context("spawn"))  # read by the engine as a searcher does
         self.out = Outbox(self.shared, cfg.lag, cfg.timeout)
         self.engine = searcher.Engine(cfg, str(device), cfg.trainer_memory, data.prompts, data.answers)
@@ -55,6 +56,7 @@ class LocalFleet:
         if cfg.lag is not None and self.shared.version.value != max(0, step - cfg.lag):
             version = max(0, step - cfg.lag)
             self.out.write(self.out.history[version].items(), version, lambda: None)
+            self.sent[version] = self.log.now()
         self.engine.sync(self.inbox)
         for round_ in range(10**9):
             ids = np.random.default_rng([cfg.seed, step, seeds.SYNC_PROMPTS, round_]).choice(
@@ -63,6 +65,7 @@ class LocalFleet:
             trajectories, made = self.engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, step),
                                                     for_step=step if cfg.lag is not None else -1)
             search += time.time() - t_search
+            made.update(version=self.engine.version, started=t_search, seconds=time.time() - t_search)  # as a message
             self.received += len(trajectories)
             self.tokens += sum(len(t.response) for t in trajectories)
             self.kept += len(buffer.add(trajectories))
@@ -93,6 +96,7 @@ class LocalFleet:
             self.out.history = {}
         self.out.write(named, version, lambda: None, to=("policy", "pi_ref") if pi_ref else ("policy",))
         self.published.setdefault(version, self.log.clock())
+        self.sent[version] = self.log.now()
         return True
 
     def request_eval(self, step: int):

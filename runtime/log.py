@@ -29,7 +29,11 @@ class Log:
         self.emulated = cfg.generation_slowdown != 1 or cfg.train_slowdown != 1
         self.calibration = {}  # the emulation's costs alone: seconds_per_token (each engine's), train_step
         self.rounds, self.parts = 0, {}  # those rounds; s of each part of their rewards (a task's scorer says)
-        self.budgets = {}  # engine (a searcher's number, or "trainer") -> [s charged, s of real compute above them]
+        self.budgets = {}  # engine (a searcher's number, or "trainer") -> [s charged, s of real compute above them,
+        #                    s of work no device pays for: its reloads, its rounds' scoring and pi_ref]
+        self.uncharged = {}  # part -> s of that work over the rounds received (`searched`); the trainer's publishes:
+        self.published = 0.0  # s, its own work no device pays for
+        self.received = []  # [searcher, version, started, cycle] of each round received since the last train row
         self.cpu_bound_said = False
         self.last_eval = None   # the latest eval row
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
@@ -57,14 +61,27 @@ class Log:
 
     def searched(self, made: dict):
         """Count one search round's seconds (Engine.search's dict: a searcher's message, or the synchronous
-        trainer's own round); the first calibration of each engine goes into config.json."""
+        trainer's own round); the first calibration of each engine goes into config.json. Work no device pays
+        for: the reloads since the engine's last round (`reload`: loading new weights and checking them), and the
+        round's time beside its decoding steps and their sleep (`score`: rewards, pi_ref's log-probs, building the
+        trajectories). A round with its start (a searcher's message) is listed for the next train row: its
+        searcher, the weights' version, its start (s since the run's) and its cycle (its reload and the round)."""
         self.generate, self.slept, self.rounds = self.generate + made["generate"], self.slept + made["slept"], self.rounds + 1
         self.charged, self.over = self.charged + made["charged"], self.over + made["over"]
         for part, seconds in made["parts"].items():
             self.parts[part] = self.parts.get(part, 0.0) + seconds
+        uncharged = dict(made.get("uncharged") or {})
+        if made.get("seconds") is not None:
+            uncharged["score"] = max(0.0, made["seconds"] - made["generate"] - made["slept"])
+        for part, seconds in uncharged.items():
+            self.uncharged[part] = self.uncharged.get(part, 0.0) + seconds
+        if made.get("started") is not None:
+            self.received.append([made.get("searcher", "trainer"), made["version"], round(made["started"] - self.t0, 4),
+                                  round(made["seconds"] + uncharged.get("reload", 0.0), 4)])
         engine, calibrated = str(made.get("searcher", "trainer")), self.calibration.setdefault("seconds_per_token", {})
-        budget = self.budgets.setdefault(engine, [0.0, 0.0])
-        budget[0], budget[1] = budget[0] + made["charged"], budget[1] + made["over"]
+        budget = self.budgets.setdefault(engine, [0.0, 0.0, 0.0])
+        budget[0], budget[1], budget[2] = (budget[0] + made["charged"], budget[1] + made["over"],
+                                           budget[2] + sum(uncharged.values()))
         if made["seconds_per_token"] and engine not in calibrated and self.rank == 0:
             calibrated[engine] = made["seconds_per_token"]
             self.write_config(**self.calibration)
@@ -81,18 +98,28 @@ class Log:
 
     def per_round(self) -> dict:
         """The train row's fields of the rewards' parts (red-teaming: the victim, the classifier): the mean
-        seconds per round received so far."""
-        return {part: seconds / self.rounds for part, seconds in self.parts.items()} if self.rounds else {}
+        seconds per round received so far; `uncharged`: the work no device pays for, by part, the same way."""
+        if not self.rounds:
+            return {}
+        mean = lambda parts: {part: seconds / self.rounds for part, seconds in parts.items()}
+        return dict(mean(self.parts), uncharged=mean(self.uncharged))
 
     def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, clock, **fields):
         """The row of training step `step` (rank 0): the loss's statistics (means over prompts), the batch's reward
         and staleness (steps between the weights that sampled each trajectory and those it trained), `fields` (the schedules' values, the step's seconds), and
         the run's counts: trajectories received, their reuse, the buffer, pi_ref, the seconds of the rounds (their
-        generation, the emulation's sleep and charge, the rewards' parts), the trainer's overhead, and with emulated
-        device time the trainer's (`clock`: runtime.slowdown.TrainClock) and the seconds of real compute over the
-        charges, the searchers' and the trainer's (`over_budget`)."""
+        generation, the emulation's sleep and charge, the rewards' parts, the work no device pays for), the trainer's
+        overhead, and with emulated device time the trainer's (`clock`: runtime.slowdown.TrainClock) and the seconds
+        of real compute over the charges, the searchers' and the trainer's (`over_budget`). For a timeline: when the
+        step's training ended (`trained`: its charge too), when its weights reached the searchers' shared copy
+        (`published`; null while --lag keeps them), and the rounds received since the last row (`rounds`), each
+        [searcher, version, start, cycle], seconds since the run's start."""
         if self.rank != 0:
             return
+        self.published += fields.get("sync", 0.0)  # the trainer's publish: its own work no device pays for
+        timeline = dict(trained=round(clock.ended - self.t0, 4) if clock.ended else None,
+                        published=round(fleet.sent[step], 4) if step in fleet.sent else None, rounds=self.received)
+        self.received = []
         trajectories = [traj for group in batch for traj in group]
         stale = [step - 1 - traj.version for traj in trajectories]
         fields = {k: v for k, v in fields.items() if not (k in ("gamma", "reward_temp") and v == 1.0)}  # Lee et al.'s
@@ -101,7 +128,7 @@ class Log:
         self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},
                  reward=float(np.mean([traj.reward for traj in trajectories])),
                  truncated=float(np.mean([traj.truncated for traj in trajectories])), staleness=float(np.mean(stale)),
-                 staleness_max=int(max(stale)), **fields, samples=fleet.received, tokens=fleet.tokens,
+                 staleness_max=int(max(stale)), **fields, **timeline, samples=fleet.received, tokens=fleet.tokens,
                  response_length=float(np.mean([len(traj.response) for traj in trajectories])),
                  reuse=cap.drawn / max(1, fleet.received), verified=min(fleet.verified.values(), default=-1),
                  generate=self.generate, slept=self.slept,
@@ -115,27 +142,35 @@ class Log:
 
     def over_shares(self, clock) -> dict:
         """Each process's real compute above its own charge, as a share of it, so far: `over_trainer` (its training
-        steps; its generation too with --searchers 0) and `over_searchers` ({searcher: share}). The trainer's own
-        overrun lengthens the critical path; pooled with the searchers' charges it would hide (30% over showed as 5%).
-        Said once on the console when one is above CPU_BOUND."""
-        shares = {engine: over / charged for engine, (charged, over) in self.budgets.items() if charged}
-        trainer = [(clock.over + self.budgets.get("trainer", [0, 0])[1]) /
-                   (clock.charged + self.budgets.get("trainer", [0, 0])[0])] if clock.charged or "trainer" in shares else []
-        out = dict(over_trainer=trainer[0] if trainer else 0.0,
-                   over_searchers={k: v for k, v in shares.items() if k != "trainer"})
+        steps; its generation too with --searchers 0) and `over_searchers` ({searcher: share}); and its work no device
+        pays for, the same way: `uncharged_trainer` (its publishes; its reloads, scoring and pi_ref with --searchers 0)
+        and `uncharged_searchers` (their reloads, scoring and pi_ref). The trainer's own overrun lengthens the critical
+        path; pooled with the searchers' charges it would hide (30% over showed as 5%). Said once on the console when
+        one process's two shares together are above CPU_BOUND."""
+        shares = {engine: (over / charged, uncharged / charged)
+                  for engine, (charged, over, uncharged) in self.budgets.items() if charged}
+        own = self.budgets.get("trainer", [0.0, 0.0, 0.0])
+        charged = clock.charged + own[0]
+        out = dict(over_trainer=(clock.over + own[1]) / charged if charged else 0.0,
+                   over_searchers={k: v[0] for k, v in shares.items() if k != "trainer"},
+                   uncharged_trainer=(self.published + own[2]) / charged if charged else 0.0,
+                   uncharged_searchers={k: v[1] for k, v in shares.items() if k != "trainer"})
         bound = self.cpu_bound(out)
         if bound and not self.cpu_bound_said and self.last_train is not None and self.last_train["step"] >= 5:
             self.cpu_bound_said = True
             self.print(f"tba.py: warning: {bound}: the emulated device time is not what paces the run", file=sys.stderr)
         return out
 
-    CPU_BOUND = 0.10  # a process more than 10% over its own charge: the CPU, not the emulation, sets its pace
+    CPU_BOUND = 0.10  # a process's real compute more than 10% above its own charge, counting its work no device pays
+    #                  for: the CPU, not the emulation, sets its pace
 
     def cpu_bound(self, shares: dict) -> str:
-        """Which processes run over their charge by more than CPU_BOUND ("" if none)."""
-        over = ([f"the trainer {shares['over_trainer']:.0%}"] if shares["over_trainer"] > self.CPU_BOUND else []) + [
-            f"searcher {k} {v:.0%}" for k, v in shares["over_searchers"].items() if v > self.CPU_BOUND]
-        return f"CPU-bound ({', '.join(over)} over its own charge)" if over else ""
+        """Which processes run over their charge, with their uncharged work, by more than CPU_BOUND ("" if none)."""
+        searchers = shares.get("uncharged_searchers") or {}
+        each = {"the trainer": shares["over_trainer"] + shares.get("uncharged_trainer", 0.0),
+                **{f"searcher {k}": v + searchers.get(k, 0.0) for k, v in shares["over_searchers"].items()}}
+        over = [f"{who} {share:.0%}" for who, share in each.items() if share > self.CPU_BOUND]
+        return f"CPU-bound ({', '.join(over)} over its own charge, uncharged work counted)" if over else ""
 
     def eval(self, version: int, scores: dict, example: dict, seconds: float, made: tuple[float, float]):
         """An evaluation of the weights of step `version`; time and overhead: when they were made."""

@@ -14,12 +14,20 @@ off by default:
   (before, the synchronous baseline's searchers began the next round inside the trainer's sleep: a baseline faster
   than the hardware allows).
 - `--calibration FILE`: the costs alone (`seconds_per_token`, `train_step`) measured once, on an idle machine, and
-  handed to every run of a comparison (`read_calibration`), instead of each run's own under whatever load.
+  handed to every run of a comparison (`read_calibration`), instead of each run's own under whatever load. A file
+  may also describe a colocated run (`--searchers 0` on D devices, tools/bench.py part 9's colocated baseline):
+  `devices` D, each generating its share of a round's running sequences (`Clock.alone`: the slowest device's
+  share; a GPU-shaped step's fixed part is each device's, it does not shrink with the share), then each training
+  its share of the batch, data-parallel (`TrainClock`: the step alone over D), and `all_reduce`, the gradients'
+  all-reduce a step, in emulated seconds. This cannot be said with X and Y alone: a GPU-shaped step a + b x r over
+  D devices is a + b x r / D, which no factor of a + b x r gives.
 Sleeping uses no core, so N searchers and the trainer share the CPU cores as devices of their own would share
-nothing; pi_ref's log-probs and the rewards are not slowed. Where real compute takes longer than its charge, the
-step is over budget (`over`): a comparison of such runs measures the CPU, not the schedule.
+nothing; pi_ref's log-probs, the rewards and the weights' reload are not slowed: work no device pays for
+(`Clock.apart`, counted in the rows as `uncharged`). Where real compute takes longer than its charge, the step is
+over budget (`over`): a comparison of such runs measures the CPU, not the schedule.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -77,23 +85,46 @@ class Clock:
     """The emulated device time of one process's engine (--generation-slowdown X): each decoding step (`step`) lasts
     X times its cost alone (`alone`), sleeping the rest; a whole generation in vLLM's own loop (`took`) is only
     counted. `account()` gives the seconds since the last call, for the round's message: generating, slept,
-    charged in all (X x the cost alone; the time taken, unslowed), over budget (real compute above the charge)."""
+    charged in all (X x the cost alone; the time taken, unslowed), over budget (real compute above the charge), and
+    the work no device pays for, by part (`apart`). `devices`: a colocated run's D (the module docstring)."""
 
     def __init__(self, factor: float, seconds_per_token: float | None = None, shape: str = "linear", full: int = 1,
-                 limit: float = math.inf, model: str = "rho-math-1b"):
+                 limit: float = math.inf, model: str = "rho-math-1b", devices: int = 1):
         self.factor, self.seconds_per_token, self.shape, self.full, self.limit = (factor, seconds_per_token, shape,
                                                                                     max(1, full), limit)
         self.b = per_sequence(model)  # b / a of a decoding step, with --decode-cost gpu
+        self.devices = devices
         self.emulated = factor != 1
         self.generate = self.slept = self.charged = self.over = 0.0
+        self.uncharged = {}  # part -> seconds of work no device pays for (`apart`)
 
     def alone(self, running: int) -> float:
         """A decoding step's cost alone: each of its sequences' share (linear), or as on a GPU a fixed part and a
         small part a sequence, equal to linear's at a whole batch of `full` sequences (gpu: B x n, the same for every
-        number of searchers, so that a searcher running N times the sequences is not charged N times for them)."""
+        number of searchers, so that a searcher running N times the sequences is not charged N times for them).
+        Over `devices`, the slowest device's: a share of ceil(running / D) sequences each, as evenly as they can be
+        spread (a colocated run's best case), the fixed part each device's."""
+        running = -(-running // self.devices)
         if self.shape == "gpu":
             return self.seconds_per_token * self.full * (1 + self.b * running) / (1 + self.b * self.full)
         return self.seconds_per_token * running
+
+    def round_alone(self, lengths) -> float:
+        """A round's cost alone: responses of these decoding steps, all begun together, each step costing `alone`
+        of the responses still running (a round waits for its longest, as with --response-lengths)."""
+        lengths = np.sort(np.asarray(lengths, dtype=int))
+        steps = np.arange(lengths[-1]) if len(lengths) else np.arange(0)
+        return float(sum(self.alone(int(len(lengths) - np.searchsorted(lengths, t, side="right"))) for t in steps))
+
+    @contextlib.contextmanager
+    def apart(self, part: str):
+        """Time a block of work that no emulated device pays for (a weight reload and its check, ...): counted in
+        `account()`'s `uncharged`, never slept."""
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.uncharged[part] = self.uncharged.get(part, 0.0) + time.time() - t0
 
     def step(self, seconds: float, running: int):
         """One decoding step took `seconds` and ran `running` sequences (emulated ones too)."""
@@ -114,8 +145,9 @@ class Clock:
     def account(self) -> dict:
         """The seconds since the last call, and the calibration; then from zero again."""
         out = dict(generate=self.generate, slept=self.slept, charged=self.charged, over=self.over,
-                   seconds_per_token=self.seconds_per_token)
+                   seconds_per_token=self.seconds_per_token, uncharged=self.uncharged)
         self.generate = self.slept = self.charged = self.over = 0.0
+        self.uncharged = {}
         return out
 
 
@@ -159,29 +191,38 @@ class Tails:
 
 class TrainClock:
     """--train-slowdown Y: a training step lasts Y times its cost alone, sleeping the rest (`charge`); the cost
-    alone is the calibration's, or the median of the run's own first CALIBRATION_STEPS steps, which run unslowed."""
+    alone is the calibration's, or the median of the run's own first CALIBRATION_STEPS steps, which run unslowed.
+    A colocated calibration's (`devices` D, `all_reduce` s): Y x the cost alone / D, then the all-reduce.
+    `ended`: when the last step's charge ended (Unix time), after which its weights may leave."""
     CALIBRATION_STEPS = 3
 
-    def __init__(self, factor: float, seconds: float | None = None, limit: float = math.inf):
+    def __init__(self, factor: float, seconds: float | None = None, limit: float = math.inf, devices: int = 1,
+                 all_reduce: float = 0.0):
         self.factor, self.seconds, self.limit = factor, seconds, limit
+        self.devices, self.all_reduce = devices, all_reduce  # a colocated run's (`read_calibration`)
         self.first = []  # the first steps' seconds, while calibrating
         self.slept = self.charged = self.over = 0.0
+        self.ended = None
 
     def charge(self, seconds: float) -> float:
         """A training step took `seconds` of compute: sleep until Y x its cost alone has passed. Returns the seconds
         slept."""
-        if self.factor == 1:
-            return 0.0
-        if self.seconds is None:
-            self.first.append(seconds)
-            if len(self.first) == self.CALIBRATION_STEPS:
-                self.seconds = float(np.median(self.first))
-            return 0.0
-        self.charged += self.factor * self.seconds
-        self.over += max(0.0, seconds - self.factor * self.seconds)
-        slept = slow_down(seconds, self.seconds, self.factor, self.limit)
-        self.slept += slept
-        return slept
+        try:
+            if self.factor == 1:
+                return 0.0
+            if self.seconds is None:
+                self.first.append(seconds)
+                if len(self.first) == self.CALIBRATION_STEPS:
+                    self.seconds = float(np.median(self.first))
+                return 0.0
+            alone = self.seconds / self.devices + self.all_reduce / self.factor  # charged Y x this
+            self.charged += self.factor * alone
+            self.over += max(0.0, seconds - self.factor * alone)
+            slept = slow_down(seconds, alone, self.factor, self.limit)
+            self.slept += slept
+            return slept
+        finally:
+            self.ended = time.time()
 
 
 MAX_COST = 3600.0  # s: no step of a token or of training is charged an hour
@@ -189,7 +230,8 @@ MAX_COST = 3600.0  # s: no step of a token or of training is charged an hour
 
 def read_calibration(path: str) -> dict:
     """--calibration: {"seconds_per_token": s a generated token costs one engine alone, "train_step": s a training
-    step alone}, plain JSON; refused in one line if it is not that."""
+    step alone}, plain JSON, and for a colocated run "devices" (a whole number, 1 by default) and "all_reduce" (s a
+    step, 0 by default): the module docstring; refused in one line if it is not that."""
     if not os.path.isfile(path):
         raise ConfigError(f"--calibration: {path} does not exist")
     try:
@@ -202,7 +244,15 @@ def read_calibration(path: str) -> dict:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < MAX_COST:
             raise ConfigError(f"--calibration: {path} must hold positive numbers of seconds below {MAX_COST:g}, "
                               f"seconds_per_token and train_step; {k} is {value!r}")
-    return {k: float(costs[k]) for k in ("seconds_per_token", "train_step")}
+    devices, all_reduce = costs.get("devices", 1), costs.get("all_reduce", 0.0)
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ConfigError(f"--calibration: {path}: devices must be a whole number of devices, 1 or more; it is "
+                          f"{devices!r}")
+    if isinstance(all_reduce, bool) or not isinstance(all_reduce, (int, float)) or not 0 <= all_reduce < MAX_COST:
+        raise ConfigError(f"--calibration: {path}: all_reduce must be seconds, 0 or more and below {MAX_COST:g}; it is "
+                          f"{all_reduce!r}")
+    return dict({k: float(costs[k]) for k in ("seconds_per_token", "train_step")}, devices=devices,
+                all_reduce=float(all_reduce))
 
 
 def calibrate(engine, count: int, n: int, timed: bool = True):

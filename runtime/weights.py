@@ -11,9 +11,12 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    The other ranks call `write` too, with no shared copy: they only take part in the all-gathers
    (`join_gathers`). Over several nodes each node's first trainer process does what rank 0 does here
    (nodes.py).
-3. Reading (`locked`, searcher): when `version` has moved, the searcher takes the lock, loads the
-   shared tensors into its engine, and waits for its devices to finish those copies before it
-   lets the lock go, so that a publish can never overwrite weights still being read.
+3. Reading (`reading`, searcher): when `version` has moved, the searcher takes the lock only to flag itself in
+   `reading` (no writer is inside: it holds the lock while it writes), loads the shared tensors into its engine
+   beside the other searchers, and waits for its devices to finish those copies before its flag goes. The writer
+   (`locked`) takes the lock, so that no reader can begin, then waits for the flagged readers to leave
+   (`no_readers`), so that a publish can never overwrite weights still being read. A searcher stopped while it
+   read is named after --timeout (`Reading`); one that died, at once (the trainer's `alive()`).
 4. Checking (`fingerprint`, searcher.Engine.verify): each version carries each tensor's sum, sum of absolute values
    and sum of squares in float64, computed as it is copied. All three are blind to the order of the elements, so a
    searcher checks its engine's copy in the engine's own layout (vLLM fuses q, k and v, whose sums add up,
@@ -52,16 +55,19 @@ class SharedWeights:
     pi_ref: dict | None   # the same for pi_ref after the latest reset (TBA′ only; else None)
     version: object       # mp.Value("q"): trainer step of the weights in `tensors` (0 = initial model)
     pi_ref_version: object  # mp.Value("q"): trainer step whose weights `pi_ref` holds (0 = initial model)
-    lock: object          # mp.Lock: held while the tensors are written or read
+    lock: object          # mp.Lock: held while the tensors are written, and by a reader while it flags itself
     handoff: object       # mp.Queue: (tensors, pi_ref, prints), once per searcher, for those started before them
     wants: object = None  # mp.Array("q"): --lag, the version each of this node's searchers needs next (-1: none)
     prints: object = None  # (distinct names, float64 (n, 3) shared tensor): the published version's `fingerprint`s
+    reading: object = None  # mp.Array("q"): 1 while that searcher of this node reads the tensors (`reading`)
 
 
 def create(ctx, searchers: int = 0) -> SharedWeights:
-    """The counters, lock and handoff queue, made before the searchers are spawned."""
-    return SharedWeights(None, None, ctx.Value("q", 0), ctx.Value("q", 0), ctx.Lock(), ctx.Queue(),
-                         ctx.Array("q", [0] * max(1, searchers), lock=False))  # one writer an entry: no lock a stopped searcher could hold
+    """The counters, lock and handoff queue, and an entry a searcher in `wants` and `reading`, made before the searchers
+    are spawned; those arrays have no lock (one writer an entry): none that a stopped searcher could hold."""
+    flags = lambda: ctx.Array("q", [0] * max(1, searchers), lock=False)
+    return SharedWeights(None, None, ctx.Value("q", 0), ctx.Value("q", 0), ctx.Lock(), ctx.Queue(), wants=flags(),
+                         reading=flags())
 
 
 # --- trainer side ------------------------------------------------------------------------------------
@@ -452,8 +458,8 @@ class Inbox:
         return self.shared.version.value, self.shared.pi_ref_version.value
 
     def read(self, *devices):
-        """The lock around reading the shared copy (`locked`)."""
-        return locked(self.shared, self.alive, self.timeout, *devices)
+        """This searcher's hold of the shared copy while it reads (`reading`), beside the other searchers."""
+        return reading(self.shared, self.me, self.alive, self.timeout, *devices)
 
 
 def receive(weights: SharedWeights, stop, parent_alive):
@@ -477,15 +483,50 @@ def acquire(lock, alive, timeout: float):
 
 
 @contextlib.contextmanager
-def locked(weights: SharedWeights, alive, timeout: float, *devices):
-    """Hold the lock, and before letting it go wait for the CUDA devices of the tensors and `devices` (vLLM's reload
-    never synchronises: vllm/model_executor/model_loader/reload/layerwise.py): no reader sees two versions."""
+def locked(weights: SharedWeights, alive, timeout: float):
+    """The writer's hold of the shared copy: the lock, so that no reader can begin, once the readers inside have left
+    (`no_readers`); `write` waits for its own copies before the version moves."""
     acquire(weights.lock, alive, timeout)
+    try:
+        no_readers(weights, alive, timeout)
+        yield
+    finally:
+        weights.lock.release()
+
+
+@contextlib.contextmanager
+def reading(weights: SharedWeights, me: int, alive, timeout: float, *devices):
+    """Searcher `me`'s hold of the shared copy while it reads, beside the other searchers: flagged in `reading` under
+    the lock (no writer is inside then: it holds the lock while it writes), and before the flag goes, wait for the CUDA
+    devices of the tensors and `devices` (vLLM's reload never synchronises:
+    vllm/model_executor/model_loader/reload/layerwise.py): no reader sees two versions."""
+    acquire(weights.lock, alive, timeout)
+    weights.reading[me] = 1
+    weights.lock.release()
     try:
         yield
         synchronize([*(weights.tensors or {}).values(), *(weights.pi_ref or {}).values()], *devices)
     finally:
-        weights.lock.release()
+        weights.reading[me] = 0
+
+
+class Reading(TimeoutError):
+    """A reader still flagged after --timeout: searcher `reader` (of this node) stopped while it read the weights."""
+
+    def __init__(self, reader: int, timeout: float):
+        super().__init__(f"searcher {reader} has read the weights for {timeout:g} s")
+        self.reader = reader
+
+
+def no_readers(weights: SharedWeights, alive, timeout: float):
+    """The writer, holding the lock: wait until no searcher reads the copy, polling; `alive()` raises Dead at once for
+    one that died (its flag stays up), and one still reading after `timeout` stopped while it read (`Reading`)."""
+    deadline = time.monotonic() + timeout
+    while any(weights.reading[:]):
+        alive()
+        if time.monotonic() > deadline:
+            raise Reading(next(i for i, flag in enumerate(weights.reading[:]) if flag), timeout)
+        time.sleep(0.001)
 
 
 def synchronize(tensors, *devices):

@@ -293,7 +293,7 @@ def handoff_reader(shared, stop, out, device):
                 parent_alive()
                 assert time.monotonic() < deadline, "no new version"
                 time.sleep(0.01)
-            with weights.locked(shared, parent_alive, TIMEOUT, device):
+            with weights.reading(shared, 0, parent_alive, TIMEOUT, device):
                 last = (shared.version.value, shared.pi_ref_version.value)
                 read = lambda ts: {n: t.to(device).float().cpu().tolist() for n, t in ts.items()}  # noqa: E731
                 # tied names: pickled once, and a handle already open maps to the same storage

@@ -498,8 +498,7 @@ def searcherless_fleet(path, out, world):
 
 @pytest.mark.engine
 def test_a_weight_lock_never_freed_on_node_1_stops_the_run_like_a_silent_searcher(tiny_model, tmp_path):
-    line = ("node 1: the weight-sync lock was not free for 2 s: a searcher stopped while it read the weights "
-            "(--timeout 2)")
+    line = "node 1: the weight-sync lock was not free for 2 s: a searcher stopped while it held it (--timeout 2)"
     node0, node1 = two_nodes(lock_on_node_1, False, tiny_model, str(tmp_path / "run"))
     assert node0["silent"] == [line] and node1["silent"] == [line], (node0, node1)
     assert (node0["version"], node1["version"]) == (2, 0)  # node 0 published; node 1 waited, then joined

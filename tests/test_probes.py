@@ -313,6 +313,15 @@ def test_calibration_files_are_checked_in_one_line(tmp_path):
         costs.write_text(text)
         with pytest.raises(ConfigError, match=rf"^--calibration: .*{re.escape(why)}"):
             read_calibration(str(costs))
+    # a colocated run's: devices, a whole number, and the all-reduce's seconds a step
+    for extra, why in (('"devices": 0', "devices must be a whole number of devices, 1 or more; it is 0"),
+                       ('"devices": 2.5', "it is 2.5"), ('"all_reduce": -1', "all_reduce must be seconds"),
+                       ('"all_reduce": true', "it is True")):
+        costs.write_text('{"seconds_per_token": 1e-4, "train_step": 0.1, %s}' % extra)
+        with pytest.raises(ConfigError, match=rf"^--calibration: .*{re.escape(why)}"):
+            read_calibration(str(costs))
+    costs.write_text('{"seconds_per_token": 1e-4, "train_step": 0.1, "devices": 5, "all_reduce": 0.02}')
+    assert read_calibration(str(costs)) == dict(seconds_per_token=1e-4, train_step=0.1, devices=5, all_reduce=0.02)
     with pytest.raises(ConfigError, match=r"^--calibration: .*missing.json does not exist$"):
         read_calibration(str(tmp_path / "missing.json"))
 
@@ -324,4 +333,31 @@ def test_a_process_over_its_charge_is_called_cpu_bound():
     log = Log.__new__(Log)
     assert log.cpu_bound(dict(over_trainer=0.05, over_searchers={"0": 0.02})) == ""
     assert log.cpu_bound(dict(over_trainer=0.3, over_searchers={"0": 0.02, "1": 0.6})) == (
-        "CPU-bound (the trainer 30%, searcher 1 60% over its own charge)")
+        "CPU-bound (the trainer 30%, searcher 1 60% over its own charge, uncharged work counted)")
+    # work no device pays for counts with the overrun: 4% over and 7% of reloads, scoring and pi_ref is 11%
+    assert log.cpu_bound(dict(over_trainer=0.0, over_searchers={"0": 0.04}, uncharged_trainer=0.02,
+                              uncharged_searchers={"0": 0.07})) == (
+        "CPU-bound (searcher 0 11% over its own charge, uncharged work counted)")
+
+
+def test_the_work_no_device_pays_for_is_counted_per_round_and_per_process():
+    """Log.searched: a round's reload (the engine's clock, `apart`) and its time beside its decoding steps and their
+    sleep (scoring, pi_ref) are counted per part, per round in the train row's `uncharged`, and per process as a share
+    of its charge; the trainer's publishes are its own; each round with a start is listed once, in the next row."""
+    import types
+    from runtime.log import Log
+    log = Log.__new__(Log)
+    log.t0, log.rank, log.emulated, log.overhead = 100.0, 1, True, 0.0
+    log.generate = log.slept = log.charged = log.over = 0.0
+    log.rounds, log.parts, log.budgets, log.uncharged, log.published, log.received = 0, {}, {}, {}, 0.0, []
+    log.calibration, log.cpu_bound_said, log.last_train = {"seconds_per_token": {"0": 1e-4}}, False, None
+    for version in (1, 2):
+        log.searched(dict(searcher=0, version=version, started=100.0 + version, seconds=1.2, generate=0.1, slept=0.9,
+                          charged=1.0, over=0.0, parts={}, seconds_per_token=1e-4, uncharged={"reload": 0.05}))
+    assert log.per_round()["uncharged"] == pytest.approx({"reload": 0.05, "score": 0.2})
+    assert log.received == [[0, 1, 1.0, 1.25], [0, 2, 2.0, 1.25]]  # [searcher, version, start, reload + round]
+    log.published = 0.1
+    clock = types.SimpleNamespace(charged=2.0, over=0.2)
+    shares = log.over_shares(clock)
+    assert shares["uncharged_searchers"] == {"0": pytest.approx(0.5 / 2.0)} and shares["over_searchers"] == {"0": 0.0}
+    assert shares["over_trainer"] == pytest.approx(0.1) and shares["uncharged_trainer"] == pytest.approx(0.05)

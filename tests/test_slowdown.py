@@ -63,6 +63,18 @@ def test_slowdown_below_one_is_refused(tiny_model, tmp_path, refusal):
 
 
 @pytest.mark.engine
+def test_a_colocated_calibration_is_for_the_one_process_run_only(tiny_model, tmp_path, refusal):
+    """A calibration with devices (the colocated baseline's: generation and training split over D devices) with
+    searchers would charge each searcher a fifth of its round: refused in one line."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"seconds_per_token": 1e-4, "train_step": 0.05, "devices": 5, "all_reduce": 0.01}))
+    status, lines = refusal(["--model", tiny_model, "--generation-slowdown", "2", "--calibration", str(costs),
+                             "--out", str(tmp_path / "r")])
+    assert status == 2 and lines[-1] == (f"tba.py: error: --calibration: {costs} holds a colocated run's devices "
+                                         f"(generation and training split over them): with --searchers 0 only")
+
+
+@pytest.mark.engine
 def test_only_search_rounds_are_slowed(tiny_model, monkeypatch):
     """The emulation slows the searchers' generation, each decoding step of it, never the evaluation: counted
     by the calls to slow_down in one engine (a comparison of times would depend on the machine's load)."""
@@ -134,6 +146,29 @@ def test_a_gpu_shaped_step_costs_a_fixed_part_and_a_little_a_sequence():
     assert rho.alone(16) / rho.alone(64) > 0.8  # a quarter of the batch costs almost as much a step
 
 
+def test_a_colocated_run_splits_generation_and_training_over_its_devices():
+    """A colocated calibration (devices D = 5, all_reduce): each decoding step costs the slowest device's share of the
+    running sequences, ceil(r / D); linear: a fifth of the whole, one sequence still a whole one's; GPU-shaped: the
+    fixed part is each device's, so a fifth of the sequences costs more than a fifth (rho-math-1b: 0.60 of the whole
+    at 256); a training step costs Y x its cost alone / D, then the all-reduce; a round's cost alone adds its steps."""
+    from runtime.slowdown import Clock, TrainClock
+    one, five = Clock(10.0, 1e-3, "linear", full=256), Clock(10.0, 1e-3, "linear", full=256, devices=5)
+    assert five.alone(256) == pytest.approx(one.alone(52)) and five.alone(1) == one.alone(1) == pytest.approx(1e-3)
+    gpu1, gpu5 = Clock(10.0, 1e-3, "gpu", full=256), Clock(10.0, 1e-3, "gpu", full=256, devices=5)
+    b = gpu1.b
+    assert gpu5.alone(256) / gpu1.alone(256) == pytest.approx((1 + 52 * b) / (1 + 256 * b))
+    assert 0.55 < gpu5.alone(256) / gpu1.alone(256) < 0.65 and gpu5.alone(1) == pytest.approx(gpu1.alone(1))
+    # a round's cost alone: responses of 3, 1 and 2 steps: steps with 3, 2 and 1 running
+    assert one.round_alone([3, 1, 2]) == pytest.approx(1e-3 * (3 + 2 + 1))
+    assert gpu1.round_alone([3, 1, 2]) == pytest.approx(gpu1.alone(3) + gpu1.alone(2) + gpu1.alone(1))
+    assert one.round_alone([]) == 0.0
+    train = TrainClock(2.0, seconds=0.1, devices=5, all_reduce=0.01)
+    t0 = time.perf_counter()
+    train.charge(0.0)
+    assert train.charged == pytest.approx(2.0 * 0.1 / 5 + 0.01) and time.perf_counter() - t0 >= 0.05
+    assert train.ended is not None and train.ended <= time.time()
+
+
 def test_a_long_tailed_response_holds_its_slot_for_its_emulated_steps():
     """--response-lengths gsm8k: a response vLLM finished after 3 steps stays in its slot (and runs for the clock) until
     3 x its draw from the tail have passed; the draws follow GSM8K_TAIL and are reproducible from the seed."""
@@ -156,7 +191,7 @@ def test_a_calibration_file_is_plain_json_of_two_costs(tmp_path):
     from runtime.slowdown import read_calibration
     good = tmp_path / "costs.json"
     good.write_text(json.dumps({"seconds_per_token": 2e-4, "train_step": 0.1, "note": "idle"}))
-    assert read_calibration(str(good)) == {"seconds_per_token": 2e-4, "train_step": 0.1}
+    assert read_calibration(str(good)) == {"seconds_per_token": 2e-4, "train_step": 0.1, "devices": 1, "all_reduce": 0.0}
     for text, why in (("not json", "does not read as JSON"), ('{"seconds_per_token": 0, "train_step": 1}', "positive"),
                       ('{"train_step": 1}', "positive")):
         good.write_text(text)
@@ -184,20 +219,22 @@ def test_both_phases_emulated_from_one_calibration(searchers, tiny_model, tmp_pa
 
 
 @pytest.mark.engine
-def test_the_synchronous_baseline_stays_synchronous_under_an_emulated_trainer(tiny_model, tmp_path):
-    """--lag 0 with both phases emulated: the trainer's step is charged before its weights leave, so the searchers'
-    round for the next step starts only then, and the trainer's wait for it does not shrink as its step grows
-    (before, the weights left first and the round ran inside the trainer's sleep: at Y = 6 the wait fell to a few
-    hundredths of a second). Over budget is reported per process."""
+def test_no_round_of_the_synchronous_baseline_starts_before_its_weights(tiny_model, tmp_path):
+    """--lag 0 with both phases emulated and two searchers, read from the rows' timeline: every step's weights reach
+    the shared copy only after its training and its emulated charge ended (`trained` <= `published`), and every
+    round of each searcher starts only once the weights it was made with were published; each round it sends is
+    listed once, with the version it needs. Before the charge moved ahead of the publish, a round for the next step
+    started inside the trainer's sleep (a baseline faster than the hardware allows)."""
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"seconds_per_token": 5e-4, "train_step": 0.05}))
-    waits = {}
-    for y in (2, 8):
-        run = tmp_path / f"y{y}"
-        run.mkdir()
-        out, _ = run_small(tiny_model, run, "--steps", "6", "--eval-every", "0", "--lag", "0", "--generation-slowdown",
-                           "20", "--train-slowdown", str(y), "--calibration", str(costs))
-        train = [r for r in metrics(out) if r["kind"] == "train"]
-        waits[y] = float(np.mean([r["wait"] for r in train[1:]]))
-        assert set(train[-1]["over_searchers"]) == {"0"} and train[-1]["over_trainer"] >= 0
-    assert waits[8] > 0.2 and waits[8] >= 0.7 * waits[2], waits
+    out, _ = run_small(tiny_model, tmp_path, "--steps", "6", "--eval-every", "0", "--lag", "0", "--searchers", "2",
+                       "--generation-slowdown", "20", "--train-slowdown", "6", "--calibration", str(costs))
+    train = [r for r in metrics(out) if r["kind"] == "train"]
+    published = {r["step"]: r["published"] for r in train}
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6] and all(r["trained"] <= r["published"] for r in train[:-1])
+    assert train[-1]["published"] is None  # no round needs the last step's weights: --lag keeps them (final: at the end)
+    rounds = [tuple(x) for r in train for x in r["rounds"]]
+    assert sorted((v, s) for s, v, _, _ in rounds) == [(v, s) for v in range(6) for s in (0, 1)]  # step v's rounds
+    late = [(s, v, start, published[v]) for s, v, start, _ in rounds if v and start < published[v]]
+    assert not late, f"rounds that started before their weights were published: {late}"
+    assert train[-1]["over_trainer"] >= 0 and set(train[-1]["uncharged_searchers"]) == {"0", "1"}

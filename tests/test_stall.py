@@ -318,10 +318,11 @@ def test_max_staleness_is_checked(refusal):
     assert refusal(["--max-staleness", "-1"]) == (2, ["tba.py: error: --max-staleness: must be 0 (no bound) or more"])
 
 
-def lock_rank(path, out, port, results):
-    """One trainer rank whose searcher stopped while it held the weight-sync lock (the lock taken
-    here and never given back): the publish gives up after --timeout and rank 0 records why, which
-    stops the run with a checkpoint at the next batch, as a silent searcher does."""
+def lock_rank(path, out, how, port, results):
+    """One trainer rank whose searcher stopped while it held the weight-sync lock (`how` "lock": the lock taken
+    here and never given back) or while it read the weights ("reading": its flag raised here and never lowered):
+    the publish gives up after --timeout and rank 0 records why, naming the reader, which stops the run with a
+    checkpoint at the next batch, as a silent searcher does."""
     import time
     import traceback
     import torch.distributed as dist
@@ -332,7 +333,10 @@ def lock_rank(path, out, port, results):
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         fleet, model = searcherless_fleet(path, out, 1)
         try:
-            fleet.shared.lock.acquire()  # the stopped searcher's
+            if how == "lock":
+                fleet.shared.lock.acquire()  # the stopped searcher's
+            else:
+                fleet.shared.reading[0] = 1  # the stopped searcher's: inside the shared copy
             t0 = time.time()
             fleet.publish(weights.gather(model), 1)
             results.put({"silent": [fleet.silent] if fleet.silent else [], "reason": fleet.stop_reason(),
@@ -347,9 +351,11 @@ def lock_rank(path, out, port, results):
 
 
 @pytest.mark.engine
-def test_a_searcher_stopped_holding_the_lock_stops_the_run_like_a_silent_one(tiny_model, tmp_path):
+@pytest.mark.parametrize("how", ["lock", "reading"])
+def test_a_searcher_stopped_holding_the_lock_stops_the_run_like_a_silent_one(how, tiny_model, tmp_path):
     from conftest import report_of
-    got = report_of(lock_rank, tiny_model, str(tmp_path / "run"))
-    message = "the weight-sync lock was not free for 2 s: a searcher stopped while it read the weights (--timeout 2)"
+    got = report_of(lock_rank, tiny_model, str(tmp_path / "run"), how)
+    message = {"lock": "the weight-sync lock was not free for 2 s: a searcher stopped while it held it (--timeout 2)",
+               "reading": "searcher 0 stopped while it read the weights: still reading after 2 s (--timeout 2)"}[how]
     assert got["silent"] == [message] and got["reason"] == ("silent", message)
     assert got["version"] == 0 and got["seconds"] >= 2  # nothing published; it waited out --timeout

@@ -1,26 +1,27 @@
 """Stress test of the weight-sync protocol (weights.py): a trainer publishing many versions while a
 spawned searcher-like reader keeps copying them out must never leave the reader with a mix of two
-versions, nor with weights other than the version it read under the lock, and the reader must end
-on the last version.
+versions, nor with weights other than the version it read while flagged (`weights.reading`), and the reader must
+end on the last version. Then the lock's own rules, in threads (no engine): readers share the copy, the writer waits
+for those inside and excludes new ones, and names one that stopped while it read.
 
 Each shared tensor is filled with its version number, so a correct copy is uniform and equal to
-the version read under the lock. The reader gets the tensors the way searchers do: spawned before
+the version read while flagged. The reader gets the tensors the way searchers do: spawned before
 they exist, then `weights.receive` from `SharedWeights.handoff` (CPU: shared memory; GPU: CUDA IPC
 handles of tensors on cuda:0, read from cuda:1 when there is one, else cuda:0).
 
 Negative controls (they must DETECT a violation, which shows the check can fail):
-- CPU, "nolock": a reader that ignores the lock. Holding the lock is then the whole protocol on the
+- CPU, "nolock": a reader that ignores the lock and its flag. Being flagged is then the whole protocol on the
   CPU: a CPU copy_ is done when it returns (non_blocking means nothing for CPU-to-CPU copies), so
-  a reader that holds the lock while it copies cannot race, with or without `synchronize`; the
+  a reader flagged while it copies cannot race, with or without `synchronize`; the
   "nosync" race below cannot occur on the CPU.
-- GPU, "nosync": a reader that holds the lock while it enqueues its copies but lets it go without
-  waiting for them, as `locked` would without its `synchronize`. vLLM's reload enqueues copies and
+- GPU, "nosync": a reader flagged while it enqueues its copies that lowers its flag without
+  waiting for them, as `reading` would without its `synchronize`. vLLM's reload enqueues copies and
   never synchronises (vllm/model_executor/model_loader/reload/): a copy between GPUs runs on the
   source GPU's current stream and `copy_` returns before the bytes move (upstream aten/src/ATen/
   native/cuda/Copy.cu, copy_device_to_device). To make "still in flight" certain rather than a
   matter of copy sizes, the reader queues a spin kernel (`torch.cuda._sleep`, torch/cuda/
   __init__.py:238) ahead of its copies on that stream, as busy streams or slow links would; the
-  same delay is used in the "locked" mode, where `locked` must wait it out (torch.cuda.synchronize
+  same delay is used in the "locked" mode, where `reading` must wait it out (torch.cuda.synchronize
   = all streams of this process on that device, torch/cuda/__init__.py:1209-1219). Detection needs
   the GPU to run the writer's copies (another process: time-sliced, or concurrent under MPS)
   before or among the reader's late ones; a GPU that ran them strictly in submission order would
@@ -110,14 +111,11 @@ def reader(shared, mode, kind, ready, detected, stop, results):
                 time.sleep(0.0005)
                 continue
             if mode == "locked":
-                with weights.locked(shared, parent_alive, TIMEOUT, device):
+                with weights.reading(shared, 0, parent_alive, TIMEOUT, device):
                     v = copy()
-            elif mode == "nosync":  # the defect: the lock goes before the copies are done
-                weights.acquire(shared.lock, parent_alive, TIMEOUT)
-                try:
+            elif mode == "nosync":  # the defect: the flag goes before the copies are done
+                with weights.reading(shared, 0, parent_alive, TIMEOUT):  # (no device: nothing waited for)
                     v = copy()
-                finally:
-                    shared.lock.release()
             else:  # "nolock"
                 v = copy()
             # after the lock is released: the check runs on the reader's device, ordered after its copies
@@ -215,12 +213,11 @@ def test_check_detects_a_reader_that_ignores_the_lock():
 @pytest.mark.engine
 @pytest.mark.cuda
 def test_releasing_the_lock_before_the_copies_finish_is_detected():
-    """GPU negative control: the lock held only while the copies are enqueued (what `locked` does
-    without its synchronize) lets the trainer overwrite tensors still being read (on the CPU the race cannot
-    occur: CPU copies finish before copy_ returns)."""
+    """GPU negative control: the flag up only while the copies are enqueued (what `reading` does
+    without its synchronize) lets the trainer overwrite tensors still being read."""
     out = run_protocol("cuda", "nosync")
     assert out["bad"] >= 1, (f"no violation in {out['syncs']} reads: the GPU ran the reader's copies before the "
-                             f"writer's although the lock was released first")
+                             f"writer's although the flag went first")
 
 
 def test_a_publish_copies_its_fingerprints_to_the_host_once(monkeypatch):
@@ -251,3 +248,83 @@ def test_a_publish_copies_its_fingerprints_to_the_host_once(monkeypatch):
     calls[0] = 0
     outbox.write(outbox.history[2].items(), 2, lambda: None)
     assert calls[0] == 0 and torch.equal(shared.prints[1], outbox.prints[2]) and shared.version.value == 2
+
+
+
+# --- the lock's rules, in threads -------------------------------------------------------------------------------------
+def shared_copy(searchers: int = 2):
+    """SharedWeights with one small tensor, as the trainer makes them (no handoff needed in one process)."""
+    shared = weights.create(mp.get_context("spawn"), searchers)
+    weights.allocate(shared, [("w", torch.zeros(4))], {}, "cpu", torch.float32)
+    return shared
+
+
+def in_thread(fn):
+    """fn() in a daemon thread; its result or exception in `box` once `thread` ends."""
+    import threading
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_readers_share_the_copy_and_the_writer_waits_for_them():
+    """Two searchers read at once (neither waits for the other); a publish waits until both have left, and no reader
+    begins while it writes. Before, one lock held through every read made four searchers load one after another."""
+    import threading
+    shared, noop = shared_copy(), lambda: None
+    inside, leave, order = threading.Barrier(3, timeout=10), threading.Event(), []
+
+    def read(me):
+        with weights.reading(shared, me, noop, TIMEOUT):
+            inside.wait()  # both readers inside at once, or the barrier breaks
+            leave.wait(10)
+            order.append(f"read {me}")
+    readers = [in_thread(lambda me=me: read(me)) for me in (0, 1)]
+    inside.wait()
+    assert list(shared.reading) == [1, 1]
+    writer, box = in_thread(lambda: weights.write(shared, [("w", torch.ones(4))], 1, noop, TIMEOUT))
+    time.sleep(0.3)
+    assert writer.is_alive() and shared.version.value == 0  # waiting for the readers inside
+    def late_read():  # a reader that comes while the writer waits: it may not begin before the write is done
+        with weights.reading(shared, 0, noop, TIMEOUT):
+            return shared.version.value
+    late, late_box = in_thread(late_read)
+    time.sleep(0.1)
+    leave.set()
+    writer.join(10)
+    order.append("written")
+    late.join(10)
+    assert not writer.is_alive() and "error" not in box and shared.version.value == 1
+    assert sorted(order[:2]) == ["read 0", "read 1"] and order[2] == "written"
+    assert late_box == {"value": 1} and list(shared.reading) == [0, 0]  # it began once the write was done
+
+
+def test_a_reader_that_stopped_inside_is_named_and_a_dead_one_stops_the_writer_at_once():
+    """A searcher's flag that never goes down (it stopped while it read): the writer gives up after the timeout with
+    `Reading`, naming it, the version unmoved; a dead one (alive() raises): Dead at once, no wait for the timeout.
+    A lock never given back (stopped while it took it): a plain TimeoutError, as before."""
+    shared = shared_copy(3)
+    shared.reading[2] = 1
+    t0 = time.monotonic()
+    with pytest.raises(weights.Reading, match="^searcher 2 has read the weights for 0.3 s$") as e:
+        weights.write(shared, [("w", torch.ones(4))], 1, lambda: None, 0.3)
+    assert e.value.reader == 2 and 0.3 <= time.monotonic() - t0 < 5 and shared.version.value == 0
+
+    def dead():
+        raise Dead("searcher 2 (pid 9) died with exit code -9")
+    t0 = time.monotonic()
+    with pytest.raises(Dead, match="died"):
+        weights.write(shared, [("w", torch.ones(4))], 1, dead, 60)
+    assert time.monotonic() - t0 < 5 and shared.version.value == 0
+    shared.reading[2] = 0
+    shared.lock.acquire()  # a searcher stopped between taking the lock and flagging itself
+    with pytest.raises(TimeoutError) as e:
+        weights.write(shared, [("w", torch.ones(4))], 1, lambda: None, 0.3)
+    assert not isinstance(e.value, weights.Reading) and shared.version.value == 0

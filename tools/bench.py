@@ -3,7 +3,8 @@
     python tools/bench.py                        # parts 1-5 (about 10 min on 2 CPU cores)
     python tools/bench.py --seeds 0 --cap 120    # a smaller budget
     python tools/bench.py --quick                # a tiny budget: checks that it runs, numbers mean little
-    python tools/bench.py --parts 9 --searchers 4 --ratios 1 --cap 400 --out runs/b9 -- --steps 40   # part 9's main point
+    python tools/bench.py --parts 9 --out runs/b9                 # part 9's plan (hours: it says how many first)
+    python tools/bench.py --table runs/b9/part9.json              # its table again, from the seeds' figures alone
     python tools/bench.py --full --out runs/bench                # whole runs (docs/performance.md's figures) ...
     python tools/plot.py runs/bench/seed0-searchers1 runs/bench/seed0-searchers0 runs/bench/seed0-trl   # ... as curves
     python tools/plot.py --study runs/bench/bench.json           # part 7's study as a picture
@@ -42,29 +43,35 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    dependency: it runs in a virtual environment of its own, --trl-python PATH or one made once in
    $TBA_CACHE/trl-venv (about a minute); the part is skipped, in one line and without tba.py's runs
    for it, when that cannot be done.
-9. (only with --parts 9; hours on 2 CPU cores) asynchrony on equal hardware, emulated: the regime TBA is
-   for, both phases on devices of their own, made on any machine (runtime/slowdown.py): each decoding step of
-   a searcher takes X times its cost alone (--generation-slowdown), each training step Y times its own
-   (--train-slowdown), sleeping the rest, from costs measured once on one idle core (`calibrate_costs`, handed
-   to every run: --calibration). For the most of --searchers N and each point of --ratios (G_N / T: the
-   synchronous round against the step, T = STEP), every mode of --modes (MODES: the synchronous baseline on
-   the same N searchers, --lag 0, which runs first; one-step off-policy; streaming between rounds; in-flight;
-   kept full), per seed: throughput (steps a second) apart from learning (steps to start + --gain, 0.15,
-   evaluations every --eval-every 2), seconds to it from launch and from the first step, interpolated between
-   the two evaluations around the crossing (the first evaluation past it too), the mean held-out accuracy from
-   the first step to the same seed's synchronous run's end (or --horizon seconds), accuracy at the synchronous
-   run's time, the speed-up over that run and the ideal (G + T) / max(G, T), the CPU used, and each process's
-   real compute over its own charge (a cell with one over by 10% is CPU-bound: no speed-up given). Per cell,
-   each speed-up (the median of the seeds' paired ratios) and gain in mean accuracy with a 90% bootstrap
-   interval over the seeds (10 by default: 0-9), then which pairs of modes those intervals tell apart. The
-   trainer keeps each evaluation's weights and evaluates them after the last step (--evaluator after), so that
-   no evaluation disturbs a mode: none waits on searcher 0's, and no searcher generates while the clock stands
-   still for one; every run goes --steps (40) to its end.
-   Then --tails at G_N = T with
-   GPU-shaped decoding and long tails, and streaming on the fewest searchers at G_N / T = 2 (scaling). --slowdowns X adds points of X alone, each run calibrating itself (CPU packing, as
-   measured before). Also drawn: OUT/equal_hardware.png (`python tools/plot.py --slowdown OUT/bench.json`).
-   The measured task is tba.py's: `-- --task countdown --steps 120 --decay-steps 20` with --gain 0.1 measures a
-   longer, slower curve than arith's (start + 0.1 near step 70, at the learning rate of its 200-step default).
+9. (only with --parts 9; hours on 2 CPU cores) asynchrony on equal hardware, emulated: the regime TBA is for, both
+   phases on devices of their own, made on any machine (runtime/slowdown.py): each decoding step of a searcher takes
+   X times its cost alone (--generation-slowdown), each training step Y times its own (--train-slowdown), sleeping
+   the rest, from costs measured once on one idle core (`calibrate_costs`, handed to every run: --calibration).
+   The plan (`part9_plan`, its estimated time said first): for the most of --searchers N, the main point G_N / T = 2
+   (the first of --ratios; the paper's balance for rho-math-1b on GSM8K on an H100), GPU-shaped decoding with GSM8K's
+   long tail (--decoding), on every seed (--seeds, 0-9), then the other --ratios (1, 4) on the first --few-seeds (3),
+   and the fewest searchers streaming at the main point's X and Y (the scaling, paired by seed). Every mode of
+   --modes (MODES) per seed: --lag 0 on the N searchers first (the synchronous baseline with rollout workers of
+   their own), the colocated run (--searchers 0 --lag 0 on N + 1 emulated devices: each generates its share of the
+   batch, then each trains its share, data-parallel, the gradients' all-reduce charged (`all_reduce_share`), the
+   new weights reloaded into the engine after each step), one-step off-policy (--lag 1) and streaming (the default).
+   Per run: throughput (steps a second) apart from learning (steps to start + --gain, 0.15, evaluations every
+   --eval-every 2), seconds to it from launch and from the first step, interpolated between the two evaluations
+   around the crossing, the mean held-out accuracy from the first step to the same seed's --lag 0 run's end (or
+   --horizon seconds), accuracy at the --lag 0 run's time, G, T, the publish, a searcher's own cycle and the bound
+   (G + T) / max(cycle, T + publish) on throughput, the work no device pays for (reloads, scoring, pi_ref) a round,
+   the CPU used, and each process's real compute over its own charge with that work (a mode with one over by 10% is
+   CPU-bound: no speed-up given). Per cell, each mode's speed-up over the colocated run and over --lag 0 (the median
+   of the seeds' paired ratios) and gain in mean accuracy, each with a 90% bootstrap interval over the seeds; which
+   pairs of modes the seeds resolve, each interval at a level corrected for the cell's pairs (Bonferroni); the
+   scaling with its interval. The trainer keeps each evaluation's weights and evaluates them after the last step
+   (--evaluator after; the colocated run evaluates in its one process, its time left out), so that no evaluation
+   disturbs a mode. Written: OUT/bench.json, OUT/part9.json (each run's figures the table is computed from:
+   `python tools/bench.py --table OUT/part9.json` prints it again, `--doc docs/performance.md` puts it there) and
+   OUT/equal_hardware.png (`python tools/plot.py --slowdown OUT/bench.json`). --slowdowns X adds points of X alone,
+   each run calibrating itself (CPU packing, as measured before). The measured task is tba.py's: `-- --task
+   countdown --steps 120 --decay-steps 20` with --gain 0.1 measures a longer, slower curve than arith's (start + 0.1
+   near step 70, at the learning rate of its 200-step default).
 10. (only with --parts 10) fresher data per step, in that regime (X = 10) with 1, 2 and 4 searchers:
    time to start + 0.15 with the defaults and with one lever changed at a time (a round of B prompts
    or of half the default B / N, k = 2, m = 0.5, R = 2), against the one-process run (--searchers 0, which
@@ -404,16 +411,41 @@ def off_policy(seeds: list[int], out: str, flags: list[str], quick: bool) -> dic
 
 
 # --- 9: asynchrony on equal hardware, both phases on devices of their own, emulated --------------------------------
-MODES = {"sync": ["--lag", "0"],      # the synchronous baseline on the searchers' hardware: each step waits
-         "lag1": ["--lag", "1"],      # one-step off-policy: every batch sampled by the weights of the step before
-         "stream": [],                # TBA: searchers stream rounds, weights reach them between rounds (the default)
-         "norep": ["--recency", "1"]}  # ... with no whole-buffer replay (m = 1)
-GPU_TAILS = ["--decode-cost", "gpu", "--response-lengths", "gsm8k"]  # a GPU's decoding step, a real model's lengths
+MODES = {"colocated": ["--lag", "0"],  # with --searchers 0 on N + 1 emulated devices: every one generates its share of
+         #                             the batch, then every one trains its share (`colocated_costs`)
+         "sync": ["--lag", "0"],  # the synchronous baseline on the searchers' hardware: each step waits for its rounds
+         "lag1": ["--lag", "1"],  # one-step off-policy: every batch sampled by the weights of the step before
+         "stream": []}            # TBA, the default: searchers stream rounds, weights reach them between rounds
+BASELINES = ("colocated", "sync")  # what each mode's speed-ups are over, paired by seed
+DECODINGS = {"gpu+tails": ["--decode-cost", "gpu", "--response-lengths", "gsm8k"],  # a GPU's step, GSM8K's long tail
+             "linear": []}  # each running sequence's share alone (the earlier cells')
 GRACE = 300.0  # s a run stopped at the cap may take to make its kept evaluations (--evaluator after) and stop
-STEP = 0.4  # s: the emulated training step T of part 9's points (--train-slowdown Y = STEP / its cost alone)
-PART9_SEEDS = 10  # part 9's seeds by default: with 3-5, time to start + 0.15 (about +-3 steps of noise at about 18
-# steps) told no two modes apart that differed by less than about 20%
+STEP = 0.4  # s: the emulated training step T of part 9's points at least (--train-slowdown Y = T / its cost alone)
+PART9_SEEDS = 10  # the main point's seeds by default: with 3-5, time to start + 0.15 (about +-3 steps of noise at about
+# 18 steps) told no two modes apart that differed by less than about 20%
+FEW_SEEDS = 3  # the other points' seeds by default (the first of the main point's)
+PART9_STEPS = 40  # each run's --steps unless given after --: the target comes near step 8, and a run stops soon after
 MIN_Y = 1.25  # T is at least this times a step alone (a slow or loaded machine's): the trainer's step stays emulated
+# The colocated trainer: data-parallel over D = N + 1 devices (DDP, TRL's default under accelerate), its gradients
+# summed by a ring all-reduce in which each device sends and receives 2 (D - 1) / D of them:
+# t = 2 (D - 1) / D x P x GRAD_BYTES / BUS_BANDWIDTH, against its step on one device T = 6 P x TOKENS_PER_STEP /
+# (MFU x PEAK_FLOPS) (forward and backward: 6 FLOPs a parameter a token); P cancels (`all_reduce_share`).
+GRAD_BYTES = 2  # bf16 gradients
+BUS_BANDWIDTH = 360e9  # B/s: NCCL's all-reduce bus bandwidth taken on one H100 SXM node (NVLink 4: 450 GB/s each way)
+PEAK_FLOPS, MFU = 989e12, 0.4  # H100 SXM's dense bf16 peak, and the share of it a 1B model's training step gets
+TOKENS_PER_STEP = 7 * 20 * 250  # run_gsm8k.sh's step: B x K = 7 x 20 sequences of about 250 tokens, prompt and answer
+STARTUP = (7.0, 1.5)  # s from launch to the first step on 2 idle cores: a run without searchers, and more a searcher
+# (docs/performance.md, 7 s for --searchers 0, 13 s with 4); for the plan's estimate only
+PLANNED_STEPS = 12  # steps a run makes, for the estimate: to the target, and on to the synchronous run's time
+EVAL_SECONDS = 0.3  # s an evaluation of the toy's held-out problems takes (--evaluator after), for the estimate
+
+
+def all_reduce_share(devices: int) -> float:
+    """The colocated trainer's gradient all-reduce over `devices`, as a share of its training step on one device (the
+    constants above): 1.7% over 5 H100s, 1.1% over 2; none on one device."""
+    if devices < 2:
+        return 0.0
+    return 2 * (devices - 1) / devices * GRAD_BYTES * MFU * PEAK_FLOPS / (6 * TOKENS_PER_STEP * BUS_BANDWIDTH)
 
 
 def calibrate_costs(out: str, flags: list[str]) -> dict:
@@ -442,13 +474,46 @@ def calibrate_costs(out: str, flags: list[str]) -> dict:
     return costs
 
 
-def point(costs: dict, ratio: float, n: int) -> tuple[float, float]:
+def round_alone(costs: dict, n: int, shape: str = "linear", cfg=None, devices: int = 1, draws: int = 200) -> float:
+    """The synchronous round's emulated cost alone (X = 1, the calibration's costs): N searchers' rounds of B / N
+    prompts each, the slowest of them; or with `devices` D (the colocated run) one round of B prompts spread over D.
+    Linear decoding: the batch's tokens over N (or D). GPU-shaped with GSM8K's tail (`cfg`: B, n and the model's
+    shape): each response of the calibration's mean length, its emulated steps stretched by a draw from the tail as
+    runtime.slowdown.Tails stretches them, each step costing runtime.slowdown.Clock.alone of those still running; the
+    mean over `draws` seeded rounds."""
+    if shape == "linear":
+        return costs["tokens_per_batch"] / (devices if devices > 1 else n) * costs["seconds_per_token"]
+    from runtime import seeds, slowdown
+    B, samples = cfg.prompts_per_step, cfg.search_samples_per_prompt
+    mean = max(1, round(costs["tokens_per_batch"] / (B * samples)))
+    clock = slowdown.Clock(1.0, costs["seconds_per_token"], "gpu", B * samples, model=cfg.decode_shape, devices=devices)
+    rng = np.random.default_rng([0, seeds.TAILS])
+    quantiles = np.linspace(0, 1, len(slowdown.GSM8K_TAIL))
+    size = [B * samples] if devices > 1 else [-(-B // n) * samples] * n  # a round each engine
+    steps = lambda k: np.maximum(mean, np.round(mean * np.interp(rng.random(k), quantiles, slowdown.GSM8K_TAIL)))
+    return float(np.mean([max(clock.round_alone(steps(k)) for k in size) for _ in range(draws)]))
+
+
+def point(costs: dict, ratio: float, n: int, shape: str = "linear", cfg=None, colocated: bool = False) -> tuple:
     """(X, Y) where the synchronous round of N searchers takes `ratio` x the training step: T = STEP (or MIN_Y x
-    a step alone, where that is longer), and G_N = X x (a batch's tokens / N) x s a token (each searcher makes
-    B / N prompts' rounds beside the others)."""
-    y = max(MIN_Y, STEP / costs["train_step"])
-    x = max(1.0, ratio * y * costs["train_step"] * n / (costs["tokens_per_batch"] * costs["seconds_per_token"]))
+    a step alone, where that is longer; with the colocated run, MIN_Y x D x a step alone, so that its trainer's share
+    of a step, T / D, stays emulated too), and G_N = X x `round_alone`."""
+    y = max(MIN_Y * ((n + 1) if colocated else 1), STEP / costs["train_step"])
+    x = max(1.0, ratio * y * costs["train_step"] / round_alone(costs, n, shape, cfg))
     return round(x, 2), round(y, 2)
+
+
+def colocated_costs(costs: dict, out: str, n: int, y: float) -> str:
+    """The colocated run's --calibration for N searchers' hardware: the same costs alone on D = N + 1 devices
+    (runtime/slowdown.py: each generates its share of the round's sequences, then trains its share of the batch),
+    and the gradients' all-reduce a step in emulated seconds (`all_reduce_share` of the emulated step Y x a step
+    alone). The reload of new weights into the engine after each step is real, and unslowed: the same work each
+    searcher of the other modes does, counted as work no device pays for. Returns the file."""
+    devices = n + 1
+    path = os.path.join(out, f"calibration-colocated-{devices}.json")
+    write_json(path, dict(seconds_per_token=costs["seconds_per_token"], train_step=costs["train_step"], devices=devices,
+                          all_reduce=all_reduce_share(devices) * y * costs["train_step"]))
+    return path
 
 
 COSTS = ("seconds_per_token", "train_step", "tokens_per_batch")  # calibration.json: what part 9's points are made of
@@ -495,40 +560,85 @@ def reuse_costs(given: str, out: str) -> dict:
     return costs
 
 
-def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, quick: bool, counts: list[int],
-                   ratios: list[float], slowdowns: list[float], modes: list[str], gain: float, eval_every: int,
-                   tails: list[str], run_one=None, given: str | None = None, horizon: float | None = None) -> dict:
-    """Part 9: for N searchers, each point (a ratio G_N / T with both phases emulated from one shared calibration, or
-    a --generation-slowdown X alone, each run calibrating itself: the CPU packing of earlier measurements) x mode x
-    seed, time to start + `gain` against the synchronous baseline on the same N searchers (--lag 0), which runs
-    first, so that every other mode runs at least as long (its accuracy at the baseline's time). `tails`: the modes
-    run again at ratio 1 with GPU-shaped decoding and long tails. The searchers' scaling: streaming at the same X, Y
-    on the fewest searchers, against the most. `horizon`: the window of the mean accuracy, seconds from the first
-    step (None: each seed's synchronous run's end)."""
+def part9_plan(costs: dict | None, cfg, counts: list[int], ratios: list[float], slowdowns: list[float],
+               modes: list[str], seeds: list[int], few: int, decoding: str) -> list[dict]:
+    """Part 9's cells: the main point (the first of `ratios`, the most searchers) on every seed; the other ratios on
+    the first `few` seeds; the fewest searchers streaming at the main point's X and Y on every seed (the scaling,
+    paired by seed with the most's); --slowdowns' points of X alone (CPU packing, no colocated run)."""
+    n, colocated = max(counts), "colocated" in modes
+    cells = []
+    for i, r in enumerate(ratios):
+        x, y = point(costs, r, n, decoding, cfg, colocated)
+        cells.append(dict(n=n, ratio=r, x=x, y=y, shape=decoding, modes=modes, seeds=seeds if i == 0 else seeds[:few]))
+    if len(counts) > 1 and ratios:
+        cells.append(dict(cells[0], n=min(counts), modes=["stream"], baseline=False))  # against the most's stream
+    cells += [dict(n=n, ratio=None, x=x, y=1.0, shape="linear", modes=[m for m in modes if m != "colocated"],
+                   seeds=seeds) for x in slowdowns]
+    return cells
+
+
+def plan_seconds(cell: dict, costs: dict | None, cfg, eval_every: int) -> float | None:
+    """About how long a cell's runs take on idle cores (None: a point of X alone, whose costs are not known before):
+    each run its start-up, PLANNED_STEPS steps at its mode's emulated period and its evaluations; the period from the
+    calibration: --lag 0 G + T, the colocated run its round over D devices + T / D + the all-reduce, the others the
+    slower of G and T."""
+    if not cell["ratio"]:
+        return None
+    T = cell["y"] * costs["train_step"]
+    G = lambda n, devices=1: cell["x"] * round_alone(costs, n, cell["shape"], cfg, devices)
+    n, d = cell["n"], cell["n"] + 1
+    period = dict(sync=G(n) + T, colocated=G(n, d) + T / d + all_reduce_share(d) * T, lag1=max(G(n), T),
+                  stream=max(G(n), T))
+    order = (["sync"] if cell.get("baseline", True) else []) + [m for m in cell["modes"] if m != "sync"]
+    run = lambda m: (STARTUP[0] + STARTUP[1] * (0 if m == "colocated" else n) + PLANNED_STEPS * period[m]
+                     + (PLANNED_STEPS // eval_every + 1) * EVAL_SECONDS)
+    return len(cell["seeds"]) * sum(run(m) for m in order)
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds // 3600:.0f} h {seconds % 3600 / 60:02.0f} min" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
+def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, counts: list[int], ratios: list[float],
+                   slowdowns: list[float], modes: list[str], gain: float, eval_every: int, decoding: str, cfg,
+                   few: int = FEW_SEEDS, run_one=None, given: str | None = None, horizon: float | None = None) -> dict:
+    """Part 9: its cells (`part9_plan`: a point G_N / T with both phases emulated from one shared calibration, or a
+    --generation-slowdown X alone, each run calibrating itself) x mode x seed, their estimated time said first; time to
+    start + `gain` and throughput against the synchronous baseline on the same N searchers (--lag 0), which runs
+    first, so that every other mode runs at least as long (its accuracy at the baseline's time), and against the
+    colocated run on N + 1 devices. `horizon`: the window of the mean accuracy, seconds from the first step (None:
+    each seed's synchronous run's end)."""
     costs = (reuse_costs(given, out) if given else calibrate_costs(out, flags)) if ratios else None
-    cells = [dict(n=n, ratio=r, x=point(costs, r, max(counts))[0], y=point(costs, r, max(counts))[1], shape="linear",
-                  modes=modes) for r in ratios for n in [max(counts)]]
-    cells += [dict(n=max(counts), ratio=None, x=x, y=1.0, shape="linear", modes=modes) for x in slowdowns]
-    if tails and ratios:
-        cells.append(dict(n=max(counts), ratio=1.0, x=round(max(1.5, point(costs, 1.0, max(counts))[0] / GPU_SHAPE), 2),
-                          y=cells[0]["y"], shape="gpu+tails", modes=tails))
-    if len(counts) > 1 and ratios:  # the fewest searchers at a generation-bound point's X and Y (G_N / T = 2)
-        top = min((c for c in cells if c["ratio"] and c["shape"] == "linear"), key=lambda c: abs(c["ratio"] - 2))
-        cells.append(dict(top, n=min(counts), modes=["stream"], baseline=False))  # against the most's stream
+    cells = part9_plan(costs, cfg, counts, ratios, slowdowns, modes, seeds, few, decoding)
+    estimates = [plan_seconds(c, costs, cfg, eval_every) for c in cells]
+    runs = sum(len(c["seeds"]) * (len(c["modes"]) + ("sync" not in c["modes"] and c.get("baseline", True)))
+               for c in cells)
+    print(f"9. plan: {runs} runs, about {minutes(sum(e for e in estimates if e))} on idle cores"
+          + (" and the points of X alone" if None in estimates else "") + f" (each run its start-up and about "
+          f"{PLANNED_STEPS} steps at its mode's emulated period)", flush=True)
+    for c, e in zip(cells, estimates):
+        where = f"G/T {c['ratio']:g}, X {c['x']:g}, Y {c['y']:g}" if c["ratio"] else f"X {c['x']:g} alone"
+        print(f"   N {c['n']} {where} {c['shape']}: {' '.join(c['modes'])}, {len(c['seeds'])} seed(s)"
+              + (f", about {minutes(e)}" if e else ""), flush=True)
     rows = []
     for cell in cells:
-        for seed in seeds:
+        for seed in cell["seeds"]:
             sync = None
-            for mode in (["sync"] if "sync" not in cell["modes"] and cell.get("baseline", True) else []) + cell["modes"]:
+            for mode in (["sync"] if cell.get("baseline", True) else []) + [m for m in cell["modes"] if m != "sync"]:
                 name = (f"hardware-n{cell['n']}-{'r%g' % cell['ratio'] if cell['ratio'] else 'x%g' % cell['x']}-"
                         f"{cell['shape'].replace('+', '')}-{mode}-seed{seed}")
                 run = os.path.join(out, name)
-                extra = ["--eval-every", str(eval_every), "--evaluator", "after", "--generation-slowdown", f"{cell['x']:g}",
-                         *(["--train-slowdown", f"{cell['y']:g}", "--calibration", costs["file"]] if cell["ratio"] else []),
-                         *(GPU_TAILS if cell["shape"] == "gpu+tails" else []), *MODES.get(mode, []),
-                         *(without_streaming(flags) if "--lag" in MODES.get(mode, []) else flags)]
+                calibration = colocated_costs(costs, out, cell["n"], cell["y"]) if mode == "colocated" else \
+                    costs and costs["file"]
+                extra = ["--steps", str(PART9_STEPS), "--eval-every", str(eval_every),
+                         *(["--evaluator", "after"] if mode != "colocated" else []),  # (the one process evaluates)
+                         "--generation-slowdown", f"{cell['x']:g}",
+                         *(["--train-slowdown", f"{cell['y']:g}", "--calibration", calibration] if cell["ratio"] else []),
+                         *DECODINGS[cell["shape"]], *MODES[mode],
+                         *(without_streaming(flags) if "--lag" in MODES[mode] else flags)]
                 until = sync["seconds"] if sync and sync["reached"] else 0.0
-                r = (run_one or (lambda f: f()))(lambda: run_until_target(cell["n"], seed, cap, run, extra, False, gain,
+                searchers = 0 if mode == "colocated" else cell["n"]
+                r = (run_one or (lambda f: f()))(lambda: run_until_target(searchers, seed, cap, run, extra, False, gain,
                                                                           until=until))
                 rows.append(dict(hardware_row(run, r, sync, baseline=mode == "sync", horizon=horizon),
                                  searchers=cell["n"], ratio=cell["ratio"], x=cell["x"],
@@ -542,8 +652,8 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, qui
                          f"{r['step']})" if h["seconds_interp"] is not None else "not reached")
                       + (f", mean accuracy {h['mean_accuracy']:.3f} over {h['horizon']:.1f} s" if h["mean_accuracy"]
                          is not None else "")
-                      + f", {h['steps_per_s']:.2f} steps/s, over its charge {h['over']:.0%} ({h['over_process']})",
-                      flush=True)
+                      + f", {h['steps_per_s']:.2f} steps/s, over its charge with uncharged work {h['over']:.0%} "
+                        f"({h['over_process']})", flush=True)
     return dict(searchers=counts, seeds=seeds, gain=gain, cap=cap, costs=costs, horizon=horizon, rows=rows,
                 summary=hardware_summary(rows))
 
@@ -562,10 +672,6 @@ def without_streaming(flags: list[str]) -> list[str]:
         else:
             out.append(f)
     return out
-
-
-GPU_SHAPE = 2.0  # the gpu+tails cell's X: ratio 1's, over about how much more a round costs there (a longer round's
-# tail runs at a GPU step's fixed cost; measured G / T is printed with each cell)
 
 
 def crossing(curve: list, level: float) -> tuple[float, float] | None:
@@ -607,32 +713,58 @@ def speedups(reference: list, times: list) -> list:
 
 
 def over_share(last: dict) -> tuple[float, str]:
-    """(the largest share of any one process's real compute over its own charge, that process) from a run's last
-    train row: the trainer's `over_trainer`, each searcher's `over_searchers`; a row written before them has only
-    the pooled `over_budget` seconds, whose share of all the charges is taken ("pooled")."""
+    """(the largest share of any one process's real compute over its own charge, with its work no device pays for,
+    that process) from a run's last train row: the trainer's `over_trainer` and `uncharged_trainer`, each searcher's
+    `over_searchers` and `uncharged_searchers` (rows before those: without them); a row written before the
+    per-process shares has only the pooled `over_budget` seconds, whose share of all the charges is taken
+    ("pooled")."""
     if "over_trainer" in last:
-        shares = {"the trainer": last["over_trainer"],
-                  **{f"searcher {k}": v for k, v in (last.get("over_searchers") or {}).items()}}
+        uncharged = last.get("uncharged_searchers") or {}
+        shares = {"the trainer": last["over_trainer"] + last.get("uncharged_trainer", 0.0),
+                  **{f"searcher {k}": v + uncharged.get(k, 0.0) for k, v in (last.get("over_searchers") or {}).items()}}
         who = max(shares, key=shares.get)
         return float(shares[who]), who
     charged = last.get("charged", 0.0) + last.get("train_charged", 0.0)
     return (last.get("over_budget", 0.0) / charged if charged else 0.0), "pooled"
 
 
+def cycle_of(train: list[dict]) -> float | None:
+    """A searcher's own cycle in a run (train rows' `rounds`, the first row's left out: start-up): the median of each
+    searcher's rounds, its reload and the round, the slowest searcher's; None without them (older rows)."""
+    by = {}
+    for r in train[1:]:
+        for searcher, _, _, cycle in r.get("rounds") or []:
+            by.setdefault(searcher, []).append(cycle)
+    return max(float(np.median(c)) for c in by.values()) if by else None
+
+
+def bound(G: float | None, T: float | None, cycle: float | None, publish: float | None) -> float | None:
+    """The throughput any asynchronous mode on the same searchers can reach over the synchronous one, from its rows:
+    (G + T) / max(a searcher's own cycle, T + publish). Each step needs every searcher's round (B prompts, each used
+    once) and the trainer's step and publish, whatever overlaps; the synchronous period G + T has the barrier's costs
+    too (the poll, the slowest searcher, the publish), which (G + T) / max(G, T) counts as generation."""
+    if None in (G, T, cycle, publish):
+        return None
+    return (G + T) / max(cycle, T + publish)
+
+
 def hardware_row(run: str, r: dict, sync: dict | None, baseline: bool = False, horizon: float | None = None) -> dict:
     """Part 9's figures of one run: its folder, run_until_target's dict `r` and the synchronous run of its cell and
-    seed (`baseline`: this is it; None: the cell has none). G and T (the synchronous runs'): the median round wait and the median step without it,
-    the first step left out. Throughput (steps a second, from the first step) apart from learning (steps to the
-    target); time to the target from launch and from the first step, at the first evaluation past it and
-    interpolated between the two around it (`crossing`); the mean held-out accuracy from the first step to
+    seed (`baseline`: this is it; None: the cell has none). G and T: the median round (the wait for it, or the
+    one process's own rounds) and the median step without it, the first step left out; publish: the median publish;
+    cycle (`cycle_of`); the synchronous run's `bound`. Throughput (steps a second, from the first step) apart from
+    learning (steps to the target); time to the target from launch and from the first step, at the first evaluation
+    past it and interpolated between the two around it (`crossing`); the mean held-out accuracy from the first step to
     `horizon` seconds (default: the synchronous run's end, or this run's where there is none: `mean_accuracy`) and its
     gain over the synchronous run's; the accuracy at the synchronous run's interpolated time to the target (equal
-    wall time, from the first step); each process's real compute over its own charge (`over_share`; the pooled share
-    too: over_budget); the CPU the run's processes used."""
+    wall time, from the first step); each process's real compute over its own charge with its uncharged work
+    (`over_share`; the pooled share too: over_budget) and that work per round; the CPU the run's processes used."""
     train, evals, config = plot.read(run)
     later = train[1:] or train
-    G = float(np.median([t["wait"] + t["sync"] for t in later])) if later else None
-    T = float(np.median([t["seconds"] - t["wait"] - t["sync"] - t["search"] for t in later])) if later else None
+    med = lambda f: float(np.median([f(t) for t in later])) if later else None
+    G = med(lambda t: t["wait"] + t["sync"] + t["search"])
+    T = med(lambda t: t["seconds"] - t["wait"] - t["sync"] - t["search"])
+    publish, cycle = med(lambda t: t["sync"]), cycle_of(train)
     last = train[-1] if train else {}
     charged = last.get("charged", 0.0) + last.get("train_charged", 0.0)
     first = r["first_step_seconds"] or 0.0
@@ -650,126 +782,154 @@ def hardware_row(run: str, r: dict, sync: dict | None, baseline: bool = False, h
                seconds_interp=cross[0] if cross else None, from_first_step_interp=cross[0] - first if cross else None,
                step_interp=cross[1] if cross else None, end=end, horizon=horizon,
                mean_accuracy=mean_accuracy(points, horizon), times=[t for t, _ in points],
-               first_step=r["first_step_seconds"], G=G, T=T, steps=last.get("step", 0),
+               first_step=r["first_step_seconds"], G=G, T=T, publish=publish, cycle=cycle,
+               bound=bound(G, T, cycle, publish) if baseline else None, steps=last.get("step", 0),
                steps_per_s=(len(train) - 1) / span if span > 0 else 0.0,
                staleness=float(np.mean([t["staleness"] for t in train])) if train else None,
-               staleness_last=float(np.mean([t.get("staleness_last", t["staleness"]) for t in train])) if train else None,
                over_budget=last.get("over_budget", 0.0) / charged if charged else 0.0, over=over, over_process=who,
-               over_trainer=last.get("over_trainer"), over_searchers=last.get("over_searchers"), cpu=r["cpu"],
-               accuracy_at_sync=at, curve=[(e["step"], e["accuracy"]) for e in evals])
+               over_trainer=last.get("over_trainer"), over_searchers=last.get("over_searchers"),
+               uncharged_trainer=last.get("uncharged_trainer"), uncharged_searchers=last.get("uncharged_searchers"),
+               uncharged=last.get("uncharged"), cpu=r["cpu"], accuracy_at_sync=at,
+               curve=[(e["step"], e["accuracy"]) for e in evals])
     if baseline:
         one = 1.0 if row["reached"] else None
-        row.update(speedup=1.0, speedup_first_step=1.0, ideal=(G + T) / max(G, T) if G and T else None,
-                   speedup_interp=one, speedup_interp_first_step=one, accuracy_gain=0.0)
-        return row
-    if sync is None:  # a cell without its baseline (the scaling's): no speed-up over one
-        row.update(speedup=None, speedup_first_step=None, ideal=None, speedup_interp=None,
-                   speedup_interp_first_step=None, accuracy_gain=None)
-        return row
-    both = row["reached"] and sync["reached"]
-    gain = row["mean_accuracy"] - sync["mean_accuracy"] if None not in (row["mean_accuracy"], sync["mean_accuracy"]) else None
-    row.update(G=sync["G"], T=sync["T"], ideal=sync["ideal"],
-               speedup=sync["seconds"] / row["seconds"] if both else None,
-               speedup_first_step=sync["from_first_step"] / row["from_first_step"] if both else None,
-               speedup_interp=speedups([sync["seconds_interp"]], [row["seconds_interp"]])[0],
-               speedup_interp_first_step=speedups([sync["from_first_step_interp"]], [row["from_first_step_interp"]])[0],
-               accuracy_gain=gain)
+        row.update(speedup_interp=one, speedup_interp_first_step=one, accuracy_gain=0.0)
+    elif sync is None:  # a cell without its baseline (the scaling's): no speed-up over one
+        row.update(speedup_interp=None, speedup_interp_first_step=None, accuracy_gain=None)
+    else:
+        gain = (row["mean_accuracy"] - sync["mean_accuracy"] if None not in (row["mean_accuracy"], sync["mean_accuracy"])
+                else None)
+        row.update(bound=sync["bound"], speedup_interp=speedups([sync["seconds_interp"]], [row["seconds_interp"]])[0],
+                   speedup_interp_first_step=speedups([sync["from_first_step_interp"]], [row["from_first_step_interp"]])[0],
+                   accuracy_gain=gain)
     return row
 
 
-CPU_BOUND = 0.10  # a process more than this over its own charge: the CPU, not the emulation, set the run's pace
+CPU_BOUND = 0.10  # a process more than this over its own charge, with its uncharged work: the CPU set the run's pace
+# what part9.json keeps of each row (`per_seed`): the summary's inputs, each seed's, anyone can recompute the table from
+PER_SEED = ("searchers", "ratio", "x", "y", "shape", "mode", "seed", "reached", "seconds_interp", "from_first_step_interp",
+            "step_interp", "first_step", "horizon", "mean_accuracy", "accuracy_at_sync", "steps_per_s", "staleness", "G",
+            "T", "publish", "cycle", "bound", "over", "over_process", "uncharged", "cpu")
 
 
-def paired(a: list[dict], b: list[dict]) -> tuple[list, list]:
-    """Two modes' rows of one cell, by seed (the seeds both ran): b's speed-ups over a in interpolated time from the
-    first step (`speedups`) and b's mean accuracy less a's (the same horizon: the seed's synchronous run's end)."""
+def paired(a: list[dict], b: list[dict], field: str = "from_first_step_interp") -> tuple[list, list]:
+    """Two modes' rows, by seed (the seeds both ran): b's speed-ups over a in interpolated time to the target (`field`:
+    from the first step, or `seconds_interp` from launch: `speedups`) and b's mean accuracy less a's (the same
+    horizon: the seed's synchronous run's end)."""
     by = {r["seed"]: r for r in b}
     both = [(r, by[r["seed"]]) for r in a if r["seed"] in by]
-    ups = speedups([x["from_first_step_interp"] for x, _ in both], [y["from_first_step_interp"] for _, y in both])
+    ups = speedups([x[field] for x, _ in both], [y[field] for _, y in both])
     gains = [y["mean_accuracy"] - x["mean_accuracy"] for x, y in both
              if x["mean_accuracy"] is not None and y["mean_accuracy"] is not None]
     return ups, gains
 
 
+def corrected(pairs: int) -> float:
+    """The level of each interval of a cell's pairs (Bonferroni): with P pairs of modes, 2 P claims (time and mean
+    accuracy each), each interval at 1 - (1 - 90%) / 2P, so that all of a cell's "resolved" hold together at 90%."""
+    return 1 - (1 - plot.BOOTSTRAP["level"]) / max(1, 2 * pairs)
+
+
 def hardware_summary(rows: list[dict]) -> dict:
-    """Per cell (N, point, shape) and mode: medians over seeds; the speed-ups over the synchronous run of the same
-    seed in interpolated time to the target (from launch; from the first step, the headline) and the gain in mean
-    accuracy, each with a 90% bootstrap interval over seeds (plot.interval); CPU-bound where any process of any seed
-    ran over its own charge by more than CPU_BOUND (no speed-up nor gain is then claimed for it, nor for any mode
-    of a cell whose synchronous baseline is); then, for every pair
-    of modes of a cell that are not CPU-bound, the later one's speed-up over the earlier and its gain in mean accuracy,
-    each with its interval and whether that interval excludes no difference (resolved); and the searchers' scaling."""
-    out = {}
+    """Part 9's table from the seeds' rows (a run's, or part9.json's `per_seed` ones: the same result). Per cell (N,
+    point, shape) and mode: medians over seeds, and over each baseline (`BASELINES`) the speed-up in interpolated time
+    to the target from the first step (the headline) and from launch, each the median of the seeds' paired ratios
+    with a 90% bootstrap interval over seeds (plot.interval); the gain in mean accuracy over --lag 0 (the mean of the
+    paired differences); the synchronous run's bound. CPU-bound where any process of any seed ran over its own
+    charge, with its uncharged work, by more than CPU_BOUND: no speed-up nor gain over a baseline is claimed where
+    either side is. Then each pair of modes of a cell not CPU-bound, the later's over the earlier, with intervals at
+    the `corrected` level: resolved where one excludes no difference; and the searchers' scaling (`scaling`)."""
     med = lambda v: float(np.median(v)) if v else None
     # Speed-ups: the median of the seeds' paired ratios, not the ratio of the medians: the two runs of a pair share
     # their seed, so that what the seed makes easy for both cancels, and a median keeps one seed's lucky early
     # crossing (ratios of 6.7x were seen) from moving it. Mean accuracies are bounded and without such jumps:
     # the mean of their paired differences, which uses every seed's value.
     mean = lambda v, axis=None: np.mean(v, axis=axis)
-    key = lambda r: (r["searchers"], r["ratio"], r["x"], r["y"], r["shape"], r["mode"])
-    base = {key(r)[:5] for r in rows if r["mode"] == "sync" and r["over"] > CPU_BOUND}  # CPU-bound baselines' cells
-    for k in sorted({key(r) for r in rows}, key=str):
-        these = [r for r in rows if key(r) == k]
-        bound = max(r["over"] for r in these) > CPU_BOUND
-        withheld = bound or k[:5] in base  # a ratio to a CPU-bound baseline measures the CPU's packing too
-        worst = max(these, key=lambda r: r["over"])
-        up, up_ci = plot.interval([r["speedup_interp"] for r in these if r["speedup_interp"] is not None])
-        first, first_ci = plot.interval([r["speedup_interp_first_step"] for r in these
-                                         if r["speedup_interp_first_step"] is not None])
-        gain, gain_ci = plot.interval([r["accuracy_gain"] for r in these if r["accuracy_gain"] is not None], mean)
-        if k[5] == "sync":  # the baseline against itself: 1x and +0 by definition, no interval to give
-            up_ci = first_ci = gain_ci = None
-        out[" ".join(map(str, k))] = dict(
-            searchers=k[0], ratio=k[1], x=k[2], y=k[3], shape=k[4], mode=k[5], runs=len(these),
-            reached=sum(r["reached"] for r in these), cpu_bound=bound, baseline_cpu_bound=k[:5] in base,
-            speedup=None if withheld else med([r["speedup"] for r in these if r["speedup"]]),
-            speedup_first_step=None if withheld else med([r["speedup_first_step"] for r in these if r["speedup_first_step"]]),
-            speedup_interp=None if withheld else up, speedup_interp_ci=None if withheld else up_ci,
-            speedup_interp_first_step=None if withheld else first,
-            speedup_interp_first_step_ci=None if withheld else first_ci,
-            paired=len([r for r in these if r["speedup_interp_first_step"] is not None]),
-            accuracy_gain=None if withheld else gain, accuracy_gain_ci=None if withheld else gain_ci,
-            mean_accuracy=med([r["mean_accuracy"] for r in these if r["mean_accuracy"] is not None]),
-            horizon=med([r["horizon"] for r in these if r["horizon"]]),
-            steps=med([r["step_interp"] for r in these if r["step_interp"] is not None]),
-            steps_first_eval=med([r["step"] for r in these if r["reached"]]), steps_per_s=med([r["steps_per_s"] for r in these]),
-            staleness=med([r["staleness"] for r in these]), ideal=med([r["ideal"] for r in these if r["ideal"]]),
-            G=med([r["G"] for r in these if r["G"]]), T=med([r["T"] for r in these if r["T"]]),
-            seconds=med([r["seconds_interp"] for r in these if r["seconds_interp"] is not None]),
-            from_first_step=med([r["from_first_step_interp"] for r in these if r["from_first_step_interp"] is not None]),
-            accuracy_at_sync=med([r["accuracy_at_sync"] for r in these if r["accuracy_at_sync"] is not None]),
-            over=worst["over"], over_process=f"{worst['over_process']}, seed {worst['seed']}",
-            over_budget=max(r["over_budget"] for r in these), cpu=med([r["cpu"] for r in these]))
-    pairs = []
-    for cell in sorted({k[:5] for k in map(key, rows)}, key=str):
-        modes = list(dict.fromkeys(r["mode"] for r in rows if key(r)[:5] == cell))
-        of = lambda mode: [r for r in rows if key(r) == (*cell, mode)]
-        for i, a in enumerate(modes):
-            for b in modes[i + 1:]:
-                row = dict(searchers=cell[0], ratio=cell[1], x=cell[2], y=cell[3], shape=cell[4], a=a, b=b)
-                if any(out[" ".join(map(str, (*cell, m)))]["cpu_bound"] for m in (a, b)):
-                    pairs.append(dict(row, cpu_bound=True))
+    cell_of = lambda r: (r["searchers"], r["ratio"], r["x"], r["y"], r["shape"])
+    out, pairs = {}, []
+    for cell in sorted({cell_of(r) for r in rows}, key=str):
+        mine = [r for r in rows if cell_of(r) == cell]
+        modes = list(dict.fromkeys(r["mode"] for r in sorted(mine, key=lambda r: list(MODES).index(r["mode"])
+                                                                 if r["mode"] in MODES else len(MODES))))
+        of = lambda mode: [r for r in mine if r["mode"] == mode]
+        bound_cpu = {m: max(r["over"] for r in of(m)) > CPU_BOUND for m in modes}
+        sync_bound = med([r["bound"] for r in of("sync") if r.get("bound")])
+        for mode in modes:
+            these = of(mode)
+            worst = max(these, key=lambda r: r["over"])
+            c = dict(searchers=cell[0], ratio=cell[1], x=cell[2], y=cell[3], shape=cell[4], mode=mode, runs=len(these),
+                     reached=sum(r["reached"] for r in these), cpu_bound=bound_cpu[mode], bound=sync_bound,
+                     seconds=med([r["seconds_interp"] for r in these if r["seconds_interp"] is not None]),
+                     from_first_step=med([r["from_first_step_interp"] for r in these
+                                          if r["from_first_step_interp"] is not None]),
+                     mean_accuracy=med([r["mean_accuracy"] for r in these if r["mean_accuracy"] is not None]),
+                     steps=med([r["step_interp"] for r in these if r["step_interp"] is not None]),
+                     steps_per_s=med([r["steps_per_s"] for r in these]), staleness=med([r["staleness"] for r in these]),
+                     G=med([r["G"] for r in these if r["G"]]), T=med([r["T"] for r in these if r["T"]]),
+                     publish=med([r["publish"] for r in these if r.get("publish") is not None]),
+                     cycle=med([r["cycle"] for r in these if r.get("cycle")]),
+                     uncharged={part: med([(r.get("uncharged") or {}).get(part, 0.0) for r in these])
+                                for part in sorted({p for r in these for p in r.get("uncharged") or {}})},
+                     over=worst["over"], over_process=f"{worst['over_process']}, seed {worst['seed']}",
+                     cpu=med([r["cpu"] for r in these]))
+            for base in BASELINES:
+                if base not in modes or base == mode:
                     continue
-                ups, gains = paired(of(a), of(b))
-                up, up_ci = plot.interval([u for u in ups if u is not None])
-                gain, gain_ci = plot.interval(gains, mean)
-                pairs.append(dict(row, cpu_bound=False, seeds=len([u for u in ups if u is not None]), speedup=up,
-                                  speedup_ci=up_ci, resolved=bool(up_ci and (up_ci[0] > 1 or up_ci[1] < 1)),
-                                  accuracy_gain=gain, accuracy_gain_ci=gain_ci,
-                                  gain_resolved=bool(gain_ci and (gain_ci[0] > 0 or gain_ci[1] < 0))))
-    scaling = {}
-    for c in out.values():
-        if c["mode"] == "stream" and c["ratio"]:
-            other = [d for d in out.values() if d["mode"] == "stream" and d["ratio"] == c["ratio"] and d["shape"] ==
-                     c["shape"] and d["searchers"] != c["searchers"]]
-            for d in other:
-                if c["searchers"] > d["searchers"] and c["from_first_step"] and d["from_first_step"]:
-                    scaling[f"{c['ratio']:g}"] = dict(ratio=d["from_first_step"] / c["from_first_step"],
-                                                      ideal=c["searchers"] / d["searchers"], many=c["searchers"],
-                                                      few=d["searchers"])
-    return dict(cells=out, pairs=pairs, scaling=scaling, bootstrap=dict(
+                withheld = bound_cpu[mode] or bound_cpu[base]
+                first, first_ci = plot.interval([u for u in paired(of(base), these)[0] if u is not None])
+                launch, launch_ci = plot.interval([u for u in paired(of(base), these, "seconds_interp")[0]
+                                                   if u is not None])
+                c[f"over_{base}"] = dict(withheld=withheld, seeds=len([u for u in paired(of(base), these)[0]
+                                                                         if u is not None]),
+                                         **({} if withheld else dict(first_step=first, first_step_ci=first_ci,
+                                                                     launch=launch, launch_ci=launch_ci)))
+            if "sync" in modes and mode != "sync":
+                gain, gain_ci = plot.interval(paired(of("sync"), these)[1], mean)
+                c["accuracy_gain"], c["accuracy_gain_ci"] = (None, None) if bound_cpu[mode] or bound_cpu["sync"] \
+                    else (gain, gain_ci)
+            out[" ".join(map(str, (*cell, mode)))] = c
+        compared = [(a, b) for i, a in enumerate(modes) for b in modes[i + 1:]]
+        level = corrected(len(compared))
+        for a, b in compared:
+            p = dict(searchers=cell[0], ratio=cell[1], x=cell[2], y=cell[3], shape=cell[4], a=a, b=b, level=level,
+                     family=2 * len(compared))
+            if bound_cpu[a] or bound_cpu[b]:
+                pairs.append(dict(p, cpu_bound=True))
+                continue
+            ups, gains = paired(of(a), of(b))
+            up, up_ci = plot.interval([u for u in ups if u is not None], level=level)
+            gain, gain_ci = plot.interval(gains, mean, level=level)
+            pairs.append(dict(p, cpu_bound=False, seeds=len([u for u in ups if u is not None]), speedup=up,
+                              speedup_ci=up_ci, resolved=bool(up_ci and (up_ci[0] > 1 or up_ci[1] < 1)),
+                              accuracy_gain=gain, accuracy_gain_ci=gain_ci,
+                              gain_resolved=bool(gain_ci and (gain_ci[0] > 0 or gain_ci[1] < 0))))
+    return dict(cells=out, pairs=pairs, scaling=scaling(rows), bootstrap=dict(
         plot.BOOTSTRAP, speedup="the median of the seeds' paired ratios, interpolated time from the first step",
-        accuracy_gain="the mean of the seeds' paired differences in mean accuracy to the horizon"))
+        accuracy_gain="the mean of the seeds' paired differences in mean accuracy to the horizon",
+        pairs="Bonferroni: each interval of a cell's P pairs at 1 - 10% / 2P"))
+
+
+def scaling(rows: list[dict]) -> list[dict]:
+    """The searchers' scaling: streaming with the most searchers against the fewest at the same X, Y and shape (the
+    plan's scaling cell), paired by seed: how many times sooner the most reach the target from the first step (the
+    median of the seeds' ratios, with its 90% interval), their throughput over the fewest's, and their round G
+    (the synchronous one's) over the fewest's own cycle: what falls short of N / n where it does."""
+    stream = [r for r in rows if r["mode"] == "stream" and r["ratio"]]
+    out = []
+    for point in sorted({(r["ratio"], r["x"], r["y"], r["shape"]) for r in stream}, key=str):
+        mine = [r for r in stream if (r["ratio"], r["x"], r["y"], r["shape"]) == point]
+        counts = sorted({r["searchers"] for r in mine})
+        if len(counts) < 2:
+            continue
+        few, many = ([r for r in mine if r["searchers"] == n] for n in (counts[0], counts[-1]))
+        ups, _ = paired(few, many)
+        ratio, ci = plot.interval([u for u in ups if u is not None])
+        med = lambda rs, k: float(np.median([r[k] for r in rs if r.get(k)])) if any(r.get(k) for r in rs) else None
+        throughput = med(many, "steps_per_s") / med(few, "steps_per_s") if med(few, "steps_per_s") else None
+        out.append(dict(ratio=point[0], x=point[1], y=point[2], shape=point[3], few=counts[0], many=counts[-1],
+                        speedup=ratio, speedup_ci=ci, seeds=len([u for u in ups if u is not None]),
+                        throughput=throughput, cycle_few=med(few, "cycle"), cycle_many=med(many, "cycle")))
+    return out
 
 
 def round_cost(cfg, prompts, answers, sizes: list[int], repeat: int) -> dict:
@@ -1083,14 +1243,19 @@ def main(argv=None):
     p.add_argument("--minutes", type=float, default=20, help="length of the run of part 6")
     p.add_argument("--searchers", type=int, nargs="+", default=[1, 4],
                    help="parts 9 and 10: the searcher counts N (each beside the synchronous run on N searchers)")
-    p.add_argument("--ratios", type=float, nargs="*", default=[0.5, 1, 2, 4],
-                   help="part 9: the points G_N / T, both phases emulated from one calibration (--train-slowdown too)")
+    p.add_argument("--ratios", type=float, nargs="*", default=[2, 1, 4],
+                   help="part 9: the points G_N / T, both phases emulated from one calibration (--train-slowdown too); "
+                        "the first is the main point, on every seed (the paper's balance for rho-math-1b on GSM8K on "
+                        "an H100: about 2), the others on --few-seeds")
     p.add_argument("--slowdowns", type=float, nargs="*", default=[],
                    help="part 9: points of --generation-slowdown X alone, each run calibrating itself (CPU packing)")
-    p.add_argument("--modes", nargs="+", default=["sync", "lag1", "stream"], choices=list(MODES),
-                   help="part 9: the modes at each point (MODES)")
-    p.add_argument("--tails", nargs="*", default=["sync", "stream"], choices=list(MODES),
-                   help="part 9: the modes at G_N = T again with GPU-shaped decoding and long tails (none: skipped)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                   help="part 9: the modes at each point (MODES; --lag 0 runs first whether named or not)")
+    p.add_argument("--decoding", default="gpu+tails", choices=list(DECODINGS),
+                   help="part 9: the points' emulated decoding: as on a GPU with GSM8K's long tail of answer lengths "
+                        "(gpu+tails), or each running sequence's share (linear, the earlier cells')")
+    p.add_argument("--few-seeds", type=int, default=FEW_SEEDS,
+                   help="part 9: the seeds of the points after the main one (the first of --seeds)")
     p.add_argument("--gain", type=float, default=0.15, help="part 9: the target, held-out accuracy >= start + GAIN "
                    "(a task with a slower curve, `-- --task countdown`, may want less: 0.1)")
     p.add_argument("--horizon", type=float, default=None, help="part 9: the window of the mean accuracy, seconds from "
@@ -1098,10 +1263,22 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=2, help="part 9: steps between evaluations")
     p.add_argument("--costs", default=None, help="part 9: an earlier run's OUT/calibration.json instead of a new one")
     p.add_argument("--lags", type=int, nargs="+", default=[0, 2, 10], help="part 12: the exact lags L")
+    p.add_argument("--table", default=None, metavar="PART9_JSON",
+                   help="print part 9's table recomputed from a part9.json (or a bench.json) and run nothing")
+    p.add_argument("--doc", default=None, help="with --table: write it into this file between its markers "
+                   "(docs/performance.md)")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
     args = p.parse_args(argv)
+    if args.table:  # the table from the seeds' figures: nothing runs
+        lines = part9_table(read_per_seed(args.table))
+        if args.doc:
+            into_doc(args.doc, lines)
+        print("\n".join(lines))
+        return
+    if args.doc:
+        raise BadInput("--doc acts only with --table")
     flags = [f for f in args.flags if f != "--"]
     unknown = [n for n in args.parts if n not in PARTS]
     if unknown:
@@ -1110,6 +1287,8 @@ def main(argv=None):
     for flag, value in (("--gain", args.gain), ("--horizon", args.horizon)):
         if value is not None and not 0 < value < float("inf"):  # NaN too
             raise BadInput(f"{flag} {value:g}: give a positive number")
+    if args.few_seeds < 1:
+        raise BadInput(f"--few-seeds {args.few_seeds}: give 1 or more")
     if args.costs is not None:  # checked before anything is made or started
         if 9 not in args.parts:
             raise BadInput("--costs acts only with --parts 9")
@@ -1150,11 +1329,11 @@ def main(argv=None):
     if 7 in args.parts:
         result["off_policy"] = off_policy(args.seeds, out, flags, args.quick)
     if 9 in args.parts:
-        result["equal_hardware"] = equal_hardware(
-            seeds9, out, flags, args.cap, args.quick, [1] if args.quick else args.searchers,
-            [1.0] if args.quick else args.ratios, args.slowdowns, ["sync", "stream"] if args.quick else args.modes,
-            0.05 if args.quick else args.gain, args.eval_every, [] if args.quick else args.tails, given=args.costs,
-            horizon=args.horizon)
+        result["equal_hardware"] = eh = equal_hardware(
+            seeds9, out, flags, args.cap, [1] if args.quick else args.searchers, [1.0] if args.quick else args.ratios,
+            args.slowdowns, ["colocated", "sync", "stream"] if args.quick else args.modes, 0.05 if args.quick else
+            args.gain, args.eval_every, args.decoding, cfg, few=args.few_seeds, given=args.costs, horizon=args.horizon)
+        write_json(os.path.join(out, "part9.json"), per_seed(eh, machine, sys.argv))  # beside docs/performance.md
     if 12 in args.parts:
         result["miniature"] = miniature(args.seeds, out, flags, args.quick, args.lags)
     if 10 in args.parts:
@@ -1192,7 +1371,7 @@ def checked(flags: list[str], parts: list[int]) -> tuple:
     shaped = [f for f in flags if f.split("=")[0] in ("--decode-cost", "--response-lengths")]
     if 9 in parts and shaped:  # X is chosen for the cell's shape (point): another shape would run at another G/T
         raise BadInput(f"{shaped[0].split('=')[0]} after --: part 9 sets the decoding's shape per cell (its X is chosen "
-                       f"for it): GPU-shaped decoding with long tails is the --tails cell")
+                       f"for it): give --decoding instead")
     emulated = 9 in parts and not any(f.split("=")[0] == "--generation-slowdown" for f in flags)
     try:
         cfg, data, _ = checks.check(checks.parse(Config, ["--generation-slowdown", "2"] * emulated + flags), world=1)
@@ -1340,60 +1519,104 @@ def plus_ci(point, ci) -> str:
     return "-" if point is None else f"{point:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
 
 
+TABLE_START = "<!-- part 9's table: python tools/bench.py --table docs/performance-part9.json --doc docs/performance.md -->"
+TABLE_END = "<!-- end of part 9's table -->"
+PLACEHOLDER = "(Placeholder: the figures come from the runs of part 9's plan; docs/performance-part9.json is not in the tree yet.)"
+
+
 def part9_table(eh: dict) -> list[str]:
-    """Part 9's lines of the table: a row per cell and mode, then which pairs of modes of a cell its seeds tell apart."""
-    fmt = lambda t, f="{:.1f}": f.format(t) if t is not None else "-"
-    c0, boot = eh["costs"], eh["summary"]["bootstrap"]
-    window = f"{eh['horizon']:g} s" if eh.get("horizon") else "the same seed's synchronous run's end"
-    lines = [f"9. asynchrony on equal hardware, emulated: every mode on the same N searchers, each a device of its own, "
-             f"and the trainer a device of its own; G/T: the synchronous round against its step (--generation-slowdown X, "
-             f"--train-slowdown Y from one calibration" + (f": {c0['seconds_per_token'] * 1e3:.3f} ms a token, "
-             f"a step {c0['train_step']:.3f} s alone" if c0 else "") + "; G/T '-': X alone, each run its own "
-             f"calibration, CPU packing); time to held-out accuracy >= start + {eh['gain']:g}, interpolated between the "
-             f"two evaluations around it, medians over seeds (steps too); speed-ups over --lag 0 on the same searchers "
-             f"and seed: the median of the seeds' ratios, from launch and from the first step (the headline), with "
-             f"{boot['level']:.0%} intervals ({boot['resamples']} bootstrap resamples of the seeds); ideal "
-             f"(G + T) / max(G, T); mean acc: held-out accuracy averaged from the first step to {window}, and its gain "
-             f"over --lag 0 (the mean of the seeds' differences); acc@sync: accuracy at the synchronous run's time to "
-             f"the target; over: the most any process's real compute ran above its own charge (CPU-bound above "
-             f"{CPU_BOUND:.0%}: no speed-up given, nor over a CPU-bound sync)",
-             f"   {'N':>2} {'G/T':>4} {'X':>6} {'Y':>5} {'decoding':<9} {'mode':<8} | {'reached':>7} | "
-             f"{'launch (s)':>10} {'1st step':>8} | {'speed-up, 1st step':>20} {'from launch':>20} {'ideal':>5} | "
-             f"{'mean acc':>8} {'gain':>24} | {'steps':>5} {'step/s':>6} | {'acc@sync':>8} | {'stale':>5} | "
-             f"{'G (s)':>6} {'T (s)':>6} | {'CPU (s)':>7} {'over':>5}"]
-    for c in eh["summary"]["cells"].values():
-        bound = "CPU-bound" if c["cpu_bound"] else "sync CPU-bound" if c.get("baseline_cpu_bound") else ""
-        lines.append(f"   {c['searchers']:>2} {fmt(c['ratio'], '{:g}'):>4} {c['x']:>6g} {c['y']:>5g} {c['shape']:<9} "
-                     f"{c['mode']:<8} | {c['reached']:>3}/{c['runs']:<3} | {fmt(c['seconds']):>10} "
-                     f"{fmt(c['from_first_step']):>8} | "
-                     f"{bound or times_ci(c['speedup_interp_first_step'], c['speedup_interp_first_step_ci']):>20} "
-                     f"{'' if bound else times_ci(c['speedup_interp'], c['speedup_interp_ci']):>20} "
-                     f"{fmt(c['ideal'], '{:.2f}'):>5} | {fmt(c['mean_accuracy'], '{:.3f}'):>8} "
-                     f"{'' if bound else plus_ci(c['accuracy_gain'], c['accuracy_gain_ci']):>24} | "
-                     f"{fmt(c['steps'], '{:.1f}'):>5} {fmt(c['steps_per_s'], '{:.2f}'):>6} | "
-                     f"{fmt(c['accuracy_at_sync'], '{:.3f}'):>8} | {fmt(c['staleness'], '{:.2f}'):>5} | "
-                     f"{fmt(c['G'], '{:.3f}'):>6} {fmt(c['T'], '{:.3f}'):>6} | {fmt(c['cpu'], '{:.0f}'):>7} "
-                     f"{c['over']:>5.0%}")
-    for ratio, sc in eh["summary"]["scaling"].items():
-        lines.append(f"   searcher scaling at G/T {ratio} (the same X, Y): streaming with {sc['many']} searchers "
-                     f"reaches the target {sc['ratio']:.2f}x sooner than with {sc['few']}, from the first step "
-                     f"(ideal {sc['ideal']:.0f})")
-    pairs = eh["summary"]["pairs"]
-    if pairs:
-        lines.append(f"   resolved at {boot['level']:.0%}: the later mode's speed-up over the earlier in time to the target "
-                     f"from the first step, paired by seed, and its gain in mean accuracy; resolved where the interval "
-                     f"excludes no difference (1x; +0)")
-    for p in pairs:
+    """Part 9's table in Markdown (the console prints it, docs/performance.md holds it between TABLE_START and TABLE_END,
+    recomputed from part9.json), from a bench.json's part 9 or a part9.json (`per_seed` rows): a row per cell and
+    mode, then which pairs of modes of a cell the seeds resolve, with the correction said, then the scaling."""
+    summary = eh.get("summary") or hardware_summary(eh["rows"])
+    fmt = lambda t, f="{:.2f}": f.format(t) if t is not None else "-"
+    c0, boot = eh.get("costs"), summary["bootstrap"]
+    window = f"{eh['horizon']:g} s" if eh.get("horizon") else "the same seed's --lag 0 run's end"
+    lines = [f"Time to held-out accuracy >= start + {eh['gain']:g}, interpolated between the two evaluations around "
+             f"it; speed-ups over the colocated run (N + 1 devices) and over --lag 0 (the same N searchers), each the "
+             f"median of the seeds' paired ratios with a {boot['level']:.0%} interval ({boot['resamples']} bootstrap "
+             f"resamples of the seeds): from the first step (a steady state) and from launch (start-up counted); "
+             f"bound: (G + T) / max(a searcher's own cycle, T + publish) from the --lag 0 rows, on throughput; gain: "
+             f"the mean accuracy from the first step to {window} over --lag 0's; steps and steps a second: learning "
+             f"and throughput apart (medians); G, T, publish: the round, the step and the publish (medians, s); "
+             f"uncharged: the work no emulated device pays for, a round (reload / the rest: scoring, pi_ref); over: "
+             f"the most any process ran above its own charge, that work counted (CPU-bound above {CPU_BOUND:.0%}: no "
+             f"speed-up given)" + (f". Emulated costs alone: {c0['seconds_per_token'] * 1e3:.3f} ms a token, a step "
+                                   f"{c0['train_step']:.3f} s" if c0 else "") + ".", "",
+             "| N | G/T | X | Y | decoding | mode | reached | 1st step: over colocated | over --lag 0 | launch: over "
+             "colocated | over --lag 0 | bound | gain over --lag 0 | steps | step/s | stale | G | T | publish | "
+             "uncharged | over |",
+             "|" + "---|" * 21]
+    for c in summary["cells"].values():
+        said = lambda base, key: ("CPU-bound" if c[f"over_{base}"]["withheld"] else
+                                  times_ci(c[f"over_{base}"][key], c[f"over_{base}"][key + "_ci"])) \
+            if f"over_{base}" in c else "1x" if c["mode"] == base else "-"
+        gain = ("CPU-bound" if c.get("accuracy_gain") is None and c["cpu_bound"] else
+                plus_ci(c.get("accuracy_gain"), c.get("accuracy_gain_ci")) if c["mode"] != "sync" else "+0")
+        unch = " / ".join(f"{c['uncharged'].get(p, 0.0):.3f}" for p in ("reload", "score")) if c["uncharged"] else "-"
+        lines.append(f"| {c['searchers']} | {fmt(c['ratio'], '{:g}')} | {c['x']:g} | {c['y']:g} | {c['shape']} | "
+                     f"{c['mode']} | {c['reached']}/{c['runs']} | {said('colocated', 'first_step')} | "
+                     f"{said('sync', 'first_step')} | {said('colocated', 'launch')} | {said('sync', 'launch')} | "
+                     f"{fmt(c['bound'])} | {gain} | {fmt(c['steps'], '{:.1f}')} | {fmt(c['steps_per_s'])} | "
+                     f"{fmt(c['staleness'])} | {fmt(c['G'], '{:.3f}')} | {fmt(c['T'], '{:.3f}')} | "
+                     f"{fmt(c['publish'], '{:.3f}')} | {unch} | {c['over']:.0%} |")
+    if summary["pairs"]:
+        lines += ["", f"Pairs of modes, the later's speed-up over the earlier from the first step and its gain in mean "
+                      f"accuracy, paired by seed; resolved where the interval excludes no difference, each interval "
+                      f"at its cell's corrected level (Bonferroni: a cell's P pairs make 2P claims, each interval at "
+                      f"1 - {1 - boot['level']:.0%} / 2P), so that all of a cell's \"resolved\" hold together at "
+                      f"{boot['level']:.0%}:", ""]
+    for p in summary["pairs"]:
         where = f"N {p['searchers']} {'G/T %g' % p['ratio'] if p['ratio'] else 'X %g' % p['x']} {p['shape']}"
-        head = f"   {where:<22} {p['b']:>8} over {p['a']:<8}:"
+        head = f"- {where}, {p['b']} over {p['a']}"
         if p["cpu_bound"]:
-            lines.append(f"{head} not compared (CPU-bound)")
+            lines.append(f"{head}: not compared (CPU-bound)")
             continue
         said = lambda ok, ci: "resolved" if ok else "not resolved" if ci else "no interval (under 2 seeds)"
-        lines.append(f"{head} {times_ci(p['speedup'], p['speedup_ci']):>20} {said(p['resolved'], p['speedup_ci']):<12}"
-                     f" | gain {plus_ci(p['accuracy_gain'], p['accuracy_gain_ci']):>24} "
-                     f"{said(p['gain_resolved'], p['accuracy_gain_ci'])} ({p['seeds']} seeds)")
+        lines.append(f"{head} ({p['level']:.2%} intervals, {p['seeds']} seeds): {times_ci(p['speedup'], p['speedup_ci'])} "
+                     f"{said(p['resolved'], p['speedup_ci'])}; gain {plus_ci(p['accuracy_gain'], p['accuracy_gain_ci'])} "
+                     f"{said(p['gain_resolved'], p['accuracy_gain_ci'])}")
+    for s in summary["scaling"]:
+        lines += ["", f"Scaling at G/T {s['ratio']:g} ({s['shape']}, the same X and Y): streaming with {s['many']} "
+                      f"searchers reaches the target {times_ci(s['speedup'], s['speedup_ci'])} sooner than with "
+                      f"{s['few']} from the first step ({s['seeds']} seeds, {boot['level']:.0%} interval; "
+                      f"{s['many'] / s['few']:g}x is the number of searchers); throughput "
+                      f"{fmt(s['throughput'])}x; a searcher's own cycle {fmt(s['cycle_many'], '{:.3f}')} s against "
+                      f"{fmt(s['cycle_few'], '{:.3f}')} s."]
     return lines
+
+
+def per_seed(eh: dict, machine: dict, command: list[str]) -> dict:
+    """part9.json: what the table is computed from, small enough to commit beside docs/performance.md (`--table`
+    recomputes the table, docs/performance.md's too): the target, the costs, the machine, the command, and each run's
+    PER_SEED figures."""
+    return dict(gain=eh["gain"], horizon=eh["horizon"], costs=eh["costs"] and {k: eh["costs"][k] for k in COSTS},
+                machine=machine, command=command, rows=[{k: r.get(k) for k in PER_SEED} for r in eh["rows"]])
+
+
+def read_per_seed(path: str) -> dict:
+    """--table FILE: a part9.json (`per_seed`) or a bench.json with part 9; BadInput in one line if it is neither."""
+    try:
+        data = json.loads(read_text(path))
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--table: {path} does not read as JSON ({type(e).__name__})") from None
+    data = data.get("equal_hardware", data) if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or "gain" not in data:
+        raise BadInput(f"--table: {path} is not a part9.json nor a bench.json with part 9")
+    missing = next((k for r in data["rows"] for k in PER_SEED if k not in r), None)
+    if missing:
+        raise BadInput(f"--table: {path}: a row has no {missing}")
+    return dict(data, summary=None)
+
+
+def into_doc(doc: str, lines: list[str]):
+    """Replace docs/performance.md's table (between TABLE_START and TABLE_END) with `lines`, the rest as it was."""
+    text = read_text(doc)
+    if TABLE_START not in text or TABLE_END not in text:
+        raise BadInput(f"--doc: {doc} has no part 9 table's markers ({TABLE_START} ... {TABLE_END})")
+    head, rest = text.split(TABLE_START, 1)
+    with open(doc, "w") as f:
+        f.write(head + TABLE_START + "\n" + "\n".join(lines) + "\n" + TABLE_END + rest.split(TABLE_END, 1)[1])
 
 
 def cli():

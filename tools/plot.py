@@ -219,9 +219,9 @@ def study(bench_json: str, out: str):
 # of PART9_NEWER only where the row has them (a bench.json written before they were: the first evaluation past the
 # target alone, no interval)
 PART9_ROW = dict(searchers="a whole number", ratio="a number or null", shape="a string", mode="a string",
-                 ideal="a number or null", speedup_first_step="a number or null", steps_per_s="a number or null",
-                 step="a number or null")
-PART9_NEWER = dict(speedup_interp_first_step="a number or null", step_interp="a number or null")
+                 steps_per_s="a number or null", step="a number or null")
+PART9_NEWER = dict(speedup_interp_first_step="a number or null", step_interp="a number or null",
+                   speedup_first_step="a number or null", bound="a number or null")
 
 BOOTSTRAP = dict(resamples=2000, level=0.90, seed=0)  # part 9's intervals: bench.py's table and the picture alike
 
@@ -272,13 +272,15 @@ def read_part9(bench_jsons: list[str]) -> dict:
 
 def equal_hardware(bench_jsons: list[str], out: str):
     """bench.py part 9 (read_part9: one or more bench.json) along G_N / T (both phases emulated, the most searchers,
-    linear decoding): left, each mode's speed-up over the synchronous baseline on the same searchers (--lag 0) in time
-    to the target from the first step, interpolated between evaluations where the rows have it (else the first
-    evaluation past it), with the ideal (G + T) / max(G, T) dashed (dots: seeds; squares: the median of the seeds'
-    ratios, with its 90% bootstrap interval, `interval`); middle, its throughput in steps a second; right, the steps
-    it needed (learning). Each mode's points sit a little apart along G / T, so that the bars do not hide each other."""
+    the first point's decoding): left, each mode's speed-up over the synchronous baseline on the same searchers (--lag
+    0) in time to the target from the first step, interpolated between evaluations where the rows have it (else the
+    first evaluation past it), with the bound on throughput (G + T) / max(a searcher's cycle, T + publish) dashed
+    where the rows have it (dots: seeds; squares: the median of the seeds' ratios, with its 90% bootstrap interval,
+    `interval`); middle, its throughput in steps a second; right, the steps it needed (learning). Each mode's points
+    sit a little apart along G / T, so that the bars do not hide each other."""
     eh = read_part9(bench_jsons)  # the files first: a bad one is named even where matplotlib is missing
-    rows = [r for r in eh["rows"] if r["ratio"] and r["shape"] == "linear" and r["searchers"] == max(eh["searchers"])]
+    rows = [r for r in eh["rows"] if r["ratio"] and r["searchers"] == max(eh["searchers"])]
+    rows = [r for r in rows if r["shape"] == rows[0]["shape"]] if rows else []
     if not rows:
         raise BadRun(f"{' '.join(bench_jsons)}: no point of part 9 with both phases emulated")
     plt = pyplot()
@@ -288,8 +290,10 @@ def equal_hardware(bench_jsons: list[str], out: str):
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     median = lambda v: sorted(v)[len(v) // 2] if v else float("nan")
     fig, (speed, rate, steps) = plt.subplots(1, 3, figsize=(16, 4.8))
-    ideal = [median([r["ideal"] for r in rows if r["ratio"] == x and r["mode"] == "sync" and r["ideal"]]) for x in ratios]
-    speed.plot(ratios, ideal, "--", color="gray", label="ideal")
+    bound = [median([r["bound"] for r in rows if r["ratio"] == x and r["mode"] == "sync" and r.get("bound")])
+             for x in ratios]
+    if any(b == b for b in bound):  # (NaN where a point has none: an older file's)
+        speed.plot(ratios, bound, "--", color="gray", label="bound, throughput")
     for i, mode in enumerate(modes):
         mine = [r for r in rows if r["mode"] == mode]
         apart = [x * 1.04 ** (i - (len(modes) - 1) / 2) for x in ratios]  # log axis: the same gap at every point
@@ -320,8 +324,9 @@ def equal_hardware(bench_jsons: list[str], out: str):
         ax.minorticks_off()  # the log axis's own labels would print over the points
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"asynchrony on equal hardware, emulated: {max(eh['searchers'])} searchers and the trainer on devices "
-                 f"of their own", fontsize=9)
+    fig.suptitle(f"asynchrony on equal hardware, emulated ({rows[0]['shape']} decoding): {max(eh['searchers'])} "
+                 f"searchers and the trainer on devices of their own; colocated: all of them generating, then all "
+                 f"training", fontsize=9)
     save(fig, out)
 
 
