@@ -235,7 +235,7 @@ def test_train_rows_count_the_tokens_generated_and_the_batchs_response_length(tm
     log = Log(dataclasses.replace(Config(), out=str(tmp_path)), 0, 0.0)
     batch = [[Trajectory(0, np.arange(n, dtype=np.int32), 1.0, 0.0, 0.0, 0) for n in (2, 4)],
              [Trajectory(1, np.arange(n, dtype=np.int32), 0.0, 0.0, 0.0, 0) for n in (6, 8)]]
-    fleet = types.SimpleNamespace(received=12, tokens=57, verified={}, nodes=None)
+    fleet = types.SimpleNamespace(received=12, tokens=57, verified={}, nodes=None, sent={})
     log.train_row(1, batch, {"loss": 0.5}, fleet, ReplayBuffer(4, 1.0, 0.0), ReuseCap(0, 1), TrainClock(1.0))
     log.close()
     row = json.loads(open(tmp_path / "metrics.jsonl").read())
