@@ -489,7 +489,9 @@ def searcherless_fleet(path, out, world):
     log = Log(cfg, int(os.environ["RANK"]), time.time())
     signals = types.SimpleNamespace(first=None, training=True)
     fleet = Fleet(dataclasses.replace(cfg, searchers=0), data, int(os.environ["RANK"]), world, log, signals)
-    fleet.channels, fleet.messages = types.SimpleNamespace(queue=queue_module.Queue()), queue_module.Queue()
+    from runtime.fleet import Messages
+    fleet.channels = types.SimpleNamespace(queue=queue_module.Queue())
+    fleet.messages = Messages(queue_module.Queue(), 4)
     fleet.watch = types.SimpleNamespace(heard=lambda msg: [], check=lambda: [])
     model = policy.load_policy(cfg.model_path, torch.device("cpu"), "float32")
     fleet.share(model, 0)

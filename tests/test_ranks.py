@@ -593,7 +593,10 @@ def test_a_rank_stopped_in_the_weight_sync_or_a_checkpoint_ends_the_run_within_t
     assert seconds < bound + 10, output[-3000:]
     lines = [line for line in output.splitlines() if line.startswith("tba.py: ")]  # (torchrun's report repeats it)
     assert len(lines) == 1, output[-3000:]
-    caller = "runtime/weights.py:78 (gather)" if where == "gather" else "runtime/checkpoint.py:30 (full_state_dict)"
+    file, text, function = (("runtime/weights.py", 'yield name, (t.full_tensor()', "gather") if where == "gather" else
+                            ("runtime/checkpoint.py", "return get_model_state_dict(model", "full_state_dict"))
+    line = next(i for i, s in enumerate(open(os.path.join(ROOT, file)), 1) if text in s)
+    caller = f"{file}:{line} ({function})"
     assert lines[0].startswith(f"tba.py: error: step 3: the trainer ranks have waited {bound} s in collectives that "
                                f"do not complete: rank 0 in wait_tensor, from {caller}; rank 1 stopped answering"), \
         lines
