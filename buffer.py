@@ -43,6 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 
 def token_field(dtype: str):
@@ -294,6 +295,24 @@ class ReplayBuffer:
         return buf
 
 
+def loss_inputs(part, device, per_token: bool, prompts) -> dict:
+    """The loss's inputs from the trajectories of b groups: each number field (b, K), `length` and `prompt_length`,
+    and for a per-token loss each per-token field and `token_mask`, (b, K, T) padded to the longest response."""
+    field = lambda f: torch.tensor([[float(f(t)) for t in g] for g in part], device=device)  # (b, K)
+    inputs = {name: field(lambda t, name=name: getattr(t, name)) for name in SCALARS}
+    inputs["length"] = field(lambda t: len(t.response))
+    inputs["prompt_length"] = field(lambda t: len(prompts[t.prompt_id]))
+    if per_token:
+        R = max(len(t.response) for g in part for t in g)
+        padded = lambda f: torch.tensor(np.array([[np.pad(np.asarray(f(t), np.float32), (0, R - len(t.response)))
+                                                    for t in g] for g in part]), device=device)  # (b, K, R)
+        inputs["token_mask"] = padded(lambda t: np.ones(len(t.response)))
+        for name in PER_TOKEN[1:]:  # not the response's token ids
+            if all(getattr(t, name) is not None for g in part for t in g):
+                inputs[name] = padded(lambda t, name=name: getattr(t, name))
+    return inputs
+
+
 @dataclass
 class ReuseCap:
     """--max-reuse R: a step of `draws` is allowed while the draws stay within R x the trajectories kept, over the run
@@ -303,6 +322,14 @@ class ReuseCap:
     credit: float = 0.0  # draws allowed before more data must arrive
     counted: int = 0     # trajectories kept so far that have earned credit
     drawn: int = 0       # trajectories drawn for training so far, over the run
+
+    @classmethod
+    def for_run(cls, cfg, nodes: int):
+        """A run's cap: credit banked up to k steps' draws, or one round of every searcher (of `nodes` nodes), which
+        can land at once."""
+        rounds = (cfg.max_reuse * cfg.searchers * nodes * cfg.round_prompts * cfg.search_samples_per_prompt
+                  if cfg.searchers else 0)
+        return cls(cfg.max_reuse, max(cfg.sync_every * cfg.prompts_per_step * cfg.samples_per_prompt, rounds))
 
     def receive(self, kept: int):
         """`kept`: the trajectories the buffer has kept so far over the run (every node's)."""

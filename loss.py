@@ -163,12 +163,41 @@ LOSSES = {"tb": tb_loss, "rloo": rloo_loss, "grpo": grpo_loss, "drgrpo": drgrpo_
 
 
 def loss_options(cfg, beta: float, gamma: float = 1.0, reward_temp: float = 1.0) -> dict:
-    """The keyword arguments, besides the tensors, of every call of --loss: in the training step (tba.backward,
-    tba.pooled_backward) and the start-up check (runtime.checks.loss_pools) alike. Its own `flags`' values from
-    `cfg`, then this step's scheduled beta, gamma and T_R (tba.py's beta_at, gamma_at, reward_temp_at) and the
+    """The keyword arguments, besides the tensors, of every call of --loss: in the training step (tba.backward)
+    and the start-up check (runtime.checks.loss_pools) alike. Its own `flags`' values from
+    `cfg`, then this step's scheduled beta, gamma and T_R (`scheduled`) and the
     generation budget. A loss's new flag is a field of Config named in its `flags`: nothing else to wire."""
     own = {flag: getattr(cfg, flag) for flag in getattr(LOSSES[cfg.loss], "flags", ())}
     return {**own, "beta": beta, "gamma": gamma, "reward_temp": reward_temp, "budget": cfg.max_new_tokens}
+
+
+# --- the loss's schedules (the authors' beta, annealed linearly; Lee et al.'s T_R and gamma) ---------------
+def scheduled(cfg, step: int) -> dict:
+    """This step's beta, gamma and T_R, by keyword: what `loss_options` adds to a loss's own flags."""
+    return dict(beta=beta_at(cfg, step), gamma=gamma_at(cfg, step), reward_temp=reward_temp_at(cfg, step))
+
+
+def beta_at(cfg, step: int) -> float:
+    if cfg.beta_stop_step and step + 1 >= cfg.beta_stop_step:  # `step` updates done: this is update step + 1
+        return cfg.beta_final  # the authors' TL;DR jump (src/tba_trainer_tldr.py:576-580)
+    frac = min(1.0, step / cfg.beta_anneal_steps) if cfg.beta_anneal_steps else 1.0
+    return cfg.beta + (cfg.beta_final - cfg.beta) * frac
+
+
+def reward_temp_at(cfg, step: int) -> float:
+    """T_R: --reward-temp at step 0, then linearly to 1 (Lee et al.'s get_total_reward_temp,
+    trainers/gfn_trainer.py:253-258; their steps count from 1, ours from 0 like beta_at's); constant without
+    an anneal length, so that --reward-temp alone does what it says."""
+    if not cfg.reward_temp_anneal_steps:
+        return cfg.reward_temp
+    frac = min(1.0, step / cfg.reward_temp_anneal_steps)
+    return cfg.reward_temp + (1.0 - cfg.reward_temp) * frac
+
+
+def gamma_at(cfg, step: int) -> float:
+    """gamma: 1 at step 0, then linearly to --gamma-final (their get_lm_reward_temp, gfn_trainer.py:260-264)."""
+    frac = min(1.0, step / cfg.gamma_anneal_steps) if cfg.gamma_anneal_steps else 1.0
+    return 1.0 + (cfg.gamma_final - 1.0) * frac
 
 
 def reads(loss) -> tuple:

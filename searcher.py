@@ -20,7 +20,6 @@ for it, with a beat to the trainer after each part, so that a long evaluation is
 
 import gc
 import itertools
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -28,7 +27,6 @@ import threading
 import time
 import traceback
 import zlib
-from queue import Empty, Full
 
 from runtime import vllm_env
 
@@ -42,10 +40,11 @@ from buffer import Trajectory
 from loss import LOSSES, collate, reads, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import decoding, seeds, slowdown
 from runtime.errors import Dead, WrongWeights
+from runtime.evaluations import Requests
+from runtime.processes import SAID, last_word, parent_alive, send
 from runtime.weights import WAIT, Inbox, SharedWeights, check_arrival
 
 
-SAID = 5  # the exit status of a searcher that said its fault to the trainer first (`last_word`)
 
 
 # ===== the searcher's loop: its side of the paper's Algorithm 1 ==================================
@@ -82,7 +81,7 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
         channels.queue.cancel_join_thread()  # never block exit on undelivered data
 
 
-def loop(index: int, cfg, channels, data, engine: "Engine", weights: Inbox, requests: "Requests", first_round: int):
+def loop(index: int, cfg, channels, data, engine: "Engine", weights: Inbox, requests: Requests, first_round: int):
     """Reload the weights when they move, search, send, until told to stop; searcher 0 also evaluates the steps asked
     for (`Requests`). With --lag L, round r is step r's and waits for the weights of step r - L exactly."""
     say = lambda message: send(channels.queue, dict(searcher=index, **message), channels.stop)
@@ -266,13 +265,13 @@ class Engine:
         policy = version != self.version and not self.requests.keeps(self.version, version)
         if not policy and pi_ref_version == self.pi_ref_version:
             return False
-        with weights.read(self.device), self.clock.apart("reload"):  # no device pays for it: counted apart
-            if policy and weights.shared.version.value != self.version:
-                self.load(list(weights.shared.tensors.items()), weights.shared.version.value)
-                self.verify(*weights.shared.prints)
-            if weights.shared.pi_ref_version.value != self.pi_ref_version:
-                self.pi_ref().load_state_dict(weights.shared.pi_ref, strict=False)
-                self.pi_ref_version = weights.shared.pi_ref_version.value
+        with weights.read(self.device) as held, self.clock.apart("reload"):  # no device pays for it: counted apart
+            if policy and held.version != self.version:
+                self.load(held.tensors, held.version)
+                self.verify(*held.prints)
+            if held.pi_ref_version != self.pi_ref_version:
+                self.pi_ref().load_state_dict(held.pi_ref, strict=False)
+                self.pi_ref_version = held.pi_ref_version
         self.requests.holds(self.version)
         return True
 
@@ -294,11 +293,11 @@ class Engine:
         if self.weights is None or self.pi_ref_version == version:
             return
         self.weights.wait_for(version, pi_ref=True)
-        with self.weights.read(self.device):
-            self.pi_ref().load_state_dict(self.weights.shared.pi_ref, strict=False)
-            self.pi_ref_version = self.weights.shared.pi_ref_version.value
+        with self.weights.read(self.device) as held:
+            self.pi_ref().load_state_dict(held.pi_ref, strict=False)
+            self.pi_ref_version = held.pi_ref_version
 
-    def follow(self, weights: Inbox, requests: "Requests", step: int = 0):
+    def follow(self, weights: Inbox, requests: Requests, step: int = 0):
         """From now on the engine keeps the weights of an evaluation asked for until it is made (`requests`). `step`:
         where the run (resumed) begins; the pi_ref published then is that of the resets before it (`reference_of`)."""
         self.weights, self.requests = weights, requests
@@ -352,13 +351,7 @@ def become_searcher():
     for k in list(os.environ):
         if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_"):
             del os.environ[k]
-    threading.Thread(target=watchdog, daemon=True).start()
-
-
-def parent_alive():
-    parent = mp.parent_process()
-    if parent is not None and not parent.is_alive():
-        raise Dead("the trainer (parent process) is gone")
+    threading.Thread(target=watchdog, name="tba-watchdog", daemon=True).start()
 
 
 def watchdog():
@@ -368,86 +361,3 @@ def watchdog():
             parent_alive()
         except Dead:
             os._exit(3)
-
-
-def last_word(channels, message):
-    """A fault's message to the trainer, flushed to the pipe before this process exits (the queue's feeder thread
-    would otherwise be cut off with it), so that the trainer reads it before it sees the exit."""
-    send(channels.queue, message, channels.stop)
-    channels.queue.close()
-    channels.queue.join_thread()
-
-
-def send(queue, message, stop):
-    """Put on the bounded queue, waiting while it is full, but never on a stopped or dead trainer."""
-    while not stop.is_set():
-        try:
-            return queue.put(message, timeout=WAIT)
-        except Full:
-            parent_alive()
-
-
-class Requests:
-    """Searcher 0's evaluations (of node 0; for the others, and with no channels, there are none): the steps the
-    trainer asked for (`Channels.evals`), each of whose weights is evaluated when the engine holds them, before
-    newer ones load (`keeps`). `asked` is set before each request is sent and read before any newer weights are,
-    so a request on its way is waited for (the trainer published those weights before asking, and publishes no
-    newer ones until `pinned` says they are held: runtime.fleet.Fleet.evaluation_pending)."""
-
-    def __init__(self, channels=None, alive=lambda: None, timeout: float = 60.0):
-        self.queue = channels.evals if channels is not None else None
-        self.asked, self.pinned = (channels.asked, channels.pinned) if self.queue is not None else (None, None)
-        self.alive, self.timeout = alive, timeout
-        self.pending, self.latest = [], -1  # steps asked and not yet evaluated; the latest received
-
-    def read(self) -> list[int]:
-        """The steps asked for and not yet evaluated, every request up to `asked` received."""
-        if self.queue is None:
-            return []
-        deadline = time.time() + self.timeout
-        while True:
-            try:
-                self.latest = self.queue.get(timeout=WAIT / 10) if self.latest < self.asked.value else \
-                    self.queue.get_nowait()
-                self.pending.append(self.latest)
-            except Empty:
-                if self.latest >= self.asked.value:
-                    return self.pending
-                self.alive()
-                if time.time() > deadline:
-                    raise TimeoutError(f"the request to evaluate step {self.asked.value} did not come in "
-                                       f"{self.timeout:g} s (--timeout)")
-
-    def keeps(self, held: int, published: int) -> bool:
-        """Whether the engine keeps the weights of step `held` rather than load those of `published`: it holds an
-        evaluation's, or newer ones would pass one asked for."""
-        pending = self.read()
-        return bool(pending) and published > min(pending) and held <= min(pending)
-
-    def holds(self, version: int):
-        """The engine holds the weights of `version`: if an evaluation of them is asked for, the trainer learns so."""
-        if version in self.read():
-            self.pinned.value = version
-
-    def due(self, version: int) -> bool:
-        """An evaluation of the weights held (or of older ones it can no longer reach) is asked for."""
-        return any(step <= version for step in self.read())
-
-    def done(self, version: int):
-        self.pending = [step for step in self.pending if step > version]
-
-    def evaluate(self, engine: "Engine", data, say):
-        """If an evaluation of the weights held (or of older ones) is asked: the held-out problems' scores, a beat after
-        each part (a long evaluation is no silence)."""
-        if not self.due(engine.version):
-            return
-        t0 = time.time()
-        scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda n: say(dict(kind="beat", done=n)))
-        self.done(engine.version)
-        say(dict(kind="eval", version=engine.version, scores=scores, example=example, seconds=time.time() - t0))
-
-    def wanted(self, held: int) -> int | None:
-        """--lag, past the last round: the weights of the next evaluation asked for, newer than those `held` (the
-        trainer serves them once asked: `wants`); None: none."""
-        ahead = [step for step in self.read() if step > held]
-        return min(ahead) if ahead else None

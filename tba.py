@@ -5,17 +5,16 @@ push them to the trainer without ever waiting for it (searcher.py). The trainer 
 from a replay buffer of everything searched so far (buffer.py) with the trajectory balance
 objective (loss.py), which stays valid for off-policy data, and every `--sync-every` steps its
 weights go to the searchers through shared tensors. This file is the trainer: its loop (`train`),
-the algorithm's state (`Trainer`), the gradient (`backward`) and the schedules; every flag is a field
-of runtime/config.py's `Config`.
+the algorithm's state (`Trainer`) and the gradient (`backward`); every flag is a field of
+runtime/config.py's `Config`.
 
     torchrun --nproc_per_node=1 tba.py                  # the toy task on a laptop: about a minute
     torchrun --nproc_per_node=1 tba.py --searchers 0 --lag 0    # the synchronous on-policy baseline, same code
     python tba.py --help                                # every flag
     bash run_gsm8k.sh                                   # the paper's GSM8K run on a 4-GPU node
 
-The machinery it calls is in runtime/: the searchers' fleet and every wait on them (fleet.py), the
-weights' shared copy (weights.py), the flags' checks (checks.py), FSDP2 (policy.py), checkpoints and the
-log. The tasks are in tasks/, one file each. Layout: torchrun starts the trainer ranks, which train one
+The machinery it calls is in runtime/ (the README's house says what is where), the tasks in tasks/,
+one file each. Layout: torchrun starts the trainer ranks, which train one
 model with FSDP2; rank 0 holds the replay buffer, samples each batch and broadcasts it, and its fleet
 spawns `--searchers` searcher processes (on a GPU node trainer rank r uses GPU r and searcher i GPU
 ranks + i; on a CPU machine everything shares the cores). With `--searchers 0` the trainer's one process
@@ -60,10 +59,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import tasks
-from buffer import PER_TOKEN, SCALARS, ReuseCap
-from loss import LOSSES, collate, loss_options, response_logprobs, sequence_logprobs, unique_pairs
+from buffer import ReuseCap, loss_inputs
+from loss import LOSSES, collate, loss_options, response_logprobs, scheduled, sequence_logprobs, unique_pairs
 from runtime import nodes, seeds, slowdown
-from runtime.checkpoint import fixed_on_resume, full_state_dict, linked, save_checkpoint, save_final
+from runtime.checkpoint import full_state_dict, restore, save_checkpoint, save_final
 from runtime.checks import check, parse
 from runtime.config import Config
 from runtime.errors import ConfigError, Dead, Silent, Stop, Unsaved
@@ -72,7 +71,7 @@ from runtime.local import LocalFleet
 from runtime.processes import Signals, fork_server
 from runtime.hub import load_tokenizer
 from runtime.log import Log
-from runtime.policy import AdamW, LaggedCopy, load_policy
+from runtime.policy import AdamW, LaggedCopy, load_policy, lr_at
 from runtime.ranks import (Watchdog, broadcast, broadcast_batch, fail, first_refusal, init_distributed, machine_device,
                            raise_stop, saved_where, share_signals, stall_bound)
 from runtime.weights import gather
@@ -99,14 +98,10 @@ def train(t: "Trainer"):
         mine = batch[t.rank * len(batch) // t.world:(t.rank + 1) * len(batch) // t.world]
         rescored = t.rescore(mine)  # --behaviour-logprobs trainer: the lagged weights' log-probs (policy.LaggedCopy)
         # ===== loss (TB unless --loss) and update ================================================
-        beta, lr = beta_at(cfg, t.step), lr_at(cfg, t.step)
-        tempering = dict(gamma=gamma_at(cfg, t.step), reward_temp=reward_temp_at(cfg, t.step))  # Lee et al.'s log R
+        temps, lr = scheduled(cfg, t.step), lr_at(cfg, t.step)  # beta, gamma, T_R (Lee et al.'s log R); the lr
         for g in t.opt.param_groups:
             g["lr"] = lr
-        if cfg.loss_pools:  # a loss that pools across prompts gets the whole batch (runtime.checks.loss_pools)
-            sums = pooled_backward(t.model, batch, t.rank, t.world, t.data.prompts, t.pad, t.device, cfg, beta, **tempering)
-        else:
-            sums = backward(t.model, mine, len(batch) / t.world, t.data.prompts, t.pad, t.device, cfg, beta, **tempering)
+        sums = backward(t.model, batch, t.rank, t.world, t.data.prompts, t.pad, t.device, cfg, **temps)
         stats = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(stats)
         stats = dict(zip(sums, (stats / stats[list(sums).index("prompts")]).tolist()))  # means over prompts
@@ -128,14 +123,14 @@ def train(t: "Trainer"):
             t.sync_weights()
         sync = time.time() - t_sync
         # ===== log ===============================================================================
-        t.log.train_row(t.step, batch, stats, t.fleet, t.buffer, t.cap, t.clock, beta=beta, lr=lr, **tempering,
+        t.log.train_row(t.step, batch, stats, t.fleet, t.buffer, t.cap, t.clock, lr=lr, **temps,
                         wait=wait, sync=sync, search=search, seconds=time.time() - t_step, **rescored)
         # ===== evaluate ==========================================================================
         if cfg.eval_every and t.step % cfg.eval_every == 0 and t.step < cfg.steps:
             t.evaluate()
         # ===== checkpoint ========================================================================
         if cfg.save_every and t.step % cfg.save_every == 0:
-            t.checkpoint()
+            save_checkpoint(t)
     t.finish()
 
 
@@ -155,10 +150,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
-        # the step whose weights the searchers were last sent (a checkpoint's: they may hold older ones), and since
-        # when the trainer waits for searcher 0 to hold an evaluation's weights
+        # the step whose weights the searchers were last sent (a checkpoint's: they may hold older ones)
         self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
-        self.held_since = None
         self.unsaved_said = False  # a checkpoint that could not be written mid-run was said (once)
         costs = slowdown.read_calibration(cfg.calibration) if cfg.calibration else {}  # --train-slowdown's clock
         self.clock = slowdown.TrainClock(cfg.train_slowdown, costs.get("train_step"), cfg.timeout,
@@ -183,14 +176,9 @@ class Trainer:
             self.opt = AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                              weight_decay=cfg.weight_decay, betas=tuple(map(float, cfg.adam_betas.split(","))))
             self.buffer = ckpt["buffer"] if ckpt else tasks.get(cfg.task).buffer(cfg, data.prompts)
-            # --max-reuse: credit banked up to k steps' draws, or one round of every searcher (of every node),
-            # which can land at once
-            rounds = (cfg.max_reuse * cfg.searchers * nodes.layout(self.world)[0] * cfg.round_prompts
-                      * cfg.search_samples_per_prompt if cfg.searchers else 0)
-            self.cap = ReuseCap(cfg.max_reuse, max(cfg.sync_every * cfg.prompts_per_step * cfg.samples_per_prompt,
-                                                   rounds))
+            self.cap = ReuseCap.for_run(cfg, nodes.layout(self.world)[0])  # --max-reuse
             if ckpt:
-                self.restore(ckpt)
+                restore(self, ckpt)
             self.lagged = None  # --behaviour-logprobs trainer: a second copy at the lagged weights
             if cfg.behaviour_logprobs == "trainer":
                 self.lagged = LaggedCopy(path, self.device, cfg.dtype, cfg.lag)
@@ -200,33 +188,13 @@ class Trainer:
             self.close()
             raise
 
-    def restore(self, ckpt: dict):
-        """--resume: the optimizer, the RNG, the counters; the buffer's sampling knobs act from the next step on
-        (runtime.checkpoint.check_resumed_flags), what it keeps cannot change (fixed_on_resume)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        set_optimizer_state_dict(self.model, self.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
-        torch.set_rng_state(ckpt["torch_rng"])
-        self.fleet.received, self.fleet.kept, self.log.first_eval = ckpt["samples"], ckpt["kept"], ckpt["first_eval"]
-        self.fleet.tokens = ckpt.get("tokens", 0)  # (a checkpoint saved before it counted them: from 0)
-        for name, flag in self.buffer.FLAGS.items():  # the buffer's knobs that may change (fixed_on_resume: the others)
-            if flag not in fixed_on_resume():
-                setattr(self.buffer, name, getattr(self.cfg, flag))
-        self.cap.credit, self.cap.counted, self.cap.drawn = ckpt["reuse"]
-        if self.fleet.nodes:  # each other node's count (node 0's is the rest; a node no longer there: node 0's)
-            counts = ckpt.get("node_samples", [])[1:self.fleet.nodes.count]
-            self.fleet.nodes.samples[1:1 + len(counts)] = counts
-
     # --- what the next step waits for, its batch ---------------------------------------------------
     def waiting_for(self, initial: int) -> str | None:
         """What the next step still lacks (rank 0), or None: an evaluation's weights held, the initial buffer, B prompts,
         data no more than --max-staleness old, --max-reuse's credit; with --lag, this step's rounds."""
         cfg, fleet = self.cfg, self.fleet
-        if fleet.evaluation_pending():  # an evaluation's weights first (not learning: the log's overhead)
-            self.held_since = self.held_since or time.time()
-            return fleet.evaluation_pending()
-        if self.held_since:
-            self.log.overhead += time.time() - self.held_since
-            self.held_since = None
+        if fleet.evals.pending():  # an evaluation's weights first (its wait is the log's overhead, not learning)
+            return fleet.evals.pending()
         if cfg.lag is not None:  # --lag: this step's rounds, all of them
             got, want = self.buffer.waiting(self.step), fleet.round_size()
             return None if got >= want else (f"the rounds of step {self.step}, sampled by the weights of step "
@@ -248,30 +216,29 @@ class Trainer:
         """B prompts x K responses from the buffer (--lag: from this step's rounds), drawn by rank 0 and sent to
         every rank; None on every rank when rank 0 stops the run."""
         batch, cfg = None, self.cfg
-        share_signals(self.fleet.signals, self.world)  # a signal to any rank stops every rank
+        if self.world > 1:  # a signal to any rank stops every rank
+            share_signals(self.fleet.signals, self.world)
         if self.rank == 0 and not self.fleet.stop_reason():
             rng = np.random.default_rng([cfg.seed, self.step, seeds.BATCH])
             batch = (self.buffer.sample_round(self.step, cfg.prompts_per_step, cfg.samples_per_prompt,
                                               cfg.search_samples_per_prompt, rng)
                      if cfg.lag is not None else self.buffer.sample(cfg.prompts_per_step, cfg.samples_per_prompt, rng))
             self.cap.draw(cfg.prompts_per_step * cfg.samples_per_prompt)
-        return broadcast_batch(batch, self.rank)
+        return broadcast_batch(batch, self.rank) if self.world > 1 else batch
 
     def rescore(self, groups) -> dict:
         """--behaviour-logprobs trainer: this rank's trajectories' behaviour log-probs recomputed with the weights that
         sampled them (step - L), and the row's field of how far vLLM's were; else nothing."""
         if not self.lagged:
             return {}
-        cfg = self.cfg
         self.lagged.record(self.model, self.step)  # the weights of this step, for the batch L steps on
-        gap = self.lagged.rescore(groups, self.step, self.data.prompts, self.pad, self.device, cfg.temperature,
-                                  cfg.micro_batch)
-        return {"behaviour_gap": gap}
+        return {"behaviour_gap": self.lagged.rescore(groups, self.step, self.data.prompts, self.pad, self.device,
+                                                     self.cfg.temperature, self.cfg.micro_batch)}
 
     def stop(self, saved: bool):
         """Every rank: stop for rank 0's reason, after a checkpoint if `saved` (a step was taken)."""
         why = broadcast(self.fleet.stop_reason(), self.rank)
-        raise_stop(why, self.checkpoint(stopping=True) if saved else False, self.cfg.out)
+        raise_stop(why, save_checkpoint(self, stopping=True) if saved else False, self.cfg.out)
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
     def sync_weights(self, pi_ref: bool = False, final: bool = False):
@@ -294,48 +261,21 @@ class Trainer:
         evaluation is of the step it names, in every mode."""
         if self.cfg.searchers and self.cfg.lag is None and self.cfg.evaluator == "searcher" and self.synced != self.step:
             self.sync_weights()
-        self.fleet.request_eval(self.step)
-
-    def counters(self) -> dict:
-        """The run's counts that a checkpoint carries (plain data)."""
-        cap = self.cap
-        return dict(elapsed=self.log.now(), samples=self.fleet.received, tokens=self.fleet.tokens, kept=self.fleet.kept,
-                    first_eval=self.log.first_eval, reuse=[cap.credit, cap.counted, cap.drawn],
-                    node_samples=self.fleet.nodes.samples if self.fleet.nodes else [])  # several nodes: each one's
-
-    def checkpoint(self, stopping: bool = False) -> bool | str:
-        """OUT/checkpoint-STEP (every rank: its gathers are collective), unless the link already names this
-        step (a signal right after a --save-every save, or finish() after the last one): saving a step again
-        deletes the linked checkpoint before it renames the new one in, and a kill between the two would
-        leave the link on nothing. True once written; a write that fails (a full disk) leaves the one before
-        linked and returns the line saying so (rank 0), which a stop ends with and mid-run is a warning, once:
-        training goes on."""
-        if broadcast(self.rank == 0 and linked(self.cfg.out, self.step), self.rank):
-            return True
-        t0 = time.time()
-        failed = save_checkpoint(self.cfg, self.rank, self.model, self.opt, self.buffer,
-                                 self.fleet.saved(self.step) if self.rank == 0 else None, self.counters(), self.step,
-                                 self.tokenizer)
-        self.log.overhead += time.time() - t0
-        if failed and not stopping and not self.unsaved_said:
-            self.log.print(f"tba.py: warning: {failed}; training goes on (a later checkpoint that fails is not said "
-                           f"again)", file=sys.stderr)
-            self.unsaved_said = True
-        return failed or True
+        self.fleet.evals.request(self.step)
 
     def finish(self):
         """The final weights to the searchers, the final evaluation, the final model (OUT/final)."""
         cfg = self.cfg
-        self.fleet.wait_for_eval(self.buffer)  # every evaluation asked, before the final weights replace theirs
+        self.fleet.evals.wait(self.buffer)  # every evaluation asked, before the final weights replace theirs
         if cfg.lag is not None or self.synced != self.step:
             self.sync_weights(final=True)  # the final evaluation is of the final weights
         self.evaluate()
         if cfg.searchers:
-            self.fleet.wait_for_eval(self.buffer, cfg.steps)
+            self.fleet.evals.wait(self.buffer, cfg.steps)
             share_signals(self.fleet.signals, self.world)
             why = broadcast(self.fleet.stop_reason(), self.rank)  # all ranks together: a checkpoint is collective
             if why:
-                raise_stop(why, self.checkpoint(stopping=True), cfg.out)
+                raise_stop(why, save_checkpoint(self, stopping=True), cfg.out)
         sd = full_state_dict(self.model)
         failed = None
         if self.rank == 0:  # on a full disk: kept in memory and tried again until --timeout (runtime.checkpoint)
@@ -354,7 +294,7 @@ class Trainer:
         closed, the searchers and the engine stopped, the group left."""
         if self.fleet is not None and not isinstance(sys.exc_info()[1], KeyboardInterrupt):
             try:
-                self.fleet.evaluate_kept()
+                self.fleet.evals.kept()
             except Exception as e:  # the stop's own reason comes first
                 self.log.print(f"tba.py: the kept evaluations failed ({type(e).__name__}: {e})", file=sys.stderr)
         self.log.close()
@@ -366,44 +306,57 @@ class Trainer:
 
 
 # --- the gradient ------------------------------------------------------------------------------------
-def backward(model, groups, prompts_per_rank: float, prompts, pad, device, cfg, beta: float, **tempering) -> dict:
-    """The gradient of the loss (`--loss`, on (b, K) tensors: `loss_inputs`) over this rank's groups, in passes of
-    whole prompts (each distinct sequence once); with --micro-batch below K, passes without gradient give the group's
-    statistics (log Z), then each pass puts its log-probs, with gradient, among the others' detached ones, every
-    sequence in its pass (duplicates too: every rank runs as many FSDP2 passes). Sums: "loss" x prompts, "prompts",
-    and each statistic's."""
-    K, loss_fn = cfg.samples_per_prompt, LOSSES[cfg.loss]
+def backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, **options) -> dict:
+    """The gradient of the loss (`--loss`, on (b, K) tensors: buffer.loss_inputs) for this rank's share of the batch,
+    and its sums: "loss" x prompts, "prompts", and each statistic's. Its groups go in units of whole prompts, each
+    unit's loss over its b prompts: --micro-batch / K prompts a unit, or for a loss that pools across prompts
+    (runtime.checks.loss_pools) one unit, the whole batch, whose log-probs the ranks exchange (an all-gather). A unit
+    that fits one pass runs it once, with gradient, each distinct sequence once. Otherwise passes without gradient
+    give the unit's statistics (log Z), then each pass of --micro-batch sequences puts its log-probs, with gradient,
+    among the others' detached ones (duplicates too: every rank runs as many FSDP2 passes). Each unit's loss is
+    scaled by its share of the B prompts (FSDP averages the ranks): the passes' gradients add up to the mean's."""
+    K, loss_fn, pools = cfg.samples_per_prompt, LOSSES[cfg.loss], cfg.loss_pools
     per_token = getattr(loss_fn, "per_token", False)
-    options = loss_options(cfg, beta, **tempering)  # every call's keyword arguments, as the start-up check's
+    options = loss_options(cfg, **options)  # every call's keyword arguments, as the start-up check's
+    share = slice(rank * len(batch) // world, (rank + 1) * len(batch) // world)
+    step = max(1, cfg.micro_batch // K)
+    units = [batch] if pools else [batch[share][i:i + step] for i in range(0, share.stop - share.start, step)]
     sums = {}
-    for i in range(0, len(groups), max(1, cfg.micro_batch // K)):
-        part = groups[i:i + max(1, cfg.micro_batch // K)]
-        whole = cfg.micro_batch >= K * len(part)  # whole prompts in one pass: each distinct sequence once
-        pairs, index = (unique_pairs([t for g in part for t in g], prompts) if whole else
-                        ([(prompts[t.prompt_id], t.response) for g in part for t in g], list(range(K * len(part)))))
+    for unit in units:
+        mine = unit[share] if pools else unit  # this rank's groups of the unit
+        first = share.start * K if pools else 0  # their first row among the unit's b x K
+        whole = not pools and cfg.micro_batch >= K * len(unit)  # whole prompts in one pass: each distinct sequence once
+        pairs, index = (unique_pairs([t for g in mine for t in g], prompts) if whole else
+                        ([(prompts[t.prompt_id], t.response) for g in mine for t in g], list(range(K * len(unit)))))
         index = torch.tensor(index, device=device)
-        inputs = loss_inputs(part, device, per_token, prompts)
+        inputs = loss_inputs(unit, device, per_token, prompts)
         logps = lambda rows: sequence_logps(model, [pairs[j] for j in rows], pad, device, cfg.temperature,
                                             inputs["token_mask"].shape[-1] if per_token else 0)
+        scaled = lambda loss: loss * world if pools else loss * len(unit) / (len(batch) / world)  # its share of B
 
-        def loss_of(x):  # the part's loss from its sequences' log-probs: (n,) or per token (n, R)
-            x = x[index].view(len(part), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
+        def loss_of(x):  # the unit's loss from its sequences' log-probs: (n,) or per token (n, R)
+            x = x[index].view(len(unit), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
             return loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}), **inputs,
                            **options)
 
         if whole:
             loss, stats = loss_of(logps(range(len(pairs))))
-            (loss * len(part) / prompts_per_rank).backward()  # the mean over all B prompts: FSDP averages ranks
-        else:  # fewer than K sequences a pass: the statistics without gradient, then the gradient, by parts
-            parts = [range(s, min(s + cfg.micro_batch, len(pairs))) for s in range(0, len(pairs), cfg.micro_batch)]
+            scaled(loss).backward()
+        else:  # the statistics without gradient, then the gradient, by passes
+            passes = [range(s, min(s + cfg.micro_batch, len(pairs))) for s in range(0, len(pairs), cfg.micro_batch)]
             with torch.no_grad():
-                full = torch.cat([logps(rows) for rows in parts])
+                full = torch.cat([logps(rows) for rows in passes])                           # (n,) or (n, R)
+                if pools and world > 1:  # every rank's, in rank order: the whole batch's
+                    everyone = [torch.zeros_like(full) for _ in range(world)]
+                    dist.all_gather(everyone, full)
+                    full = torch.cat([e.to(device) for e in everyone])
                 loss, stats = loss_of(full)
-            for rows in parts:
+            for rows in passes:
                 live = full.clone()
-                live[rows.start:rows.stop] = logps(rows)
-                (loss_of(live)[0] * len(part) / prompts_per_rank).backward()
-        add_sums(sums, loss, stats, len(part))
+                live[first + rows.start:first + rows.stop] = logps(rows)
+                scaled(loss_of(live)[0]).backward()
+        rows = share if pools else slice(None)  # a pooled unit's statistics: this rank's prompts'
+        add_sums(sums, loss.detach(), {k: v.detach() for k, v in stats.items()}, len(mine), rows)
     return sums
 
 
@@ -417,108 +370,11 @@ def sequence_logps(model, pairs, pad, device, temperature: float, R: int = 0):
 
 
 def add_sums(sums: dict, loss, stats: dict, prompts: int, rows=slice(None)):
-    """Add a part's loss x its prompts, its prompts, and each statistic's sum over them (`rows` of a (B,) one; a
+    """Add a unit's loss x its prompts, its prompts, and each statistic's sum over them (`rows` of a (b,) one; a
     scalar counts once a prompt) to `sums`."""
     for k, v in {"loss": loss.item() * prompts, "prompts": prompts,
                  **{k: (v[rows].sum() if v.dim() else v * prompts).item() for k, v in stats.items()}}.items():
         sums[k] = sums.get(k, 0.0) + v
-
-
-def pooled_backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, beta: float, **tempering) -> dict:
-    """`backward` for a loss that pools across prompts (it says so, or the start-up probe finds it: runtime.checks.
-    loss_pools): it gets the whole batch of B prompts, on any --micro-batch and any number of trainer ranks. Each rank
-    computes its share's log-probs without gradient, in passes of --micro-batch sequences; the ranks exchange them (an
-    all-gather: every rank then holds the batch's); then each pass puts its sequences' log-probs, with gradient, among
-    the batch's detached ones, and backpropagates the whole batch's loss: the loss is called 1 + passes times. The
-    passes' gradients add up to the loss's over the whole batch (x ranks, as FSDP averages them). Returns `backward`'s
-    sums for this rank's share."""
-    K, loss_fn = cfg.samples_per_prompt, LOSSES[cfg.loss]
-    per_token = getattr(loss_fn, "per_token", False)
-    options = loss_options(cfg, beta, **tempering)  # every call's keyword arguments, as the start-up check's
-    inputs = loss_inputs(batch, device, per_token, prompts)
-    R = inputs["token_mask"].shape[-1] if per_token else 0
-    share = slice(rank * len(batch) // world, (rank + 1) * len(batch) // world)
-    pairs = [(prompts[t.prompt_id], t.response) for g in batch[share] for t in g]
-    first = share.start * K                                             # this rank's first row of the batch's B x K
-    parts = [range(s, min(s + cfg.micro_batch, len(pairs))) for s in range(0, len(pairs), cfg.micro_batch)]
-    with torch.no_grad():
-        mine = torch.cat([sequence_logps(model, [pairs[j] for j in rows], pad, device, cfg.temperature, R)
-                          for rows in parts])                           # (n,) or (n, R)
-        everyone = [mine]                                                # one rank: no process group needed
-        if world > 1:
-            everyone = [torch.zeros_like(mine) for _ in range(world)]
-            dist.all_gather(everyone, mine)
-        full = torch.cat([e.to(device) for e in everyone])              # (B K,) or (B K, R)
-
-    def loss_of(x):
-        x = x.view(len(batch), K, *x.shape[1:])                         # (B, K) or (B, K, R)
-        return loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}), **inputs,
-                       **options)
-    loss, stats = loss_of(full)
-    for rows in parts:
-        live = full.clone()
-        live[first + rows.start:first + rows.stop] = sequence_logps(model, [pairs[j] for j in rows], pad, device,
-                                                                    cfg.temperature, R)
-        (loss_of(live)[0] * world).backward()
-    sums = {}
-    add_sums(sums, loss.detach(), {k: v.detach() for k, v in stats.items()}, share.stop - share.start, share)
-    return sums
-
-
-def loss_inputs(part, device, per_token: bool, prompts) -> dict:
-    """The loss's inputs from the trajectories of b groups: each number field (b, K), `length` and `prompt_length`,
-    and for a per-token loss each per-token field and `token_mask`, (b, K, T) padded to the longest response."""
-    field = lambda f: torch.tensor([[float(f(t)) for t in g] for g in part], device=device)  # (b, K)
-    inputs = {name: field(lambda t, name=name: getattr(t, name)) for name in SCALARS}
-    inputs["length"] = field(lambda t: len(t.response))
-    inputs["prompt_length"] = field(lambda t: len(prompts[t.prompt_id]))
-    if per_token:
-        R = max(len(t.response) for g in part for t in g)
-        padded = lambda f: torch.tensor(np.array([[np.pad(np.asarray(f(t), np.float32), (0, R - len(t.response)))
-                                                    for t in g] for g in part]), device=device)  # (b, K, R)
-        inputs["token_mask"] = padded(lambda t: np.ones(len(t.response)))
-        for name in PER_TOKEN[1:]:  # not the response's token ids
-            if all(getattr(t, name) is not None for g in part for t in g):
-                inputs[name] = padded(lambda t, name=name: getattr(t, name))
-    return inputs
-
-
-# --- schedules (the authors': beta annealed linearly, lr warmup-stable-decay; Lee et al.'s T_R and gamma) ---
-def beta_at(cfg, step: int) -> float:
-    if cfg.beta_stop_step and step + 1 >= cfg.beta_stop_step:  # `step` updates done: this is update step + 1
-        return cfg.beta_final  # the authors' TL;DR jump (src/tba_trainer_tldr.py:576-580)
-    frac = min(1.0, step / cfg.beta_anneal_steps) if cfg.beta_anneal_steps else 1.0
-    return cfg.beta + (cfg.beta_final - cfg.beta) * frac
-
-
-def reward_temp_at(cfg, step: int) -> float:
-    """T_R: --reward-temp at step 0, then linearly to 1 (Lee et al.'s get_total_reward_temp,
-    trainers/gfn_trainer.py:253-258; their steps count from 1, ours from 0 like beta_at's); constant without
-    an anneal length, so that --reward-temp alone does what it says."""
-    if not cfg.reward_temp_anneal_steps:
-        return cfg.reward_temp
-    frac = min(1.0, step / cfg.reward_temp_anneal_steps)
-    return cfg.reward_temp + (1.0 - cfg.reward_temp) * frac
-
-
-def gamma_at(cfg, step: int) -> float:
-    """gamma: 1 at step 0, then linearly to --gamma-final (their get_lm_reward_temp, gfn_trainer.py:260-264)."""
-    frac = min(1.0, step / cfg.gamma_anneal_steps) if cfg.gamma_anneal_steps else 1.0
-    return 1.0 + (cfg.gamma_final - 1.0) * frac
-
-
-def lr_at(cfg, step: int) -> float:
-    stable = cfg.stable_steps if cfg.stable_steps is not None else max(0, cfg.steps - cfg.warmup_steps - cfg.decay_steps)
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if step < cfg.warmup_steps + stable:
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps - stable) / max(1, cfg.decay_steps))
-    return cfg.lr * LR_DECAYS[cfg.lr_decay](progress)
-
-
-LR_DECAYS = {"cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
-             "linear": lambda progress: 1.0 - progress}  # transformers' get_linear_schedule_with_warmup
 
 
 # ===== the run ====================================================================================

@@ -39,35 +39,71 @@ def full_state_dict(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_checkpoint(cfg, rank, model, opt, buffer, held, counters: dict, step: int, tokenizer) -> str | None:
-    """Model (Hugging Face format), optimizer, step (the schedules and per-step seeds derive from it), RNG
-    state, the run's `counters` (plain data: the reuse cap's among them), replay buffer, and `held`
-    (runtime.weights.Outbox.saved: the weights the searchers hold if older than the model's, --lag's history, TBA′'s pi_ref).
-    None once written; a write that fails (a full disk: `write_error`) leaves the one before linked and returns the
-    line saying so (rank 0)."""
+def save_checkpoint(t, stopping: bool = False) -> bool | str:
+    """OUT/checkpoint-STEP of trainer `t` (every rank: its gathers are collective), unless the link already names this
+    step (a signal right after a --save-every save, or the end after the last one): saving a step again deletes the
+    linked checkpoint before it renames the new one in, and a kill between the two would leave the link on nothing.
+    It holds the model (Hugging Face format), the optimizer, the step (the schedules and per-step seeds derive from
+    it), the RNG state, the run's counters (plain data: the reuse cap's among them), the replay buffer, and the
+    weights the searchers hold if older than the model's (runtime.weights.Outbox.saved: --lag's history, TBA′'s
+    pi_ref). True once written; a write that fails (a full disk: `write_error`) leaves the one before linked and
+    returns the line saying so (rank 0), which a stop ends with and mid-run is a warning, once: training goes on."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    cfg, model, step, fleet = t.cfg, t.model, t.step, t.fleet
+    done = torch.tensor([float(t.rank == 0 and linked(cfg.out, step))])  # rank 0's answer on every rank
+    if t.world > 1:
+        torch.distributed.broadcast(done, src=0)
+    if done.item():
+        return True
+    t0 = time.time()
     sd = full_state_dict(model)
-    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return
+    osd = get_optimizer_state_dict(model, t.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    counters = dict(elapsed=t.log.now(), samples=fleet.received, tokens=fleet.tokens, kept=fleet.kept,
+                    first_eval=t.log.first_eval, reuse=[t.cap.credit, t.cap.counted, t.cap.drawn],
+                    node_samples=fleet.nodes.samples if fleet.nodes else [])  # several nodes: each one's
 
     def write(folder):
-        save_hf(model, sd, tokenizer, os.path.join(folder, "model"))
+        save_hf(model, sd, t.tokenizer, os.path.join(folder, "model"))
         if lora.active(model):  # what --resume rebuilds the policy from, with the frozen --model
             lora.save_adapter(model, sd, os.path.join(folder, "adapter"))
         with open(os.path.join(folder, "trainer.pt"), "wb") as f:  # our file: a failed write's OSError is kept
-            torch.save(dict(optimizer=osd, step=step, torch_rng=torch.get_rng_state(), **counters, **held), f)
-        np.savez(os.path.join(folder, "buffer.npz"), **buffer.state())
+            torch.save(dict(optimizer=osd, step=step, torch_rng=torch.get_rng_state(), **counters,
+                            **fleet.saved(step)), f)
+        np.savez(os.path.join(folder, "buffer.npz"), **t.buffer.state())
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
+    failed = None
     try:
-        atomic_checkpoint(cfg.out, step, write)
+        if t.rank == 0:
+            atomic_checkpoint(cfg.out, step, write)
     except Exception as e:
         if write_error(e) is None:
             raise
-        return (f"the checkpoint of step {step} could not be written in {cfg.out} ({write_error(e)}): the last is "
-                f"{last_checkpoint(cfg.out)}")
-    return None
+        failed = (f"the checkpoint of step {step} could not be written in {cfg.out} ({write_error(e)}): the last is "
+                  f"{last_checkpoint(cfg.out)}")
+    t.log.overhead += time.time() - t0
+    if failed and not stopping and not t.unsaved_said:
+        t.log.print(f"tba.py: warning: {failed}; training goes on (a later checkpoint that fails is not said again)",
+                    file=sys.stderr)
+        t.unsaved_said = True
+    return failed or True
+
+
+def restore(t, ckpt: dict):
+    """--resume, into trainer `t`: the optimizer, the RNG, the counters; the buffer's sampling knobs act from the next
+    step on (`check_resumed_flags`), what it keeps cannot change (`fixed_on_resume`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(t.model, t.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+    torch.set_rng_state(ckpt["torch_rng"])
+    t.fleet.received, t.fleet.kept, t.log.first_eval = ckpt["samples"], ckpt["kept"], ckpt["first_eval"]
+    t.fleet.tokens = ckpt.get("tokens", 0)  # (a checkpoint saved before it counted them: from 0)
+    for name, flag in t.buffer.FLAGS.items():  # the buffer's knobs that may change (fixed_on_resume: the others)
+        if flag not in fixed_on_resume():
+            setattr(t.buffer, name, getattr(t.cfg, flag))
+    t.cap.credit, t.cap.counted, t.cap.drawn = ckpt["reuse"]
+    if t.fleet.nodes:  # each other node's count (node 0's is the rest; a node no longer there: node 0's)
+        counts = ckpt.get("node_samples", [])[1:t.fleet.nodes.count]
+        t.fleet.nodes.samples[1:1 + len(counts)] = counts
 
 
 def load_checkpoint(folder: str) -> dict:

@@ -56,18 +56,21 @@ def parser(config_class, description: str = "") -> argparse.ArgumentParser:
     broken = ", ".join(tasks.broken())  # named, not offered
     listings = {"{tasks}": ", ".join(tasks.names()) + (f" (broken: {broken}; --task NAME says why)" if broken else ""),
                 "{losses}": ", ".join(LOSSES)}  # as they are, not as written
+    group = p
     for f in dataclasses.fields(config_class):
         if f.metadata.get("derived"):
             continue
+        if f.name in getattr(config_class, "SECTIONS", {}):  # --help's groups
+            group = p.add_argument_group(config_class.SECTIONS[f.name])
         name, help = "--" + f.name.replace("_", "-"), f.metadata["help"]
         for key, value in listings.items():
             help = help.replace(key, value)
         help += "" if "default:" in help else f" (default: {f.default})"  # said once (a help may give it itself)
         if f.type is bool or f.type == bool | None:  # None: decided by the checks
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+            group.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=help)
             continue
         kind = next(t for t in (int, float, str) if f.type is t or t in typing.get_args(f.type))
-        p.add_argument(name, type=kind, default=f.default, help=help)
+        group.add_argument(name, type=kind, default=f.default, help=help)
     return p
 
 
@@ -281,7 +284,7 @@ def run_of(checkpoint: str) -> str:
 
 
 def loss_pools(cfg) -> bool:
-    """Whether --loss gets the whole batch in every pass of the gradient (tba.pooled_backward): where it says that it
+    """Whether --loss gets the whole batch in every pass of the gradient (tba.backward): where it says that it
     pools (`pools = True`, loss.py) or the probe finds that it does (`probe_pools`, with the run's options at step 0's
     schedules). Where the two disagree, one line says so, and the loss gets whole batches, the reading that is right
     either way. A loss that fails on the probe's inputs is refused in one line, before anything starts."""

@@ -1,13 +1,15 @@
 """Every flag of a run: one flat, typed, frozen `Config`, whose fields' helps are `--help`.
 
-Three sections: the paper's knobs (TBA's B, K, k, m, its objective and schedules), the tasks and
-recipes (the flags that belong to one task are named by its entry: tasks/task.py), and the plumbing.
+Four sections, as `--help` groups them (`Config.SECTIONS`): the paper's knobs (TBA's B, K, k, m, its objective and
+schedules), the tasks and recipes (the flags that belong to one task are named by its entry: tasks/task.py), the
+plumbing, and the experiment knobs (emulated devices: the benchmark's).
 runtime/checks.py parses the command line into it and checks it, and returns a new one with the
 derived values (the last section) filled in; nothing writes to it after that. Where a default comes
 from (the paper, the authors' code, Lee et al.'s): docs/departures.md.
 """
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 def arg(default, help: str, **more):
@@ -26,6 +28,11 @@ def derived(default):  # filled in by runtime.checks.check and saved with the ru
 class Config:
     """Every flag, its default and its one-line help (`--help`); where a default comes from:
     docs/departures.md. Frozen: runtime.checks.check returns a new one with the derived values."""
+    # --help's groups, each beginning at its field (the sections below)
+    SECTIONS: ClassVar[dict] = {
+        "steps": "the paper's knobs: TBA (B, K, k, m), its objective and its schedules",
+        "model": "tasks and recipes", "searchers": "plumbing: processes, devices, memory, files",
+        "generation_slowdown": "experiment knobs: emulated devices, the evaluation's timing (docs/performance.md)"}
     # ===== the paper's knobs: TBA (B, K, k, m), its objective and its schedules ======================
     steps: int = arg(200, "trainer steps (optimizer updates)")
     prompts_per_step: int = arg(32, "B: prompts per training batch")
@@ -66,7 +73,7 @@ class Config:
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
     stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until the decay)")
     decay_steps: int = arg(100, "learning rate: steps of the decay to 0 after the stable phase")
-    lr_decay: str = arg("cosine", "shape of the decay: cosine | linear", choices=("cosine", "linear"))  # tba.LR_DECAYS
+    lr_decay: str = arg("cosine", "shape of the decay: cosine | linear", choices=("cosine", "linear"))  # runtime.policy.lr_at
     grad_clip: float = arg(1.0, "gradient norm clip; 0 = none")
     weight_decay: float = arg(0.0, "AdamW's decoupled weight decay")
     adam_betas: str = arg("0.9,0.999", "AdamW's betas: beta1,beta2")
@@ -139,6 +146,7 @@ class Config:
     score_batch: int | None = arg(None, "a searcher's sequences per scoring pass (pi_ref's log-probs, reward models, "
                                         "the evaluation's); default: what 2 GiB of logits hold, at most 256")
     activation_checkpointing: bool = arg(False, "recompute each decoder block in the backward pass (less memory)")
+    # ===== experiment knobs: emulated devices and the evaluation's timing (tools/bench.py, docs/performance.md) =====
     generation_slowdown: float = arg(1.0, "experiment knob: each decoding step takes X times its cost alone "
                                           "(emulated by sleeping); 1 = off")
     train_slowdown: float = arg(1.0, "experiment knob: each training step (sample, loss, update) takes Y times its "

@@ -11,14 +11,14 @@ the reasons to stop. The trainer (tba.py) calls it through a few verbs, which ru
 - `publish(named, version)`: new weights for the searchers (TBA′: `pi_ref` too); with --lag L they are kept
   (the outbox's history, on the CPU) and each version is published once no searcher needs the one before
   (`serve`): round r of every searcher is sampled by the weights of step r - L exactly;
-- `request_eval(step)`, `wait_for_eval(step)`: an evaluation by searcher 0, and the wait for the last;
+- `evals`: the evaluations (runtime/evaluations.py: `evals.request(step)`, `evals.wait(buffer, step)`, ...);
 - `saved(step)`: what a checkpoint keeps of the weights; `beside()`: where the trainer builds its model;
 - `stop_reason()`: why the run must stop (a silent searcher, a signal), or None; `close()`.
 
 Every wait polls, has a timeout and checks that the other side lives: a dead searcher raises Dead, none
 heard from for --timeout raises TimeoutError, and the watch notices a searcher that lives but has gone
 silent (a warning, then Silent, which stops the run after a checkpoint). A thread reads the searchers'
-messages (`Messages`): a message a stopped searcher left half-written blocks no wait. Several trainer ranks
+messages (runtime/processes.py's `Messages`): a message a stopped searcher left half-written blocks no wait. Several trainer ranks
 wait with rank 0 (runtime/ranks.py, `wait_together`); several nodes' leaders meet every POLL seconds (`meet`).
 This file and runtime/checks.py are the assembly above the core: they import searcher.py and tasks/ to
 start and check what the algorithm's files define.
@@ -27,21 +27,20 @@ start and check what the algorithm's files define.
 import contextlib
 import math
 import sys
-import threading
 import time
-from queue import Empty, Full, Queue
+from queue import Empty
 
 import torch
 
 import searcher
 from runtime import nodes
 from runtime.errors import Dead, Silent
-from runtime.local import evaluate_here
-from runtime.processes import Channels, Watch, fork_server
+from runtime.evaluations import Asked
+from runtime.processes import SAID, Channels, Messages, Watch, fork_server
 from runtime.ranks import wait_together
-from runtime.weights import WAIT, Outbox, Reading, aliases, create, gather, join_gathers
+from runtime.weights import WAIT, Outbox, Reading, create, join_gathers
 
-FAULT_WAIT = 5.0  # s the trainer waits for the line of a searcher that exited saying one (searcher.SAID)
+FAULT_WAIT = 5.0  # s the trainer waits for the line of a searcher that exited saying one (SAID)
 
 
 class Fleet:
@@ -63,8 +62,7 @@ class Fleet:
         self.verified = {}     # searcher -> the last version whose arrival in its engine it checked (this node's)
         self.published = {}    # weight version -> (time, overhead) when the trainer made them (eval rows)
         self.sent = {}         # weight version -> seconds since the start when the shared copy held it (train rows)
-        self.asked = []        # steps whose evaluation was asked (rank 0)
-        self.evaluated = []    # versions whose evaluation came
+        self.evals = Asked(self)  # searcher 0's evaluations: the trainer's end (runtime/evaluations.py)
         self.silent = None     # a line, once a searcher of this node has sent nothing for --timeout
         self.dead = None       # a line, once a searcher of this node has died (one node; several: `meet`)
         self.heard = False     # a message came (before it, waits allow --start-timeout)
@@ -74,7 +72,6 @@ class Fleet:
         self.shared = create(ctx, cfg.searchers) if self.leader else None
         self.out = Outbox(self.shared, cfg.lag, cfg.timeout)  # the weights' way out, --lag's history
         self.evaluator = None  # --evaluator after: an engine in this process evaluates after the last step
-        self.snapshots = []    # --evaluator after: (step, its weights on the host, when they were made)
         if self.leader and cfg.searchers:  # first: their vLLM engines start while the trainer loads its model
             try:
                 self.spawn(ctx)
@@ -183,9 +180,7 @@ class Fleet:
             self.say(self.watch.heard(msg))
             self.serve()
             if msg["kind"] == "eval":
-                self.log.eval(msg["version"], msg["scores"], msg["example"], msg["seconds"],
-                              self.published[msg["version"]])
-                self.evaluated.append(msg["version"])
+                self.evals.came(msg)
             elif msg["kind"] == "search":
                 self.add(buffer, msg["trajectories"])
                 self.newest = max(self.newest, msg["version"])
@@ -218,12 +213,12 @@ class Fleet:
             try:
                 self.serve()
                 if self.rank == 0:
-                    before = (self.received, len(self.evaluated))
+                    before = (self.received, len(self.evals.evaluated))
                     try:
                         self.take(buffer, lambda: True)  # node 0: whatever its searchers queued, without waiting
                     except Silent as e:
                         self.silent = self.silent or str(e)
-                    got = (self.received, len(self.evaluated)) != before
+                    got = (self.received, len(self.evals.evaluated)) != before
                     multi.heard[0] = multi.heard[0] or self.received > before[0]
                     payload = nodes.encode([])
                 else:
@@ -302,12 +297,12 @@ class Fleet:
                 * cfg.search_samples_per_prompt)
 
     def alive(self):
-        """Dead if a searcher of this node has exited: its own line if it said one before (searcher.SAID: it is in the
+        """Dead if a searcher of this node has exited: its own line if it said one before (SAID: it is in the
         pipe before the exit, and the trainer may see the exit first, waiting for the lock or a message), else its
         exit code."""
         for i, p in enumerate(self.procs):
             if p.exitcode is not None:
-                said = self.messages.fault(self.first + i, wait=FAULT_WAIT if p.exitcode == searcher.SAID else 0)
+                said = self.messages.fault(self.first + i, wait=FAULT_WAIT if p.exitcode == SAID else 0)
                 raise Dead(said or f"searcher {i} (pid {p.pid}) died with exit code {p.exitcode}")
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
@@ -371,54 +366,7 @@ class Fleet:
             self.write(history[min(needed)].items(), min(needed), ("policy",))
         self.out.forget(min(self.shared.version.value, self.step - self.cfg.lag))
 
-    # --- evaluation, stopping --------------------------------------------------------------------------
-    def request_eval(self, step: int):
-        """Ask searcher 0 to evaluate the weights of `step`, which the trainer has published (rank 0 asks). It
-        evaluates them at the start of a round, before it loads newer ones (searcher.Requests); streaming, the
-        next step waits until it holds them (`evaluation_pending`), so that the next weights cannot replace them
-        first; with --lag its rounds reach them in order, and past its last round it asks for them (`wants`)."""
-        if self.evaluator:  # --evaluator after: the weights kept, evaluated after the last step (`wait_for_eval`)
-            t0 = time.time()  # one tensor at a time to the host, a tied one once (its names added at the evaluation)
-            named = {n: t.to("cpu", copy=True) for n, t in gather(self.model, getattr(torch, self.cfg.dtype))}
-            self.snapshots.append((step, named, self.log.clock()))
-            self.log.overhead += time.time() - t0
-        elif self.rank == 0:
-            self.asked.append(step)
-            self.channels.asked.value = step  # before the request: a searcher that sees newer weights sees it asked
-            self.channels.evals.put(step)
-            self.watch.evaluating = True  # its parts may each take longer than a round: no warning
-
-    def evaluation_pending(self) -> str | None:
-        """Streaming (rank 0): what the next step waits for, if searcher 0 does not yet hold the weights of an
-        evaluation asked for (the next publish would replace them), else None."""
-        pending = [s for s in self.asked if s not in self.evaluated]
-        if pending and self.cfg.lag is None and self.channels.pinned.value < min(pending):
-            return f"searcher 0 to hold the weights of step {min(pending)} for its evaluation"
-        return None
-
-    def wait_for_eval(self, buffer, step: int | None = None):
-        """Wait for the evaluation of step `step` (None: of every step asked so far), taking whatever else comes
-        (node 0's: the evaluation is its searcher 0's; every rank waits with rank 0). --evaluator after: the kept
-        weights evaluated now, each row with the time its weights were made."""
-        self.evaluate_kept()
-        done = lambda: all(s in self.evaluated for s in (self.asked if step is None else [step]))
-        what = "every evaluation asked" if step is None else f"the final evaluation (of step {step})"
-        return self.wait_for(buffer, done, lambda: f"{what} from searcher 0")
-
-    def evaluate_kept(self):
-        """--evaluator after: the evaluations of the weights kept so far, each row at the time they were made; at the
-        end, and on any stop (Trainer.close), so that no evaluation asked for is lost."""
-        if self.snapshots and self.signals.first:
-            self.log.print(f"tba.py: evaluating the weights of {len(self.snapshots)} kept step(s) before stopping "
-                           f"(a second signal skips them)", file=sys.stderr)
-        tied = aliases(self.model) if self.snapshots else {}
-        while self.snapshots:
-            v, named, made = self.snapshots[0]
-            evaluate_here(self.evaluator, [*named.items(), *((a, named[f]) for a, f in tied.items())], v, self.cfg,
-                          self.data, self.log, made)
-            self.evaluated.append(v)
-            self.snapshots.pop(0)
-
+    # --- stopping ------------------------------------------------------------------------------------
     def stop_reason(self):
         """Why rank 0 stops the run, or None: ("dead", message), ("silent", message) or ("signal", name)."""
         first = self.signals.first
@@ -443,60 +391,3 @@ class Fleet:
                 p.join(timeout=5)
         self.channels.queue.cancel_join_thread()
         self.shared.handoff.cancel_join_thread()
-
-
-class Messages:
-    """The searchers' queue as the trainer reads it: a thread of its own takes each message off the queue into a
-    local one, where the trainer's waits poll (`get`, `get_nowait`). multiprocessing reads a message whole, with
-    no timeout, once its first byte is in the pipe (Connection.recv_bytes), and a searcher stopped while it wrote
-    one (stopped by a signal, a debugger, a frozen container) leaves part of it there for good: a message over
-    16 KB goes in two writes, and a full pipe cuts any. That wait is this thread's, never the trainer's, whose watch
-    then names the silent searcher (on another node: before the leaders' group's timeout). A searcher's fault line
-    is also kept as it is read (`fault`), for the trainer that sees the searcher's exit before the message."""
-
-    def __init__(self, queue, size: int):
-        # the local queue is as long as the searchers' own, whose bound (searcher.send waits) stays theirs
-        self.queue, self.local, self.closed = queue, Queue(maxsize=max(1, size)), threading.Event()
-        self.faults = {}  # searcher -> its fault line (searcher.last_word)
-        self.thread = threading.Thread(target=self.read, name="tba-messages", daemon=True)
-        self.thread.start()
-
-    def read(self):
-        while not self.closed.is_set():
-            try:
-                msg = self.queue.get(timeout=WAIT)
-            except Empty:
-                continue
-            except Exception as e:  # a message that does not unpickle, a closed queue: raised where the trainer reads
-                msg = e
-            if isinstance(msg, dict) and msg.get("kind") == "fault":
-                self.faults[msg["searcher"]] = msg["line"]
-            while not self.closed.is_set():
-                try:
-                    self.local.put(msg, timeout=WAIT)
-                    break
-                except Full:
-                    pass
-            if isinstance(msg, Exception):
-                return
-
-    def get(self, block: bool = True, timeout: float | None = None) -> dict:
-        """The next message, as queue.Queue's get (Empty when none comes in `timeout` s, or none is there)."""
-        msg = self.local.get(block, timeout)
-        if isinstance(msg, Exception):
-            raise msg
-        return msg
-
-    def get_nowait(self) -> dict:
-        return self.get(False)
-
-    def fault(self, searcher: int, wait: float = 0.0) -> str | None:
-        """Searcher `searcher`'s fault line, waiting up to `wait` s for it to be read; None if none came."""
-        deadline = time.time() + wait
-        while searcher not in self.faults and time.time() < deadline and self.thread.is_alive():
-            time.sleep(0.05)
-        return self.faults.get(searcher)
-
-    def close(self):
-        """The thread ends within WAIT (or with the process, if it waits inside a message that never ends)."""
-        self.closed.set()

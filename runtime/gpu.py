@@ -288,9 +288,9 @@ def pinned_tensors(sizes) -> int:
 
 
 def snapshots(steps: int, eval_every: int) -> int:
-    """The most weight snapshots --evaluator after holds at once (runtime/fleet.Fleet.request_eval keeps one a
-    evaluation, `wait_for_eval` drops them once evaluated): the initial evaluation's (tba.py:82) and one every
-    --eval-every steps below --steps (tba.py:126), evaluated before the final one is taken (Trainer.finish)."""
+    """The most weight snapshots --evaluator after holds at once (runtime/evaluations.Asked.request keeps one per
+    evaluation, `kept` drops them once evaluated): the initial evaluation's (tba.train's first) and one every
+    --eval-every steps below --steps, evaluated before the final one is taken (Trainer.finish)."""
     return 1 + ((steps - 1) // eval_every if eval_every else 0)
 
 

@@ -12,7 +12,8 @@ import torch
 
 import searcher
 from runtime import seeds, slowdown
-from runtime.weights import Inbox, Outbox, create, every_name
+from runtime.evaluations import Here
+from runtime.weights import Inbox, Outbox, create
 
 
 class LocalFleet:
@@ -24,7 +25,8 @@ class LocalFleet:
         self.received = self.kept = 0  # trajectories made over the run, and those the buffer kept (as Fleet's)
         self.tokens = 0                # their responses' tokens
         self.newest = -1               # the newest weight version that sampled data
-        self.published, self.evaluated, self.step, self.nodes = {}, [], 0, None
+        self.published, self.step, self.nodes = {}, 0, None
+        self.evals = Here(self)  # each evaluation at once, by this process's engine (runtime/evaluations.py)
         self.sent = {}  # weight version -> seconds since the start when the engine's shared copy held it (rows)
         self.shared = create(torch.multiprocessing.get_context("spawn"))  # read by the engine as a searcher does
         self.out = Outbox(self.shared, cfg.lag, cfg.timeout)
@@ -40,7 +42,7 @@ class LocalFleet:
     def share(self, model, version: int, saved: dict | None = None, newest: int = -1):
         self.out.share(model, version, getattr(torch, self.cfg.dtype), self.cfg.ref_reset_every > 0, saved,
                        self.cfg.trainer_dtype)
-        self.newest, self.model, self.step = newest, model, version  # the model: evaluated as it is (request_eval)
+        self.newest, self.model, self.step = newest, model, version  # the model: evaluated as it is (evals.request)
         self.published[version] = self.log.clock()
         self.inbox = Inbox(self.shared, 0, None, lambda: None, self.cfg.timeout)  # this process reads them too
 
@@ -99,20 +101,6 @@ class LocalFleet:
         self.sent[version] = self.log.now()
         return True
 
-    def request_eval(self, step: int):
-        """Evaluate now, with this process's engine (`evaluate_here`)."""
-        evaluate_here(self.engine, self.model, step, self.cfg, self.data, self.log)
-        self.evaluated.append(step)
-
-    def evaluation_pending(self) -> None:
-        return None  # it evaluates at once (request_eval)
-
-    def wait_for_eval(self, buffer, step: int | None = None):
-        return 0.0
-
-    def evaluate_kept(self):
-        """Nothing kept: it evaluates at once (request_eval)."""
-
     def stop_reason(self):
         """A signal's name (the trainer's process stops after a checkpoint), or None."""
         first = self.signals.first
@@ -120,15 +108,3 @@ class LocalFleet:
 
     def close(self):
         self.engine.close()
-
-
-def evaluate_here(engine, weights, step: int, cfg, data, log, made: tuple | None = None):
-    """An evaluation in the trainer's process, on the held-out problems, of the weights of step `step`: a model's, as a
-    sync sends them (its dtype, tied names too; --searchers 0's), or (name, tensor) pairs kept from it (--evaluator
-    after, `made`: when they were). Its time is the trainer's overhead, left out of the run's time as a checkpoint's."""
-    t0 = time.time()
-    if engine.version != step:
-        engine.load(every_name(weights, getattr(torch, cfg.dtype)) if hasattr(weights, "parameters") else weights, step)
-    scores, example = engine.evaluate(data.test_prompts, data.test_answers)
-    log.eval(step, scores, example, time.time() - t0, made or log.clock())
-    log.overhead += time.time() - t0

@@ -78,8 +78,10 @@ class Log:
         if made.get("started") is not None:
             self.received.append([made.get("searcher", "trainer"), made["version"], round(made["started"] - self.t0, 4),
                                   round(made["seconds"] + uncharged.get("reload", 0.0), 4)])
+        if not self.emulated:
+            return
         engine, calibrated = str(made.get("searcher", "trainer")), self.calibration.setdefault("seconds_per_token", {})
-        budget = self.budgets.setdefault(engine, [0.0, 0.0, 0.0])
+        budget = self.budgets.setdefault(engine, [0.0, 0.0, 0.0])  # each process's charge, overrun, uncharged work
         budget[0], budget[1], budget[2] = (budget[0] + made["charged"], budget[1] + made["over"],
                                            budget[2] + sum(uncharged.values()))
         if made["seconds_per_token"] and engine not in calibrated and self.rank == 0:

@@ -2,6 +2,8 @@
 (`AdamW`, whose moments stay in float32) and activation checkpointing (`recompute_blocks`).
 """
 
+import math
+
 import torch
 
 from runtime import lora
@@ -156,3 +158,16 @@ class LaggedCopy:
 def local(p):
     """A parameter's tensor on this rank: its FSDP2 shard, or itself."""
     return p.to_local() if hasattr(p, "to_local") else p.data
+
+
+# --- the learning rate's schedule (the authors' warmup-stable-decay) ----------------------------------
+def lr_at(cfg, step: int) -> float:
+    stable = cfg.stable_steps if cfg.stable_steps is not None else max(0, cfg.steps - cfg.warmup_steps - cfg.decay_steps)
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if step < cfg.warmup_steps + stable:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps - stable) / max(1, cfg.decay_steps))
+    if cfg.lr_decay == "linear":  # transformers' get_linear_schedule_with_warmup
+        return cfg.lr * (1.0 - progress)
+    return cfg.lr * (0.5 * (1 + math.cos(math.pi * progress)))

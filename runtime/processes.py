@@ -4,21 +4,26 @@ them knows what a searcher computes.
 
 - `Signals`: SIGINT and SIGTERM, before and after the first step (a checkpoint first, once training began).
 - `Channels`: the queues and events between a node's leader and one searcher.
+- the searchers' messages, both ends: `send` and `last_word` (a searcher's), `Messages` (the trainer's reading).
 - `fork_server`: on the CPU, searchers start from a server that has imported vLLM once.
 - `Watch`: a searcher that lives but has gone silent draws a warning, then `Silent`; it returns its lines,
   and the caller prints them (rank 0) or sends them to rank 0 (another node's leader).
 """
 
 import contextlib
+import multiprocessing as mp
 import os
 import signal
+import threading
 import time
+from queue import Empty, Full, Queue
 from typing import NamedTuple
 
 import torch
 
 from runtime import vllm_env
-from runtime.errors import Silent, Stop
+from runtime.errors import Dead, Silent, Stop
+from runtime.weights import WAIT
 
 
 class Signals:
@@ -79,6 +84,92 @@ class Channels(NamedTuple):
     calibration: tuple   # (started engines, lock): --generation-slowdown's calibration
     asked: object = None   # mp.Value: the latest step whose evaluation was asked, set before the request is sent
     pinned: object = None  # mp.Value: the step whose weights searcher 0 holds for its evaluation (-1: none)
+
+
+# --- the searchers' messages: both ends ------------------------------------------------------------
+SAID = 5  # the exit status of a searcher that said its fault to the trainer first (`last_word`)
+
+
+def send(queue, message, stop):
+    """A searcher's message (a round's trajectories, an evaluation, a beat, a fault) on the bounded queue, waiting
+    while it is full, but never on a stopped or dead trainer."""
+    while not stop.is_set():
+        try:
+            return queue.put(message, timeout=WAIT)
+        except Full:
+            parent_alive()
+
+
+def last_word(channels, message):
+    """A fault's message to the trainer, flushed to the pipe before this process exits (the queue's feeder thread
+    would otherwise be cut off with it), so that the trainer reads it before it sees the exit."""
+    send(channels.queue, message, channels.stop)
+    channels.queue.close()
+    channels.queue.join_thread()
+
+
+def parent_alive():
+    """In a searcher: Dead once the trainer (its parent process) is gone."""
+    parent = mp.parent_process()
+    if parent is not None and not parent.is_alive():
+        raise Dead("the trainer (parent process) is gone")
+
+
+class Messages:
+    """The searchers' queue as the trainer reads it: a thread of its own takes each message off the queue into a
+    local one, where the trainer's waits poll (`get`, `get_nowait`). multiprocessing reads a message whole, with
+    no timeout, once its first byte is in the pipe (Connection.recv_bytes), and a searcher stopped while it wrote
+    one (stopped by a signal, a debugger, a frozen container) leaves part of it there for good: a message over
+    16 KB goes in two writes, and a full pipe cuts any. That wait is this thread's, never the trainer's, whose watch
+    then names the silent searcher (on another node: before the leaders' group's timeout). A searcher's fault line
+    is also kept as it is read (`fault`), for the trainer that sees the searcher's exit before the message."""
+
+    def __init__(self, queue, size: int):
+        # the local queue is as long as the searchers' own, whose bound (`send` waits) stays theirs
+        self.queue, self.local, self.closed = queue, Queue(maxsize=max(1, size)), threading.Event()
+        self.faults = {}  # searcher -> its fault line (`last_word`)
+        self.thread = threading.Thread(target=self.read, name="tba-messages", daemon=True)
+        self.thread.start()
+
+    def read(self):
+        while not self.closed.is_set():
+            try:
+                msg = self.queue.get(timeout=WAIT)
+            except Empty:
+                continue
+            except Exception as e:  # a message that does not unpickle, a closed queue: raised where the trainer reads
+                msg = e
+            if isinstance(msg, dict) and msg.get("kind") == "fault":
+                self.faults[msg["searcher"]] = msg["line"]
+            while not self.closed.is_set():
+                try:
+                    self.local.put(msg, timeout=WAIT)
+                    break
+                except Full:
+                    pass
+            if isinstance(msg, Exception):
+                return
+
+    def get(self, block: bool = True, timeout: float | None = None) -> dict:
+        """The next message, as queue.Queue's get (Empty when none comes in `timeout` s, or none is there)."""
+        msg = self.local.get(block, timeout)
+        if isinstance(msg, Exception):
+            raise msg
+        return msg
+
+    def get_nowait(self) -> dict:
+        return self.get(False)
+
+    def fault(self, searcher: int, wait: float = 0.0) -> str | None:
+        """Searcher `searcher`'s fault line, waiting up to `wait` s for it to be read; None if none came."""
+        deadline = time.time() + wait
+        while searcher not in self.faults and time.time() < deadline and self.thread.is_alive():
+            time.sleep(0.05)
+        return self.faults.get(searcher)
+
+    def close(self):
+        """The thread ends within WAIT (or with the process, if it waits inside a message that never ends)."""
+        self.closed.set()
 
 
 def fork_server():

@@ -170,7 +170,7 @@ def share_signals(signals, world: int):
 
 def raise_stop(why, saved: bool | str, out: str):
     """Stop every rank for rank 0's reason (broadcast): a dead or silent searcher, or a signal. `saved`: whether a
-    checkpoint was written, or the line of one that could not be (Trainer.checkpoint)."""
+    checkpoint was written, or the line of one that could not be (runtime.checkpoint.save_checkpoint)."""
     kind, what = why or ("signal", "a signal")
     if kind in ("dead", "silent"):
         raise (Dead if kind == "dead" else Silent)(f"{what}; {saved_where(saved, out)}")

@@ -457,9 +457,24 @@ class Inbox:
         """(the policy's version, pi_ref's) in the shared copy now."""
         return self.shared.version.value, self.shared.pi_ref_version.value
 
+    @contextlib.contextmanager
     def read(self, *devices):
-        """This searcher's hold of the shared copy while it reads (`reading`), beside the other searchers."""
-        return reading(self.shared, self.me, self.alive, self.timeout, *devices)
+        """This searcher's hold of the shared copy while it reads (`reading`), beside the other searchers: what it
+        holds then (`Held`), which the searcher loads and checks; nothing else of the shared copy is its to touch."""
+        with reading(self.shared, self.me, self.alive, self.timeout, *devices):
+            s = self.shared
+            yield Held(s.version.value, list((s.tensors or {}).items()), s.prints, s.pi_ref_version.value, s.pi_ref)
+
+
+@dataclass
+class Held:
+    """What the shared copy holds while a searcher reads it: the policy's version, its (name, tensor) pairs and the
+    trainer's fingerprints of them (`fingerprint`: the arrival check's), pi_ref's version and tensors (TBA′)."""
+    version: int
+    tensors: list
+    prints: tuple
+    pi_ref_version: int
+    pi_ref: dict
 
 
 def receive(weights: SharedWeights, stop, parent_alive):

@@ -6,7 +6,8 @@ evaluation."""
 import pytest
 import torch
 
-import tba
+import loss
+from runtime import policy
 from runtime.config import Config
 
 
@@ -27,15 +28,15 @@ def test_tldr_beta_is_the_authors_at_every_update(setting, stop, target, steps):
     _, cfg = dry_run(script="scripts/run_tldr.sh", SETTING=setting)
     assert cfg.steps == steps
     for u in range(1, steps + 1):  # tba.py takes update u at step index u - 1 (the row's "step" is u)
-        assert tba.beta_at(cfg, u - 1) == pytest.approx(authors_beta(u, 1.0, 0.05, stop, target), rel=1e-12), u
-    assert tba.beta_at(cfg, stop - 2) > 0.5 and tba.beta_at(cfg, stop - 1) == 0.05  # the jump, at update `stop`
+        assert loss.beta_at(cfg, u - 1) == pytest.approx(authors_beta(u, 1.0, 0.05, stop, target), rel=1e-12), u
+    assert loss.beta_at(cfg, stop - 2) > 0.5 and loss.beta_at(cfg, stop - 1) == 0.05  # the jump, at update `stop`
 
 
 @pytest.mark.engine
 def test_gsm8k_beta_is_the_authors_at_every_update():
     _, cfg = dry_run()
     for u in range(1, cfg.steps + 1):  # kl_coef_decay_stop_iter = kl_coef_decay_target_iter = 500
-        assert tba.beta_at(cfg, u - 1) == pytest.approx(authors_beta(u, 0.014, 0.004, 500, 500), rel=1e-12), u
+        assert loss.beta_at(cfg, u - 1) == pytest.approx(authors_beta(u, 0.014, 0.004, 500, 500), rel=1e-12), u
 
 
 @pytest.mark.engine
@@ -47,8 +48,8 @@ def test_tldr_linear_learning_rate_at_every_update():
     N = 256
     for u in range(1, N + 1):
         expected = 3e-6 * max(0.0, (N - (u - 1)) / N)
-        assert tba.lr_at(cfg, u - 1) == pytest.approx(expected, rel=1e-12, abs=1e-24), u
-    assert tba.lr_at(cfg, 0) == 3e-6 and tba.lr_at(cfg, N - 1) == pytest.approx(3e-6 / N)
+        assert policy.lr_at(cfg, u - 1) == pytest.approx(expected, rel=1e-12, abs=1e-24), u
+    assert policy.lr_at(cfg, 0) == 3e-6 and policy.lr_at(cfg, N - 1) == pytest.approx(3e-6 / N)
 
 
 def test_linear_decay_after_warmup_and_stable_phases():
@@ -60,7 +61,7 @@ def test_linear_decay_after_warmup_and_stable_phases():
             expected = 2e-4
         else:
             expected = 2e-4 * max(0.0, 1 - (s - 15) / 20)
-        assert tba.lr_at(cfg, s) == pytest.approx(expected, rel=1e-12, abs=1e-24), s
+        assert policy.lr_at(cfg, s) == pytest.approx(expected, rel=1e-12, abs=1e-24), s
 
 
 @pytest.mark.parametrize("args,match", [

@@ -308,12 +308,14 @@ def test_the_reuse_cap_earns_credit_only_for_what_the_buffer_kept():
 
     import tba
     from runtime.config import Config
+    from runtime.evaluations import Asked
     from runtime.fleet import Fleet
     B, K = 2, 4
     buf = ReplayBuffer(100, recency=1.0, reward_inv_temp=0.0)
     buf.set_reference(4)  # pi_ref is the policy of step 4
     fleet = Fleet.__new__(Fleet)  # its counters only: no searcher is spawned
-    fleet.received, fleet.kept, fleet.tokens, fleet.newest, fleet.asked, fleet.evaluated = 0, 0, 0, 4, [], []
+    fleet.received, fleet.kept, fleet.tokens, fleet.newest = 0, 0, 0, 4
+    fleet.evals = Asked(fleet)
     old = [traj(p, [100 + i], version=3) for p in range(B) for i in range(2 * K)]  # scored under pi_ref 0
     for t in old:
         t.pi_ref_version = 0

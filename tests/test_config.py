@@ -9,7 +9,9 @@ import pytest
 
 import tasks
 from runtime import checks
+import loss
 import tba
+from runtime import policy
 from runtime.config import Config
 from conftest import DATA, ROOT, env
 from runtime.errors import ConfigError
@@ -328,15 +330,15 @@ def test_lee_et_al_schedules():
     rate: warmup 100, then linear to 0 at 8 x 5,000 scheduler steps, i.e. still 0.88 x 1e-4 at step 5,000."""
     cfg = Config(steps=5000, reward_temp=2.0, reward_temp_anneal_steps=500, gamma_final=1.2,
                         gamma_anneal_steps=2000, lr=1e-4, warmup_steps=100, decay_steps=39900, lr_decay="linear")
-    assert [tba.reward_temp_at(cfg, s) for s in (0, 250, 500, 4999)] == pytest.approx([2.0, 1.5, 1.0, 1.0])
-    assert [tba.gamma_at(cfg, s) for s in (0, 1000, 2000, 4999)] == pytest.approx([1.0, 1.1, 1.2, 1.2])
-    assert tba.lr_at(cfg, 99) == pytest.approx(1e-4) and tba.lr_at(cfg, 100) == pytest.approx(1e-4)
-    assert tba.lr_at(cfg, 4999) == pytest.approx(1e-4 * (40000 - 5000) / 39900, rel=1e-3)  # 0.877e-4
+    assert [loss.reward_temp_at(cfg, s) for s in (0, 250, 500, 4999)] == pytest.approx([2.0, 1.5, 1.0, 1.0])
+    assert [loss.gamma_at(cfg, s) for s in (0, 1000, 2000, 4999)] == pytest.approx([1.0, 1.1, 1.2, 1.2])
+    assert policy.lr_at(cfg, 99) == pytest.approx(1e-4) and policy.lr_at(cfg, 100) == pytest.approx(1e-4)
+    assert policy.lr_at(cfg, 4999) == pytest.approx(1e-4 * (40000 - 5000) / 39900, rel=1e-3)  # 0.877e-4
     off = Config()
-    assert tba.reward_temp_at(off, 7) == tba.gamma_at(off, 7) == 1.0
+    assert loss.reward_temp_at(off, 7) == loss.gamma_at(off, 7) == 1.0
     held = Config(reward_temp=2.0, gamma_final=1.2)  # no anneal lengths: --reward-temp and --gamma-final throughout
-    assert [tba.reward_temp_at(held, s) for s in (0, 500, 4999)] == [2.0, 2.0, 2.0]
-    assert [tba.gamma_at(held, s) for s in (0, 4999)] == [1.2, 1.2]
+    assert [loss.reward_temp_at(held, s) for s in (0, 500, 4999)] == [2.0, 2.0, 2.0]
+    assert [loss.gamma_at(held, s) for s in (0, 4999)] == [1.2, 1.2]
 
 
 def test_a_refusal_leaves_a_callers_process_group(tmp_path, monkeypatch, capfd):

@@ -73,7 +73,7 @@ def repo(tmp_path_factory):
     return copy
 
 
-SPY = """import functools, json, sys
+SPY = """import dataclasses, functools, json, sys
 sys.path.insert(0, sys.argv[1])
 import numpy as np, torch
 import loss, tba
@@ -97,9 +97,9 @@ groups = [[Trajectory(p, rng.integers(4, 60, 3).astype(np.int32), float(j % 2), 
                       truncated=int(p == 0 and j == 0)) for j in range(4)] for p in range(2)]
 model = AutoModelForCausalLM.from_pretrained(sys.argv[2])
 where[0] = "the training step"
-tba.backward(model, groups, 2, prompts, 0, torch.device("cpu"), cfg, 0.05)
+tba.backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), dataclasses.replace(cfg, loss_pools=False), beta=0.05)
 where[0] = "the pooled step"
-tba.pooled_backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), cfg, 0.05)
+tba.backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), dataclasses.replace(cfg, loss_pools=True), beta=0.05)
 where[0] = "the probe at 1"
 at_one = checks.loss_pools(Config(loss="tb_overlong"))
 try:

@@ -525,10 +525,10 @@ def save_twice(path, out, port, results):
         t = tba.Trainer(cfg, data, None, types.SimpleNamespace(first=None, training=True), time.time())
         try:
             t.step = 2
-            t.checkpoint()
+            checkpoint.save_checkpoint(t)
             first = os.path.realpath(os.path.join(out, "checkpoint"))
             open(os.path.join(first, "marker"), "w").close()
-            t.checkpoint()
+            checkpoint.save_checkpoint(t)
             results.put({"linked": os.path.realpath(os.path.join(out, "checkpoint")) == first,
                          "untouched": os.path.exists(os.path.join(first, "marker")),
                          "folders": sorted(os.listdir(out))})
@@ -645,7 +645,8 @@ def test_a_searchers_own_line_wins_over_its_exit_code():
     import types
     import searcher
     from runtime.errors import Dead
-    from runtime.fleet import Fleet, Messages
+    from runtime.fleet import Fleet
+    from runtime.processes import Messages
     line = "searcher 0: the weights of step 3 did not arrive intact: model.embed_tokens.weight holds sum 1"
     fleet = Fleet.__new__(Fleet)
     fleet.first, fleet.procs, q = 0, [types.SimpleNamespace(pid=42, exitcode=searcher.SAID)], queue.Queue()

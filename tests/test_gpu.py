@@ -414,17 +414,16 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
         batch = [[Trajectory(int(p), rng.integers(4, 90, size=int(rng.integers(2, 7))).astype(np.int32),
                              float(rng.integers(2)), -5.0, -5.0, 0) for _ in range(K)]
                  for p in rng.choice(len(prompts), B, replace=False)]
-        mine = batch[rank * B // world:(rank + 1) * B // world]
         # the logits' dtype, seen inside the training forward. (Not a separate forward under no_grad just
         # before the step: FSDP2 keeps the root group's parameters, embeddings and final norm, gathered after
         # one (torch/distributed/fsdp/_fully_shard/_fully_shard.py:453-466), and with 2 gloo ranks the
         # following AdamW step left them unchanged. tba's own forwards without gradient, tba.backward's
-        # statistics passes and pooled_backward's, come before passes with gradient, whose backward reshards;
+        # statistics passes, pooled or not, come before passes with gradient, whose backward reshards;
         # policy.LaggedCopy's (--behaviour-logprobs trainer) run on its own copy, resharded after each.)
         seen = []
         hook = model.lm_head.register_forward_hook(lambda module, args, output: seen.append(str(output.dtype)))
         opt = policy.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # 1e-2: bf16 norm weights of 1 move
-        sums = tba.backward(model, mine, B / world, prompts, 0, device, cfg, cfg.beta)
+        sums = tba.backward(model, batch, rank, world, prompts, 0, device, cfg, beta=cfg.beta)
         hook.remove()
         out["logits_dtype"] = sorted(set(seen))
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

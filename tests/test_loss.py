@@ -328,7 +328,7 @@ def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_na
     """tba.backward with --micro-batch below K = 4 (passes without gradient for the group's statistics, then passes
     with it) gives the gradient and the loss of one pass over whole prompts, and no forward pass sees more than
     --micro-batch sequences (rank 0's memory at MATH's 16 x 4,096 tokens: docs/gpu.md). Every entry of LOSSES: a new
-    loss is covered without editing this test, one that pools across prompts through tba.pooled_backward as tba.train
+    loss is covered without editing this test, one that pools across prompts through tba.backward as tba.train
     routes it (tests/test_ranks.py: on two ranks too, a pooled loss among them)."""
     import dataclasses
     import numpy as np
@@ -355,10 +355,7 @@ def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_na
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
         seen = []
         model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(len(kwargs["input_ids"])), with_kwargs=True)
-        if pools:  # as tba.train: a loss pooling across prompts gets the whole batch
-            sums = tba.pooled_backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), cfg(mb), 0.05)
-        else:
-            sums = tba.backward(model, groups, 2, prompts, 0, torch.device("cpu"), cfg(mb), 0.05)
+        sums = tba.backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), cfg(mb), beta=0.05)  # (pooled or not)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         losses.append(sums["loss"])
         assert max(seen) == min(mb, 4 if mb < 4 else 8), seen  # whole prompts (both) at 8; else at most mb

@@ -259,7 +259,7 @@ def test_a_searcher_stopped_half_way_through_a_message_stops_the_run_after_a_che
     """multiprocessing reads a queued message whole, with no timeout: a leader that read it itself would wait inside
     the half message for good, and rank 0 in the leaders' meeting until the groups' timeout (2 x --timeout + 600 s),
     with no checkpoint and no line naming the searcher (the watchdog sees a leader outside any collective). A thread
-    reads the messages (runtime.fleet.Messages): the run stops after a checkpoint within --timeout and a little,
+    reads the messages (runtime.processes.Messages): the run stops after a checkpoint within --timeout and a little,
     with one line naming node 1's searcher, as for a silent one."""
     out, port, timeout = tmp_path / "run", free_port(), 15
     stop = tmp_path / "STOP"
@@ -489,7 +489,7 @@ def searcherless_fleet(path, out, world):
     log = Log(cfg, int(os.environ["RANK"]), time.time())
     signals = types.SimpleNamespace(first=None, training=True)
     fleet = Fleet(dataclasses.replace(cfg, searchers=0), data, int(os.environ["RANK"]), world, log, signals)
-    from runtime.fleet import Messages
+    from runtime.processes import Messages
     fleet.channels = types.SimpleNamespace(queue=queue_module.Queue())
     fleet.messages = Messages(queue_module.Queue(), 4)
     fleet.watch = types.SimpleNamespace(heard=lambda msg: [], check=lambda: [])
@@ -569,13 +569,14 @@ def test_take_hears_every_message():
 
 
 def test_a_message_left_half_written_blocks_no_wait():
-    """runtime.fleet.Messages: a message whose writer stopped half-way (a searcher stopped while its queue's thread
+    """runtime.processes.Messages: a message whose writer stopped half-way (a searcher stopped while its queue's thread
     wrote) keeps only the reading thread waiting; the leader's take (Fleet.queued) and every timed get return on
     time, so that the watch can name the silent searcher."""
     import multiprocessing
     import queue as queue_module
     import struct
-    from runtime.fleet import Fleet, Messages
+    from runtime.fleet import Fleet
+    from runtime.processes import Messages
     q = multiprocessing.get_context("spawn").Queue()
     messages = Messages(q, 4)
     try:

@@ -69,54 +69,6 @@ def definitions(path: str) -> dict[str, ast.AST]:
     return found
 
 
-def test_the_reading_order_names_what_the_path_calls():
-    """Every function or class of the path's files that a function of the reading order calls by name (a function of
-    its file or one imported from another of them, a method through `self`, or through `t`, tba.train's Trainer) is
-    named in the reading order too, or is one of the rooms the README names below it (a mode's body, one call on the
-    path): nothing the default step runs is hidden from the reader."""
-    named = set(reading_order())
-    files = {path for path, _ in named} | {"tba.py", "searcher.py", "buffer.py", "loss.py", "rewards.py"}
-    defs = {path: definitions(path) for path in files}
-    module = {path[:-3].replace("/", "."): path for path in files}
-    skip = section("Read the code in this order").split("A first read may skip")[1]  # its last paragraph
-    rooms = set(re.findall(r"`([\w.]+)`", skip))
-    unnamed = set()
-    for path, name in named:
-        node, cls = defs[path][name], name.split(".")[0] if "." in name else None
-        imported = {a.asname or a.name: module[n.module] for n in ast.parse(open(os.path.join(ROOT, path)).read()).body
-                    if isinstance(n, ast.ImportFrom) and n.module in module for a in n.names}
-        for call in (c for c in ast.walk(node) if isinstance(c, ast.Call)):
-            f, target = call.func, None
-            if isinstance(f, ast.Name):
-                target = (path, f.id) if f.id in defs[path] else (imported[f.id], f.id) if f.id in imported else None
-            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in ("self", "t"):
-                owner = cls if f.value.id == "self" else "Trainer"
-                target = (path, f"{owner}.{f.attr}") if f"{owner}.{f.attr}" in defs[path] else None
-            if target and target[1] in defs[target[0]] and target not in named and target[1] not in rooms \
-                    and target[1].split(".")[-1] not in rooms and target != (path, name):
-                unnamed.add(f"{target[0]}:{target[1]} (called by {name})")
-    assert not unnamed, f"the path calls what the reading order does not name: {sorted(unnamed)}"
-
-
-PATH_BUDGET = 700  # lines: the learner's path of one TBA step in the default run (issue 42: 808 before, at most 700)
-
-
-def test_the_learners_path_stays_short():
-    """The functions and classes the reading order names, each counted whole (docstring and comments too): at most
-    PATH_BUDGET lines. A mode that joins the path is one call there, its body in a room of its own."""
-    lines = {}
-    for path, name in reading_order():
-        tree = ast.parse(open(os.path.join(ROOT, path)).read())
-        scope = tree.body
-        for part in name.split("."):
-            node = next(n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
-            scope = node.body
-        lines[f"{path}:{name}"] = node.end_lineno - node.lineno + 1
-    assert len(lines) >= 40, lines  # the path named, not a part of it
-    total = sum(lines.values())
-    assert total <= PATH_BUDGET, f"the reading order's functions hold {total} lines (budget {PATH_BUDGET}): {lines}"
-
-
 def test_the_readme_is_short():
     assert len(README.splitlines()) <= 300
 
@@ -133,3 +85,27 @@ def test_the_synchronous_baseline_is_on_policy():
         assert lines
         for line in lines:
             assert checks.parse(Config, line.split("#")[0].split("tba.py")[1].split()).lag == 0, line
+
+
+def test_the_picture_of_the_processes_names_what_exists():
+    """Each Class.member, class, file's function and message kind that the README's picture of the processes names
+    is in the code (the picture is text: edit it with the code)."""
+    picture = re.search(r"## The processes\n\n```text\n(.*?)```", README, re.S).group(1)
+    files = [f for f in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "runtime", "*.py"))]
+    members = {}
+    for f in files:
+        for node in ast.parse(open(f).read()).body:
+            if isinstance(node, ast.ClassDef):
+                members[node.name] = {m.name for m in node.body if isinstance(m, ast.FunctionDef)} | {
+                    m.target.id for m in node.body if isinstance(m, ast.AnnAssign)}
+    pairs = re.findall(r"\b([A-Z]\w+)\.(\w+)", picture)
+    assert len(pairs) >= 6, picture
+    for cls, member in pairs:
+        assert member in members.get(cls, ()), f"{cls}.{member}"
+    for cls in re.findall(r"\b((?:[A-Z][a-z]+){2,})\b", picture):  # ReplayBuffer, SharedWeights
+        assert cls in members, cls
+    for path, name in re.findall(r"(\w+\.py)'s (\w+)", picture):
+        assert name in definitions(path), (path, name)
+    code = "".join(open(f).read() for f in files)
+    for kind in re.findall(r'"kind":\s*"(\w+)"', picture):
+        assert f'kind="{kind}"' in code, kind

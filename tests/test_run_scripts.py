@@ -9,7 +9,8 @@ import subprocess
 import pytest
 
 from runtime import checks
-import tba
+import loss
+from runtime import policy
 from runtime.config import Config
 from conftest import ROOT
 
@@ -79,16 +80,16 @@ def test_run_gsm8k_passes_arguments_through_and_splits_gpus():
 def test_schedules():
     cfg = Config(steps=700, beta=0.014, beta_final=0.004, beta_anneal_steps=500, lr=1e-5,
                      warmup_steps=50, stable_steps=350, decay_steps=600)
-    assert tba.beta_at(cfg, 0) == pytest.approx(0.014)
-    assert tba.beta_at(cfg, 250) == pytest.approx(0.009)
-    assert tba.beta_at(cfg, 500) == tba.beta_at(cfg, 699) == pytest.approx(0.004)
-    assert tba.lr_at(cfg, 0) == pytest.approx(1e-5 / 50)  # linear warmup
-    assert tba.lr_at(cfg, 49) == tba.lr_at(cfg, 50) == tba.lr_at(cfg, 399) == pytest.approx(1e-5)
-    assert tba.lr_at(cfg, 700) == pytest.approx(1e-5 * 0.5 * (1 + math.cos(math.pi * 300 / 600)))  # cosine decay
-    assert tba.lr_at(cfg, 1000) == pytest.approx(0.0, abs=1e-20)
+    assert loss.beta_at(cfg, 0) == pytest.approx(0.014)
+    assert loss.beta_at(cfg, 250) == pytest.approx(0.009)
+    assert loss.beta_at(cfg, 500) == loss.beta_at(cfg, 699) == pytest.approx(0.004)
+    assert policy.lr_at(cfg, 0) == pytest.approx(1e-5 / 50)  # linear warmup
+    assert policy.lr_at(cfg, 49) == policy.lr_at(cfg, 50) == policy.lr_at(cfg, 399) == pytest.approx(1e-5)
+    assert policy.lr_at(cfg, 700) == pytest.approx(1e-5 * 0.5 * (1 + math.cos(math.pi * 300 / 600)))  # cosine decay
+    assert policy.lr_at(cfg, 1000) == pytest.approx(0.0, abs=1e-20)
     constant = Config(steps=10, lr=3e-4, beta=0.05, beta_final=0.05, decay_steps=0)
-    assert {tba.lr_at(constant, s) for s in range(10)} == {3e-4}
-    assert {tba.beta_at(constant, s) for s in range(10)} == {constant.beta}
+    assert {policy.lr_at(constant, s) for s in range(10)} == {3e-4}
+    assert {loss.beta_at(constant, s) for s in range(10)} == {constant.beta}
 
 
 @pytest.mark.engine
@@ -110,7 +111,7 @@ def test_run_redteam_dry_run_has_the_papers_settings():
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.weight_decay) == (32, 16, 0.01)
     assert (cfg.reward_temp, cfg.reward_temp_anneal_steps, cfg.gamma_final) == (2.0, 500, 1.0)
     assert (cfg.explore_temp_min, cfg.explore_temp_max) == (0.5, 2.0)
-    assert tba.lr_at(cfg, 4999) == pytest.approx(0.877e-4, rel=1e-3) and tba.lr_at(cfg, 0) == pytest.approx(1e-6)
+    assert policy.lr_at(cfg, 4999) == pytest.approx(0.877e-4, rel=1e-3) and policy.lr_at(cfg, 0) == pytest.approx(1e-6)
     command, cfg = dry_run("--seed", "7", script="scripts/run_redteam.sh", ATTACKER="/some/attacker", SEARCHERS="2")
     assert (cfg.model, cfg.seed, cfg.searchers) == ("/some/attacker", 7, 2)
 
@@ -173,7 +174,7 @@ def test_run_math_dry_run_has_the_issues_settings(environ, expected):
     assert command[:3] == ["torchrun", "--standalone", "--nproc_per_node=4"]  # 4 trainer + 4 searcher GPUs
     for name, value in {**MATH_COMMON, **expected}.items():
         assert getattr(cfg, name) == value, (name, getattr(cfg, name), value)
-    assert {tba.lr_at(cfg, s) for s in range(cfg.steps)} == {1e-6}  # constant: no warmup, no decay
+    assert {policy.lr_at(cfg, s) for s in range(cfg.steps)} == {1e-6}  # constant: no warmup, no decay
     # each searcher's round is B / 4 = 8 prompts (the default), so 4 rounds make each step's batch: --lag accepts it
     assert cfg.round_prompts is None and checks.check_lag(dataclasses.replace(cfg, round_prompts=8), 4) is None
 

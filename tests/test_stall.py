@@ -255,6 +255,7 @@ def test_take_counts_what_arrives_and_the_newest_version():
     import types
     import numpy as np
     from buffer import ReplayBuffer, Trajectory
+    from runtime.evaluations import Asked
     from runtime.fleet import Fleet
     q, rows, heard = queue_module.Queue(), [], []
     traj = lambda p, version, pi_ref=0: Trajectory(p, np.array([p], np.int32), 0.0, 0.0, 0.0, version, pi_ref)
@@ -269,11 +270,12 @@ def test_take_counts_what_arrives_and_the_newest_version():
     fleet.log = types.SimpleNamespace(eval=lambda *row: rows.append(row), searched=lambda msg: None)
     fleet.received = fleet.kept = fleet.tokens = 0
     fleet.heard, fleet.dead, fleet.silent = True, None, None
-    fleet.newest, fleet.published, fleet.evaluated, fleet.verified = -1, {4: (1.0, 0.0)}, [], {}
+    fleet.newest, fleet.published, fleet.verified = -1, {4: (1.0, 0.0)}, {}
+    fleet.evals = Asked(fleet)
     buffer = ReplayBuffer(10, 0.5, 0.0)
     assert fleet.take(buffer, lambda: True) == 0.0 and q.empty() and len(heard) == 4
     assert (fleet.received, fleet.kept, len(buffer), fleet.newest, fleet.tokens) == (4, 3, 3, 5, 4)  # a token each
-    assert fleet.evaluated == [4] and rows == [(4, {"accuracy": 0.5}, {}, 1.0, (1.0, 0.0))]
+    assert fleet.evals.evaluated == [4] and rows == [(4, {"accuracy": 0.5}, {}, 1.0, (1.0, 0.0))]
 
 
 def test_watch_hears_an_evaluations_beats_and_names_the_node(monkeypatch):

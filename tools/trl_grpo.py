@@ -20,7 +20,7 @@ reward `rewards.arith_reward` (exact match after strip), B = 32 prompts x K = 8 
 temperature 1.0, at most 8 new tokens (generation stops at EOS), 200 steps, float32 on the CPU,
 AdamW (weight decay 0) with gradient-norm clip 1.0, and the same learning-rate shape: constant,
 then a cosine decay to 0 over the last 100 steps (`tba.py --decay-steps 100`; here transformers'
-`warmup_stable_decay`, whose formula is `tba.lr_at`'s). Evaluation: greedy pass@1 on the 400
+`warmup_stable_decay`, whose formula is `runtime.policy.lr_at`'s). Evaluation: greedy pass@1 on the 400
 held-out problems, at most 8 new tokens, stopping at EOS, the same reward, at step 0 and every
 10 steps, in a callback (batched: the arith prompts all have the same token length).
 
