@@ -60,7 +60,7 @@ def test_the_tutorials_runs_show_what_it_says(tmp_path):
     assert [r["staleness"] for r in lag if r["step"] >= 5] == [4.0] * (STEPS - 4)  # 3: exactly L from step L + 1
     assert max(r["staleness_max"] for r in lag) == 4
     for name in ("emulated-sync", "emulated-stream"):  # 5: the emulation named in the summary
-        assert "generation slowed 8x (emulated) | training slowed 4x (emulated)" in outs[name][1], outs[name][1][-2000:]
+        assert "generation slowed 16x (emulated) | training slowed 8x (emulated)" in outs[name][1], outs[name][1][-2000:]
     assert {"stream", "grpo"} <= set(outs)
     if importlib.util.find_spec("matplotlib") is not None:
         assert os.path.getsize(tmp_path / "tutorial" / "runs.png") > 0
