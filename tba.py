@@ -10,7 +10,6 @@ runtime/config.py's `Config`.
 
     torchrun --nproc_per_node=1 tba.py                  # the toy task on a laptop: about a minute
     torchrun --nproc_per_node=1 tba.py --searchers 0 --lag 0    # the synchronous on-policy baseline, same code
-    python tba.py --help                                # every flag
     bash run_gsm8k.sh                                   # the paper's GSM8K run on a 4-GPU node
 
 The machinery it calls is in runtime/ (the README's house says what is where), the tasks in tasks/,
