@@ -192,8 +192,8 @@ class Trainer:
         """What the next step still lacks (rank 0), or None: an evaluation's weights held, the initial buffer, B prompts,
         data no more than --max-staleness old, --max-reuse's credit; with --lag, this step's rounds."""
         cfg, fleet = self.cfg, self.fleet
-        if fleet.evals.pending():  # an evaluation's weights first (its wait is the log's overhead, not learning)
-            return fleet.evals.pending()
+        if evaluation := fleet.evals.pending():  # an evaluation's weights first (its wait: the log's overhead)
+            return evaluation
         if cfg.lag is not None:  # --lag: this step's rounds, all of them
             got, want = self.buffer.waiting(self.step), fleet.round_size()
             return None if got >= want else (f"the rounds of step {self.step}, sampled by the weights of step "
@@ -318,8 +318,8 @@ def backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, **o
     per_token = getattr(loss_fn, "per_token", False)
     options = loss_options(cfg, **options)  # every call's keyword arguments, as the start-up check's
     share = slice(rank * len(batch) // world, (rank + 1) * len(batch) // world)
-    step = max(1, cfg.micro_batch // K)
-    units = [batch] if pools else [batch[share][i:i + step] for i in range(0, share.stop - share.start, step)]
+    per_unit = max(1, cfg.micro_batch // K)  # prompts
+    units = [batch] if pools else [batch[share][i:i + per_unit] for i in range(0, share.stop - share.start, per_unit)]
     sums = {}
     for unit in units:
         mine = unit[share] if pools else unit  # this rank's groups of the unit

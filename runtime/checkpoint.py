@@ -56,11 +56,11 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
     if done.item():
         return True
     t0 = time.time()
-    sd = full_state_dict(model)
-    osd = get_optimizer_state_dict(model, t.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     counters = dict(elapsed=t.log.now(), samples=fleet.received, tokens=fleet.tokens, kept=fleet.kept,
                     first_eval=t.log.first_eval, reuse=[t.cap.credit, t.cap.counted, t.cap.drawn],
                     node_samples=fleet.nodes.samples if fleet.nodes else [])  # several nodes: each one's
+    sd = full_state_dict(model)
+    osd = get_optimizer_state_dict(model, t.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def write(folder):
         save_hf(model, sd, t.tokenizer, os.path.join(folder, "model"))
