@@ -113,8 +113,8 @@ def watchdog(state, device, reduced):
             timer.join()
             seen[key] = dict(got, waited_seconds=waited)
         if cuda:  # a spinning kernel of about 2 s ahead of the collective holds it back
-            # calibrated after a warm-up: a first launch that loads the kernel would make the spin too short, and
-            # "nothing seen" would mean a wait that ended before the look, not a wait unseen
+            # calibrated after a warm-up: a first launch that loads the kernel would make the spin too
+            # short, and "nothing seen" would mean a wait that ended before the look, not a wait unseen
             per = timed(lambda: torch.cuda._sleep(10**8), device, warmup=1)
             cycles = int(1e8 * 2.0 / per)
             spin = dict(cycles=cycles, seconds_per_1e8_cycles=per)
@@ -132,7 +132,7 @@ def watchdog(state, device, reduced):
     finally:
         dog.close()
     say("watchdog's inputs", backend=str(dist.get_backend()), sequence_moved_by=moved, seen_while_waiting=seen,
-        spin=spin, note="one rank: NCCL refuses two ranks on one GPU, so no stall between ranks can be staged here")
+        spin=spin, note="one rank: NCCL refuses two ranks on one GPU, so no stall between ranks is staged")
 
 
 # --- lagged -----------------------------------------------------------------------------------------------------------
