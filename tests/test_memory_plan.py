@@ -122,8 +122,8 @@ def test_the_qwen_plan_counts_each_term():
 def test_rank_0_under_tba_prime_is_told_the_setting_that_leaves_its_headroom():
     """A trainer GPU holds the plan, the allocator's reserve beyond it and NCCL's buffers: run_math.sh's rank 0 under
     TBA′ comes to about 84 of an 80 GB card's 84.5 GB usable, under the 5 GB the plan keeps free, and its line and
-    run_math.sh's first lines (unless the setting is on) name the setting that leaves them; Dr. GRPO's rank 0 and the
-    other ranks keep more, and no setting is named."""
+    run_math.sh's first lines (with its 4 trainer GPUs, unless the setting is on) name the setting that leaves them;
+    Dr. GRPO's rank 0 and the other ranks keep more, and no setting is named."""
     import os
     import re
     import subprocess
@@ -147,6 +147,7 @@ def test_rank_0_under_tba_prime_is_told_the_setting_that_leaves_its_headroom():
     assert figures == (f"{memory.on_card(tb0) / 1e9:.0f}", f"{memory.USABLE / 1e9:.1f}", f"{memory.HEADROOM / 1e9:.0f}",
                        f"{(memory.USABLE - memory.on_card(tb0, memory.EXPANDABLE)) / 1e9:.0f}")
     assert said(LOSS="drgrpo", PYTORCH_CUDA_ALLOC_CONF="") == [] == said(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    assert said(TRAINERS="2", PYTORCH_CUDA_ALLOC_CONF="") == []  # another plan: its figures are not these
 
 
 def test_a_reload_s_largest_layer_is_counted_on_the_searcher_s_gpu(tmp_path):
