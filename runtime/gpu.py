@@ -183,8 +183,9 @@ def reload_bytes(path: str, dtype: str) -> int:
     c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     h = c.hidden_size
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
-    kv = (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) * (h // c.num_attention_heads)
-    return max(c.vocab_size * h, (h + 2 * kv) * h, 2 * ffn * h) * d
+    head = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    qkv = (c.num_attention_heads + 2 * (getattr(c, "num_key_value_heads", None) or c.num_attention_heads)) * head
+    return max(c.vocab_size * h, qkv * h, 2 * ffn * h) * d
 
 
 def trainer_bytes(params: int, trained: int, trainer_dtype: str, gradients: bool = True) -> int:
