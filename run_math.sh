@@ -37,6 +37,10 @@ case "$LOSS" in
     IS=${IS:-on}
     case "$IS" in on) WEIGHTS=--importance-weights;; off) WEIGHTS=--no-importance-weights;;
       *) fail "IS must be on or off, got $IS";; esac
+    case $TRAINERS,${PYTORCH_CUDA_ALLOC_CONF:-} in 4,*expandable_segments:True*) ;; 4,*)  # memory.py's figures
+      launch_note="run_math.sh: trainer rank 0 of 4 under TBA′ holds about 84 GB of an 80 GB card's 84.5 usable \
+(docs/gpu.md, \"Memory\"), under the 5 GB kept free: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True leaves about 7";;
+    esac
     objective=(
       --loss tbprime                        # TBA′'s update (loss.tbprime_loss)
       --ref-reset-every 50                  # rho: pi_ref becomes the current policy every 50 steps (Sec. 6)

@@ -154,7 +154,8 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
     log-prob pass (--score-batch sequences' logits and a 256 MiB float32 chunk, loss.sequence_logprobs), the
     reward model, what the task adds (its `memory`: TL;DR's evaluation models, red-teaming's victim and judge
     engines, classifier and embedder), with --searchers 0 the trainer's own state and the shared copy of the
-    weights (the trainer's GPU holds the engine), and 1 GiB for the CUDA context and the allocator's cache."""
+    weights (the trainer's GPU holds the engine), 1 GiB for the CUDA context and the allocator's cache,
+    and what a reload allocates beside the engine (`reload_bytes`)."""
     d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     seqs = cfg.prompts_per_step * cfg.search_samples_per_prompt
     engines = {"policy": engine_needs(cfg.model_path, cfg.dtype, cfg.max_model_len, cfg.max_model_len, seqs)}
@@ -169,7 +170,22 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
         beside["the trainer's weights, gradients and AdamW state"] = trainer_bytes(params, trained, cfg.trainer_dtype)
         beside["the shared copy"] = model_bytes(cfg.model_path, cfg.dtype) * (2 if cfg.ref_reset_every else 1)
     beside["the CUDA context"] = 2**30
+    beside["a reload's largest layer"] = reload_bytes(cfg.model_path, cfg.dtype)
     return engines, beside
+
+
+def reload_bytes(path: str, dtype: str) -> int:
+    """What vLLM 0.32's reload of new weights allocates beside the engine: it rebuilds each layer on the
+    device (its own tensors, as vLLM fuses them: the embeddings, the LM head, q k v, gate and up), loads it,
+    copies it into the engine's tensors and lets it go (vllm/model_executor/model_loader/reload/
+    layerwise.py:344-401, materialize_layer in meta.py:145-153): the largest layer, 1.09 GB for Qwen2.5-7B's
+    embeddings."""
+    c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    h = c.hidden_size
+    ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
+    head = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    qkv = (c.num_attention_heads + 2 * (getattr(c, "num_key_value_heads", None) or c.num_attention_heads)) * head
+    return max(c.vocab_size * h, qkv * h, 2 * ffn * h) * d
 
 
 def trainer_bytes(params: int, trained: int, trainer_dtype: str, gradients: bool = True) -> int:

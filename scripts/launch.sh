@@ -21,6 +21,7 @@ launch() {
   done
   local cmd=(torchrun --standalone --nproc_per_node="$TRAINERS" tba.py "${settings[@]}" "${passthrough[@]}")
   echo "GPU split: $TRAINERS trainer GPU(s) + $SEARCHERS searcher GPU(s)${summary:+; $summary}"
+  [ -z "${launch_note:-}" ] || echo "$launch_note"  # a script's word on its settings (run_math.sh: rank 0's memory)
   echo "${cmd[*]}"
   if [ "$dry_run" = 1 ]; then
     exit 0

@@ -119,6 +119,55 @@ def test_the_qwen_plan_counts_each_term():
     assert sum(plans["tb", 0, True].values()) - sum(tb0.values()) == pytest.approx(3.81e9, rel=1e-3)
 
 
+def test_rank_0_under_tba_prime_is_told_the_setting_that_leaves_its_headroom():
+    """A trainer GPU holds the plan, the allocator's reserve beyond it and NCCL's buffers: run_math.sh's rank 0 under
+    TBA′ comes to about 84 of an 80 GB card's 84.5 GB usable, under the 5 GB the plan keeps free, and its line and
+    run_math.sh's first lines (with its 4 trainer GPUs, unless the setting is on) name the setting that leaves them;
+    Dr. GRPO's rank 0 and the other ranks keep more, and no setting is named."""
+    import os
+    import re
+    import subprocess
+    from conftest import ROOT
+    plan = lambda loss, rank: memory.qwen_plan(FITS, 32000, memory.RHO, loss, rank)
+    tb0 = plan("tb", 0)
+    assert round(memory.on_card(tb0) / 1e9) == 84 and memory.USABLE - memory.on_card(tb0) < memory.HEADROOM
+    assert memory.USABLE - memory.on_card(tb0, memory.EXPANDABLE) >= memory.HEADROOM
+    for loss, rank in (("tb", 1), ("drgrpo", 0), ("drgrpo", 1)):
+        assert memory.USABLE - memory.on_card(plan(loss, rank)) >= memory.HEADROOM
+        assert "expandable_segments" not in memory.qwen_line(FITS, 32000, memory.RHO, loss, rank)
+    line = memory.qwen_line(FITS, 32000, memory.RHO, "tb", 0)
+    assert "about 84 of the 84.5 GB usable, 0.9 free, under the 5 GB kept: PYTORCH_CUDA_ALLOC_CONF=" \
+           "expandable_segments:True leaves 7 if" in line
+    said = lambda **environ: [x for x in subprocess.run(
+        ["bash", os.path.join(ROOT, "run_math.sh"), "--dry-run"], capture_output=True, text=True, timeout=30,
+        env=dict(os.environ, **environ)).stdout.splitlines() if x.startswith("run_math.sh:")]
+    (note,) = said(PYTORCH_CUDA_ALLOC_CONF="")
+    figures = re.search(r"about (\d+) GB of an 80 GB card's ([\d.]+) usable .* the (\d+) GB kept free: "
+                        r"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True leaves about (\d+)$", note).groups()
+    assert figures == (f"{memory.on_card(tb0) / 1e9:.0f}", f"{memory.USABLE / 1e9:.1f}", f"{memory.HEADROOM / 1e9:.0f}",
+                       f"{(memory.USABLE - memory.on_card(tb0, memory.EXPANDABLE)) / 1e9:.0f}")
+    assert said(LOSS="drgrpo", PYTORCH_CUDA_ALLOC_CONF="") == [] == said(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    assert said(TRAINERS="2", PYTORCH_CUDA_ALLOC_CONF="") == []  # another plan: its figures are not these
+
+
+def test_a_reload_s_largest_layer_is_counted_on_the_searcher_s_gpu(tmp_path):
+    """vLLM 0.32 rebuilds each layer of its model on the device at a reload, one at a time: the largest, as vLLM
+    fuses them, is counted beside the engine: Qwen2.5-7B's embeddings (1.09 GB in bf16); with a small vocabulary the
+    fused gate and up projections."""
+    from transformers import Qwen2Config
+    q = memory.QWEN_7B
+    for vocab, largest in ((q["vocab"], q["vocab"] * q["hidden"]), (1000, 2 * q["ffn"] * q["hidden"])):
+        Qwen2Config(hidden_size=q["hidden"], intermediate_size=q["ffn"], num_attention_heads=q["heads"],
+                    num_key_value_heads=q["kv_heads"], num_hidden_layers=2, vocab_size=vocab,
+                    tie_word_embeddings=False).save_pretrained(tmp_path / str(vocab))
+        assert gpu.reload_bytes(str(tmp_path / str(vocab)), "bfloat16") == 2 * largest
+    assert gpu.reload_bytes(str(tmp_path / str(q["vocab"])), "bfloat16") == pytest.approx(1.09e9, rel=1e-3)
+    cfg = Config(model_path=str(tmp_path / str(q["vocab"])), dtype="bfloat16", max_model_len=640, score_batch=1,
+                 search_samples_per_prompt=4, searchers=1)
+    import tasks
+    assert gpu.memory_needs(cfg, tasks.get("gsm8k"))[1]["a reload's largest layer"] == 2 * q["vocab"] * q["hidden"]
+
+
 def test_the_host_plan_counts_the_rings_as_allocated():
     """Rank 0's --lag ring: L + 1 exact slots (45.7 GB at L = 2, 167.5 at L = 10); --behaviour-logprobs trainer's ring
     on every rank: L + 1 slots of its bf16 shards (3.8 GB each); before, one block a tensor: 86.9 GB at L = 2."""

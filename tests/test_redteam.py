@@ -445,17 +445,18 @@ def test_memory_split_of_the_papers_settings(tmp_path, monkeypatch, llama):
                                              lambda i: types.SimpleNamespace(total_memory=total))
     gpus(card)
     share = gpu.check_memory(cfg, redteam.TASK, 1)  # fits: no refusal
-    assert share == (0.9 if llama else 0.73)  # at most vLLM's default; what RoBERTa & co. leave
+    assert share == (0.9 if llama else 0.72)  # at most vLLM's default; what RoBERTa & co. leave
     if llama:
         gpus(48 * 10**9)
-        assert gpu.check_memory(cfg, redteam.TASK, 1) == 0.87  # docs/tasks.md: 0.84 to 0.87 fit
+        assert gpu.check_memory(cfg, redteam.TASK, 1) == 0.86  # docs/tasks.md: 0.84 to 0.86 fit
         with pytest.raises(ConfigError, match=r"^--searcher-memory: 0.7 of this GPU's 44.7 GiB cannot hold the "
                                                      r"attacker \+ victim \+ judge engines' [\d.]+ GiB; give them at least 0.8\d$"):
             gpu.check_memory(dataclasses.replace(cfg, searcher_memory=0.7), redteam.TASK, 1)
         gpus(40 * 10**9)
         with pytest.raises(ConfigError, match=r"^--searcher-memory: the attacker \+ victim \+ judge engines' "
                                                      r"[\d.]+ GiB and the models beside them \(pi_ref 2.3, .*, the CUDA "
-                                                     r"context 1.0: [\d.]+ GiB\) need more than this GPU's 37.3 GiB$"):
+                                                     r"context 1.0, a reload's largest layer 0.5: [\d.]+ GiB\) need "
+                                                     r"more than this GPU's 37.3 GiB$"):
             gpu.check_memory(cfg, redteam.TASK, 1)
 
 

@@ -169,14 +169,19 @@ def test_an_evaluation_longer_than_the_timeout_is_not_silence(tiny_model, tmp_pa
 def test_ctrl_c_in_the_final_evaluation_wait_with_two_ranks(tiny_model, tmp_path):
     """Two trainer ranks; the searcher stops before the end, so rank 0 waits for the final
     evaluation; Ctrl-C there: both ranks write the checkpoint together (its gathers are collective)
-    and stop at once, with status 130 and nothing left behind."""
-    out, steps = tmp_path / "run", 18  # 3 steps, then 3 for each of freeze_searcher's 5 tries at most
+    and stop at once, with status 130 and nothing left behind. No weights are published before the last step
+    (--sync-every: the steps), so the searcher, which reads the weights only when they move, cannot be stopped
+    inside a read, where it would hold the next publish, and the trainer, until it went on; and it is stopped
+    once, whatever step the trainer (unbounded: several steps a second) has reached, for the final evaluation
+    needs the last step's weights, which only then come."""
+    out, steps = tmp_path / "run", 18
     proc = start(["--model", tiny_model, "--steps", str(steps), *SMALL, "--max-reuse", "0", "--max-staleness", "0",
-                  "--timeout", "120", "--out", str(out)], tmp_path, ranks=2)  # no bound: it trains on to the end
+                  "--sync-every", str(steps), "--timeout", "120", "--out", str(out)], tmp_path, ranks=2)  # no bound
     try:
         wait_for_steps(proc, out, 3)
         everything = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-        freeze_searcher(proc, out)
+        (pid,) = searcher_pids(proc.pid)
+        os.kill(pid, signal.SIGSTOP)
         deadline = time.time() + 120
         while train_steps(out) < steps:
             assert time.time() < deadline and proc.poll() is None, (tmp_path / "output.txt").read_text()[-3000:]

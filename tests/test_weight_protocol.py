@@ -15,7 +15,10 @@ Negative controls (they must DETECT a violation, which shows the check can fail)
   a reader flagged while it copies cannot race, with or without `synchronize`; the
   "nosync" race below cannot occur on the CPU.
 - GPU, "nosync": a reader flagged while it enqueues its copies that lowers its flag without
-  waiting for them, as `reading` would without its `synchronize`. vLLM's reload enqueues copies and
+  waiting for them (`unsynced`: `reading` without its `synchronize`; through `reading` itself, which waits
+  for the shared tensors' devices whatever it is given, the control could never fail). On the CPU the same
+  path, its copies queued on a thread standing in for a stream, is seen to tear
+  (test_the_nosync_path_can_tear_where_the_locked_one_cannot). vLLM's reload enqueues copies and
   never synchronises (vllm/model_executor/model_loader/reload/): a copy between GPUs runs on the
   source GPU's current stream and `copy_` returns before the bytes move (upstream aten/src/ATen/
   native/cuda/Copy.cu, copy_device_to_device). To make "still in flight" certain rather than a
@@ -34,6 +37,9 @@ counter drops, torch/include/torch/csrc/CudaIPCTypes.h:22-75). Every wait here h
 checks that the other process lives.
 """
 
+import contextlib
+import queue
+import threading
 import time
 import traceback
 
@@ -47,8 +53,9 @@ from runtime.errors import Dead
 
 TIMEOUT = 60.0  # s: any wait on the other process (lock, queue, join)
 VERSIONS = 200
-DETECT_SECONDS = 120.0  # negative controls: publish until the reader reports a violation, at most this long
-# (it stops at the first: seconds; the bound only matters when other processes share the cores)
+DETECT_SECONDS = 30.0  # negative controls: publish until the reader reports a violation, at most this long
+# (it stops at the first: seconds; the bound only matters when other processes share the cores or, on a GPU, when
+# the control fails: it must not take the lease's tests stage with it)
 SLEEP_LOCKED = 10**7      # GPU clock cycles (~5 ms) queued ahead of each read's copies
 SLEEP_NOSYNC = 2 * 10**8  # ~100 ms: the writer publishes several versions while the copies wait
 # s between publishes. CPU: none, back to back is the most contention, and filling the writer's
@@ -70,6 +77,19 @@ def reader_device(kind: str) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device("cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0")
+
+
+@contextlib.contextmanager
+def unsynced(shared, me, alive, timeout):
+    """The "nosync" defect: `weights.reading` without its wait for the devices, so the flag goes while the reader's
+    copies may still be queued behind other work on a stream, and the writer may overwrite what they read."""
+    weights.acquire(shared.lock, alive, timeout)
+    shared.reading[me] = 1
+    shared.lock.release()
+    try:
+        yield
+    finally:
+        shared.reading[me] = 0
 
 
 def reader(shared, mode, kind, ready, detected, stop, results):
@@ -114,7 +134,7 @@ def reader(shared, mode, kind, ready, detected, stop, results):
                 with weights.reading(shared, 0, parent_alive, TIMEOUT, device):
                     v = copy()
             elif mode == "nosync":  # the defect: the flag goes before the copies are done
-                with weights.reading(shared, 0, parent_alive, TIMEOUT):  # (no device: nothing waited for)
+                with unsynced(shared, 0, parent_alive, TIMEOUT):
                     v = copy()
             else:  # "nolock"
                 v = copy()
@@ -218,6 +238,66 @@ def test_releasing_the_lock_before_the_copies_finish_is_detected():
     out = run_protocol("cuda", "nosync")
     assert out["bad"] >= 1, (f"no violation in {out['syncs']} reads: the GPU ran the reader's copies before the "
                              f"writer's although the flag went first")
+
+
+class Stream:
+    """A CPU stand-in for a CUDA stream: work queued on it runs later, in order, on a thread of its own, and `wait`
+    is torch.cuda.synchronize (a CPU copy_ is done when it returns: only a queue can leave it in flight)."""
+
+    def __init__(self):
+        self.work = queue.Queue()
+        threading.Thread(target=self.run, daemon=True).start()
+
+    def run(self):
+        while True:
+            self.work.get()()
+            self.work.task_done()
+
+    def wait(self):
+        self.work.join()
+
+
+def test_the_nosync_path_can_tear_where_the_locked_one_cannot(monkeypatch):
+    """The GPU negative control's path on the CPU, in threads: a writer publishes versions back to back (`write`,
+    tensor by tensor, under the lock); a reader flagged while it queues its copies on a busy stream (a spin ahead of
+    them, as the GPU reader's `torch.cuda._sleep`) and lowers its flag without waiting for them (`unsynced`) reads a
+    mix of versions, or another than it was flagged for, within a few hundred tries. The same reader through
+    `reading`, whose `synchronize` waits for the reader's stream here as torch.cuda.synchronize waits for the
+    device's, never does; nor would the control, were it to go through `reading`."""
+    shared, noop = weights.create(mp.get_context("spawn"), 1), lambda: None
+    names = [f"w{i}" for i in range(8)]
+    weights.allocate(shared, [(n, torch.zeros(2**14)) for n in names], {}, "cpu", torch.float32)
+    mine, stream, stop = {n: torch.empty(2**14) for n in names}, Stream(), threading.Event()
+    me = threading.get_ident()  # the reader; the writer's synchronize waits for its own device, not this stream
+    monkeypatch.setattr(weights, "synchronize", lambda *_: stream.wait() if threading.get_ident() == me else None)
+
+    def publish():
+        v = 0
+        while not stop.is_set():
+            v += 1
+            weights.write(shared, [(n, torch.full((2**14,), float(v))) for n in names], v, noop, TIMEOUT)
+    writer, box = in_thread(publish)
+
+    def read(path) -> tuple[int, bool]:
+        """One read through `path`: (the version flagged, whether the copy is that version alone)."""
+        with path(shared, 0, noop, TIMEOUT):
+            v = shared.version.value
+            stream.work.put(lambda: time.sleep(0.002))  # the stream busy: the copies wait behind other work
+            for n in names:
+                stream.work.put(lambda n=n: mine[n].copy_(shared.tensors[n]))
+        stream.wait()  # the check after the copies, as the GPU reader's runs on its stream after them
+        return v, all(bool((mine[n] == v).all()) for n in names)
+    try:
+        locked = [read(weights.reading) for _ in range(200)]
+        tries, torn = 0, False
+        while not torn and tries < 2000:
+            tries, torn = tries + 1, not read(unsynced)[1]
+    finally:
+        stop.set()
+        writer.join(TIMEOUT)
+    assert "error" not in box, box
+    assert all(intact for _, intact in locked) and len({v for v, _ in locked}) >= 3, locked[-5:]
+    assert torn, f"the nosync path never read a torn or mislabelled copy in {tries} tries: the control cannot fail"
 
 
 def test_a_publish_copies_its_fingerprints_to_the_host_once(monkeypatch):

@@ -99,7 +99,7 @@ def watchdog(state, device, reduced):
             sync(device)
             after = dog.sequence()
             moved[kind] = None if before is None or after is None else after - before
-        seen = {}
+        seen, spin = {}, None
 
         def during(key, wait):
             """What where() and sequence() read from another thread half a second into `wait()` of this one, and when:
@@ -113,7 +113,11 @@ def watchdog(state, device, reduced):
             timer.join()
             seen[key] = dict(got, waited_seconds=waited)
         if cuda:  # a spinning kernel of about 2 s ahead of the collective holds it back
-            cycles = int(1e8 * 2.0 / timed(lambda: torch.cuda._sleep(10**8), device))
+            # calibrated after a warm-up: a first launch that loads the kernel would make the spin too
+            # short, and "nothing seen" would mean a wait that ended before the look, not a wait unseen
+            per = timed(lambda: torch.cuda._sleep(10**8), device, warmup=1)
+            cycles = int(1e8 * 2.0 / per)
+            spin = dict(cycles=cycles, seconds_per_1e8_cycles=per)
             x = torch.ones(1, device=device)
 
             def behind(then):
@@ -128,7 +132,7 @@ def watchdog(state, device, reduced):
     finally:
         dog.close()
     say("watchdog's inputs", backend=str(dist.get_backend()), sequence_moved_by=moved, seen_while_waiting=seen,
-        note="one rank: NCCL refuses two ranks on one GPU, so no stall between ranks can be staged here")
+        spin=spin, note="one rank: NCCL refuses two ranks on one GPU, so no stall between ranks is staged")
 
 
 # --- lagged -----------------------------------------------------------------------------------------------------------

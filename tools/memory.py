@@ -197,6 +197,11 @@ QWEN_7B = dict(hidden=3584, ffn=18944, heads=28, kv_heads=4, vocab=152064, layer
 GB = 1e9
 CARD = 80e9        # an "80 GB" card (A100, H100), in the plan's decimal GB
 CONTEXT = 0.5e9    # a CUDA context
+USABLE = 84.5e9    # what an "80 GB" card (85.0e9 bytes) leaves to a process's allocations
+RESERVE = 0.10     # the caching allocator's cached blocks beyond what is allocated, a share of it
+NCCL = 1.5e9       # NCCL's own buffers on a trainer GPU (its channels', outside torch's allocator)
+HEADROOM = 5e9     # what the plan keeps free of a card for what it does not count
+EXPANDABLE = 0.02  # RESERVE with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (grown in place; assumed)
 GSM8K = dict(steps=700, eval_every=100, trainer_memory=0.2, searchers=3)  # run_gsm8k.sh; --trainer-memory's default
 MATH = dict(ranks=4, tokens=4096, searchers=4, steps=420, eval_every=5)   # run_math.sh
 BEHAVIOUR = "the behaviour copy's bf16 shard"
@@ -385,6 +390,25 @@ def qwen_plan(fits: dict, vocab: int, s: dict = RHO, loss: str = "tb", rank: int
     return plan
 
 
+def on_card(plan: dict, reserve: float = RESERVE) -> float:
+    """What a GPU whose plan (allocated bytes, term by term) is `plan` holds: the plan, the allocator's
+    `reserve` beyond it and NCCL's buffers; HEADROOM below USABLE is the plan's aim."""
+    return sum(plan.values()) * (1 + reserve) + NCCL
+
+
+def headroom_line(plan: dict) -> str:
+    """What a trainer GPU holds beyond the plan's allocations, and the setting that leaves HEADROOM where it
+    falls short (run_math.sh says the same at its start)."""
+    held, expandable = on_card(plan), on_card(plan, EXPANDABLE)
+    line = (f"with the allocator's {RESERVE:.0%} and NCCL's {NCCL / GB:.1f} about {held / GB:.0f} of the "
+            f"{USABLE / GB:.1f} GB usable, {(USABLE - held) / GB:.1f} free")
+    if USABLE - held >= HEADROOM:
+        return line
+    return (f"{line}, under the {HEADROOM / GB:.0f} GB kept: PYTORCH_CUDA_ALLOC_CONF="
+            f"expandable_segments:True leaves {(USABLE - expandable) / GB:.0f} if the allocator then keeps "
+            f"{EXPANDABLE:.0%}")
+
+
 def qwen_line(fits: dict, vocab: int, s: dict, loss: str, rank: int) -> str:
     plan, more = qwen_plan(fits, vocab, s, loss, rank), qwen_plan(fits, vocab, s, loss, rank, behaviour=True)
     x = qwen_moments(fits, vocab, s)
@@ -395,7 +419,8 @@ def qwen_line(fits: dict, vocab: int, s: dict, loss: str, rank: int) -> str:
             f"{x['kept'] / GB:.1f}, a block recomputed {x['block'] / GB:.1f}, the statistics pass's logits and chunk "
             f"{x['logits'] / GB:.1f}; the moments: {describe({k: x[k] for k in MOMENTS if k in x})}; FSDP2's in a block's "
             f"backward: {describe(fsdp_pass(QWEN_7B))}); with --behaviour-logprobs trainer about "
-            f"{sum(more.values()) / GB:.0f} GB (its copy's bf16 shard {more[BEHAVIOUR] / GB:.1f}); count about 10% more")
+            f"{sum(more.values()) / GB:.0f} GB (its copy's bf16 shard {more[BEHAVIOUR] / GB:.1f}); "
+            f"without it, {headroom_line(plan)}")
 
 
 def host_plan(lag: int, rank: int = 0, behaviour: bool = False, loss: str = "tb") -> dict[str, float]:
