@@ -42,7 +42,7 @@ from runtime import decoding, seeds, slowdown
 from runtime.errors import Dead, WrongWeights
 from runtime.evaluations import Requests
 from runtime.processes import SAID, last_word, parent_alive, send
-from runtime.weights import WAIT, Inbox, SharedWeights, check_arrival
+from runtime.weights import WAIT, Inbox, SharedWeights, arrival_plan, check_arrival
 
 
 
@@ -148,6 +148,7 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()  # vLLM's, loaded with its engine: not a second load
         self.version = 0          # trainer step of the weights loaded (0 = the initial model)
         self.verified = -1        # the last version whose arrival was checked (`verify`)
+        self.plan = (None,)       # the published names, and how their arrival is checked (`verify`)
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.pi_ref_model = None  # loaded on the first search (`pi_ref`)
         self.weights = None       # the shared weights (`follow`)
@@ -278,8 +279,11 @@ class Engine:
     def verify(self, names: list[str], prints) -> int:
         """The weights just loaded, read back from the engine, against the trainer's fingerprints: a version that did
         not arrive intact, or one with a tensor that went into no parameter of the engine (unchecked), stops the run,
-        naming the tensor (docs/faults.md). `verified`: the last version checked. Returns the number of names checked."""
-        checked = check_arrival(self.version, names, prints, *vllm_env.held_fingerprints(self.llm, names))
+        naming the tensor (docs/faults.md). Which parameter holds each name is found at the first arrival, once.
+        `verified`: the last version checked. Returns the number of names checked."""
+        if names != self.plan[0]:
+            self.plan = (names, *arrival_plan(self.version, names, vllm_env.engine_params(self.llm, names)))
+        checked = check_arrival(self.version, prints, *self.plan[1:], vllm_env.held_fingerprints(self.llm))
         self.verified = self.version
         return checked
 

@@ -21,7 +21,7 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    and sum of squares in float64, computed as it is copied. All three are blind to the order of the elements, so a
    searcher checks its engine's copy in the engine's own layout (vLLM fuses q, k and v, whose sums add up,
    transposes GPT-2's Conv1D, pads the vocabulary with zeros, repacks CPU linear weights:
-   vllm_env.held_fingerprints), every name published, or the check fails (`check_arrival`); equal values in another
+   vllm_env.held_fingerprints), every name published, or the check fails (`arrival_plan`, once; `check_arrival`); equal values in another
    order differ by float64 rounding alone, while one step's update (Adam moves every weight by about lr) moves a sum
    by far more. A few passes over the bytes: milliseconds for Qwen2.5-7B's 15 GB at a GPU's bandwidth. Version 0's
    also identify --model's weights on --resume (`identity`).
@@ -196,26 +196,35 @@ def held(t, chunk: int = 2**24) -> list:
     return list(sums)
 
 
-def check_arrival(version: int, names: list[str], prints, read_back: dict, groups: dict) -> int:
-    """The fingerprints read back where version `version` arrived (`read_back`: {parameter: its three sums}; `groups`:
-    {parameter: the published names loaded into it}) against those published with it (`names`, `prints`: the (n, 3)
-    rows): WrongWeights naming the first parameter whose sums differ (a fused one holds its parts' sums) by more than
-    float64 rounding (`excess`), or the published names that went into no parameter (nothing of them was checked).
-    Returns the number of names checked: all of them."""
-    expected = dict(zip(names, prints.tolist()))
-    for param, members in groups.items():
-        want, got = np.sum([expected[n] for n in members], axis=0), read_back[param]
-        if excess(got, want) > 1:
-            raise WrongWeights(f"the weights of step {version} did not arrive intact: {' + '.join(members)} holds sum "
-                               f"{got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in vLLM's engine, where the trainer "
-                               f"published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
-    checked = {n for members in groups.values() for n in members}
+def arrival_plan(version: int, names: list[str], groups: dict) -> tuple[list, torch.Tensor]:
+    """How a version's arrival is checked, found once, at the first (the names published never change): `groups`
+    ({the engine's parameter: the published names loaded into it}) as a list, and the (P, n) 0/1 matrix that sums the
+    published rows of each parameter's names (a fused one holds its parts' sums). WrongWeights if a published name went
+    into no parameter (nothing of it would be checked)."""
+    row, checked = {n: i for i, n in enumerate(names)}, {n for members in groups.values() for n in members}
     unchecked = [n for n in names if n not in checked]
     if unchecked:
         raise WrongWeights(f"the weights of step {version} could not all be checked: {len(unchecked)} of the "
                            f"{len(names)} tensors published map to no parameter of vLLM's engine ({', '.join(unchecked[:3])}"
                            f"{', ...' if len(unchecked) > 3 else ''})")
-    return len(names)
+    parts = torch.zeros(len(groups), len(names), dtype=torch.float64)
+    for i, members in enumerate(groups.values()):
+        parts[i, [row[n] for n in members]] = 1.0
+    return list(groups.items()), parts
+
+
+def check_arrival(version: int, prints, groups: list, parts: torch.Tensor, held_back: list) -> int:
+    """The three sums of each parameter read back where version `version` arrived (`held_back`, in `groups`' order)
+    against those the trainer published with it (`prints`, (n, 3), summed by `parts`: `arrival_plan`): WrongWeights
+    naming the first parameter whose sums differ by more than float64 rounding (`excess`). Returns the names checked."""
+    want, got = parts @ prints, torch.tensor(held_back, dtype=torch.float64)                    # (P, 3) each
+    wrong = ((got - want).abs() > 1e-9 * want[:, [1, 1, 2]] + 1e-12).any(1).nonzero()           # `excess` above 1
+    if len(wrong):
+        (param, members), got, want = groups[int(wrong[0])], got[int(wrong[0])], want[int(wrong[0])]
+        raise WrongWeights(f"the weights of step {version} did not arrive intact: {' + '.join(members)} holds sum "
+                           f"{got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in vLLM's engine, where the trainer "
+                           f"published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
+    return parts.shape[1]
 
 
 def excess(got, want) -> float:

@@ -256,7 +256,7 @@ def keep(state, device, reduced):
 
 def arrival(state, device, reduced):
     from runtime.errors import WrongWeights
-    from runtime.weights import check_arrival, synchronize
+    from runtime.weights import arrival_plan, check_arrival, synchronize
     outbox = kept(state, device, reduced)
     shared = outbox.shared
     names, published = shared.prints
@@ -265,22 +265,22 @@ def arrival(state, device, reduced):
     outbox.write(outbox.history[1].items(), 1, lambda: None)  # the kept step, from the slot into the shared copy
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    back, groups = read_back(shared.tensors, names), {n: [n] for n in names}
-    checked = check_arrival(1, names, published, back, groups)
+    back, plan = read_back(shared.tensors, names), arrival_plan(1, names, {n: [n] for n in names})
+    checked = check_arrival(1, published, *plan, [back[n] for n in names])
     check_s = time.perf_counter() - t0
 
-    def caught(*args) -> bool:
+    def caught(check, *args) -> bool:
         try:
-            check_arrival(1, *args)
+            check(1, *args)
         except WrongWeights:
             return True
         return False
-    unmapped = caught(names, published, back, {n: [n] for n in names[1:]})
+    unmapped = caught(arrival_plan, names, {n: [n] for n in names[1:]})
     victim = next(n for n in names if n.endswith("q_proj.weight"))
     with torch.no_grad():
         shared.tensors[victim][0] += 1e-3  # one row moved, after its fingerprint
     synchronize(shared.tensors.values())
-    altered = caught(names, published, read_back(shared.tensors, names), groups)
+    altered = caught(check_arrival, published, *plan, [read_back(shared.tensors, names)[n] for n in names])
     say("arrival check without vLLM", tensors=len(names), write_seconds=write_s, check_seconds=check_s,
         checked=checked, version=shared.version.value, altered_caught=altered, unmapped_caught=unmapped)
     state.clear()  # the last check that reads them: the shared copy, the slot and the weights go
