@@ -142,9 +142,10 @@ class Trainer:
         self.rank, self.world, local_rank = init_distributed(cfg.timeout, cfg.device)
         self.step = ckpt["step"] if ckpt else 0
         self.at = self.step + 1  # the step under way, for the watchdog's lines (its sync, log and checkpoint too)
-        # a stall, a signal while stuck in a collective, torchrun gone
+        # a stall, a signal while stuck in a collective, torchrun gone; this node's searchers silent or dead
         self.watchdog = Watchdog(self.rank, self.world, stall_bound(cfg.timeout), lambda: self.at,
-                                 lambda: self.fleet.procs if self.fleet else [], cfg.out, signals)
+                                 lambda: self.fleet.procs if self.fleet else [], cfg.out, signals,
+                                 lambda: isinstance(self.fleet, Fleet) and self.fleet.watching())
         self.device = torch.device(f"cuda:{local_rank}" if cfg.device == "cuda" else "cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

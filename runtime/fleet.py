@@ -67,6 +67,7 @@ class Fleet:
         self.dead = None       # a line, once a searcher of this node has died (one node; several: `meet`)
         self.heard = False     # a message came (before it, waits allow --start-timeout)
         self.procs, self.channels, self.watch = [], None, None
+        self.said = []         # the watch's lines, for rank 0 to print (a leader of another node: `queued`)
         self.messages = None   # the searchers' messages, as this process reads them (`Messages`)
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = create(ctx, cfg.searchers) if self.leader else None
@@ -163,8 +164,6 @@ class Fleet:
             try:
                 msg = queue.get(timeout=WAIT) if block else queue.get_nowait()
             except Empty:
-                self.alive()
-                self.say(self.watch.check())
                 self.serve()
                 if not block:
                     return waited
@@ -177,7 +176,6 @@ class Fleet:
                 waited += time.time() - t0
             self.heard, timeout = True, self.cfg.timeout
             deadline = time.time() + timeout
-            self.say(self.watch.heard(msg))
             self.serve()
             if msg["kind"] == "eval":
                 self.evals.came(msg)
@@ -188,6 +186,28 @@ class Fleet:
                 self.log.searched(msg)
             elif msg["kind"] == "fault":  # a searcher's last word before it exits: its line
                 raise Dead(msg["line"])
+
+    def watching(self):
+        """A beat of the trainer's watchdog thread (runtime.ranks.Watchdog), off the step's path: this node's searchers
+        heard (`Messages.stamps`), not silent and alive; Silent or Dead is kept for the trainer's waits to stop on, and
+        the watch's lines said on rank 0's console (another node's leader sends them: `queued`)."""
+        if self.watch is None or self.silent or self.dead:
+            return
+        lines = []
+        try:
+            while self.messages.stamps:
+                now, msg = self.messages.stamps.popleft()
+                lines += self.watch.heard(msg, now) if isinstance(msg, dict) else []
+            lines += self.watch.check()
+            self.alive()
+        except Silent as e:
+            self.silent = str(e)
+        except Dead as e:  # the trainer lives: it stops after a checkpoint, as for a silent searcher
+            self.dead = str(e)
+        if self.rank == 0:
+            self.say(lines)
+        else:
+            self.said += lines
 
     def say(self, lines: list[str]):
         """The watch's lines, on rank 0's console."""
@@ -213,6 +233,7 @@ class Fleet:
             try:
                 self.serve()
                 if self.rank == 0:
+                    self.alive()  # (the watchdog's finding: one node's searcher dead stops every node at once)
                     before = (self.received, len(self.evals.evaluated))
                     try:
                         self.take(buffer, lambda: True)  # node 0: whatever its searchers queued, without waiting
@@ -271,23 +292,19 @@ class Fleet:
             waited += nodes.POLL
 
     def queued(self) -> tuple[list, list[str]]:
-        """A leader of node >= 1: every trajectory its searchers queued, without waiting for more, heard by its
-        watch, and the watch's lines for rank 0 to print; a silent searcher is recorded, for rank 0 (`meet`)."""
-        trajectories, said = [], []
+        """A leader of node >= 1: every trajectory its searchers queued, without waiting for more, and its watch's lines
+        for rank 0 to print (`watching`, which records a silent searcher, for rank 0: `meet`)."""
+        trajectories = []
         while True:
             try:
                 msg = self.messages.get_nowait()
             except Empty:
                 break
-            said += self.watch.heard(msg)
             if msg["kind"] == "search":  # evaluations come from node 0's searcher 0 only
                 trajectories += msg["trajectories"]
             elif msg["kind"] == "fault":
                 raise Dead(msg["line"])
-        try:
-            said += self.watch.check()
-        except Silent as e:
-            self.silent = self.silent or str(e)
+        said, self.said = self.said, []
         return trajectories, said
 
     def round_size(self) -> int:

@@ -216,9 +216,11 @@ class Watchdog:
       unwatched, to the end.
     On one rank only signals and the launcher are watched (no collective can stall there)."""
 
-    def __init__(self, rank: int, world: int, bound: float, step, procs, out: str, signals=None):
-        """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends."""
+    def __init__(self, rank: int, world: int, bound: float, step, procs, out: str, signals=None, beat=lambda: None):
+        """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends; `beat()`:
+        run each beat (runtime.fleet.Fleet.watching: the searchers' silence and exits, off the step's path)."""
         self.rank, self.world, self.bound, self.step, self.procs, self.out = rank, world, bound, step, procs, out
+        self.beat = beat
         self.signals, self.orphaned = signals, False
         self.main, self.closed, self.came = threading.main_thread().ident, False, []
         self.store = None
@@ -280,6 +282,7 @@ class Watchdog:
                 self.came += [(b, time.time()) for b in os.read(self.pipe[0], 64)]
             except OSError:
                 pass
+        self.beat()
         if not self.orphaned and self.signals is not None and self.signals.orphaned():  # torchrun gone, its store too
             self.orphaned = True
             if not self.came:  # else a signal came first (torchrun's own, before it died): the rank stops for that
