@@ -100,7 +100,7 @@ def train(t: "Trainer"):
         temps, lr = scheduled(cfg, t.step), lr_at(cfg, t.step)  # beta, gamma, T_R (Lee et al.'s log R); the lr
         for g in t.opt.param_groups:
             g["lr"] = lr
-        sums = backward(t.model, batch, t.rank, t.world, t.data.prompts, t.pad, t.device, cfg, **temps)
+        sums = t.backward(t.model, batch, t.rank, t.world, t.data.prompts, t.pad, t.device, cfg, **temps)
         stats = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(stats)
         stats = dict(zip(sums, (stats / stats[list(sums).index("prompts")]).tolist()))  # means over prompts
@@ -153,6 +153,7 @@ class Trainer:
         # the step whose weights the searchers were last sent (a checkpoint's: they may hold older ones)
         self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
         self.unsaved_said = False  # a checkpoint that could not be written mid-run was said (once)
+        self.backward = gradient(cfg)  # the gradient's path, chosen once
         costs = slowdown.read_calibration(cfg.calibration) if cfg.calibration else {}  # --train-slowdown's clock
         self.clock = slowdown.TrainClock(cfg.train_slowdown, costs.get("train_step"), cfg.timeout,
                                          costs.get("devices", 1), costs.get("all_reduce", 0.0))
@@ -307,14 +308,37 @@ class Trainer:
 
 # --- the gradient ------------------------------------------------------------------------------------
 def backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, **options) -> dict:
-    """The gradient of the loss (`--loss`, on (b, K) tensors: buffer.loss_inputs) for this rank's share of the batch,
-    and its sums: "loss" x prompts, "prompts", and each statistic's. Its groups go in units of whole prompts, each
-    unit's loss over its b prompts: --micro-batch / K prompts a unit, or for a loss that pools across prompts
-    (runtime.checks.loss_pools) one unit, the whole batch, whose log-probs the ranks exchange (an all-gather). A unit
-    that fits one pass runs it once, with gradient, each distinct sequence once. Otherwise passes without gradient
-    give the unit's statistics (log Z), then each pass of --micro-batch sequences puts its log-probs, with gradient,
-    among the others' detached ones (duplicates too: every rank runs as many FSDP2 passes). Each unit's loss is
-    scaled by its share of the B prompts (FSDP averages the ranks): the passes' gradients add up to the mean's."""
+    """The gradient of the loss (`--loss`, on (b, K) tensors: buffer.loss_inputs) for this rank's share of the
+    batch, and its sums: "loss" x prompts, "prompts", and each statistic's. Units of --micro-batch / K whole
+    prompts, each one pass with gradient, each distinct sequence once, its loss scaled by its share of the B
+    prompts (FSDP averages the ranks): the units' gradients add up to the mean's."""
+    K, loss_fn, sums = cfg.samples_per_prompt, LOSSES[cfg.loss], {}
+    per_token, options = getattr(loss_fn, "per_token", False), loss_options(cfg, **options)  # the check's
+    mine, per_unit = batch[rank * len(batch) // world:(rank + 1) * len(batch) // world], cfg.micro_batch // K
+    for unit in [mine[i:i + per_unit] for i in range(0, len(mine), per_unit)]:
+        pairs, index = unique_pairs([t for g in unit for t in g], prompts)
+        inputs = loss_inputs(unit, device, per_token, prompts)
+        R = inputs["token_mask"].shape[-1] if per_token else 0
+        x = sequence_logps(model, pairs, pad, device, cfg.temperature, R)[torch.tensor(index, device=device)]
+        x = x.view(len(unit), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
+        loss, stats = loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}),
+                              **inputs, **options)
+        (loss * len(unit) / (len(batch) / world)).backward()  # its share of B
+        add_sums(sums, loss.detach(), {k: v.detach() for k, v in stats.items()}, len(unit))
+    return sums
+
+
+def gradient(cfg):
+    """The step's gradient, chosen once: `backward_in_passes` where a unit cannot be one pass, else `backward`."""
+    return backward_in_passes if cfg.loss_pools or cfg.micro_batch < cfg.samples_per_prompt else backward
+
+
+def backward_in_passes(model, batch, rank: int, world: int, prompts, pad, device, cfg, **options) -> dict:
+    """`backward` where a unit cannot be one pass: a loss that pools across prompts (runtime.checks.loss_pools)
+    has one unit, the whole batch, whose log-probs the ranks exchange (an all-gather); a --micro-batch under K
+    splits a prompt. Passes without gradient give the unit's statistics (log Z), then each pass of --micro-batch
+    sequences puts its log-probs, with gradient, among the others' detached ones (duplicates too: every rank runs
+    as many FSDP2 passes). Each unit's loss is scaled by its share of the B prompts, as `backward`'s."""
     K, loss_fn, pools = cfg.samples_per_prompt, LOSSES[cfg.loss], cfg.loss_pools
     per_token = getattr(loss_fn, "per_token", False)
     options = loss_options(cfg, **options)  # every call's keyword arguments, as the start-up check's
@@ -325,9 +349,7 @@ def backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, **o
     for unit in units:
         mine = unit[share] if pools else unit  # this rank's groups of the unit
         first = share.start * K if pools else 0  # their first row among the unit's b x K
-        whole = not pools and cfg.micro_batch >= K * len(unit)  # whole prompts in one pass: each distinct sequence once
-        pairs, index = (unique_pairs([t for g in mine for t in g], prompts) if whole else
-                        ([(prompts[t.prompt_id], t.response) for g in mine for t in g], list(range(K * len(unit)))))
+        pairs, index = [(prompts[t.prompt_id], t.response) for g in mine for t in g], range(K * len(unit))
         index = torch.tensor(index, device=device)
         inputs = loss_inputs(unit, device, per_token, prompts)
         logps = lambda rows: sequence_logps(model, [pairs[j] for j in rows], pad, device, cfg.temperature,
@@ -339,22 +361,18 @@ def backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, **o
             return loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}), **inputs,
                            **options)
 
-        if whole:
-            loss, stats = loss_of(logps(range(len(pairs))))
-            scaled(loss).backward()
-        else:  # the statistics without gradient, then the gradient, by passes
-            passes = [range(s, min(s + cfg.micro_batch, len(pairs))) for s in range(0, len(pairs), cfg.micro_batch)]
-            with torch.no_grad():
-                full = torch.cat([logps(rows) for rows in passes])                           # (n,) or (n, R)
-                if pools and world > 1:  # every rank's, in rank order: the whole batch's
-                    everyone = [torch.zeros_like(full) for _ in range(world)]
-                    dist.all_gather(everyone, full)
-                    full = torch.cat([e.to(device) for e in everyone])
-                loss, stats = loss_of(full)
-            for rows in passes:
-                live = full.clone()
-                live[first + rows.start:first + rows.stop] = logps(rows)
-                scaled(loss_of(live)[0]).backward()
+        passes = [range(s, min(s + cfg.micro_batch, len(pairs))) for s in range(0, len(pairs), cfg.micro_batch)]
+        with torch.no_grad():  # the statistics without gradient, then the gradient, by passes
+            full = torch.cat([logps(rows) for rows in passes])                           # (n,) or (n, R)
+            if pools and world > 1:  # every rank's, in rank order: the whole batch's
+                everyone = [torch.zeros_like(full) for _ in range(world)]
+                dist.all_gather(everyone, full)
+                full = torch.cat([e.to(device) for e in everyone])
+            loss, stats = loss_of(full)
+        for rows in passes:
+            live = full.clone()
+            live[first + rows.start:first + rows.stop] = logps(rows)
+            scaled(loss_of(live)[0]).backward()
         rows = share if pools else slice(None)  # a pooled unit's statistics: this rank's prompts'
         add_sums(sums, loss.detach(), {k: v.detach() for k, v in stats.items()}, len(mine), rows)
     return sums
