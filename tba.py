@@ -177,6 +177,9 @@ class Trainer:
             self.opt = AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                              weight_decay=cfg.weight_decay, betas=tuple(map(float, cfg.adam_betas.split(","))))
             self.buffer = ckpt["buffer"] if ckpt else tasks.get(cfg.task).buffer(cfg, data.prompts)
+            self.draw = self.buffer.sample  # (--lag: this step's rounds)
+            if cfg.lag is not None:
+                self.draw, self.waiting_for = self.draw_round, self.rounds_missing
             self.cap = ReuseCap.for_run(cfg, nodes.layout(self.world)[0])  # --max-reuse
             if ckpt:
                 restore(self, ckpt)
@@ -185,6 +188,7 @@ class Trainer:
                 self.lagged = LaggedCopy(path, self.device, cfg.dtype, cfg.lag)
                 self.lagged.restore((ckpt or {}).get("history", {}))
             self.fleet.share(self.model, self.step, ckpt, newest=self.buffer.newest_version())
+            self.publish = self.fleet.keep if cfg.lag is not None else self.fleet.publish  # --lag: kept, served later
         except BaseException:
             self.close()
             raise
@@ -192,14 +196,10 @@ class Trainer:
     # --- what the next step waits for, its batch ---------------------------------------------------
     def waiting_for(self, initial: int) -> str | None:
         """What the next step still lacks (rank 0), or None: an evaluation's weights held, the initial buffer, B prompts,
-        data no more than --max-staleness old, --max-reuse's credit; with --lag, this step's rounds."""
+        data no more than --max-staleness old, --max-reuse's credit (--lag: `rounds_missing`, chosen once)."""
         cfg, fleet = self.cfg, self.fleet
         if evaluation := fleet.evals.pending():  # an evaluation's weights first (its wait: the log's overhead)
             return evaluation
-        if cfg.lag is not None:  # --lag: this step's rounds, all of them
-            got, want = self.buffer.waiting(self.step), fleet.round_size()
-            return None if got >= want else (f"the rounds of step {self.step}, sampled by the weights of step "
-                                             f"{max(0, self.step - cfg.lag)} ({got} of {want} trajectories)")
         if fleet.received < initial:
             return f"the initial buffer ({fleet.received} of {initial} trajectories)"
         if len(self.buffer.prompts) < cfg.prompts_per_step:
@@ -214,18 +214,26 @@ class Trainer:
         return None
 
     def sample(self):
-        """B prompts x K responses from the buffer (--lag: from this step's rounds), drawn by rank 0 and sent to
-        every rank; None on every rank when rank 0 stops the run."""
+        """B prompts x K responses from the buffer (--lag: from this step's rounds, `draw_round`), drawn by rank 0 and
+        sent to every rank; None on every rank when rank 0 stops the run."""
         batch, cfg = None, self.cfg
         if self.world > 1:  # a signal to any rank stops every rank
             share_signals(self.fleet.signals, self.world)
         if self.rank == 0 and not self.fleet.stop_reason():
-            rng = np.random.default_rng([cfg.seed, self.step, seeds.BATCH])
-            batch = (self.buffer.sample_round(self.step, cfg.prompts_per_step, cfg.samples_per_prompt,
-                                              cfg.search_samples_per_prompt, rng)
-                     if cfg.lag is not None else self.buffer.sample(cfg.prompts_per_step, cfg.samples_per_prompt, rng))
+            batch = self.draw(cfg.prompts_per_step, cfg.samples_per_prompt,
+                              np.random.default_rng([cfg.seed, self.step, seeds.BATCH]))
             self.cap.draw(cfg.prompts_per_step * cfg.samples_per_prompt)
         return broadcast_batch(batch, self.rank) if self.world > 1 else batch
+
+    # --- --lag: each step's batch its own rounds (chosen once, in __init__) --------------------------
+    def rounds_missing(self, initial: int = 0) -> str | None:
+        """What the next step still lacks (rank 0): this step's rounds, all of them; or None."""
+        got, want = self.buffer.waiting(self.step), self.fleet.round_size()
+        return None if got >= want else (f"the rounds of step {self.step}, sampled by the weights of step "
+                                         f"{max(0, self.step - self.cfg.lag)} ({got} of {want} trajectories)")
+
+    def draw_round(self, B: int, K: int, rng):
+        return self.buffer.sample_round(self.step, B, K, self.cfg.search_samples_per_prompt, rng)
 
     def rescore(self, groups) -> dict:
         """--behaviour-logprobs trainer: this rank's trajectories' behaviour log-probs recomputed with the weights that
@@ -245,7 +253,7 @@ class Trainer:
     def sync_weights(self, pi_ref: bool = False, final: bool = False):
         """Publish the weights (--lag: served when the rounds L steps ahead need them); data from now on is recent.
         `pi_ref`: they also become pi_ref at once (TBA′); `final`: the last step's, for the final evaluation."""
-        if self.fleet.publish(gather(self.model, getattr(torch, self.cfg.dtype)), self.step, pi_ref, final):
+        if self.publish(gather(self.model, getattr(torch, self.cfg.dtype)), self.step, pi_ref, final):
             self.buffer.mark_sync()
         self.synced = self.step
 

@@ -53,11 +53,11 @@ class Asked:
         self.evaluated.append(msg["version"])
 
     def pending(self) -> str | None:
-        """Streaming (rank 0): what the next step waits for, if searcher 0 does not yet hold the weights of an
+        """Streaming (rank 0; --lag reaches them in order: not asked): what the next step waits for, if searcher 0 does not yet hold the weights of an
         evaluation asked for (the next publish would replace them), else None. That wait is not learning: the log's
         overhead, as an evaluation's time in the trainer's process."""
         pending = [s for s in self.asked if s not in self.evaluated]
-        if pending and self.fleet.cfg.lag is None and self.fleet.channels.pinned.value < min(pending):
+        if pending and self.fleet.channels.pinned.value < min(pending):
             self.held_since = self.held_since or time.time()
             return f"searcher 0 to hold the weights of step {min(pending)} for its evaluation"
         if self.held_since:

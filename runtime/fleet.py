@@ -8,9 +8,9 @@ the reasons to stop. The trainer (tba.py) calls it through a few verbs, which ru
 - `share(model, version, saved)`: the shared copy of the weights, made from the model and handed to the searchers;
 - `collect(buffer, step, waiting_for)`: the searchers' trajectories into the buffer, waiting while
   `waiting_for()` says what the next step still lacks; `round_size()`: one step's rounds (--lag);
-- `publish(named, version)`: new weights for the searchers (TBA′: `pi_ref` too); with --lag L they are kept
-  (the outbox's history, on the CPU) and each version is published once no searcher needs the one before
-  (`serve`): round r of every searcher is sampled by the weights of step r - L exactly;
+- `publish(named, version)`: new weights for the searchers (TBA′: `pi_ref` too); with --lag L, `keep` instead
+  (the trainer chooses once): kept (the outbox's history, on the CPU) and each version published once no searcher
+  needs the one before (`serve`): round r of every searcher is sampled by the weights of step r - L exactly;
 - `evals`: the evaluations (runtime/evaluations.py: `evals.request(step)`, `evals.wait(buffer, step)`, ...);
 - `saved(step)`: what a checkpoint keeps of the weights; `beside()`: where the trainer builds its model;
 - `stop_reason()`: why the run must stop (a silent searcher, a signal), or None; `close()`.
@@ -324,21 +324,25 @@ class Fleet:
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
     def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
-        """Publish the weights of step `version` (`pi_ref`: pi_ref too, at once; --lag: kept and `serve`d when rounds need
-        them, unless `final`). Every rank calls it; True where published (a leader), so that the buffer's window moves."""
-        if self.cfg.lag is not None and not final:
-            copy = self.out.keep(named, version)  # every rank joins the all-gathers; the leaders keep a copy
-            if copy is None:
-                return False
-            self.published[version] = self.log.clock()
-            self.step = version
-            if pi_ref:  # TBA′: pi_ref is the current weights at once, while the policy stays L steps behind
-                self.write(copy.items(), version, ("pi_ref",))
-            self.serve()
-            return True
+        """Publish the weights of step `version` (`pi_ref`: pi_ref too, at once). Every rank calls it; True where
+        published (a leader), so that the buffer's window moves."""
+        return self.write(named, version, ("policy", "pi_ref") if pi_ref else ("policy",))
+
+    def keep(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
+        """--lag's `publish` (the trainer chooses it once): the weights kept and `serve`d when rounds need them; the
+        `final` ones published at once."""
         if final:
             self.out.history = {}
-        return self.write(named, version, ("policy", "pi_ref") if pi_ref else ("policy",))
+            return self.publish(named, version, pi_ref)
+        copy = self.out.keep(named, version)  # every rank joins the all-gathers; the leaders keep a copy
+        if copy is None:
+            return False
+        self.published[version] = self.log.clock()
+        self.step = version
+        if pi_ref:  # TBA′: pi_ref is the current weights at once, while the policy stays L steps behind
+            self.write(copy.items(), version, ("pi_ref",))
+        self.serve()
+        return True
 
     def write(self, named, version: int, to: tuple) -> bool:
         """The outbox's write under this node's lock, and its faults: a searcher stopped while it read the weights
