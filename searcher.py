@@ -18,6 +18,7 @@ searcher process and, with `--searchers 0`, inside the trainer. Searcher 0
 for it, with a beat to the trainer after each part, so that a long evaluation is not taken for silence.
 """
 
+import contextlib
 import gc
 import itertools
 import os
@@ -259,21 +260,21 @@ class Engine:
         self.version = version
 
     def sync(self, weights: Inbox) -> bool:
-        """Load the published weights if they moved (unless held for an evaluation: `Requests.keeps`), and pi_ref if it
-        was reset (TBA′), under the lock; True if anything moved."""
-        self.requests.holds(self.version)
+        """Load the published weights if they moved (unless an evaluation keeps those held: `Requests.hold`), and pi_ref
+        if it was reset (TBA′), under the lock; True if anything moved."""
         version, pi_ref_version = weights.versions()
-        policy = version != self.version and not self.requests.keeps(self.version, version)
+        policy = not self.requests.hold(self.version, version) and version != self.version  # (held pinned)
         if not policy and pi_ref_version == self.pi_ref_version:
             return False
-        with weights.read(self.device) as held, self.clock.apart("reload"):  # no device pays for it: counted apart
+        apart = self.clock.apart("reload") if self.clock.emulated else contextlib.nullcontext()  # no device pays for it
+        with weights.read(self.device) as held, apart:
             if policy and held.version != self.version:
                 self.load(held.tensors, held.version)
                 self.verify(*held.prints)
+                self.requests.hold(self.version)  # under the read: the trainer publishes no newer ones meanwhile
             if held.pi_ref_version != self.pi_ref_version:
                 self.pi_ref().load_state_dict(held.pi_ref, strict=False)
                 self.pi_ref_version = held.pi_ref_version
-        self.requests.holds(self.version)
         return True
 
     def verify(self, names: list[str], prints) -> int:
@@ -306,7 +307,7 @@ class Engine:
         where the run (resumed) begins; the pi_ref published then is that of the resets before it (`reference_of`)."""
         self.weights, self.requests = weights, requests
         self.resumed = (step, weights.versions()[1])
-        requests.holds(self.version)
+        requests.hold(self.version)
 
     # --- evaluation ------------------------------------------------------------------------
     def evaluate(self, prompts: list[list[int]], answers: list[str], beat=lambda done: None) -> tuple[dict, dict]:

@@ -61,15 +61,21 @@ class Log:
 
     def searched(self, made: dict):
         """Count one search round's seconds (Engine.search's dict: a searcher's message, or the synchronous
-        trainer's own round); the first calibration of each engine goes into config.json. Work no device pays
-        for: the reloads since the engine's last round (`reload`: loading new weights and checking them), and the
-        round's time beside its decoding steps and their sleep (`score`: rewards, pi_ref's log-probs, building the
-        trajectories). A round with its start (a searcher's message) is listed for the next train row: its
-        searcher, the weights' version, its start (s since the run's) and its cycle (its reload and the round)."""
+        trainer's own round); with emulated device time, its counters too (`emulation`)."""
         self.generate, self.slept, self.rounds = self.generate + made["generate"], self.slept + made["slept"], self.rounds + 1
         self.charged, self.over = self.charged + made["charged"], self.over + made["over"]
         for part, seconds in made["parts"].items():
             self.parts[part] = self.parts.get(part, 0.0) + seconds
+        if self.emulated:
+            self.emulation(made)
+
+    def emulation(self, made: dict):
+        """The emulation's counters of a round (`searched`); the first calibration of each engine goes into
+        config.json. Work no device pays for: the reloads since the engine's last round (`reload`: loading new weights
+        and checking them), and the round's time beside its decoding steps and their sleep (`score`: rewards, pi_ref's
+        log-probs, building the trajectories). A round with its start (a searcher's message) is listed for the next
+        train row: its searcher, the weights' version, its start (s since the run's) and its cycle (its reload and
+        the round)."""
         uncharged = dict(made.get("uncharged") or {})
         if made.get("seconds") is not None:
             uncharged["score"] = max(0.0, made["seconds"] - made["generate"] - made["slept"])
@@ -78,8 +84,6 @@ class Log:
         if made.get("started") is not None:
             self.received.append([made.get("searcher", "trainer"), made["version"], round(made["started"] - self.t0, 4),
                                   round(made["seconds"] + uncharged.get("reload", 0.0), 4)])
-        if not self.emulated:
-            return
         engine, calibrated = str(made.get("searcher", "trainer")), self.calibration.setdefault("seconds_per_token", {})
         budget = self.budgets.setdefault(engine, [0.0, 0.0, 0.0])  # each process's charge, overrun, uncharged work
         budget[0], budget[1], budget[2] = (budget[0] + made["charged"], budget[1] + made["over"],
@@ -104,24 +108,17 @@ class Log:
         if not self.rounds:
             return {}
         mean = lambda parts: {part: seconds / self.rounds for part, seconds in parts.items()}
-        return dict(mean(self.parts), uncharged=mean(self.uncharged))
+        return dict(mean(self.parts), **({"uncharged": mean(self.uncharged)} if self.emulated else {}))
 
     def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, clock, **fields):
         """The row of training step `step` (rank 0): the loss's statistics (means over prompts), the batch's reward
         and staleness (steps between the weights that sampled each trajectory and those it trained), `fields` (the schedules' values, the step's seconds), and
         the run's counts: trajectories received, their reuse, the buffer, pi_ref, the seconds of the rounds (their
         generation, the emulation's sleep and charge, the rewards' parts, the work no device pays for), the trainer's
-        overhead, and with emulated device time the trainer's (`clock`: runtime.slowdown.TrainClock) and the seconds
-        of real compute over the charges, the searchers' and the trainer's (`over_budget`). For a timeline: when the
-        step's training ended (`trained`: its charge too), when its weights reached the searchers' shared copy
-        (`published`; null while --lag keeps them), and the rounds received since the last row (`rounds`), each
-        [searcher, version, start, cycle], seconds since the run's start."""
+        overhead, and with emulated device time the trainer's (`clock`: runtime.slowdown.TrainClock), the seconds
+        of real compute over the charges and a timeline (`emulated_fields`)."""
         if self.rank != 0:
             return
-        self.published += fields.get("sync", 0.0)  # the trainer's publish: its own work no device pays for
-        timeline = dict(trained=round(clock.ended - self.t0, 4) if clock.ended else None,
-                        published=round(fleet.sent[step], 4) if step in fleet.sent else None, rounds=self.received)
-        self.received = []
         trajectories = [traj for group in batch for traj in group]
         stale = [step - 1 - traj.version for traj in trajectories]
         fields = {k: v for k, v in fields.items() if not (k in ("gamma", "reward_temp") and v == 1.0)}  # Lee et al.'s
@@ -130,17 +127,28 @@ class Log:
         self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},
                  reward=float(np.mean([traj.reward for traj in trajectories])),
                  truncated=float(np.mean([traj.truncated for traj in trajectories])), staleness=float(np.mean(stale)),
-                 staleness_max=int(max(stale)), **fields, **timeline, samples=fleet.received, tokens=fleet.tokens,
+                 staleness_max=int(max(stale)), **fields, samples=fleet.received, tokens=fleet.tokens,
                  response_length=float(np.mean([len(traj.response) for traj in trajectories])),
                  reuse=cap.drawn / max(1, fleet.received), verified=min(fleet.verified.values(), default=-1),
                  generate=self.generate, slept=self.slept,
                  charged=self.charged, buffer=len(buffer), reference=buffer.pi_ref_version, overhead=self.overhead,
                  **self.per_round(), **(fleet.nodes.row(fleet.received) if fleet.nodes else {}),
                  **(dict(train_slept=clock.slept, train_charged=clock.charged) if clock.factor != 1 else {}),
-                 **(dict(over_budget=self.over + clock.over, **self.over_shares(clock)) if self.emulated else {}))
+                 **(self.emulated_fields(step, fleet, clock, fields.get("sync", 0.0)) if self.emulated else {}))
+
+    def emulated_fields(self, step: int, fleet, clock, sync: float) -> dict:
+        """With emulated device time, the train row's timeline: when the step's training ended (`trained`: its charge
+        too), when its weights reached the searchers' shared copy (`published`; null while --lag keeps them), and the
+        rounds received since the last row (`rounds`), each [searcher, version, start, cycle], seconds since the run's
+        start; and the real compute over the charges, the searchers' and the trainer's (`over_budget`, `over_shares`)."""
+        self.published += sync  # the trainer's publish: its own work no device pays for
+        timeline = dict(trained=round(clock.ended - self.t0, 4) if clock.ended else None,
+                        published=round(fleet.sent[step], 4) if step in fleet.sent else None, rounds=self.received)
+        self.received = []
         if clock.seconds is not None and "train_step" not in self.calibration:  # its cost alone, once known
             self.calibration["train_step"] = clock.seconds
             self.write_config(**self.calibration)
+        return dict(timeline, over_budget=self.over + clock.over, **self.over_shares(clock))
 
     def over_shares(self, clock) -> dict:
         """Each process's real compute above its own charge, as a share of it, so far: `over_trainer` (its training
