@@ -94,8 +94,7 @@ def train(t: "Trainer"):
         batch = t.sample()
         if batch is None:  # rank 0 stops the run (a signal, a silent searcher): every rank with it
             t.stop(saved=t.step > first_step)
-        mine = batch[t.rank * len(batch) // t.world:(t.rank + 1) * len(batch) // t.world]
-        rescored = t.rescore(mine)  # --behaviour-logprobs trainer: the lagged weights' log-probs (policy.LaggedCopy)
+        rescored = t.rescore(batch)  # --behaviour-logprobs trainer: the lagged weights' log-probs (policy.LaggedCopy)
         # ===== loss (TB unless --loss) and update ================================================
         temps, lr = scheduled(cfg, t.step), lr_at(cfg, t.step)  # beta, gamma, T_R (Lee et al.'s log R); the lr
         for g in t.opt.param_groups:
@@ -235,13 +234,14 @@ class Trainer:
     def draw_round(self, B: int, K: int, rng):
         return self.buffer.sample_round(self.step, B, K, self.cfg.search_samples_per_prompt, rng)
 
-    def rescore(self, groups) -> dict:
+    def rescore(self, batch) -> dict:
         """--behaviour-logprobs trainer: this rank's trajectories' behaviour log-probs recomputed with the weights that
         sampled them (step - L), and the row's field of how far vLLM's were; else nothing."""
         if not self.lagged:
             return {}
         self.lagged.record(self.model, self.step)  # the weights of this step, for the batch L steps on
-        return {"behaviour_gap": self.lagged.rescore(groups, self.step, self.data.prompts, self.pad, self.device,
+        mine = batch[self.rank * len(batch) // self.world:(self.rank + 1) * len(batch) // self.world]
+        return {"behaviour_gap": self.lagged.rescore(mine, self.step, self.data.prompts, self.pad, self.device,
                                                      self.cfg.temperature, self.cfg.micro_batch)}
 
     def stop(self, saved: bool):

@@ -143,11 +143,9 @@ class Fleet:
         def some(seconds):
             try:
                 return self.take(buffer, done, seconds)
-            except Silent as e:
-                self.silent = str(e)
-            except Dead as e:  # the trainer lives: it stops after a checkpoint, as for a silent searcher
+            except Dead as e:  # a searcher's fault line: the trainer lives, and stops after a checkpoint
                 self.dead = str(e)
-            return 0.0
+                return 0.0
         done = lambda: self.rank == 0 and (until() or bool(self.signals.first) or bool(self.silent or self.dead))
         return wait_together(self.rank, self.world, some, done, what, self.log, min(5.0, self.cfg.timeout / 4),
                              self.signals, say_every=min(30.0, self.cfg.timeout / 4))
@@ -155,14 +153,13 @@ class Fleet:
     def take(self, buffer, done, budget: float = math.inf) -> float:
         """Every waiting message into the buffer or the log (a beat only counts as life); then, while not done(), wait
         for more, polling, checking the searchers and a timeout, `budget` s at most. Returns seconds waited."""
-        queue, timeout = self.messages, self.cfg.timeout if self.heard else self.cfg.start_timeout
-        waited, deadline = 0.0, time.time() + timeout  # the deadline moves on with every message
-        end = time.time() + budget
+        timeout = self.cfg.timeout if self.heard else self.cfg.start_timeout
+        waited, deadline, end = 0.0, time.time() + timeout, time.time() + budget  # the deadline moves with each message
         while True:
             block = not done() and time.time() < end
             t0 = time.time()
             try:
-                msg = queue.get(timeout=WAIT) if block else queue.get_nowait()
+                msg = self.messages.get(timeout=WAIT) if block else self.messages.get_nowait()
             except Empty:
                 self.serve()
                 if not block:
@@ -172,17 +169,14 @@ class Fleet:
                     raise TimeoutError(f"no message from the searchers in {timeout:.0f} s (see "
                                        f"{'--timeout' if self.heard else '--start-timeout'})")
                 continue
-            if block:
-                waited += time.time() - t0
-            self.heard, timeout = True, self.cfg.timeout
-            deadline = time.time() + timeout
+            waited += time.time() - t0 if block else 0.0
+            self.heard, timeout, deadline = True, self.cfg.timeout, time.time() + self.cfg.timeout
             self.serve()
             if msg["kind"] == "eval":
                 self.evals.came(msg)
             elif msg["kind"] == "search":
                 self.add(buffer, msg["trajectories"])
-                self.newest = max(self.newest, msg["version"])
-                self.verified[msg["searcher"]] = msg["verified"]
+                self.newest, self.verified[msg["searcher"]] = max(self.newest, msg["version"]), msg["verified"]
                 self.log.searched(msg)
             elif msg["kind"] == "fault":  # a searcher's last word before it exits: its line
                 raise Dead(msg["line"])
@@ -235,10 +229,7 @@ class Fleet:
                 if self.rank == 0:
                     self.alive()  # (the watchdog's finding: one node's searcher dead stops every node at once)
                     before = (self.received, len(self.evals.evaluated))
-                    try:
-                        self.take(buffer, lambda: True)  # node 0: whatever its searchers queued, without waiting
-                    except Silent as e:
-                        self.silent = self.silent or str(e)
+                    self.take(buffer, lambda: True)  # node 0: whatever its searchers queued, without waiting
                     got = (self.received, len(self.evals.evaluated)) != before
                     multi.heard[0] = multi.heard[0] or self.received > before[0]
                     payload = nodes.encode([])

@@ -210,7 +210,8 @@ class Log:
     def show(self, row):
         """The console: the bar's position and postfix, or a plain line every --log-every steps."""
         last = self.last_train
-        if last is None:
+        due = row["kind"] == "train" and (last["step"] % self.cfg.log_every == 0 or last["step"] == self.cfg.steps)
+        if last is None or not (self.bar or due):  # the bar follows each row; a plain line every --log-every steps
             return
         held_out = f" | held-out {self.last_eval[self.cfg.score]:.3f}" if self.last_eval else ""
         cut = f" | cut {last['truncated']:.1%}" if last.get("truncated") else ""  # responses at the length limit
@@ -219,7 +220,7 @@ class Log:
         if self.bar is not None:
             self.bar.update(last["step"] - self.bar.n)
             self.bar.set_postfix_str(brief, refresh=True)
-        elif row["kind"] == "train" and (last["step"] % self.cfg.log_every == 0 or last["step"] == self.cfg.steps):
+        else:
             print(f"step {last['step']:5d}/{self.cfg.steps} | {brief} | beta {last['beta']:.4f} | lr {last['lr']:.2e} | "
                   f"wait {last['wait']:.2f}s | samples {last['samples']} | {last['time']:.0f}s", flush=True)
 

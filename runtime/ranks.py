@@ -138,23 +138,19 @@ def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float, 
     to go on (rank 0: not done; any rank: no signal came to it, `signals`), so that no collective waits longer than a
     slice however long rank 0 waits, a signal to any rank ends the wait within a slice, and every rank leaves the
     wait together. Returns seconds waited."""
-    waited, said = 0.0, 0.0
-    while True:
-        finished = None
+    waited, said, finished = 0.0, 0.0, None
+    while not (world == 1 and finished):
         if rank == 0:
             waited += wait(slice_s)
-            finished = done()
-            if not finished and waited - said >= say_every - 1e-6:
+            if not (finished := done()) and waited - said >= say_every - 1e-6:
                 log.print(f"tba.py: waiting for {what()} ({waited:.0f} s so far)", file=sys.stderr)
                 said = waited
-        if world == 1:
-            if finished:
+        if world > 1:
+            flags = torch.tensor([float(bool(finished)), float(bool(signals and signals.first))])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if flags.any():
                 return waited
-            continue
-        flags = torch.tensor([float(bool(finished)), float(bool(signals and signals.first))])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags.any():
-            return waited
+    return waited
 
 
 def share_signals(signals, world: int):

@@ -441,11 +441,13 @@ class Inbox:
         """--lag: say which version this searcher's next round needs (`wants`), and wait, beating every 5 s, until
         it is the one published (the trainer publishes it once no searcher needs an older one); None: the newest,
         no wait. `pi_ref`: wait for pi_ref of that version instead (TBA′ with --lag: `wants` unchanged)."""
+        if version is None:  # streaming: the newest, whichever it is
+            return
         counter = self.shared.pi_ref_version if pi_ref else self.shared.version
         if not pi_ref:
-            self.shared.wants[self.me] = -1 if version is None else version
+            self.shared.wants[self.me] = version
         deadline, last_beat = time.time() + self.timeout, time.time()
-        while version is not None and counter.value != version and not (self.stop and self.stop.is_set()):
+        while counter.value != version and not (self.stop and self.stop.is_set()):
             if counter.value > version:
                 raise RuntimeError(f"the {'pi_ref' if pi_ref else 'weights'} of step {counter.value} were published "
                                    f"while this searcher needed those of step {version}")
