@@ -213,8 +213,8 @@ class Trainer:
         return None
 
     def sample(self):
-        """B prompts x K responses from the buffer (--lag: from this step's rounds, `draw_round`), drawn by rank 0 and
-        sent to every rank; None on every rank when rank 0 stops the run."""
+        """B prompts x K responses from the buffer (--lag: from this step's rounds, `draw_round`), drawn by
+        rank 0 and sent to every rank; None on every rank when rank 0 stops the run."""
         batch, cfg = None, self.cfg
         if self.world > 1:  # a signal to any rank stops every rank
             share_signals(self.fleet.signals, self.world)
@@ -337,16 +337,18 @@ def backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, **o
 
 
 def gradient(cfg):
-    """The step's gradient, chosen once: `backward_in_passes` where a unit cannot be one pass, else `backward`."""
+    """The step's gradient, chosen once: `backward_in_passes` where a unit cannot be one pass, else
+    `backward`."""
     return backward_in_passes if cfg.loss_pools or cfg.micro_batch < cfg.samples_per_prompt else backward
 
 
 def backward_in_passes(model, batch, rank: int, world: int, prompts, pad, device, cfg, **options) -> dict:
-    """`backward` where a unit cannot be one pass: a loss that pools across prompts (runtime.checks.loss_pools)
-    has one unit, the whole batch, whose log-probs the ranks exchange (an all-gather); a --micro-batch under K
-    splits a prompt. Passes without gradient give the unit's statistics (log Z), then each pass of --micro-batch
-    sequences puts its log-probs, with gradient, among the others' detached ones (duplicates too: every rank runs
-    as many FSDP2 passes). Each unit's loss is scaled by its share of the B prompts, as `backward`'s."""
+    """`backward` where a unit cannot be one pass: a loss that pools across prompts
+    (runtime.checks.loss_pools) has one unit, the whole batch, whose log-probs the ranks exchange (an
+    all-gather); a --micro-batch under K splits a prompt. Passes without gradient give the unit's statistics
+    (log Z), then each pass of --micro-batch sequences puts its log-probs, with gradient, among the others'
+    detached ones (duplicates too: every rank runs as many FSDP2 passes). Each unit's loss is scaled by its
+    share of the B prompts, as `backward`'s."""
     K, loss_fn, pools = cfg.samples_per_prompt, LOSSES[cfg.loss], cfg.loss_pools
     per_token = getattr(loss_fn, "per_token", False)
     options = loss_options(cfg, **options)  # every call's keyword arguments, as the start-up check's

@@ -53,9 +53,10 @@ class Asked:
         self.evaluated.append(msg["version"])
 
     def pending(self) -> str | None:
-        """Streaming (rank 0; --lag reaches them in order: not asked): what the next step waits for, if searcher 0 does not yet hold the weights of an
-        evaluation asked for (the next publish would replace them), else None. That wait is not learning: the log's
-        overhead, as an evaluation's time in the trainer's process."""
+        """Streaming (rank 0; --lag reaches them in order: not asked): what the next step waits for, if
+        searcher 0 does not yet hold the weights of an evaluation asked for (the next publish would replace
+        them), else None. That wait is not learning: the log's overhead, as an evaluation's time in the
+        trainer's process."""
         pending = [s for s in self.asked if s not in self.evaluated]
         if pending and self.fleet.channels.pinned.value < min(pending):
             self.held_since = self.held_since or time.time()
@@ -119,9 +120,9 @@ class Requests:
         return self.pending
 
     def hold(self, held: int, published: int | None = None) -> bool:
-        """The engine holds the weights of step `held`: if an evaluation of them is asked for, the trainer learns so
-        (`pinned`). Returns whether it keeps them rather than load those of `published` (None: none to load): it holds
-        an evaluation's, or newer ones would pass one asked for."""
+        """The engine holds the weights of step `held`: if an evaluation of them is asked for, the trainer
+        learns so (`pinned`). Returns whether it keeps them rather than load those of `published` (None: none
+        to load): it holds an evaluation's, or newer ones would pass one asked for."""
         pending = self.read()
         if held in pending:
             self.pinned.value = held

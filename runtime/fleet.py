@@ -182,31 +182,23 @@ class Fleet:
                 raise Dead(msg["line"])
 
     def watching(self):
-        """A beat of the trainer's watchdog thread (runtime.ranks.Watchdog), off the step's path: this node's searchers
-        heard (`Messages.stamps`), not silent and alive; Silent or Dead is kept for the trainer's waits to stop on, and
-        the watch's lines said on rank 0's console (another node's leader sends them: `queued`)."""
+        """A beat of the trainer's watchdog thread (runtime.ranks.Watchdog), off the step's path: the
+        searchers heard (`Messages.stamps`), silent (Silent) or dead (Dead), kept for the waits to stop on;
+        the watch's lines said on rank 0's console, or kept for it (`queued`)."""
         if self.watch is None or self.silent or self.dead:
             return
-        lines = []
         try:
             while self.messages.stamps:
                 now, msg = self.messages.stamps.popleft()
-                lines += self.watch.heard(msg, now) if isinstance(msg, dict) else []
-            lines += self.watch.check()
+                self.said += self.watch.heard(msg, now) if isinstance(msg, dict) else []
+            self.said += self.watch.check()
             self.alive()
         except Silent as e:
             self.silent = str(e)
         except Dead as e:  # the trainer lives: it stops after a checkpoint, as for a silent searcher
             self.dead = str(e)
-        if self.rank == 0:
-            self.say(lines)
-        else:
-            self.said += lines
-
-    def say(self, lines: list[str]):
-        """The watch's lines, on rank 0's console."""
-        for line in lines:
-            self.log.print(line, file=sys.stderr)
+        while self.rank == 0 and self.said:
+            self.log.print(self.said.pop(0), file=sys.stderr)
 
     def add(self, buffer, trajectories):
         self.received, self.kept = self.received + len(trajectories), self.kept + len(buffer.add(trajectories))
@@ -253,7 +245,8 @@ class Fleet:
                             raise Dead(f"node {node}: {e}") from None
                         if report["error"] is not None:
                             raise Dead(f"node {node}: {report['error']}")
-                        self.say(report["said"])
+                        for line in report["said"]:
+                            self.log.print(line, file=sys.stderr)
                         self.silent = self.silent or report["silent"]  # it names its node (`where`)
                         self.add(buffer, trajectories)
                         multi.received(node, trajectories)
@@ -283,8 +276,9 @@ class Fleet:
             waited += nodes.POLL
 
     def queued(self) -> tuple[list, list[str]]:
-        """A leader of node >= 1: every trajectory its searchers queued, without waiting for more, and its watch's lines
-        for rank 0 to print (`watching`, which records a silent searcher, for rank 0: `meet`)."""
+        """A leader of node >= 1: every trajectory its searchers queued, without waiting for more, and its
+        watch's lines for rank 0 to print (`watching`, which records a silent searcher, for rank 0:
+        `meet`)."""
         trajectories = []
         while True:
             try:
@@ -315,13 +309,13 @@ class Fleet:
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
     def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
-        """Publish the weights of step `version` (`pi_ref`: pi_ref too, at once). Every rank calls it; True where
-        published (a leader), so that the buffer's window moves."""
+        """Publish the weights of step `version` (`pi_ref`: pi_ref too, at once). Every rank calls it; True
+        where published (a leader), so that the buffer's window moves."""
         return self.write(named, version, ("policy", "pi_ref") if pi_ref else ("policy",))
 
     def keep(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
-        """--lag's `publish` (the trainer chooses it once): the weights kept and `serve`d when rounds need them; the
-        `final` ones published at once."""
+        """--lag's `publish` (the trainer chooses it once): the weights kept and `serve`d when rounds need
+        them; the `final` ones published at once."""
         if final:
             self.out.history = {}
             return self.publish(named, version, pi_ref)

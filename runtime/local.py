@@ -85,8 +85,8 @@ class LocalFleet:
         return self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt
 
     def keep(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
-        """--lag L (the trainer chooses it once): the weights of step `version` kept, and read by the round of step
-        `version` + L (`collect`); the `final` ones published at once."""
+        """--lag L (the trainer chooses it once): the weights of step `version` kept, and read by the round of
+        step `version` + L (`collect`); the `final` ones published at once."""
         if final:
             self.out.history = {}
             return self.publish(named, version, pi_ref)
@@ -98,8 +98,8 @@ class LocalFleet:
         return True
 
     def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
-        """The weights of step `version` into the shared copy the engine reads before its next round (TBA′: pi_ref
-        too)."""
+        """The weights of step `version` into the shared copy the engine reads before its next round (TBA′:
+        pi_ref too)."""
         self.out.write(named, version, lambda: None, to=("policy", "pi_ref") if pi_ref else ("policy",))
         self.published.setdefault(version, self.log.clock())
         self.sent[version] = self.log.now()

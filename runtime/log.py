@@ -71,11 +71,11 @@ class Log:
 
     def emulation(self, made: dict):
         """The emulation's counters of a round (`searched`); the first calibration of each engine goes into
-        config.json. Work no device pays for: the reloads since the engine's last round (`reload`: loading new weights
-        and checking them), and the round's time beside its decoding steps and their sleep (`score`: rewards, pi_ref's
-        log-probs, building the trajectories). A round with its start (a searcher's message) is listed for the next
-        train row: its searcher, the weights' version, its start (s since the run's) and its cycle (its reload and
-        the round)."""
+        config.json. Work no device pays for: the reloads since the engine's last round (`reload`: loading new
+        weights and checking them), and the round's time beside its decoding steps and their sleep (`score`:
+        rewards, pi_ref's log-probs, building the trajectories). A round with its start (a searcher's message)
+        is listed for the next train row: its searcher, the weights' version, its start (s since the run's)
+        and its cycle (its reload and the round)."""
         uncharged = dict(made.get("uncharged") or {})
         if made.get("seconds") is not None:
             uncharged["score"] = max(0.0, made["seconds"] - made["generate"] - made["slept"])
@@ -111,12 +111,13 @@ class Log:
         return dict(mean(self.parts), **({"uncharged": mean(self.uncharged)} if self.emulated else {}))
 
     def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, clock, **fields):
-        """The row of training step `step` (rank 0): the loss's statistics (means over prompts), the batch's reward
-        and staleness (steps between the weights that sampled each trajectory and those it trained), `fields` (the schedules' values, the step's seconds), and
-        the run's counts: trajectories received, their reuse, the buffer, pi_ref, the seconds of the rounds (their
-        generation, the emulation's sleep and charge, the rewards' parts, the work no device pays for), the trainer's
-        overhead, and with emulated device time the trainer's (`clock`: runtime.slowdown.TrainClock), the seconds
-        of real compute over the charges and a timeline (`emulated_fields`)."""
+        """The row of training step `step` (rank 0): the loss's statistics (means over prompts), the batch's
+        reward and staleness (steps between the weights that sampled each trajectory and those it trained),
+        `fields` (the schedules' values, the step's seconds), and the run's counts: trajectories received,
+        their reuse, the buffer, pi_ref, the seconds of the rounds (their generation, the emulation's sleep
+        and charge, the rewards' parts, the work no device pays for), the trainer's overhead, and with
+        emulated device time the trainer's (`clock`: runtime.slowdown.TrainClock), the seconds of real compute
+        over the charges and a timeline (`emulated_fields`)."""
         if self.rank != 0:
             return
         trajectories = [traj for group in batch for traj in group]
@@ -137,10 +138,11 @@ class Log:
                  **(self.emulated_fields(step, fleet, clock, fields.get("sync", 0.0)) if self.emulated else {}))
 
     def emulated_fields(self, step: int, fleet, clock, sync: float) -> dict:
-        """With emulated device time, the train row's timeline: when the step's training ended (`trained`: its charge
-        too), when its weights reached the searchers' shared copy (`published`; null while --lag keeps them), and the
-        rounds received since the last row (`rounds`), each [searcher, version, start, cycle], seconds since the run's
-        start; and the real compute over the charges, the searchers' and the trainer's (`over_budget`, `over_shares`)."""
+        """With emulated device time, the train row's timeline: when the step's training ended (`trained`: its
+        charge too), when its weights reached the searchers' shared copy (`published`; null while --lag keeps
+        them), and the rounds received since the last row (`rounds`), each [searcher, version, start, cycle],
+        seconds since the run's start; and the real compute over the charges, the searchers' and the trainer's
+        (`over_budget`, `over_shares`)."""
         self.published += sync  # the trainer's publish: its own work no device pays for
         timeline = dict(trained=round(clock.ended - self.t0, 4) if clock.ended else None,
                         published=round(fleet.sent[step], 4) if step in fleet.sent else None, rounds=self.received)

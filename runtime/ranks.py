@@ -213,8 +213,9 @@ class Watchdog:
     On one rank only signals and the launcher are watched (no collective can stall there)."""
 
     def __init__(self, rank: int, world: int, bound: float, step, procs, out: str, signals=None, beat=lambda: None):
-        """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends; `beat()`:
-        run each beat (runtime.fleet.Fleet.watching: the searchers' silence and exits, off the step's path)."""
+        """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends;
+        `beat()`: run each beat (runtime.fleet.Fleet.watching: the searchers' silence and exits, off the
+        step's path)."""
         self.rank, self.world, self.bound, self.step, self.procs, self.out = rank, world, bound, step, procs, out
         self.beat = beat
         self.signals, self.orphaned = signals, False

@@ -7,8 +7,7 @@
 - `llm_options(...)`: the options a vLLM engine of this project starts with, each for a reason given there.
 - `eager_transformers(llm)`: builds transformers models beside a vLLM engine as plain eager models.
 - `quiet_loading()`: no loading bars from transformers (they would break the trainer's progress bar).
-- `engine_params(llm, names)`, `held_fingerprints(llm)`: the weights an engine holds, read back, for the check of
-  each version's arrival.
+- `engine_params(llm, names)`, `held_fingerprints(llm)`: the weights an engine holds, read back (arrival checks).
 - `start_fork_server()`: on the CPU, the searchers' fork server, which imports vLLM once for them; it imports
   this module first, with FORK_SERVER set. tba.py starts it before it imports torch (`early`).
 """
@@ -196,19 +195,17 @@ def quiet_loading():
 
 
 def engine_params(llm, names: list[str]) -> dict[str, list[str]]:
-    """{the engine's parameter: the Hugging Face names loaded into it} for the parameters that `names` map to, found
-    once, at the first arrival (the names never change): the engine's worker keeps how to read each back for
-    `held_fingerprints`. A name that maps to none is in no group, and runtime.weights.arrival_plan refuses it. A name
-    goes where the model's own loader sends it (its hf_to_vllm_mapper: vllm/model_executor/models/utils.py:80-146,
-    which stacks q, k, v into qkv_proj), or to the one parameter whose name ends with it (the Transformers backend's
-    "model." prefix). On the CPU a linear layer's weight is repacked for oneDNN and the parameter emptied
-    (vllm/model_executor/layers/utils.py:519-596): it is read back through the layer's own product, identity x W^T,
-    which is what the engine computes with. The model is vLLM's own unwrapped one: on CUDA the runner's `model` is a
-    CUDA-graph wrapper, which the worker's get_model() takes off (vllm/v1/worker/gpu_worker.py:1129-1130,
-    vllm/v1/worker/gpu_model_runner.py:3112-3120; the CPU runner's is the model itself,
-    vllm/v1/worker/cpu_model_runner.py:80-81), reached through the wrapper collective_rpc gives
+    """{the engine's parameter: the Hugging Face names loaded into it}, found at the first arrival (the names
+    never change); the worker keeps how to read each back (`held_fingerprints`). A name goes where the model's
+    loader sends it (hf_to_vllm_mapper: vllm/model_executor/models/utils.py:80-146 stacks q, k, v into
+    qkv_proj), or to the one parameter whose name ends with it (the Transformers backend's "model."); one that
+    maps to none is in no group (runtime.weights.arrival_plan refuses it). A CPU linear weight is repacked for
+    oneDNN and the parameter emptied (vllm/model_executor/layers/utils.py:519-596): it is read through the
+    layer's own product, I x W^T. The model is vLLM's unwrapped one: get_model() takes off CUDA's graph
+    wrapper (vllm/v1/worker/gpu_worker.py:1129-1130; the CPU runner's is the model,
+    vllm/v1/worker/cpu_model_runner.py:80-81), reached through collective_rpc's wrapper
     (vllm/v1/worker/worker_base.py:352-353). A reload keeps each layer's module and its parameters' names
-    (vllm/model_executor/model_loader/reload/layerwise.py:417-444), so the worker keeps (module, name)."""
+    (vllm/model_executor/model_loader/reload/layerwise.py:417-444): the worker keeps (module, name)."""
     import torch
 
     def plan(worker):
@@ -227,25 +224,26 @@ def engine_params(llm, names: list[str]) -> dict[str, list[str]]:
                 mapped = ends[0]
             groups.setdefault(mapped, []).append(name)
         for param in groups:
-            t, (owner, leaf) = params[param], param.rsplit(".", 1)
-            owner = modules[owner]
-            repacked = t.numel() == 0 and hasattr(owner, "cpu_linear")  # W^T = I W^T, through the engine's kernel
-            n = owner.input_size_per_partition if repacked else 0
-            eye = eyes.setdefault((n, t.dtype), torch.eye(n, dtype=t.dtype, device=t.device)) if repacked else None
-            worker.tba_held.append((owner, leaf, eye))
+            (owner, leaf), t = param.rsplit(".", 1), params[param]
+            m = modules[owner]
+            key = (m.input_size_per_partition, t.dtype) if t.numel() == 0 and hasattr(m, "cpu_linear") else None
+            if key and key not in eyes:  # repacked: read as I x W^T, one identity a size
+                eyes[key] = torch.eye(key[0], dtype=t.dtype, device=t.device)
+            worker.tba_held.append((m, leaf, eyes.get(key)))
         return groups
 
     return llm.collective_rpc(plan)[0]
 
 
 def held_fingerprints(llm) -> list[list[float]]:
-    """The three sums (runtime.weights.fingerprint's) of each parameter `engine_params` found, read back now."""
+    """The three sums (runtime.weights.fingerprint's) of each parameter `engine_params` found, read back
+    now."""
     import torch
 
     from runtime.weights import held
 
     def read(worker):
         with torch.no_grad():
-            return [[float(x) for x in held(getattr(m, leaf) if eye is None else m.cpu_linear(eye, None, None))]
+            return [[float(x) for x in held(m.cpu_linear(eye, None, None) if eye is not None else getattr(m, leaf))]
                     for m, leaf, eye in worker.tba_held]
     return llm.collective_rpc(read)[0]

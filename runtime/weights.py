@@ -21,7 +21,7 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    and sum of squares in float64, computed as it is copied. All three are blind to the order of the elements, so a
    searcher checks its engine's copy in the engine's own layout (vLLM fuses q, k and v, whose sums add up,
    transposes GPT-2's Conv1D, pads the vocabulary with zeros, repacks CPU linear weights:
-   vllm_env.held_fingerprints), every name published, or the check fails (`arrival_plan`, once; `check_arrival`); equal values in another
+   vllm_env.held_fingerprints), every name published, or the check fails (`check_arrival`); equal values in another
    order differ by float64 rounding alone, while one step's update (Adam moves every weight by about lr) moves a sum
    by far more. A few passes over the bytes: milliseconds for Qwen2.5-7B's 15 GB at a GPU's bandwidth. Version 0's
    also identify --model's weights on --resume (`identity`).
@@ -40,7 +40,6 @@ import weakref
 from dataclasses import dataclass
 from queue import Empty
 
-import numpy as np
 import torch
 
 from runtime import lora
@@ -197,16 +196,15 @@ def held(t, chunk: int = 2**24) -> list:
 
 
 def arrival_plan(version: int, names: list[str], groups: dict) -> tuple[list, torch.Tensor]:
-    """How a version's arrival is checked, found once, at the first (the names published never change): `groups`
-    ({the engine's parameter: the published names loaded into it}) as a list, and the (P, n) 0/1 matrix that sums the
-    published rows of each parameter's names (a fused one holds its parts' sums). WrongWeights if a published name went
-    into no parameter (nothing of it would be checked)."""
+    """How each arrival is checked, found at the first (the names published never change): `groups` ({the
+    engine's parameter: the published names loaded into it}) as a list, and the (P, n) 0/1 matrix that sums
+    each one's published rows (a fused parameter holds its parts' sums). WrongWeights if a name went into no
+    parameter."""
     row, checked = {n: i for i, n in enumerate(names)}, {n for members in groups.values() for n in members}
-    unchecked = [n for n in names if n not in checked]
-    if unchecked:
+    if unchecked := [n for n in names if n not in checked]:
         raise WrongWeights(f"the weights of step {version} could not all be checked: {len(unchecked)} of the "
-                           f"{len(names)} tensors published map to no parameter of vLLM's engine ({', '.join(unchecked[:3])}"
-                           f"{', ...' if len(unchecked) > 3 else ''})")
+                           f"{len(names)} tensors published map to no parameter of vLLM's engine "
+                           f"({', '.join(unchecked[:3])}{', ...' if len(unchecked) > 3 else ''})")
     parts = torch.zeros(len(groups), len(names), dtype=torch.float64)
     for i, members in enumerate(groups.values()):
         parts[i, [row[n] for n in members]] = 1.0
@@ -214,24 +212,17 @@ def arrival_plan(version: int, names: list[str], groups: dict) -> tuple[list, to
 
 
 def check_arrival(version: int, prints, groups: list, parts: torch.Tensor, held_back: list) -> int:
-    """The three sums of each parameter read back where version `version` arrived (`held_back`, in `groups`' order)
-    against those the trainer published with it (`prints`, (n, 3), summed by `parts`: `arrival_plan`): WrongWeights
-    naming the first parameter whose sums differ by more than float64 rounding (`excess`). Returns the names checked."""
-    want, got = parts @ prints, torch.tensor(held_back, dtype=torch.float64)                    # (P, 3) each
-    wrong = ((got - want).abs() > 1e-9 * want[:, [1, 1, 2]] + 1e-12).any(1).nonzero()           # `excess` above 1
-    if len(wrong):
-        (param, members), got, want = groups[int(wrong[0])], got[int(wrong[0])], want[int(wrong[0])]
+    """Each parameter's three sums read back where version `version` arrived (`held_back`, in `groups`' order)
+    against the trainer's (`prints` (n, 3), summed by `parts`: `arrival_plan`): WrongWeights naming the first
+    that differs by more than float64 rounding, 1e-9 of its sum of |x| (for the sum and itself) or of x^2.
+    Returns the number of names checked."""
+    want, got = parts @ prints, torch.tensor(held_back, dtype=torch.float64)                 # (P, 3) each
+    if len(wrong := ((got - want).abs() > 1e-9 * want[:, [1, 1, 2]] + 1e-12).any(1).nonzero()):
+        (_, members), got, want = groups[int(wrong[0])], got[int(wrong[0])], want[int(wrong[0])]
         raise WrongWeights(f"the weights of step {version} did not arrive intact: {' + '.join(members)} holds sum "
-                           f"{got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in vLLM's engine, where the trainer "
-                           f"published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
+                           f"{got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in vLLM's engine, where the "
+                           f"trainer published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
     return parts.shape[1]
-
-
-def excess(got, want) -> float:
-    """How far the three sums `got` are from `want`, in units of what `check_arrival` lets pass: float64 rounding of
-    one set of values, 1e-9 of the sum of |x| (for the sum and itself) or of the sum of x^2; above 1 is a mismatch."""
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    return float((np.abs(got - want) / (1e-9 * want[[1, 1, 2]] + 1e-12)).max())
 
 
 def on_host(rows: list, sums: list, like) -> torch.Tensor:

@@ -51,7 +51,7 @@ from gpu_probe import QWEN, RHO, TOY, TOY_LLAMA, build, hf_shapes, main, named_w
 
 # --- fingerprint ------------------------------------------------------------------------------------------------------
 def fingerprints(state, device, reduced):
-    from runtime.weights import excess, fingerprint
+    from runtime.weights import fingerprint
     shape = TOY if reduced else QWEN
     shapes = hf_shapes(dict(shape, layers=1))
     g = torch.Generator(device=device).manual_seed(0)
@@ -284,6 +284,13 @@ def arrival(state, device, reduced):
     say("arrival check without vLLM", tensors=len(names), write_seconds=write_s, check_seconds=check_s,
         checked=checked, version=shared.version.value, altered_caught=altered, unmapped_caught=unmapped)
     state.clear()  # the last check that reads them: the shared copy, the slot and the weights go
+
+
+def excess(got, want) -> float:
+    """How far the three sums `got` are from `want`, in units of what runtime.weights.check_arrival lets pass: 1e-9
+    of the sum of |x| (for the sum and itself) or of the sum of x^2; above 1 is a mismatch."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    return float((np.abs(got - want) / (1e-9 * want[[1, 1, 2]] + 1e-12)).max())
 
 
 def checks() -> list:
