@@ -261,7 +261,7 @@ class Engine:
 
     def sync(self, weights: Inbox) -> bool:
         """Load the published weights if they moved (unless an evaluation keeps those held: `Requests.hold`),
-        and pi_ref if it was reset (TBA′), under the lock; True if anything moved."""
+        and pi_ref if it was reset (TBA′), under the read hold; True if anything moved."""
         version, pi_ref_version = weights.versions()
         policy = not self.requests.hold(self.version, version) and version != self.version  # (held pinned)
         if not policy and pi_ref_version == self.pi_ref_version:
@@ -278,11 +278,9 @@ class Engine:
         return True
 
     def verify(self, names: list[str], prints) -> int:
-        """The weights just loaded, read back from the engine, against the trainer's fingerprints: a version
-        that did not arrive intact, or one with a tensor that went into no parameter of the engine
-        (unchecked), stops the run, naming the tensor (docs/faults.md). Which parameter holds each name is
-        found at the first arrival, once. `verified`: the last version checked. Returns the number of names
-        checked."""
+        """The weights just loaded, read back from the engine, against the trainer's fingerprints (which
+        parameter holds each name: found at the first arrival): WrongWeights names what did not arrive intact,
+        or went into no parameter (docs/faults.md). Returns the names checked."""
         if names != self.plan[0]:
             self.plan = (names, *arrival_plan(self.version, names, vllm_env.engine_params(self.llm, names)))
         checked = check_arrival(self.version, prints, *self.plan[1:], vllm_env.held_fingerprints(self.llm))

@@ -53,10 +53,9 @@ class Asked:
         self.evaluated.append(msg["version"])
 
     def pending(self) -> str | None:
-        """Streaming (rank 0; --lag reaches them in order: not asked): what the next step waits for, if
-        searcher 0 does not yet hold the weights of an evaluation asked for (the next publish would replace
-        them), else None. That wait is not learning: the log's overhead, as an evaluation's time in the
-        trainer's process."""
+        """Streaming (rank 0): what the next step waits for while searcher 0 does not hold the weights of an
+        evaluation asked for (the next publish would replace them), else None; that wait is the log's
+        overhead."""
         pending = [s for s in self.asked if s not in self.evaluated]
         if pending and self.fleet.channels.pinned.value < min(pending):
             self.held_since = self.held_since or time.time()

@@ -330,9 +330,8 @@ class Fleet:
         return True
 
     def write(self, named, version: int, to: tuple) -> bool:
-        """The outbox's write under this node's lock, and its faults: a searcher stopped while it read the weights
-        (named) or while it took their lock stops the run like a silent searcher; one that died reading or holding
-        the lock, at once (several nodes: at the next meeting). True where published (a leader)."""
+        """The outbox's write under this node's lock; a searcher stopped inside the copy or holding its lock
+        stops the run as a silent one does, one that died there at once. True where published (a leader)."""
         try:
             self.out.write(named, version, self.alive, to=to)
         except TimeoutError as e:  # a searcher of this node stopped inside the shared copy, or holding its lock
@@ -359,10 +358,9 @@ class Fleet:
         return self.leader
 
     def serve(self):
-        """--lag, each leader: publish the next version the searchers' rounds need, once none needs the one
-        published (each searcher says which it needs next in `wants`, -1 when it needs none); then keep only
-        the last L steps' weights and those still to serve (a checkpoint saves them: a resumed run's searchers
-        begin at its step's round)."""
+        """--lag, each leader: publish the next version the searchers' rounds need (`wants`), once none needs
+        the one published; keep only the last L steps' weights and those still to serve (a checkpoint saves
+        them)."""
         if self.cfg.lag is None or not self.leader or not self.out.history:
             return
         history = self.out.history

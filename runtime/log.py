@@ -111,13 +111,10 @@ class Log:
         return dict(mean(self.parts), **({"uncharged": mean(self.uncharged)} if self.emulated else {}))
 
     def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, clock, **fields):
-        """The row of training step `step` (rank 0): the loss's statistics (means over prompts), the batch's
-        reward and staleness (steps between the weights that sampled each trajectory and those it trained),
-        `fields` (the schedules' values, the step's seconds), and the run's counts: trajectories received,
-        their reuse, the buffer, pi_ref, the seconds of the rounds (their generation, the emulation's sleep
-        and charge, the rewards' parts, the work no device pays for), the trainer's overhead, and with
-        emulated device time the trainer's (`clock`: runtime.slowdown.TrainClock), the seconds of real compute
-        over the charges and a timeline (`emulated_fields`)."""
+        """The row of training step `step` (rank 0; its fields: docs/output.md): the loss's statistics (means
+        over prompts), the batch's reward and staleness, `fields` (the schedules, the step's seconds) and the
+        run's counts; with emulated device time, the trainer's charges (`clock`) and a timeline
+        (`emulated_fields`)."""
         if self.rank != 0:
             return
         trajectories = [traj for group in batch for traj in group]

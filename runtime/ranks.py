@@ -133,11 +133,10 @@ def broadcast_bytes(data: bytes, rank: int) -> bytes:
 
 def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float, signals=None,
                   say_every: float = 30.0) -> float:
-    """Rank 0 waits (`wait(seconds)`, returning seconds waited) until `done()`, in slices of `slice_s`
-    seconds, saying every `say_every` s what it still waits for (`what()`); after each slice every rank says whether
-    to go on (rank 0: not done; any rank: no signal came to it, `signals`), so that no collective waits longer than a
-    slice however long rank 0 waits, a signal to any rank ends the wait within a slice, and every rank leaves the
-    wait together. Returns seconds waited."""
+    """Rank 0 waits (`wait(seconds)`, returning seconds waited) until `done()`, in slices of `slice_s` s,
+    saying every `say_every` s what for (`what()`); after each slice all ranks decide together whether to go
+    on (rank 0 not done, no rank signalled): no collective waits longer than a slice. Returns seconds
+    waited."""
     waited, said, finished = 0.0, 0.0, None
     while not (world == 1 and finished):
         if rank == 0:

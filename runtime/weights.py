@@ -212,10 +212,9 @@ def arrival_plan(version: int, names: list[str], groups: dict) -> tuple[list, to
 
 
 def check_arrival(version: int, prints, groups: list, parts: torch.Tensor, held_back: list) -> int:
-    """Each parameter's three sums read back where version `version` arrived (`held_back`, in `groups`' order)
-    against the trainer's (`prints` (n, 3), summed by `parts`: `arrival_plan`): WrongWeights naming the first
-    that differs by more than float64 rounding, 1e-9 of its sum of |x| (for the sum and itself) or of x^2.
-    Returns the number of names checked."""
+    """Each parameter's three sums read back at version `version` (`held_back`, in `groups`' order) against
+    the trainer's (`prints`, summed by `parts`: `arrival_plan`): WrongWeights naming the first off by more
+    than float64 rounding (1e-9 of its sum of |x| or of x^2). Returns the names checked."""
     want, got = parts @ prints, torch.tensor(held_back, dtype=torch.float64)                 # (P, 3) each
     if len(wrong := ((got - want).abs() > 1e-9 * want[:, [1, 1, 2]] + 1e-12).any(1).nonzero()):
         (_, members), got, want = groups[int(wrong[0])], got[int(wrong[0])], want[int(wrong[0])]
@@ -226,9 +225,8 @@ def check_arrival(version: int, prints, groups: list, parts: torch.Tensor, held_
 
 
 def on_host(rows: list, sums: list, like) -> torch.Tensor:
-    """The fingerprints `sums` (each `fingerprint`'s, on the device where its tensor was) in rows `rows` of a float64
-    (n, 3) host tensor shaped as `like`, the other rows 0: ONE copy to the host, so a publish waits for its device
-    once, not once a tensor (339 times for Qwen2.5-7B, each wait serialising the next all-gather behind the copies)."""
+    """The fingerprints `sums` (on their tensors' device) in rows `rows` of a float64 host tensor shaped as
+    `like`, the others 0: ONE copy to the host, so a publish waits for its device once, not once a tensor."""
     out = torch.zeros_like(like)
     if rows:
         out[rows] = torch.stack(sums).cpu()
@@ -307,10 +305,9 @@ def allocator_settings(device, **changes):
 
 
 def write(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",), prints=None):
-    """Copy `named` (`gather(model)`, consumed under the lock) into the shared tensors of `to`, with their fingerprints
-    (or --lag's kept `prints`), then move the version(s). The copies and fingerprints are queued on the tensors' device
-    as they go by; the host waits for them once, after the loop (`synchronize`, `on_host`), so each all-gather follows
-    the last at once. `weights` None: a rank that only joins the all-gathers."""
+    """Copy `named` (`gather(model)`, consumed under the lock) into the shared tensors of `to`, with their
+    fingerprints (queued on the device; the host waits once, after the loop) or --lag's kept `prints`; then
+    move the version(s). `weights` None: a rank that only joins the all-gathers."""
     if weights is None:
         return join_gathers(named)
     targets = [t for key, t in (("policy", weights.tensors), ("pi_ref", weights.pi_ref)) if key in to]
@@ -429,9 +426,9 @@ class Inbox:
         receive(shared, stop, alive)
 
     def wait_for(self, version: int | None, beat=lambda: None, pi_ref: bool = False):
-        """--lag: say which version this searcher's next round needs (`wants`), and wait, beating every 5 s, until
-        it is the one published (the trainer publishes it once no searcher needs an older one); None: the newest,
-        no wait. `pi_ref`: wait for pi_ref of that version instead (TBA′ with --lag: `wants` unchanged)."""
+        """--lag: say which version the next round needs (`wants`) and wait for it, beating every 5 s; None:
+        streaming, the newest, no wait. `pi_ref`: wait for pi_ref of that version instead (TBA′ with
+        --lag)."""
         if version is None:  # streaming: the newest, whichever it is
             return
         counter = self.shared.pi_ref_version if pi_ref else self.shared.version
@@ -513,10 +510,8 @@ def locked(weights: SharedWeights, alive, timeout: float):
 
 @contextlib.contextmanager
 def reading(weights: SharedWeights, me: int, alive, timeout: float, *devices):
-    """Searcher `me`'s hold of the shared copy while it reads, beside the other searchers: flagged in `reading` under
-    the lock (no writer is inside then: it holds the lock while it writes), and before the flag goes, wait for the CUDA
-    devices of the tensors and `devices` (vLLM's reload never synchronises:
-    vllm/model_executor/model_loader/reload/layerwise.py): no reader sees two versions."""
+    """Searcher `me`'s hold of the shared copy while it reads (the module docstring, 3): flagged in `reading`
+    under the lock, and its CUDA copies waited for before the flag goes (vLLM's reload never synchronises)."""
     acquire(weights.lock, alive, timeout)
     weights.reading[me] = 1
     weights.lock.release()
