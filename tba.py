@@ -343,12 +343,10 @@ def gradient(cfg):
 
 
 def backward_in_passes(model, batch, rank: int, world: int, prompts, pad, device, cfg, **options) -> dict:
-    """`backward` where a unit cannot be one pass: a loss that pools across prompts
-    (runtime.checks.loss_pools) has one unit, the whole batch, whose log-probs the ranks exchange (an
-    all-gather); a --micro-batch under K splits a prompt. Passes without gradient give the unit's statistics
-    (log Z), then each pass of --micro-batch sequences puts its log-probs, with gradient, among the others'
-    detached ones (duplicates too: every rank runs as many FSDP2 passes). Each unit's loss is scaled by its
-    share of the B prompts, as `backward`'s."""
+    """`backward` where a unit cannot be one pass: a pooled loss (runtime.checks.loss_pools) has one unit, the
+    whole batch, whose log-probs the ranks all-gather; a --micro-batch under K splits a prompt. Passes without
+    gradient give the unit's statistics (log Z), then each pass puts its log-probs, with gradient, among the
+    others' detached ones (duplicates too: every rank runs as many FSDP2 passes)."""
     K, loss_fn, pools = cfg.samples_per_prompt, LOSSES[cfg.loss], cfg.loss_pools
     per_token = getattr(loss_fn, "per_token", False)
     options = loss_options(cfg, **options)  # every call's keyword arguments, as the start-up check's
@@ -359,15 +357,14 @@ def backward_in_passes(model, batch, rank: int, world: int, prompts, pad, device
     for unit in units:
         mine = unit[share] if pools else unit  # this rank's groups of the unit
         first = share.start * K if pools else 0  # their first row among the unit's b x K
-        pairs, index = [(prompts[t.prompt_id], t.response) for g in mine for t in g], range(K * len(unit))
-        index = torch.tensor(index, device=device)
+        pairs = [(prompts[t.prompt_id], t.response) for g in mine for t in g]  # in order: row i is pair i
         inputs = loss_inputs(unit, device, per_token, prompts)
         logps = lambda rows: sequence_logps(model, [pairs[j] for j in rows], pad, device, cfg.temperature,
                                             inputs["token_mask"].shape[-1] if per_token else 0)
         scaled = lambda loss: loss * world if pools else loss * len(unit) / (len(batch) / world)  # its share of B
 
         def loss_of(x):  # the unit's loss from its sequences' log-probs: (n,) or per token (n, R)
-            x = x[index].view(len(unit), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
+            x = x.view(len(unit), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
             return loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}), **inputs,
                            **options)
 

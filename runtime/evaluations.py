@@ -8,7 +8,7 @@ kept and evaluated after the last step). Both ends of the protocol are here; the
   next publish would replace them. With --lag its rounds reach them in order, and past its last round it asks for
   them (runtime/weights.py's `wants`).
 - `Requests`: searcher 0's end: the steps asked, each evaluated when the engine holds its weights, before newer ones
-  load (`keeps`), its scores sent as an "eval" message (runtime/processes.py's `send`).
+  load (`hold`), its scores sent as an "eval" message (runtime/processes.py's `send`).
 - `Here` and `evaluate_here`: in the trainer's process, at once.
 """
 

@@ -70,12 +70,9 @@ class Log:
             self.emulation(made)
 
     def emulation(self, made: dict):
-        """The emulation's counters of a round (`searched`); the first calibration of each engine goes into
-        config.json. Work no device pays for: the reloads since the engine's last round (`reload`: loading new
-        weights and checking them), and the round's time beside its decoding steps and their sleep (`score`:
-        rewards, pi_ref's log-probs, building the trajectories). A round with its start (a searcher's message)
-        is listed for the next train row: its searcher, the weights' version, its start (s since the run's)
-        and its cycle (its reload and the round)."""
+        """The emulation's counters of a round (`searched`; its fields: docs/output.md): the work no device
+        pays for (`reload`, `score`), the round listed for the next row's timeline, each engine's first
+        calibration into config.json."""
         uncharged = dict(made.get("uncharged") or {})
         if made.get("seconds") is not None:
             uncharged["score"] = max(0.0, made["seconds"] - made["generate"] - made["slept"])
@@ -135,11 +132,8 @@ class Log:
                  **(self.emulated_fields(step, fleet, clock, fields.get("sync", 0.0)) if self.emulated else {}))
 
     def emulated_fields(self, step: int, fleet, clock, sync: float) -> dict:
-        """With emulated device time, the train row's timeline: when the step's training ended (`trained`: its
-        charge too), when its weights reached the searchers' shared copy (`published`; null while --lag keeps
-        them), and the rounds received since the last row (`rounds`), each [searcher, version, start, cycle],
-        seconds since the run's start; and the real compute over the charges, the searchers' and the trainer's
-        (`over_budget`, `over_shares`)."""
+        """With emulated device time, the train row's timeline (`trained`, `published`, `rounds`:
+        docs/output.md) and the real compute over the charges (`over_budget`, `over_shares`)."""
         self.published += sync  # the trainer's publish: its own work no device pays for
         timeline = dict(trained=round(clock.ended - self.t0, 4) if clock.ended else None,
                         published=round(fleet.sent[step], 4) if step in fleet.sent else None, rounds=self.received)

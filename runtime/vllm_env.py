@@ -197,15 +197,13 @@ def quiet_loading():
 def engine_params(llm, names: list[str]) -> dict[str, list[str]]:
     """{the engine's parameter: the Hugging Face names loaded into it}, found at the first arrival (the names
     never change); the worker keeps how to read each back (`held_fingerprints`). A name goes where the model's
-    loader sends it (hf_to_vllm_mapper: vllm/model_executor/models/utils.py:80-146 stacks q, k, v into
-    qkv_proj), or to the one parameter whose name ends with it (the Transformers backend's "model."); one that
-    maps to none is in no group (runtime.weights.arrival_plan refuses it). A CPU linear weight is repacked for
-    oneDNN and the parameter emptied (vllm/model_executor/layers/utils.py:519-596): it is read through the
-    layer's own product, I x W^T. The model is vLLM's unwrapped one: get_model() takes off CUDA's graph
-    wrapper (vllm/v1/worker/gpu_worker.py:1129-1130; the CPU runner's is the model,
-    vllm/v1/worker/cpu_model_runner.py:80-81), reached through collective_rpc's wrapper
-    (vllm/v1/worker/worker_base.py:352-353). A reload keeps each layer's module and its parameters' names
-    (vllm/model_executor/model_loader/reload/layerwise.py:417-444): the worker keeps (module, name)."""
+    loader sends it (hf_to_vllm_mapper: vllm/model_executor/models/utils.py:80-146 stacks q, k, v), or to the
+    one parameter whose name ends with it (the Transformers backend's "model."); one that maps to none is in
+    no group (runtime.weights.arrival_plan refuses it). A CPU linear weight is repacked for oneDNN
+    (vllm/model_executor/layers/utils.py:519-596): read through the layer's product, I x W^T. get_model()
+    unwraps CUDA's graph wrapper (vllm/v1/worker/gpu_worker.py:1129-1130;
+    vllm/v1/worker/worker_base.py:352-353). A reload keeps each layer's module and its parameters' names
+    (vllm/model_executor/model_loader/reload/layerwise.py:417-444)."""
     import torch
 
     def plan(worker):
