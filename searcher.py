@@ -18,6 +18,7 @@ searcher process and, with `--searchers 0`, inside the trainer. Searcher 0
 for it, with a beat to the trainer after each part, so that a long evaluation is not taken for silence.
 """
 
+import contextlib
 import gc
 import itertools
 import os
@@ -42,7 +43,7 @@ from runtime import decoding, seeds, slowdown
 from runtime.errors import Dead, WrongWeights
 from runtime.evaluations import Requests
 from runtime.processes import SAID, last_word, parent_alive, send
-from runtime.weights import WAIT, Inbox, SharedWeights, check_arrival
+from runtime.weights import WAIT, Inbox, SharedWeights, arrival_plan, check_arrival
 
 
 
@@ -148,6 +149,7 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()  # vLLM's, loaded with its engine: not a second load
         self.version = 0          # trainer step of the weights loaded (0 = the initial model)
         self.verified = -1        # the last version whose arrival was checked (`verify`)
+        self.plan = (None,)       # the published names, and how their arrival is checked (`verify`)
         self.pi_ref_version = 0   # trainer step whose weights pi_ref holds (TBA′; 0 = the initial model)
         self.pi_ref_model = None  # loaded on the first search (`pi_ref`)
         self.weights = None       # the shared weights (`follow`)
@@ -258,28 +260,30 @@ class Engine:
         self.version = version
 
     def sync(self, weights: Inbox) -> bool:
-        """Load the published weights if they moved (unless held for an evaluation: `Requests.keeps`), and pi_ref if it
-        was reset (TBA′), under the lock; True if anything moved."""
-        self.requests.holds(self.version)
+        """Load the published weights if they moved (unless an evaluation keeps those held: `Requests.hold`),
+        and pi_ref if it was reset (TBA′), under the read hold; True if anything moved."""
         version, pi_ref_version = weights.versions()
-        policy = version != self.version and not self.requests.keeps(self.version, version)
+        policy = not self.requests.hold(self.version, version) and version != self.version  # (held pinned)
         if not policy and pi_ref_version == self.pi_ref_version:
             return False
-        with weights.read(self.device) as held, self.clock.apart("reload"):  # no device pays for it: counted apart
+        apart = self.clock.apart("reload") if self.clock.emulated else contextlib.nullcontext()  # no device pays for it
+        with weights.read(self.device) as held, apart:
             if policy and held.version != self.version:
                 self.load(held.tensors, held.version)
                 self.verify(*held.prints)
+                self.requests.hold(self.version)  # under the read: the trainer publishes no newer ones meanwhile
             if held.pi_ref_version != self.pi_ref_version:
                 self.pi_ref().load_state_dict(held.pi_ref, strict=False)
                 self.pi_ref_version = held.pi_ref_version
-        self.requests.holds(self.version)
         return True
 
     def verify(self, names: list[str], prints) -> int:
-        """The weights just loaded, read back from the engine, against the trainer's fingerprints: a version that did
-        not arrive intact, or one with a tensor that went into no parameter of the engine (unchecked), stops the run,
-        naming the tensor (docs/faults.md). `verified`: the last version checked. Returns the number of names checked."""
-        checked = check_arrival(self.version, names, prints, *vllm_env.held_fingerprints(self.llm, names))
+        """The weights just loaded, read back from the engine, against the trainer's fingerprints (which
+        parameter holds each name: found at the first arrival): WrongWeights names what did not arrive intact,
+        or went into no parameter (docs/faults.md). Returns the names checked."""
+        if names != self.plan[0]:
+            self.plan = (names, *arrival_plan(self.version, names, vllm_env.engine_params(self.llm, names)))
+        checked = check_arrival(self.version, prints, *self.plan[1:], vllm_env.held_fingerprints(self.llm))
         self.verified = self.version
         return checked
 
@@ -302,7 +306,7 @@ class Engine:
         where the run (resumed) begins; the pi_ref published then is that of the resets before it (`reference_of`)."""
         self.weights, self.requests = weights, requests
         self.resumed = (step, weights.versions()[1])
-        requests.holds(self.version)
+        requests.hold(self.version)
 
     # --- evaluation ------------------------------------------------------------------------
     def evaluate(self, prompts: list[list[int]], answers: list[str], beat=lambda done: None) -> tuple[dict, dict]:

@@ -94,13 +94,12 @@ def train(t: "Trainer"):
         batch = t.sample()
         if batch is None:  # rank 0 stops the run (a signal, a silent searcher): every rank with it
             t.stop(saved=t.step > first_step)
-        mine = batch[t.rank * len(batch) // t.world:(t.rank + 1) * len(batch) // t.world]
-        rescored = t.rescore(mine)  # --behaviour-logprobs trainer: the lagged weights' log-probs (policy.LaggedCopy)
+        rescored = t.rescore(batch)  # --behaviour-logprobs trainer: the lagged weights' log-probs (policy.LaggedCopy)
         # ===== loss (TB unless --loss) and update ================================================
         temps, lr = scheduled(cfg, t.step), lr_at(cfg, t.step)  # beta, gamma, T_R (Lee et al.'s log R); the lr
         for g in t.opt.param_groups:
             g["lr"] = lr
-        sums = backward(t.model, batch, t.rank, t.world, t.data.prompts, t.pad, t.device, cfg, **temps)
+        sums = t.backward(t.model, batch, t.rank, t.world, t.data.prompts, t.pad, t.device, cfg, **temps)
         stats = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(stats)
         stats = dict(zip(sums, (stats / stats[list(sums).index("prompts")]).tolist()))  # means over prompts
@@ -142,9 +141,10 @@ class Trainer:
         self.rank, self.world, local_rank = init_distributed(cfg.timeout, cfg.device)
         self.step = ckpt["step"] if ckpt else 0
         self.at = self.step + 1  # the step under way, for the watchdog's lines (its sync, log and checkpoint too)
-        # a stall, a signal while stuck in a collective, torchrun gone
+        # a stall, a signal while stuck in a collective, torchrun gone; this node's searchers silent or dead
         self.watchdog = Watchdog(self.rank, self.world, stall_bound(cfg.timeout), lambda: self.at,
-                                 lambda: self.fleet.procs if self.fleet else [], cfg.out, signals)
+                                 lambda: self.fleet.procs if self.fleet else [], cfg.out, signals,
+                                 lambda: isinstance(self.fleet, Fleet) and self.fleet.watching())
         self.device = torch.device(f"cuda:{local_rank}" if cfg.device == "cuda" else "cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -152,6 +152,7 @@ class Trainer:
         # the step whose weights the searchers were last sent (a checkpoint's: they may hold older ones)
         self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
         self.unsaved_said = False  # a checkpoint that could not be written mid-run was said (once)
+        self.backward = gradient(cfg)  # the gradient's path, chosen once
         costs = slowdown.read_calibration(cfg.calibration) if cfg.calibration else {}  # --train-slowdown's clock
         self.clock = slowdown.TrainClock(cfg.train_slowdown, costs.get("train_step"), cfg.timeout,
                                          costs.get("devices", 1), costs.get("all_reduce", 0.0))
@@ -175,6 +176,9 @@ class Trainer:
             self.opt = AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
                              weight_decay=cfg.weight_decay, betas=tuple(map(float, cfg.adam_betas.split(","))))
             self.buffer = ckpt["buffer"] if ckpt else tasks.get(cfg.task).buffer(cfg, data.prompts)
+            self.draw = self.buffer.sample  # (--lag: this step's rounds)
+            if cfg.lag is not None:
+                self.draw, self.waiting_for = self.draw_round, self.rounds_missing
             self.cap = ReuseCap.for_run(cfg, nodes.layout(self.world)[0])  # --max-reuse
             if ckpt:
                 restore(self, ckpt)
@@ -183,6 +187,7 @@ class Trainer:
                 self.lagged = LaggedCopy(path, self.device, cfg.dtype, cfg.lag)
                 self.lagged.restore((ckpt or {}).get("history", {}))
             self.fleet.share(self.model, self.step, ckpt, newest=self.buffer.newest_version())
+            self.publish = self.fleet.keep if cfg.lag is not None else self.fleet.publish  # --lag: kept, served later
         except BaseException:
             self.close()
             raise
@@ -190,14 +195,10 @@ class Trainer:
     # --- what the next step waits for, its batch ---------------------------------------------------
     def waiting_for(self, initial: int) -> str | None:
         """What the next step still lacks (rank 0), or None: an evaluation's weights held, the initial buffer, B prompts,
-        data no more than --max-staleness old, --max-reuse's credit; with --lag, this step's rounds."""
+        data no more than --max-staleness old, --max-reuse's credit (--lag: `rounds_missing`, chosen once)."""
         cfg, fleet = self.cfg, self.fleet
         if evaluation := fleet.evals.pending():  # an evaluation's weights first (its wait: the log's overhead)
             return evaluation
-        if cfg.lag is not None:  # --lag: this step's rounds, all of them
-            got, want = self.buffer.waiting(self.step), fleet.round_size()
-            return None if got >= want else (f"the rounds of step {self.step}, sampled by the weights of step "
-                                             f"{max(0, self.step - cfg.lag)} ({got} of {want} trajectories)")
         if fleet.received < initial:
             return f"the initial buffer ({fleet.received} of {initial} trajectories)"
         if len(self.buffer.prompts) < cfg.prompts_per_step:
@@ -212,26 +213,35 @@ class Trainer:
         return None
 
     def sample(self):
-        """B prompts x K responses from the buffer (--lag: from this step's rounds), drawn by rank 0 and sent to
-        every rank; None on every rank when rank 0 stops the run."""
+        """B prompts x K responses from the buffer (--lag: from this step's rounds, `draw_round`), drawn by
+        rank 0 and sent to every rank; None on every rank when rank 0 stops the run."""
         batch, cfg = None, self.cfg
         if self.world > 1:  # a signal to any rank stops every rank
             share_signals(self.fleet.signals, self.world)
         if self.rank == 0 and not self.fleet.stop_reason():
-            rng = np.random.default_rng([cfg.seed, self.step, seeds.BATCH])
-            batch = (self.buffer.sample_round(self.step, cfg.prompts_per_step, cfg.samples_per_prompt,
-                                              cfg.search_samples_per_prompt, rng)
-                     if cfg.lag is not None else self.buffer.sample(cfg.prompts_per_step, cfg.samples_per_prompt, rng))
+            batch = self.draw(cfg.prompts_per_step, cfg.samples_per_prompt,
+                              np.random.default_rng([cfg.seed, self.step, seeds.BATCH]))
             self.cap.draw(cfg.prompts_per_step * cfg.samples_per_prompt)
         return broadcast_batch(batch, self.rank) if self.world > 1 else batch
 
-    def rescore(self, groups) -> dict:
+    # --- --lag: each step's batch its own rounds (chosen once, in __init__) --------------------------
+    def rounds_missing(self, initial: int = 0) -> str | None:
+        """What the next step still lacks (rank 0): this step's rounds, all of them; or None."""
+        got, want = self.buffer.waiting(self.step), self.fleet.round_size()
+        return None if got >= want else (f"the rounds of step {self.step}, sampled by the weights of step "
+                                         f"{max(0, self.step - self.cfg.lag)} ({got} of {want} trajectories)")
+
+    def draw_round(self, B: int, K: int, rng):
+        return self.buffer.sample_round(self.step, B, K, self.cfg.search_samples_per_prompt, rng)
+
+    def rescore(self, batch) -> dict:
         """--behaviour-logprobs trainer: this rank's trajectories' behaviour log-probs recomputed with the weights that
         sampled them (step - L), and the row's field of how far vLLM's were; else nothing."""
         if not self.lagged:
             return {}
         self.lagged.record(self.model, self.step)  # the weights of this step, for the batch L steps on
-        return {"behaviour_gap": self.lagged.rescore(groups, self.step, self.data.prompts, self.pad, self.device,
+        mine = batch[self.rank * len(batch) // self.world:(self.rank + 1) * len(batch) // self.world]
+        return {"behaviour_gap": self.lagged.rescore(mine, self.step, self.data.prompts, self.pad, self.device,
                                                      self.cfg.temperature, self.cfg.micro_batch)}
 
     def stop(self, saved: bool):
@@ -243,7 +253,7 @@ class Trainer:
     def sync_weights(self, pi_ref: bool = False, final: bool = False):
         """Publish the weights (--lag: served when the rounds L steps ahead need them); data from now on is recent.
         `pi_ref`: they also become pi_ref at once (TBA′); `final`: the last step's, for the final evaluation."""
-        if self.fleet.publish(gather(self.model, getattr(torch, self.cfg.dtype)), self.step, pi_ref, final):
+        if self.publish(gather(self.model, getattr(torch, self.cfg.dtype)), self.step, pi_ref, final):
             self.buffer.mark_sync()
         self.synced = self.step
 
@@ -306,14 +316,37 @@ class Trainer:
 
 # --- the gradient ------------------------------------------------------------------------------------
 def backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, **options) -> dict:
-    """The gradient of the loss (`--loss`, on (b, K) tensors: buffer.loss_inputs) for this rank's share of the batch,
-    and its sums: "loss" x prompts, "prompts", and each statistic's. Its groups go in units of whole prompts, each
-    unit's loss over its b prompts: --micro-batch / K prompts a unit, or for a loss that pools across prompts
-    (runtime.checks.loss_pools) one unit, the whole batch, whose log-probs the ranks exchange (an all-gather). A unit
-    that fits one pass runs it once, with gradient, each distinct sequence once. Otherwise passes without gradient
-    give the unit's statistics (log Z), then each pass of --micro-batch sequences puts its log-probs, with gradient,
-    among the others' detached ones (duplicates too: every rank runs as many FSDP2 passes). Each unit's loss is
-    scaled by its share of the B prompts (FSDP averages the ranks): the passes' gradients add up to the mean's."""
+    """The gradient of the loss (`--loss`, on (b, K) tensors: buffer.loss_inputs) for this rank's share of the
+    batch, and its sums: "loss" x prompts, "prompts", and each statistic's. Units of --micro-batch / K whole
+    prompts, each one pass with gradient, each distinct sequence once, its loss scaled by its share of the B
+    prompts (FSDP averages the ranks): the units' gradients add up to the mean's."""
+    K, loss_fn, sums = cfg.samples_per_prompt, LOSSES[cfg.loss], {}
+    per_token, options = getattr(loss_fn, "per_token", False), loss_options(cfg, **options)  # the check's
+    mine, per_unit = batch[rank * len(batch) // world:(rank + 1) * len(batch) // world], cfg.micro_batch // K
+    for unit in [mine[i:i + per_unit] for i in range(0, len(mine), per_unit)]:
+        pairs, index = unique_pairs([t for g in unit for t in g], prompts)
+        inputs = loss_inputs(unit, device, per_token, prompts)
+        R = inputs["token_mask"].shape[-1] if per_token else 0
+        x = sequence_logps(model, pairs, pad, device, cfg.temperature, R)[torch.tensor(index, device=device)]
+        x = x.view(len(unit), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
+        loss, stats = loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}),
+                              **inputs, **options)
+        (loss * len(unit) / (len(batch) / world)).backward()  # its share of B
+        add_sums(sums, loss.detach(), {k: v.detach() for k, v in stats.items()}, len(unit))
+    return sums
+
+
+def gradient(cfg):
+    """The step's gradient, chosen once: `backward_in_passes` where a unit cannot be one pass, else
+    `backward`."""
+    return backward_in_passes if cfg.loss_pools or cfg.micro_batch < cfg.samples_per_prompt else backward
+
+
+def backward_in_passes(model, batch, rank: int, world: int, prompts, pad, device, cfg, **options) -> dict:
+    """`backward` where a unit cannot be one pass: a pooled loss (runtime.checks.loss_pools) has one unit, the
+    whole batch, whose log-probs the ranks all-gather; a --micro-batch under K splits a prompt. Passes without
+    gradient give the unit's statistics (log Z), then each pass puts its log-probs, with gradient, among the
+    others' detached ones (duplicates too: every rank runs as many FSDP2 passes)."""
     K, loss_fn, pools = cfg.samples_per_prompt, LOSSES[cfg.loss], cfg.loss_pools
     per_token = getattr(loss_fn, "per_token", False)
     options = loss_options(cfg, **options)  # every call's keyword arguments, as the start-up check's
@@ -324,36 +357,29 @@ def backward(model, batch, rank: int, world: int, prompts, pad, device, cfg, **o
     for unit in units:
         mine = unit[share] if pools else unit  # this rank's groups of the unit
         first = share.start * K if pools else 0  # their first row among the unit's b x K
-        whole = not pools and cfg.micro_batch >= K * len(unit)  # whole prompts in one pass: each distinct sequence once
-        pairs, index = (unique_pairs([t for g in mine for t in g], prompts) if whole else
-                        ([(prompts[t.prompt_id], t.response) for g in mine for t in g], list(range(K * len(unit)))))
-        index = torch.tensor(index, device=device)
+        pairs = [(prompts[t.prompt_id], t.response) for g in mine for t in g]  # in order: row i is pair i
         inputs = loss_inputs(unit, device, per_token, prompts)
         logps = lambda rows: sequence_logps(model, [pairs[j] for j in rows], pad, device, cfg.temperature,
                                             inputs["token_mask"].shape[-1] if per_token else 0)
         scaled = lambda loss: loss * world if pools else loss * len(unit) / (len(batch) / world)  # its share of B
 
         def loss_of(x):  # the unit's loss from its sequences' log-probs: (n,) or per token (n, R)
-            x = x[index].view(len(unit), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
+            x = x.view(len(unit), K, *x.shape[1:])                                     # (b, K) or (b, K, R)
             return loss_fn(logp=x.sum(-1) if per_token else x, **({"token_logp": x} if per_token else {}), **inputs,
                            **options)
 
-        if whole:
-            loss, stats = loss_of(logps(range(len(pairs))))
-            scaled(loss).backward()
-        else:  # the statistics without gradient, then the gradient, by passes
-            passes = [range(s, min(s + cfg.micro_batch, len(pairs))) for s in range(0, len(pairs), cfg.micro_batch)]
-            with torch.no_grad():
-                full = torch.cat([logps(rows) for rows in passes])                           # (n,) or (n, R)
-                if pools and world > 1:  # every rank's, in rank order: the whole batch's
-                    everyone = [torch.zeros_like(full) for _ in range(world)]
-                    dist.all_gather(everyone, full)
-                    full = torch.cat([e.to(device) for e in everyone])
-                loss, stats = loss_of(full)
-            for rows in passes:
-                live = full.clone()
-                live[first + rows.start:first + rows.stop] = logps(rows)
-                scaled(loss_of(live)[0]).backward()
+        passes = [range(s, min(s + cfg.micro_batch, len(pairs))) for s in range(0, len(pairs), cfg.micro_batch)]
+        with torch.no_grad():  # the statistics without gradient, then the gradient, by passes
+            full = torch.cat([logps(rows) for rows in passes])                           # (n,) or (n, R)
+            if pools and world > 1:  # every rank's, in rank order: the whole batch's
+                everyone = [torch.zeros_like(full) for _ in range(world)]
+                dist.all_gather(everyone, full)
+                full = torch.cat([e.to(device) for e in everyone])
+            loss, stats = loss_of(full)
+        for rows in passes:
+            live = full.clone()
+            live[first + rows.start:first + rows.stop] = logps(rows)
+            scaled(loss_of(live)[0]).backward()
         rows = share if pools else slice(None)  # a pooled unit's statistics: this rank's prompts'
         add_sums(sums, loss.detach(), {k: v.detach() for k, v in stats.items()}, len(mine), rows)
     return sums

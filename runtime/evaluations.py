@@ -8,7 +8,7 @@ kept and evaluated after the last step). Both ends of the protocol are here; the
   next publish would replace them. With --lag its rounds reach them in order, and past its last round it asks for
   them (runtime/weights.py's `wants`).
 - `Requests`: searcher 0's end: the steps asked, each evaluated when the engine holds its weights, before newer ones
-  load (`keeps`), its scores sent as an "eval" message (runtime/processes.py's `send`).
+  load (`hold`), its scores sent as an "eval" message (runtime/processes.py's `send`).
 - `Here` and `evaluate_here`: in the trainer's process, at once.
 """
 
@@ -53,11 +53,11 @@ class Asked:
         self.evaluated.append(msg["version"])
 
     def pending(self) -> str | None:
-        """Streaming (rank 0): what the next step waits for, if searcher 0 does not yet hold the weights of an
-        evaluation asked for (the next publish would replace them), else None. That wait is not learning: the log's
-        overhead, as an evaluation's time in the trainer's process."""
+        """Streaming (rank 0): what the next step waits for while searcher 0 does not hold the weights of an
+        evaluation asked for (the next publish would replace them), else None; that wait is the log's
+        overhead."""
         pending = [s for s in self.asked if s not in self.evaluated]
-        if pending and self.fleet.cfg.lag is None and self.fleet.channels.pinned.value < min(pending):
+        if pending and self.fleet.channels.pinned.value < min(pending):
             self.held_since = self.held_since or time.time()
             return f"searcher 0 to hold the weights of step {min(pending)} for its evaluation"
         if self.held_since:
@@ -93,7 +93,7 @@ class Asked:
 class Requests:
     """Searcher 0's evaluations (of node 0; for the others, and with no channels, there are none): the steps the
     trainer asked for (`Channels.evals`), each of whose weights is evaluated when the engine holds them, before
-    newer ones load (`keeps`). `asked` is set before each request is sent and read before any newer weights are,
+    newer ones load (`hold`). `asked` is set before each request is sent and read before any newer weights are,
     so a request on its way is waited for (the trainer published those weights before asking, and publishes no
     newer ones until `pinned` says they are held: `Asked.pending`)."""
 
@@ -118,16 +118,14 @@ class Requests:
                                        f"{self.timeout:g} s (--timeout)")
         return self.pending
 
-    def keeps(self, held: int, published: int) -> bool:
-        """Whether the engine keeps the weights of step `held` rather than load those of `published`: it holds an
-        evaluation's, or newer ones would pass one asked for."""
+    def hold(self, held: int, published: int | None = None) -> bool:
+        """The engine holds the weights of step `held`: if an evaluation of them is asked for, the trainer
+        learns so (`pinned`). Returns whether it keeps them rather than load those of `published` (None: none
+        to load): it holds an evaluation's, or newer ones would pass one asked for."""
         pending = self.read()
-        return bool(pending) and published > min(pending) and held <= min(pending)
-
-    def holds(self, version: int):
-        """The engine holds the weights of `version`: if an evaluation of them is asked for, the trainer learns so."""
-        if version in self.read():
-            self.pinned.value = version
+        if held in pending:
+            self.pinned.value = held
+        return published is not None and bool(pending) and published > min(pending) and held <= min(pending)
 
     def due(self, version: int) -> bool:
         """An evaluation of the weights held (or of older ones it can no longer reach) is asked for."""

@@ -8,9 +8,9 @@ the reasons to stop. The trainer (tba.py) calls it through a few verbs, which ru
 - `share(model, version, saved)`: the shared copy of the weights, made from the model and handed to the searchers;
 - `collect(buffer, step, waiting_for)`: the searchers' trajectories into the buffer, waiting while
   `waiting_for()` says what the next step still lacks; `round_size()`: one step's rounds (--lag);
-- `publish(named, version)`: new weights for the searchers (TBA′: `pi_ref` too); with --lag L they are kept
-  (the outbox's history, on the CPU) and each version is published once no searcher needs the one before
-  (`serve`): round r of every searcher is sampled by the weights of step r - L exactly;
+- `publish(named, version)`: new weights for the searchers (TBA′: `pi_ref` too); with --lag L, `keep` instead
+  (the trainer chooses once): kept (the outbox's history, on the CPU) and each version published once no searcher
+  needs the one before (`serve`): round r of every searcher is sampled by the weights of step r - L exactly;
 - `evals`: the evaluations (runtime/evaluations.py: `evals.request(step)`, `evals.wait(buffer, step)`, ...);
 - `saved(step)`: what a checkpoint keeps of the weights; `beside()`: where the trainer builds its model;
 - `stop_reason()`: why the run must stop (a silent searcher, a signal), or None; `close()`.
@@ -67,6 +67,7 @@ class Fleet:
         self.dead = None       # a line, once a searcher of this node has died (one node; several: `meet`)
         self.heard = False     # a message came (before it, waits allow --start-timeout)
         self.procs, self.channels, self.watch = [], None, None
+        self.said = []         # the watch's lines, for rank 0 to print (a leader of another node: `queued`)
         self.messages = None   # the searchers' messages, as this process reads them (`Messages`)
         ctx = torch.multiprocessing.get_context("spawn")
         self.shared = create(ctx, cfg.searchers) if self.leader else None
@@ -142,11 +143,9 @@ class Fleet:
         def some(seconds):
             try:
                 return self.take(buffer, done, seconds)
-            except Silent as e:
-                self.silent = str(e)
-            except Dead as e:  # the trainer lives: it stops after a checkpoint, as for a silent searcher
+            except Dead as e:  # a searcher's fault line: the trainer lives, and stops after a checkpoint
                 self.dead = str(e)
-            return 0.0
+                return 0.0
         done = lambda: self.rank == 0 and (until() or bool(self.signals.first) or bool(self.silent or self.dead))
         return wait_together(self.rank, self.world, some, done, what, self.log, min(5.0, self.cfg.timeout / 4),
                              self.signals, say_every=min(30.0, self.cfg.timeout / 4))
@@ -154,17 +153,14 @@ class Fleet:
     def take(self, buffer, done, budget: float = math.inf) -> float:
         """Every waiting message into the buffer or the log (a beat only counts as life); then, while not done(), wait
         for more, polling, checking the searchers and a timeout, `budget` s at most. Returns seconds waited."""
-        queue, timeout = self.messages, self.cfg.timeout if self.heard else self.cfg.start_timeout
-        waited, deadline = 0.0, time.time() + timeout  # the deadline moves on with every message
-        end = time.time() + budget
+        timeout = self.cfg.timeout if self.heard else self.cfg.start_timeout
+        waited, deadline, end = 0.0, time.time() + timeout, time.time() + budget  # the deadline moves with each message
         while True:
             block = not done() and time.time() < end
             t0 = time.time()
             try:
-                msg = queue.get(timeout=WAIT) if block else queue.get_nowait()
+                msg = self.messages.get(timeout=WAIT) if block else self.messages.get_nowait()
             except Empty:
-                self.alive()
-                self.say(self.watch.check())
                 self.serve()
                 if not block:
                     return waited
@@ -173,26 +169,36 @@ class Fleet:
                     raise TimeoutError(f"no message from the searchers in {timeout:.0f} s (see "
                                        f"{'--timeout' if self.heard else '--start-timeout'})")
                 continue
-            if block:
-                waited += time.time() - t0
-            self.heard, timeout = True, self.cfg.timeout
-            deadline = time.time() + timeout
-            self.say(self.watch.heard(msg))
+            waited += time.time() - t0 if block else 0.0
+            self.heard, timeout, deadline = True, self.cfg.timeout, time.time() + self.cfg.timeout
             self.serve()
             if msg["kind"] == "eval":
                 self.evals.came(msg)
             elif msg["kind"] == "search":
                 self.add(buffer, msg["trajectories"])
-                self.newest = max(self.newest, msg["version"])
-                self.verified[msg["searcher"]] = msg["verified"]
+                self.newest, self.verified[msg["searcher"]] = max(self.newest, msg["version"]), msg["verified"]
                 self.log.searched(msg)
             elif msg["kind"] == "fault":  # a searcher's last word before it exits: its line
                 raise Dead(msg["line"])
 
-    def say(self, lines: list[str]):
-        """The watch's lines, on rank 0's console."""
-        for line in lines:
-            self.log.print(line, file=sys.stderr)
+    def watching(self):
+        """A beat of the trainer's watchdog thread (runtime.ranks.Watchdog), off the step's path: the
+        searchers heard (`Messages.stamps`), silent (Silent) or dead (Dead), kept for the waits to stop on;
+        the watch's lines said on rank 0's console, or kept for it (`queued`)."""
+        if self.watch is None or self.silent or self.dead:
+            return
+        try:
+            while self.messages.stamps:
+                now, msg = self.messages.stamps.popleft()
+                self.said += self.watch.heard(msg, now) if isinstance(msg, dict) else []
+            self.said += self.watch.check()
+            self.alive()
+        except Silent as e:
+            self.silent = str(e)
+        except Dead as e:  # the trainer lives: it stops after a checkpoint, as for a silent searcher
+            self.dead = str(e)
+        while self.rank == 0 and self.said:
+            self.log.print(self.said.pop(0), file=sys.stderr)
 
     def add(self, buffer, trajectories):
         self.received, self.kept = self.received + len(trajectories), self.kept + len(buffer.add(trajectories))
@@ -213,11 +219,9 @@ class Fleet:
             try:
                 self.serve()
                 if self.rank == 0:
+                    self.alive()  # (the watchdog's finding: one node's searcher dead stops every node at once)
                     before = (self.received, len(self.evals.evaluated))
-                    try:
-                        self.take(buffer, lambda: True)  # node 0: whatever its searchers queued, without waiting
-                    except Silent as e:
-                        self.silent = self.silent or str(e)
+                    self.take(buffer, lambda: True)  # node 0: whatever its searchers queued, without waiting
                     got = (self.received, len(self.evals.evaluated)) != before
                     multi.heard[0] = multi.heard[0] or self.received > before[0]
                     payload = nodes.encode([])
@@ -241,7 +245,8 @@ class Fleet:
                             raise Dead(f"node {node}: {e}") from None
                         if report["error"] is not None:
                             raise Dead(f"node {node}: {report['error']}")
-                        self.say(report["said"])
+                        for line in report["said"]:
+                            self.log.print(line, file=sys.stderr)
                         self.silent = self.silent or report["silent"]  # it names its node (`where`)
                         self.add(buffer, trajectories)
                         multi.received(node, trajectories)
@@ -271,23 +276,20 @@ class Fleet:
             waited += nodes.POLL
 
     def queued(self) -> tuple[list, list[str]]:
-        """A leader of node >= 1: every trajectory its searchers queued, without waiting for more, heard by its
-        watch, and the watch's lines for rank 0 to print; a silent searcher is recorded, for rank 0 (`meet`)."""
-        trajectories, said = [], []
+        """A leader of node >= 1: every trajectory its searchers queued, without waiting for more, and its
+        watch's lines for rank 0 to print (`watching`, which records a silent searcher, for rank 0:
+        `meet`)."""
+        trajectories = []
         while True:
             try:
                 msg = self.messages.get_nowait()
             except Empty:
                 break
-            said += self.watch.heard(msg)
             if msg["kind"] == "search":  # evaluations come from node 0's searcher 0 only
                 trajectories += msg["trajectories"]
             elif msg["kind"] == "fault":
                 raise Dead(msg["line"])
-        try:
-            said += self.watch.check()
-        except Silent as e:
-            self.silent = self.silent or str(e)
+        said, self.said = self.said, []
         return trajectories, said
 
     def round_size(self) -> int:
@@ -307,26 +309,29 @@ class Fleet:
 
     # --- the weights' trips to the searchers ---------------------------------------------------------
     def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
-        """Publish the weights of step `version` (`pi_ref`: pi_ref too, at once; --lag: kept and `serve`d when rounds need
-        them, unless `final`). Every rank calls it; True where published (a leader), so that the buffer's window moves."""
-        if self.cfg.lag is not None and not final:
-            copy = self.out.keep(named, version)  # every rank joins the all-gathers; the leaders keep a copy
-            if copy is None:
-                return False
-            self.published[version] = self.log.clock()
-            self.step = version
-            if pi_ref:  # TBA′: pi_ref is the current weights at once, while the policy stays L steps behind
-                self.write(copy.items(), version, ("pi_ref",))
-            self.serve()
-            return True
-        if final:
-            self.out.history = {}
+        """Publish the weights of step `version` (`pi_ref`: pi_ref too, at once). Every rank calls it; True
+        where published (a leader), so that the buffer's window moves."""
         return self.write(named, version, ("policy", "pi_ref") if pi_ref else ("policy",))
 
+    def keep(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
+        """--lag's `publish` (the trainer chooses it once): the weights kept and `serve`d when rounds need
+        them; the `final` ones published at once."""
+        if final:
+            self.out.history = {}
+            return self.publish(named, version, pi_ref)
+        copy = self.out.keep(named, version)  # every rank joins the all-gathers; the leaders keep a copy
+        if copy is None:
+            return False
+        self.published[version] = self.log.clock()
+        self.step = version
+        if pi_ref:  # TBA′: pi_ref is the current weights at once, while the policy stays L steps behind
+            self.write(copy.items(), version, ("pi_ref",))
+        self.serve()
+        return True
+
     def write(self, named, version: int, to: tuple) -> bool:
-        """The outbox's write under this node's lock, and its faults: a searcher stopped while it read the weights
-        (named) or while it took their lock stops the run like a silent searcher; one that died reading or holding
-        the lock, at once (several nodes: at the next meeting). True where published (a leader)."""
+        """The outbox's write under this node's lock; a searcher stopped inside the copy or holding its lock
+        stops the run as a silent one does, one that died there at once. True where published (a leader)."""
         try:
             self.out.write(named, version, self.alive, to=to)
         except TimeoutError as e:  # a searcher of this node stopped inside the shared copy, or holding its lock
@@ -353,10 +358,9 @@ class Fleet:
         return self.leader
 
     def serve(self):
-        """--lag, each leader: publish the next version the searchers' rounds need, once none needs the one
-        published (each searcher says which it needs next in `wants`, -1 when it needs none); then keep only
-        the last L steps' weights and those still to serve (a checkpoint saves them: a resumed run's searchers
-        begin at its step's round)."""
+        """--lag, each leader: publish the next version the searchers' rounds need (`wants`), once none needs
+        the one published; keep only the last L steps' weights and those still to serve (a checkpoint saves
+        them)."""
         if self.cfg.lag is None or not self.leader or not self.out.history:
             return
         history = self.out.history

@@ -84,18 +84,22 @@ class LocalFleet:
     def round_size(self) -> int:
         return self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt
 
-    def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
-        """The weights of step `version` into the shared copy the engine reads before its next round (TBA′: pi_ref
-        too); with --lag L kept, and read by the round of step `version` + L (`collect`)."""
-        if self.cfg.lag is not None and not final:
-            copy = self.out.keep(named, version)
-            self.published[version], self.step = self.log.clock(), version
-            if pi_ref:
-                self.out.write(copy.items(), version, lambda: None, to=("pi_ref",))
-            self.out.forget(version - self.cfg.lag)
-            return True
+    def keep(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
+        """--lag L (the trainer chooses it once): the weights of step `version` kept, and read by the round of
+        step `version` + L (`collect`); the `final` ones published at once."""
         if final:
             self.out.history = {}
+            return self.publish(named, version, pi_ref)
+        copy = self.out.keep(named, version)
+        self.published[version], self.step = self.log.clock(), version
+        if pi_ref:
+            self.out.write(copy.items(), version, lambda: None, to=("pi_ref",))
+        self.out.forget(version - self.cfg.lag)
+        return True
+
+    def publish(self, named, version: int, pi_ref: bool = False, final: bool = False) -> bool:
+        """The weights of step `version` into the shared copy the engine reads before its next round (TBA′:
+        pi_ref too)."""
         self.out.write(named, version, lambda: None, to=("policy", "pi_ref") if pi_ref else ("policy",))
         self.published.setdefault(version, self.log.clock())
         self.sent[version] = self.log.now()

@@ -61,15 +61,18 @@ class Log:
 
     def searched(self, made: dict):
         """Count one search round's seconds (Engine.search's dict: a searcher's message, or the synchronous
-        trainer's own round); the first calibration of each engine goes into config.json. Work no device pays
-        for: the reloads since the engine's last round (`reload`: loading new weights and checking them), and the
-        round's time beside its decoding steps and their sleep (`score`: rewards, pi_ref's log-probs, building the
-        trajectories). A round with its start (a searcher's message) is listed for the next train row: its
-        searcher, the weights' version, its start (s since the run's) and its cycle (its reload and the round)."""
+        trainer's own round); with emulated device time, its counters too (`emulation`)."""
         self.generate, self.slept, self.rounds = self.generate + made["generate"], self.slept + made["slept"], self.rounds + 1
         self.charged, self.over = self.charged + made["charged"], self.over + made["over"]
         for part, seconds in made["parts"].items():
             self.parts[part] = self.parts.get(part, 0.0) + seconds
+        if self.emulated:
+            self.emulation(made)
+
+    def emulation(self, made: dict):
+        """The emulation's counters of a round (`searched`; its fields: docs/output.md): the work no device
+        pays for (`reload`, `score`), the round listed for the next row's timeline, each engine's first
+        calibration into config.json."""
         uncharged = dict(made.get("uncharged") or {})
         if made.get("seconds") is not None:
             uncharged["score"] = max(0.0, made["seconds"] - made["generate"] - made["slept"])
@@ -78,8 +81,6 @@ class Log:
         if made.get("started") is not None:
             self.received.append([made.get("searcher", "trainer"), made["version"], round(made["started"] - self.t0, 4),
                                   round(made["seconds"] + uncharged.get("reload", 0.0), 4)])
-        if not self.emulated:
-            return
         engine, calibrated = str(made.get("searcher", "trainer")), self.calibration.setdefault("seconds_per_token", {})
         budget = self.budgets.setdefault(engine, [0.0, 0.0, 0.0])  # each process's charge, overrun, uncharged work
         budget[0], budget[1], budget[2] = (budget[0] + made["charged"], budget[1] + made["over"],
@@ -104,24 +105,15 @@ class Log:
         if not self.rounds:
             return {}
         mean = lambda parts: {part: seconds / self.rounds for part, seconds in parts.items()}
-        return dict(mean(self.parts), uncharged=mean(self.uncharged))
+        return dict(mean(self.parts), **({"uncharged": mean(self.uncharged)} if self.emulated else {}))
 
     def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, clock, **fields):
-        """The row of training step `step` (rank 0): the loss's statistics (means over prompts), the batch's reward
-        and staleness (steps between the weights that sampled each trajectory and those it trained), `fields` (the schedules' values, the step's seconds), and
-        the run's counts: trajectories received, their reuse, the buffer, pi_ref, the seconds of the rounds (their
-        generation, the emulation's sleep and charge, the rewards' parts, the work no device pays for), the trainer's
-        overhead, and with emulated device time the trainer's (`clock`: runtime.slowdown.TrainClock) and the seconds
-        of real compute over the charges, the searchers' and the trainer's (`over_budget`). For a timeline: when the
-        step's training ended (`trained`: its charge too), when its weights reached the searchers' shared copy
-        (`published`; null while --lag keeps them), and the rounds received since the last row (`rounds`), each
-        [searcher, version, start, cycle], seconds since the run's start."""
+        """The row of training step `step` (rank 0; its fields: docs/output.md): the loss's statistics (means
+        over prompts), the batch's reward and staleness, `fields` (the schedules, the step's seconds) and the
+        run's counts; with emulated device time, the trainer's charges (`clock`) and a timeline
+        (`emulated_fields`)."""
         if self.rank != 0:
             return
-        self.published += fields.get("sync", 0.0)  # the trainer's publish: its own work no device pays for
-        timeline = dict(trained=round(clock.ended - self.t0, 4) if clock.ended else None,
-                        published=round(fleet.sent[step], 4) if step in fleet.sent else None, rounds=self.received)
-        self.received = []
         trajectories = [traj for group in batch for traj in group]
         stale = [step - 1 - traj.version for traj in trajectories]
         fields = {k: v for k, v in fields.items() if not (k in ("gamma", "reward_temp") and v == 1.0)}  # Lee et al.'s
@@ -130,17 +122,26 @@ class Log:
         self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},
                  reward=float(np.mean([traj.reward for traj in trajectories])),
                  truncated=float(np.mean([traj.truncated for traj in trajectories])), staleness=float(np.mean(stale)),
-                 staleness_max=int(max(stale)), **fields, **timeline, samples=fleet.received, tokens=fleet.tokens,
+                 staleness_max=int(max(stale)), **fields, samples=fleet.received, tokens=fleet.tokens,
                  response_length=float(np.mean([len(traj.response) for traj in trajectories])),
                  reuse=cap.drawn / max(1, fleet.received), verified=min(fleet.verified.values(), default=-1),
                  generate=self.generate, slept=self.slept,
                  charged=self.charged, buffer=len(buffer), reference=buffer.pi_ref_version, overhead=self.overhead,
                  **self.per_round(), **(fleet.nodes.row(fleet.received) if fleet.nodes else {}),
                  **(dict(train_slept=clock.slept, train_charged=clock.charged) if clock.factor != 1 else {}),
-                 **(dict(over_budget=self.over + clock.over, **self.over_shares(clock)) if self.emulated else {}))
+                 **(self.emulated_fields(step, fleet, clock, fields.get("sync", 0.0)) if self.emulated else {}))
+
+    def emulated_fields(self, step: int, fleet, clock, sync: float) -> dict:
+        """With emulated device time, the train row's timeline (`trained`, `published`, `rounds`:
+        docs/output.md) and the real compute over the charges (`over_budget`, `over_shares`)."""
+        self.published += sync  # the trainer's publish: its own work no device pays for
+        timeline = dict(trained=round(clock.ended - self.t0, 4) if clock.ended else None,
+                        published=round(fleet.sent[step], 4) if step in fleet.sent else None, rounds=self.received)
+        self.received = []
         if clock.seconds is not None and "train_step" not in self.calibration:  # its cost alone, once known
             self.calibration["train_step"] = clock.seconds
             self.write_config(**self.calibration)
+        return dict(timeline, over_budget=self.over + clock.over, **self.over_shares(clock))
 
     def over_shares(self, clock) -> dict:
         """Each process's real compute above its own charge, as a share of it, so far: `over_trainer` (its training
@@ -202,7 +203,8 @@ class Log:
     def show(self, row):
         """The console: the bar's position and postfix, or a plain line every --log-every steps."""
         last = self.last_train
-        if last is None:
+        due = row["kind"] == "train" and (last["step"] % self.cfg.log_every == 0 or last["step"] == self.cfg.steps)
+        if last is None or not (self.bar or due):  # the bar follows each row; a plain line every --log-every steps
             return
         held_out = f" | held-out {self.last_eval[self.cfg.score]:.3f}" if self.last_eval else ""
         cut = f" | cut {last['truncated']:.1%}" if last.get("truncated") else ""  # responses at the length limit
@@ -211,7 +213,7 @@ class Log:
         if self.bar is not None:
             self.bar.update(last["step"] - self.bar.n)
             self.bar.set_postfix_str(brief, refresh=True)
-        elif row["kind"] == "train" and (last["step"] % self.cfg.log_every == 0 or last["step"] == self.cfg.steps):
+        else:
             print(f"step {last['step']:5d}/{self.cfg.steps} | {brief} | beta {last['beta']:.4f} | lr {last['lr']:.2e} | "
                   f"wait {last['wait']:.2f}s | samples {last['samples']} | {last['time']:.0f}s", flush=True)
 

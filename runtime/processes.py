@@ -10,6 +10,7 @@ them knows what a searcher computes.
   and the caller prints them (rank 0) or sends them to rank 0 (another node's leader).
 """
 
+import collections
 import contextlib
 import multiprocessing as mp
 import os
@@ -128,6 +129,7 @@ class Messages:
         # the local queue is as long as the searchers' own, whose bound (`send` waits) stays theirs
         self.queue, self.local, self.closed = queue, Queue(maxsize=max(1, size)), threading.Event()
         self.faults = {}  # searcher -> its fault line (`last_word`)
+        self.stamps = collections.deque()  # (when it was read, message): for the watch, off the trainer's thread
         self.thread = threading.Thread(target=self.read, name="tba-messages", daemon=True)
         self.thread.start()
 
@@ -139,6 +141,7 @@ class Messages:
                 continue
             except Exception as e:  # a message that does not unpickle, a closed queue: raised where the trainer reads
                 msg = e
+            self.stamps.append((time.time(), msg))
             if isinstance(msg, dict) and msg.get("kind") == "fault":
                 self.faults[msg["searcher"]] = msg["line"]
             while not self.closed.is_set():
@@ -202,9 +205,9 @@ class Watch:
         self.heard_once = [False] * len(procs)
         self.warned = [False] * len(procs)
 
-    def heard(self, msg) -> list[str]:
-        """A message from a searcher; the line to say if it had been warned about."""
-        i, now = msg.get("searcher", self.first) - self.first, time.time()
+    def heard(self, msg, now: float | None = None) -> list[str]:
+        """A message from a searcher (read at `now`); the line to say if it had been warned about."""
+        i, now = msg.get("searcher", self.first) - self.first, now or time.time()
         if self.heard_once[i] and not (i == 0 and self.evaluating):  # a round's gap, not an evaluation's
             self.gap[i] = max(self.gap[i] or 0.0, now - self.last[i])
         lines = [f"tba.py: {self.where}searcher {i} sends again, after {now - self.last[i]:.0f} s"] if self.warned[i] else []

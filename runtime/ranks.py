@@ -133,28 +133,23 @@ def broadcast_bytes(data: bytes, rank: int) -> bytes:
 
 def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float, signals=None,
                   say_every: float = 30.0) -> float:
-    """Rank 0 waits (`wait(seconds)`, returning seconds waited) until `done()`, in slices of `slice_s`
-    seconds, saying every `say_every` s what it still waits for (`what()`); after each slice every rank says whether
-    to go on (rank 0: not done; any rank: no signal came to it, `signals`), so that no collective waits longer than a
-    slice however long rank 0 waits, a signal to any rank ends the wait within a slice, and every rank leaves the
-    wait together. Returns seconds waited."""
-    waited, said = 0.0, 0.0
-    while True:
-        finished = None
+    """Rank 0 waits (`wait(seconds)`, returning seconds waited) until `done()`, in slices of `slice_s` s,
+    saying every `say_every` s what for (`what()`); after each slice all ranks decide together whether to go
+    on (rank 0 not done, no rank signalled): no collective waits longer than a slice. Returns seconds
+    waited."""
+    waited, said, finished = 0.0, 0.0, None
+    while not (world == 1 and finished):
         if rank == 0:
             waited += wait(slice_s)
-            finished = done()
-            if not finished and waited - said >= say_every - 1e-6:
+            if not (finished := done()) and waited - said >= say_every - 1e-6:
                 log.print(f"tba.py: waiting for {what()} ({waited:.0f} s so far)", file=sys.stderr)
                 said = waited
-        if world == 1:
-            if finished:
+        if world > 1:
+            flags = torch.tensor([float(bool(finished)), float(bool(signals and signals.first))])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if flags.any():
                 return waited
-            continue
-        flags = torch.tensor([float(bool(finished)), float(bool(signals and signals.first))])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags.any():
-            return waited
+    return waited
 
 
 def share_signals(signals, world: int):
@@ -216,9 +211,12 @@ class Watchdog:
       unwatched, to the end.
     On one rank only signals and the launcher are watched (no collective can stall there)."""
 
-    def __init__(self, rank: int, world: int, bound: float, step, procs, out: str, signals=None):
-        """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends."""
+    def __init__(self, rank: int, world: int, bound: float, step, procs, out: str, signals=None, beat=lambda: None):
+        """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends;
+        `beat()`: run each beat (runtime.fleet.Fleet.watching: the searchers' silence and exits, off the
+        step's path)."""
         self.rank, self.world, self.bound, self.step, self.procs, self.out = rank, world, bound, step, procs, out
+        self.beat = beat
         self.signals, self.orphaned = signals, False
         self.main, self.closed, self.came = threading.main_thread().ident, False, []
         self.store = None
@@ -280,6 +278,7 @@ class Watchdog:
                 self.came += [(b, time.time()) for b in os.read(self.pipe[0], 64)]
             except OSError:
                 pass
+        self.beat()
         if not self.orphaned and self.signals is not None and self.signals.orphaned():  # torchrun gone, its store too
             self.orphaned = True
             if not self.came:  # else a signal came first (torchrun's own, before it died): the rank stops for that

@@ -7,7 +7,7 @@
 - `llm_options(...)`: the options a vLLM engine of this project starts with, each for a reason given there.
 - `eager_transformers(llm)`: builds transformers models beside a vLLM engine as plain eager models.
 - `quiet_loading()`: no loading bars from transformers (they would break the trainer's progress bar).
-- `held_fingerprints(llm, names)`: the weights an engine holds, read back, for the check of each version's arrival.
+- `engine_params(llm, names)`, `held_fingerprints(llm)`: the weights an engine holds, read back (arrival checks).
 - `start_fork_server()`: on the CPU, the searchers' fork server, which imports vLLM once for them; it imports
   this module first, with FORK_SERVER set. tba.py starts it before it imports torch (`early`).
 """
@@ -194,28 +194,23 @@ def quiet_loading():
     huggingface_hub.utils.enable_progress_bars()
 
 
-def held_fingerprints(llm, names: list[str]) -> tuple[dict[str, list[float]], dict[str, list[str]]]:
-    """The weights the engine holds, read back from its model: ({its parameter: its three sums}, {its parameter:
-    the Hugging Face names loaded into it}) for the parameters that Hugging Face's `names` map to (runtime.weights.
-    fingerprint gives the same figures from the trainer's side, blind to layout); a name that maps to none is in no
-    group, and runtime.weights.check_arrival refuses it. A name goes where the model's own loader sends it (its
-    hf_to_vllm_mapper: vllm/model_executor/models/utils.py:80-146, which stacks q, k, v into qkv_proj), or to the one
-    parameter whose name ends with it (the Transformers backend's "model." prefix). On the CPU a linear layer's weight
-    is repacked for oneDNN and the parameter emptied (vllm/model_executor/layers/utils.py:519-596): it is read back
-    through the layer's own product, identity x W^T, which is what the engine computes with. The model is vLLM's own
-    unwrapped one: on CUDA the runner's `model` is a CUDA-graph wrapper, which the worker's get_model() takes off
-    (vllm/v1/worker/gpu_worker.py:1129-1130, vllm/v1/worker/gpu_model_runner.py:3112-3120; the CPU runner's is the
-    model itself, vllm/v1/worker/cpu_model_runner.py:80-81), reached through the wrapper collective_rpc gives
-    (vllm/v1/worker/worker_base.py:352-353)."""
+def engine_params(llm, names: list[str]) -> dict[str, list[str]]:
+    """{the engine's parameter: the Hugging Face names loaded into it}, found at the first arrival (the names
+    never change); the worker keeps how to read each back (`held_fingerprints`). A name goes where the model's
+    loader sends it (hf_to_vllm_mapper: vllm/model_executor/models/utils.py:80-146 stacks q, k, v), or to the
+    one parameter whose name ends with it (the Transformers backend's "model."); one that maps to none is in
+    no group (runtime.weights.arrival_plan refuses it). A CPU linear weight is repacked for oneDNN
+    (vllm/model_executor/layers/utils.py:519-596): read through the layer's product, I x W^T. get_model()
+    unwraps CUDA's graph wrapper (vllm/v1/worker/gpu_worker.py:1129-1130;
+    vllm/v1/worker/worker_base.py:352-353). A reload keeps each layer's module and its parameters' names
+    (vllm/model_executor/model_loader/reload/layerwise.py:417-444)."""
     import torch
 
-    from runtime.weights import held
-
-    def read(worker):
+    def plan(worker):
         model = worker.get_model()
         params, modules = dict(model.named_parameters()), dict(model.named_modules())
         mapper = getattr(model, "hf_to_vllm_mapper", None)
-        groups = {}
+        groups, eyes, worker.tba_held = {}, {}, []
         for name in names:
             mapped = mapper.map_name(name) if mapper is not None else name
             if mapped is None:  # a name the loader drops: unchecked
@@ -226,15 +221,27 @@ def held_fingerprints(llm, names: list[str]) -> tuple[dict[str, list[float]], di
                     continue
                 mapped = ends[0]
             groups.setdefault(mapped, []).append(name)
-        out = {}
-        with torch.no_grad():
-            for param, _ in groups.items():
-                t = params[param]
-                owner = modules.get(param.rsplit(".", 1)[0])
-                if t.numel() == 0 and hasattr(owner, "cpu_linear"):  # repacked: W^T = I W^T, through the engine's kernel
-                    t = owner.cpu_linear(torch.eye(owner.input_size_per_partition, dtype=t.dtype, device=t.device),
-                                         None, None)
-                out[param] = [float(x) for x in held(t)]
-        return out, groups
+        for param in groups:
+            (owner, leaf), t = param.rsplit(".", 1), params[param]
+            m = modules[owner]
+            key = (m.input_size_per_partition, t.dtype) if t.numel() == 0 and hasattr(m, "cpu_linear") else None
+            if key and key not in eyes:  # repacked: read as I x W^T, one identity a size
+                eyes[key] = torch.eye(key[0], dtype=t.dtype, device=t.device)
+            worker.tba_held.append((m, leaf, eyes.get(key)))
+        return groups
 
+    return llm.collective_rpc(plan)[0]
+
+
+def held_fingerprints(llm) -> list[list[float]]:
+    """The three sums (runtime.weights.fingerprint's) of each parameter `engine_params` found, read back
+    now."""
+    import torch
+
+    from runtime.weights import held
+
+    def read(worker):
+        with torch.no_grad():
+            return [[float(x) for x in held(m.cpu_linear(eye, None, None) if eye is not None else getattr(m, leaf))]
+                    for m, leaf, eye in worker.tba_held]
     return llm.collective_rpc(read)[0]

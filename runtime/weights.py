@@ -40,7 +40,6 @@ import weakref
 from dataclasses import dataclass
 from queue import Empty
 
-import numpy as np
 import torch
 
 from runtime import lora
@@ -196,39 +195,38 @@ def held(t, chunk: int = 2**24) -> list:
     return list(sums)
 
 
-def check_arrival(version: int, names: list[str], prints, read_back: dict, groups: dict) -> int:
-    """The fingerprints read back where version `version` arrived (`read_back`: {parameter: its three sums}; `groups`:
-    {parameter: the published names loaded into it}) against those published with it (`names`, `prints`: the (n, 3)
-    rows): WrongWeights naming the first parameter whose sums differ (a fused one holds its parts' sums) by more than
-    float64 rounding (`excess`), or the published names that went into no parameter (nothing of them was checked).
-    Returns the number of names checked: all of them."""
-    expected = dict(zip(names, prints.tolist()))
-    for param, members in groups.items():
-        want, got = np.sum([expected[n] for n in members], axis=0), read_back[param]
-        if excess(got, want) > 1:
-            raise WrongWeights(f"the weights of step {version} did not arrive intact: {' + '.join(members)} holds sum "
-                               f"{got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in vLLM's engine, where the trainer "
-                               f"published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
-    checked = {n for members in groups.values() for n in members}
-    unchecked = [n for n in names if n not in checked]
-    if unchecked:
+def arrival_plan(version: int, names: list[str], groups: dict) -> tuple[list, torch.Tensor]:
+    """How each arrival is checked, found at the first (the names published never change): `groups` ({the
+    engine's parameter: the published names loaded into it}) as a list, and the (P, n) 0/1 matrix that sums
+    each one's published rows (a fused parameter holds its parts' sums). WrongWeights if a name went into no
+    parameter."""
+    row, checked = {n: i for i, n in enumerate(names)}, {n for members in groups.values() for n in members}
+    if unchecked := [n for n in names if n not in checked]:
         raise WrongWeights(f"the weights of step {version} could not all be checked: {len(unchecked)} of the "
-                           f"{len(names)} tensors published map to no parameter of vLLM's engine ({', '.join(unchecked[:3])}"
-                           f"{', ...' if len(unchecked) > 3 else ''})")
-    return len(names)
+                           f"{len(names)} tensors published map to no parameter of vLLM's engine "
+                           f"({', '.join(unchecked[:3])}{', ...' if len(unchecked) > 3 else ''})")
+    parts = torch.zeros(len(groups), len(names), dtype=torch.float64)
+    for i, members in enumerate(groups.values()):
+        parts[i, [row[n] for n in members]] = 1.0
+    return list(groups.items()), parts
 
 
-def excess(got, want) -> float:
-    """How far the three sums `got` are from `want`, in units of what `check_arrival` lets pass: float64 rounding of
-    one set of values, 1e-9 of the sum of |x| (for the sum and itself) or of the sum of x^2; above 1 is a mismatch."""
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    return float((np.abs(got - want) / (1e-9 * want[[1, 1, 2]] + 1e-12)).max())
+def check_arrival(version: int, prints, groups: list, parts: torch.Tensor, held_back: list) -> int:
+    """Each parameter's three sums read back at version `version` (`held_back`, in `groups`' order) against
+    the trainer's (`prints`, summed by `parts`: `arrival_plan`): WrongWeights naming the first off by more
+    than float64 rounding (1e-9 of its sum of |x| or of x^2). Returns the names checked."""
+    want, got = parts @ prints, torch.tensor(held_back, dtype=torch.float64)                 # (P, 3) each
+    if len(wrong := ((got - want).abs() > 1e-9 * want[:, [1, 1, 2]] + 1e-12).any(1).nonzero()):
+        (_, members), got, want = groups[int(wrong[0])], got[int(wrong[0])], want[int(wrong[0])]
+        raise WrongWeights(f"the weights of step {version} did not arrive intact: {' + '.join(members)} holds sum "
+                           f"{got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in vLLM's engine, where the "
+                           f"trainer published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
+    return parts.shape[1]
 
 
 def on_host(rows: list, sums: list, like) -> torch.Tensor:
-    """The fingerprints `sums` (each `fingerprint`'s, on the device where its tensor was) in rows `rows` of a float64
-    (n, 3) host tensor shaped as `like`, the other rows 0: ONE copy to the host, so a publish waits for its device
-    once, not once a tensor (339 times for Qwen2.5-7B, each wait serialising the next all-gather behind the copies)."""
+    """The fingerprints `sums` (on their tensors' device) in rows `rows` of a float64 host tensor shaped as
+    `like`, the others 0: ONE copy to the host, so a publish waits for its device once, not once a tensor."""
     out = torch.zeros_like(like)
     if rows:
         out[rows] = torch.stack(sums).cpu()
@@ -307,10 +305,9 @@ def allocator_settings(device, **changes):
 
 
 def write(weights: SharedWeights | None, named, version: int, alive, timeout: float, to=("policy",), prints=None):
-    """Copy `named` (`gather(model)`, consumed under the lock) into the shared tensors of `to`, with their fingerprints
-    (or --lag's kept `prints`), then move the version(s). The copies and fingerprints are queued on the tensors' device
-    as they go by; the host waits for them once, after the loop (`synchronize`, `on_host`), so each all-gather follows
-    the last at once. `weights` None: a rank that only joins the all-gathers."""
+    """Copy `named` (`gather(model)`, consumed under the lock) into the shared tensors of `to`, with their
+    fingerprints (queued on the device; the host waits once, after the loop) or --lag's kept `prints`; then
+    move the version(s). `weights` None: a rank that only joins the all-gathers."""
     if weights is None:
         return join_gathers(named)
     targets = [t for key, t in (("policy", weights.tensors), ("pi_ref", weights.pi_ref)) if key in to]
@@ -429,14 +426,16 @@ class Inbox:
         receive(shared, stop, alive)
 
     def wait_for(self, version: int | None, beat=lambda: None, pi_ref: bool = False):
-        """--lag: say which version this searcher's next round needs (`wants`), and wait, beating every 5 s, until
-        it is the one published (the trainer publishes it once no searcher needs an older one); None: the newest,
-        no wait. `pi_ref`: wait for pi_ref of that version instead (TBA′ with --lag: `wants` unchanged)."""
+        """--lag: say which version the next round needs (`wants`) and wait for it, beating every 5 s; None:
+        streaming, the newest, no wait. `pi_ref`: wait for pi_ref of that version instead (TBA′ with
+        --lag)."""
+        if version is None:  # streaming: the newest, whichever it is
+            return
         counter = self.shared.pi_ref_version if pi_ref else self.shared.version
         if not pi_ref:
-            self.shared.wants[self.me] = -1 if version is None else version
+            self.shared.wants[self.me] = version
         deadline, last_beat = time.time() + self.timeout, time.time()
-        while version is not None and counter.value != version and not (self.stop and self.stop.is_set()):
+        while counter.value != version and not (self.stop and self.stop.is_set()):
             if counter.value > version:
                 raise RuntimeError(f"the {'pi_ref' if pi_ref else 'weights'} of step {counter.value} were published "
                                    f"while this searcher needed those of step {version}")
@@ -511,10 +510,8 @@ def locked(weights: SharedWeights, alive, timeout: float):
 
 @contextlib.contextmanager
 def reading(weights: SharedWeights, me: int, alive, timeout: float, *devices):
-    """Searcher `me`'s hold of the shared copy while it reads, beside the other searchers: flagged in `reading` under
-    the lock (no writer is inside then: it holds the lock while it writes), and before the flag goes, wait for the CUDA
-    devices of the tensors and `devices` (vLLM's reload never synchronises:
-    vllm/model_executor/model_loader/reload/layerwise.py): no reader sees two versions."""
+    """Searcher `me`'s hold of the shared copy while it reads (the module docstring, 3): flagged in `reading`
+    under the lock, and its CUDA copies waited for before the flag goes (vLLM's reload never synchronises)."""
     acquire(weights.lock, alive, timeout)
     weights.reading[me] = 1
     weights.lock.release()

@@ -47,7 +47,7 @@ def recompute_rank(path, port, results):
                 saved.append(t.numel() * t.element_size())
                 return t
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                sums = tba.backward(model, batch, 0, 1, prompts, 0, torch.device("cpu"), cfg, beta=cfg.beta)
+                sums = tba.gradient(cfg)(model, batch, 0, 1, prompts, 0, torch.device("cpu"), cfg, beta=cfg.beta)
             out[recompute] = dict(loss=sums["loss"], saved=sum(saved),
                                   grads={n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
         results.put({"loss": [out[r]["loss"] for r in (False, True)], "saved": [out[r]["saved"] for r in (False, True)],

@@ -97,9 +97,11 @@ groups = [[Trajectory(p, rng.integers(4, 60, 3).astype(np.int32), float(j % 2), 
                       truncated=int(p == 0 and j == 0)) for j in range(4)] for p in range(2)]
 model = AutoModelForCausalLM.from_pretrained(sys.argv[2])
 where[0] = "the training step"
-tba.backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), dataclasses.replace(cfg, loss_pools=False), beta=0.05)
+c = dataclasses.replace(cfg, loss_pools=False)
+tba.gradient(c)(model, groups, 0, 1, prompts, 0, torch.device("cpu"), c, beta=0.05)
 where[0] = "the pooled step"
-tba.backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), dataclasses.replace(cfg, loss_pools=True), beta=0.05)
+c = dataclasses.replace(cfg, loss_pools=True)
+tba.gradient(c)(model, groups, 0, 1, prompts, 0, torch.device("cpu"), c, beta=0.05)
 where[0] = "the probe at 1"
 at_one = checks.loss_pools(Config(loss="tb_overlong"))
 try:

@@ -423,7 +423,7 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
         seen = []
         hook = model.lm_head.register_forward_hook(lambda module, args, output: seen.append(str(output.dtype)))
         opt = policy.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # 1e-2: bf16 norm weights of 1 move
-        sums = tba.backward(model, batch, rank, world, prompts, 0, device, cfg, beta=cfg.beta)
+        sums = tba.gradient(cfg)(model, batch, rank, world, prompts, 0, device, cfg, beta=cfg.beta)
         hook.remove()
         out["logits_dtype"] = sorted(set(seen))
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -355,7 +355,7 @@ def test_micro_batches_smaller_than_k_give_the_same_gradient(tiny_model, loss_na
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
         seen = []
         model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(len(kwargs["input_ids"])), with_kwargs=True)
-        sums = tba.backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), cfg(mb), beta=0.05)  # (pooled or not)
+        sums = tba.gradient(cfg(mb))(model, groups, 0, 1, prompts, 0, torch.device("cpu"), cfg(mb), beta=0.05)  # (pooled or not)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         losses.append(sums["loss"])
         assert max(seen) == min(mb, 4 if mb < 4 else 8), seen  # whole prompts (both) at 8; else at most mb

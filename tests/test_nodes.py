@@ -552,20 +552,37 @@ def test_only_node_0s_first_searcher_evaluates(monkeypatch):
 
 
 def test_take_hears_every_message():
-    """A leader's take (Fleet.queued): the trajectories of search messages, and every message (beats too) heard."""
-    import queue as queue_module
+    """A leader's take (Fleet.queued): the trajectories of search messages; every message (beats too) is heard by the
+    watch in the watchdog's beat (Fleet.watching: its lines kept for rank 0, a silent searcher recorded), at the time
+    the reading thread read it."""
+    import multiprocessing
     import types
+    from runtime.errors import Silent
     from runtime.fleet import Fleet
-    q, heard = queue_module.Queue(), []
+    from runtime.processes import Messages
+    q, heard = multiprocessing.get_context("spawn").Queue(), []
     t = Trajectory(3, np.array([5, 1], dtype=np.int32), 0.5, -1.0, -2.0, 4, 0)
-    for msg in ({"kind": "search", "searcher": 2, "trajectories": [t]}, {"kind": "beat", "searcher": 2, "done": 8}):
-        q.put(msg)
-    fleet = Fleet.__new__(Fleet)
-    fleet.messages, fleet.silent = q, None
-    fleet.watch = types.SimpleNamespace(heard=lambda msg: heard.append(msg) or [f"heard {msg['kind']}"],
-                                        check=lambda: ["checked"])
-    assert fleet.queued() == ([t], ["heard search", "heard beat", "checked"])
-    assert [m["kind"] for m in heard] == ["search", "beat"]
+    messages = Messages(q, 4)
+    try:
+        for msg in ({"kind": "search", "searcher": 2, "trajectories": [t]}, {"kind": "beat", "searcher": 2, "done": 8}):
+            q.put(msg)
+        fleet = Fleet.__new__(Fleet)
+        fleet.messages, fleet.silent, fleet.dead, fleet.said, fleet.rank, fleet.procs = messages, None, None, [], 1, []
+        fleet.watch = types.SimpleNamespace(heard=lambda msg, now: heard.append((msg, now)) or [f"heard {msg['kind']}"],
+                                            check=lambda: ["checked"])
+        deadline = time.time() + 30
+        while len(messages.stamps) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        got, said = fleet.queued()
+        assert [g.prompt_id for g in got] == [3] and said == []  # the watch's lines come from its beat
+        fleet.watching()
+        assert [m["kind"] for m, _ in heard] == ["search", "beat"] and all(now <= time.time() for _, now in heard)
+        assert fleet.queued() == ([], ["heard search", "heard beat", "checked"])
+        fleet.watch.check = lambda: (_ for _ in ()).throw(Silent("searcher 2 has sent nothing"))
+        fleet.watching()
+        assert fleet.silent == "searcher 2 has sent nothing" and fleet.said == []
+    finally:
+        messages.close()
 
 
 def test_a_message_left_half_written_blocks_no_wait():
@@ -584,10 +601,9 @@ def test_a_message_left_half_written_blocks_no_wait():
         assert messages.get(timeout=30)["kind"] == "beat"
         os.write(q._writer.fileno(), struct.pack("!i", 1000) + bytes(500))  # the length, then half the message
         fleet = Fleet.__new__(Fleet)
-        fleet.messages, fleet.silent = messages, None
-        fleet.watch = types.SimpleNamespace(heard=lambda msg: [], check=lambda: ["checked"])
+        fleet.messages, fleet.silent, fleet.said = messages, None, []
         t0 = time.time()
-        assert fleet.queued() == ([], ["checked"])
+        assert fleet.queued() == ([], [])
         with pytest.raises(queue_module.Empty):
             messages.get(timeout=1.0)
         assert time.time() - t0 < 5

@@ -47,7 +47,7 @@ def pooled_tb(logp, logp_ref, reward, beta, **_):
 def gradient(model, groups, prompts, cfg, rank=0, world=1):
     """The gradient of one step, as tba.train takes it (pooled or in passes), each parameter whole, and the sums."""
     import tba
-    sums = tba.backward(model, groups, rank, world, prompts, 0, torch.device("cpu"), cfg, beta=cfg.beta)
+    sums = tba.gradient(cfg)(model, groups, rank, world, prompts, 0, torch.device("cpu"), cfg, beta=cfg.beta)
     grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return torch.cat([g.flatten() for g in grads]), sums
@@ -179,7 +179,7 @@ def lagged_rank(rank, world, path, port, results):
             rows = iter(per)
             previous = (groups, [[next(rows)[:len(t.response)] for t in g] for g in groups])
             import tba
-            tba.backward(model, groups, 0, 1, prompts, 0, torch.device("cpu"), cfg, beta=cfg.beta)
+            tba.gradient(cfg)(model, groups, 0, 1, prompts, 0, torch.device("cpu"), cfg, beta=cfg.beta)
             opt.step()
             opt.zero_grad(set_to_none=True)
         results.put((rank, dict(gaps=gaps)))

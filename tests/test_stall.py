@@ -262,7 +262,7 @@ def test_take_counts_what_arrives_and_the_newest_version():
     from buffer import ReplayBuffer, Trajectory
     from runtime.evaluations import Asked
     from runtime.fleet import Fleet
-    q, rows, heard = queue_module.Queue(), [], []
+    q, rows = queue_module.Queue(), []
     traj = lambda p, version, pi_ref=0: Trajectory(p, np.array([p], np.int32), 0.0, 0.0, 0.0, version, pi_ref)
     for msg in ({"kind": "search", "searcher": 0, "version": 3, "trajectories": [traj(0, 3), traj(1, 3, pi_ref=2)]},
                 {"kind": "search", "searcher": 0, "version": 5, "trajectories": [traj(2, 5)]},
@@ -271,14 +271,13 @@ def test_take_counts_what_arrives_and_the_newest_version():
         q.put(dict(msg, generate=0.0, slept=0.0, charged=0.0, over=0.0, parts={}, seconds_per_token=None, verified=-1))
     fleet = Fleet.__new__(Fleet)
     fleet.messages, fleet.procs, fleet.cfg = q, [], types.SimpleNamespace(timeout=60, lag=None)
-    fleet.watch = types.SimpleNamespace(heard=lambda msg: heard.append(msg) or [], check=lambda: [])
     fleet.log = types.SimpleNamespace(eval=lambda *row: rows.append(row), searched=lambda msg: None)
     fleet.received = fleet.kept = fleet.tokens = 0
     fleet.heard, fleet.dead, fleet.silent = True, None, None
     fleet.newest, fleet.published, fleet.verified = -1, {4: (1.0, 0.0)}, {}
     fleet.evals = Asked(fleet)
     buffer = ReplayBuffer(10, 0.5, 0.0)
-    assert fleet.take(buffer, lambda: True) == 0.0 and q.empty() and len(heard) == 4
+    assert fleet.take(buffer, lambda: True) == 0.0 and q.empty()
     assert (fleet.received, fleet.kept, len(buffer), fleet.newest, fleet.tokens) == (4, 3, 3, 5, 4)  # a token each
     assert fleet.evals.evaluated == [4] and rows == [(4, {"accuracy": 0.5}, {}, 1.0, (1.0, 0.0))]
 

@@ -51,7 +51,7 @@ from gpu_probe import QWEN, RHO, TOY, TOY_LLAMA, build, hf_shapes, main, named_w
 
 # --- fingerprint ------------------------------------------------------------------------------------------------------
 def fingerprints(state, device, reduced):
-    from runtime.weights import excess, fingerprint
+    from runtime.weights import fingerprint
     shape = TOY if reduced else QWEN
     shapes = hf_shapes(dict(shape, layers=1))
     g = torch.Generator(device=device).manual_seed(0)
@@ -260,7 +260,7 @@ def keep(state, device, reduced):
 
 def arrival(state, device, reduced):
     from runtime.errors import WrongWeights
-    from runtime.weights import check_arrival, synchronize
+    from runtime.weights import arrival_plan, check_arrival, synchronize
     outbox = kept(state, device, reduced)
     shared = outbox.shared
     names, published = shared.prints
@@ -269,25 +269,32 @@ def arrival(state, device, reduced):
     outbox.write(outbox.history[1].items(), 1, lambda: None)  # the kept step, from the slot into the shared copy
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    back, groups = read_back(shared.tensors, names), {n: [n] for n in names}
-    checked = check_arrival(1, names, published, back, groups)
+    back, plan = read_back(shared.tensors, names), arrival_plan(1, names, {n: [n] for n in names})
+    checked = check_arrival(1, published, *plan, [back[n] for n in names])
     check_s = time.perf_counter() - t0
 
-    def caught(*args) -> bool:
+    def caught(check, *args) -> bool:
         try:
-            check_arrival(1, *args)
+            check(1, *args)
         except WrongWeights:
             return True
         return False
-    unmapped = caught(names, published, back, {n: [n] for n in names[1:]})
+    unmapped = caught(arrival_plan, names, {n: [n] for n in names[1:]})
     victim = next(n for n in names if n.endswith("q_proj.weight"))
     with torch.no_grad():
         shared.tensors[victim][0] += 1e-3  # one row moved, after its fingerprint
     synchronize(shared.tensors.values())
-    altered = caught(names, published, read_back(shared.tensors, names), groups)
+    altered = caught(check_arrival, published, *plan, [read_back(shared.tensors, names)[n] for n in names])
     say("arrival check without vLLM", tensors=len(names), write_seconds=write_s, check_seconds=check_s,
         checked=checked, version=shared.version.value, altered_caught=altered, unmapped_caught=unmapped)
     state.clear()  # the last check that reads them: the shared copy, the slot and the weights go
+
+
+def excess(got, want) -> float:
+    """How far the three sums `got` are from `want`, in units of what runtime.weights.check_arrival lets pass: 1e-9
+    of the sum of |x| (for the sum and itself) or of the sum of x^2; above 1 is a mismatch."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    return float((np.abs(got - want) / (1e-9 * want[[1, 1, 2]] + 1e-12)).max())
 
 
 def checks() -> list:
