@@ -5,10 +5,11 @@ The console is a progress bar (tqdm) over the steps, with the elapsed and remain
 latest reward, loss, staleness and held-out score, where the output is a terminal; elsewhere (a log
 file, CI, nohup) it is one plain line every `--log-every` steps. Evaluations print above the bar.
 `--wandb PROJECT` sends the same rows to W&B (the package is optional and imported only then).
-`check_out` refuses an --out that cannot take the run's files before the run starts.
+`check_out` refuses an --out that cannot take the run's files before the run starts, or that a run still runs in (`hold`).
 """
 
 import dataclasses
+import fcntl
 import json
 import os
 import sys
@@ -42,6 +43,7 @@ class Log:
         if rank != 0:
             return
         os.makedirs(cfg.out, exist_ok=True)
+        hold(cfg.out)  # (a resume's check took it already)
         self.write_config()
         self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "a")
         if sys.stdout.isatty():
@@ -248,6 +250,7 @@ class Log:
         if getattr(self, "file", None) is not None:
             self.file.close()
             self.file = None
+            os.close(HELD.pop(os.path.realpath(self.cfg.out)))  # the run's end: its folder is free
 
 
 def check_out(out: str, resume: str | None):
@@ -262,6 +265,7 @@ def check_out(out: str, resume: str | None):
         if os.path.realpath(out) != run:  # another run's rows, checkpoints and final model would be overwritten
             raise ConfigError(f"--out: {out} exists and is not empty, and is not the run of the checkpoint "
                               f"({run}); pass a new or empty folder, or leave --out out to continue in {run}")
+        hold(out)  # (a fresh run's folder is new or empty: its Log holds it)
     made, parent = [], os.path.abspath(out)
     while not os.path.exists(parent):
         made.append(parent)
@@ -280,3 +284,21 @@ def check_out(out: str, resume: str | None):
                 os.rmdir(folder)
             except OSError:
                 pass
+
+
+HELD = {}  # run folder (real path) -> a descriptor of it, locked while this process's run lives there
+
+
+def hold(out: str):
+    """Lock the folder OUT while this process's run lives (flock: the lock goes with its holder, killed or not). A run
+    that still runs there is refused in one line: two runs in one folder interleave their rows and delete each other's
+    checkpoints."""
+    if os.path.realpath(out) in HELD:
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"--resume: a run still runs in {out}: stop it first, or resume once it has ended") from None
+    HELD[os.path.realpath(out)] = fd

@@ -333,6 +333,30 @@ def test_resume_into_another_runs_folder_is_refused(tmp_path):
         check_out(str(other), None)
 
 
+def test_resume_beside_a_run_that_still_runs_is_refused(tmp_path):
+    """Issue 67 item 1: a run's folder is locked while its process lives (runtime.log.hold): a resume beside it would
+    interleave the two runs' rows and delete the other's checkpoints. The lock goes with its holder, killed or not."""
+    import subprocess
+    import sys
+    from runtime.log import check_out
+    run = tmp_path / "a"
+    (run / "checkpoint-000004").mkdir(parents=True)
+    (run / "checkpoint").symlink_to("checkpoint-000004")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import sys, time; sys.path.insert(0, {root!r}); from runtime.log import hold; hold({str(run)!r}); "
+            f"print('held', flush=True); time.sleep(120)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError, match=rf"^--resume: a run still runs in {run}: stop it first"):
+            check_out(str(run), str(run / "checkpoint"))
+    finally:
+        p.kill()
+        p.wait()
+    check_out(str(run), str(run / "checkpoint"))  # its process killed: the folder is free
+    assert sorted(os.listdir(run)) == ["checkpoint", "checkpoint-000004"]  # no file of the lock's
+
+
 @pytest.mark.parametrize("steps,match", [
     ("1", "--steps: 1 is below the checkpoint's step 2: a resumed run cannot go back; pass --steps above 2"),
     ("2", "--steps: 2 is the checkpoint's step 2: the run is finished \\(its final/ is written\\); pass --steps above 2 "
