@@ -58,7 +58,8 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
     t0 = time.time()
     counters = dict(elapsed=t.log.now(), samples=fleet.received, tokens=fleet.tokens, kept=fleet.kept,
                     first_eval=t.log.first_eval, reuse=[t.cap.credit, t.cap.counted, t.cap.drawn],
-                    node_samples=fleet.nodes.samples if fleet.nodes else [])  # several nodes: each one's
+                    node_samples=fleet.nodes.samples if fleet.nodes else [],  # several nodes: each one's
+                    problems=[len(t.data.prompts), t.data.digest()])  # what its buffer's prompt ids index
     sd = full_state_dict(model)
     osd = get_optimizer_state_dict(model, t.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 

@@ -257,6 +257,9 @@ def check_flags(cfg, world: int):
         saved = read_config(cfg.resume)
         changed = check_resumed_flags(cfg, cfg.resume, same_weights=check_model(cfg, ckpt, cfg.resume))
         cfg = dataclasses.replace(cfg, resumes=(*saved.get("resumes", ()), dict(step=ckpt["step"], changed=changed)))
+        n, digest = ckpt.get("problems", (0, data.digest(0)))  # (a checkpoint saved before it kept them: none)
+        need(data.digest(n) == digest, "resume", f"the {cfg.task} task's training problems are not those the "
+             f"checkpoint's run searched (edited since?): its buffer's prompt ids would index other prompts")
         buffer = task.buffer(cfg, data.prompts)  # its kind, which the checkpoint's buffer must be
         try:
             ckpt["buffer"] = type(buffer).from_state(ckpt["buffer"])

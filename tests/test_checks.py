@@ -371,6 +371,26 @@ def test_resume_with_no_steps_left_is_refused(steps, match, tiny_model, checkpoi
         checks.check(cfg, 1)
 
 
+@pytest.mark.engine
+def test_resume_of_an_edited_task_is_refused(tiny_model, checkpoint, tmp_path, monkeypatch):
+    """Issue 67 item 2: a task whose training problems changed, their count not (two swapped), between a run and its
+    resume: the buffer's prompt ids would index other prompts. The checkpoint keeps a hash of them."""
+    import dataclasses
+    import tasks
+    arith = tasks.get("arith")
+
+    def swapped(data):
+        train, test = arith.load(data)
+        return [train[1], train[0], *train[2:]], test
+    cfg = checks.parse(Config, ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint),
+                                "--steps", "3", "--out", str(tmp_path / "b")])
+    assert checks.check(cfg, 1)[2]["step"] == 2  # as it was: resumed
+    monkeypatch.setitem(tasks.TASKS, "arith", dataclasses.replace(arith, load=swapped))
+    with pytest.raises(ConfigError, match="^--resume: the arith task's training problems are not those the "
+                                          "checkpoint's run searched"):
+        checks.check(cfg, 1)
+
+
 def test_resume_messages_say_what_is_there(tmp_path):
     """--resume RUN (the run's folder, not its checkpoint) names the checkpoint inside; a missing path does not
     exist; a folder with neither is not a checkpoint folder."""
