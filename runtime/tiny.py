@@ -55,6 +55,7 @@ import time
 import torch
 
 from runtime.errors import ConfigError
+from runtime.hub import digest
 from tasks.arith import splits as arith_splits
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -267,7 +268,8 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
         save(model, tokenizer, tmp)
         made = made_of(r)
         with open(os.path.join(tmp, RECIPE_FILE), "w") as f:  # written last
-            json.dump(dict(identity=identity(made), **made, **done), f, indent=1)
+            weights = digest(os.path.join(tmp, "model.safetensors"))  # damage of the same size: `damage`
+            json.dump(dict(identity=identity(made), **made, **done, weights=weights), f, indent=1)
         os.rename(tmp, out)
     except OSError:  # `out` exists: another process finished the same build first (keep theirs, if whole)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -296,6 +298,9 @@ def damage(path: str) -> str:
                 json.load(open(os.path.join(path, name)))
         except Exception as e:  # JSONDecodeError, SafetensorError, a read error
             return f"{name} does not parse ({type(e).__name__})"
+    recorded = json.load(open(os.path.join(path, RECIPE_FILE))).get("weights")  # (a build before it kept it: none)
+    if recorded and digest(os.path.join(path, "model.safetensors")) != recorded:  # damage of the same size
+        return "model.safetensors is not the file its build wrote (its SHA-256 differs)"
     return ""
 
 

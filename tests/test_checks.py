@@ -391,6 +391,22 @@ def test_resume_of_an_edited_task_is_refused(tiny_model, checkpoint, tmp_path, m
         checks.check(cfg, 1)
 
 
+@pytest.mark.engine
+def test_resume_with_weights_damaged_in_place_is_refused(checkpoint, tmp_path):
+    """Issue 67 item 3: 4 KB of a checkpoint's weights zeroed in place (the same size: the header parses) are refused
+    in one line; the checkpoint keeps its weights' SHA-256."""
+    import shutil
+    from runtime.checkpoint import load_checkpoint
+    from test_tiny import zero_4kb
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    assert load_checkpoint(str(damaged))["step"] == 2
+    zero_4kb(damaged / "model" / "model.safetensors")
+    with pytest.raises(ConfigError, match=rf"^--resume: {damaged}/model/model.safetensors is not the file its "
+                                          rf"checkpoint wrote \(missing, or its SHA-256 differs: damaged\?\)$"):
+        load_checkpoint(str(damaged))
+
+
 def test_resume_messages_say_what_is_there(tmp_path):
     """--resume RUN (the run's folder, not its checkpoint) names the checkpoint inside; a missing path does not
     exist; a folder with neither is not a checkpoint folder."""
