@@ -486,6 +486,8 @@ def check_task(cfg):
     cfg = dataclasses.replace(cfg, **task.check(cfg))
     train, test = task.load(cfg.data)
     train, test = ([dataclasses.replace(p, prompt=task.prompt(cfg, p.prompt)) for p in part] for part in (train, test))
+    need(test, "task", f"{cfg.task}'s held-out split is empty (its load() gave no held-out problems): the "
+         f"evaluations need one at least")
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
     train = train * -(-cfg.prompts_per_step // len(train)) if task.fill else train
     if cfg.model == "tiny":  # warm-started on the task's demos where it has some, else on arith
@@ -503,6 +505,13 @@ def check_task(cfg):
     cfg = dataclasses.replace(cfg, eval_reward_model_path=cfg.eval_reward_model_path or cfg.reward_model_path)
     need(not task.chat or tokenizer.chat_template, "model", f"the {cfg.task} task's prompts are chat turns, and the "
          f"tokenizer of {model_path} has no chat template")
+    unk = tokenizer.unk_token_id  # a tokenizer without byte fallback (the tiny one) reads a character it lacks as it
+    if unk is not None:
+        chars = set("".join(p.prompt + (p.answer if isinstance(p.answer, str) else "") for p in train + test))
+        lacking = sorted(c for c in chars if unk in tokenizer(c, add_special_tokens=False).input_ids)
+        need(not lacking, "task", f"{cfg.task}'s problems use characters that the tokenizer of {model_path} lacks "
+             f"({' '.join(map(repr, lacking[:10]))}): the model would read each as {tokenizer.unk_token}; write them "
+             f"with characters it has, or pass another --model")
     prompts = [encode(tokenizer, p.prompt, task.chat) for p in train]
     test_prompts = [encode(tokenizer, p.prompt, task.chat) for p in test]
     if task.max_prompt:

@@ -407,6 +407,24 @@ def test_resume_with_weights_damaged_in_place_is_refused(checkpoint, tmp_path):
         load_checkpoint(str(damaged))
 
 
+def test_a_task_with_characters_the_tokenizer_lacks_or_no_held_out_problems_is_refused(tiny_model, monkeypatch):
+    """Issue 67 items 7 and 10: a character the tiny tokenizer lacks (×) would reach the model as <unk>, silently; an
+    empty held-out split ended in a KeyError at the first evaluation. Both are refused at start, in one line."""
+    import tasks
+    from tasks.task import Problem, Task
+    problems = lambda sign: [Problem(f"{a} {sign} 2 =", str(2 * a)) for a in range(8)]
+    cfg = checks.parse(Config, ["--model", tiny_model, "--searchers", "0", *SMALL, "--task", "times"])
+    monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), problems("*")), reward=len))
+    assert checks.check(cfg, 1)[1].answers[:2] == ["0", "2"]  # in its characters: taken
+    monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), problems("×")), reward=len))
+    with pytest.raises(ConfigError, match=f"^--task: times's problems use characters that the tokenizer of "
+                                          f"{tiny_model} lacks \\('×'\\): the model would read each as <unk>"):
+        checks.check(cfg, 1)
+    monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), []), reward=len))
+    with pytest.raises(ConfigError, match="^--task: times's held-out split is empty"):
+        checks.check(cfg, 1)
+
+
 def test_resume_messages_say_what_is_there(tmp_path):
     """--resume RUN (the run's folder, not its checkpoint) names the checkpoint inside; a missing path does not
     exist; a folder with neither is not a checkpoint folder."""
