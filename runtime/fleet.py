@@ -33,6 +33,7 @@ from queue import Empty
 import torch
 
 import searcher
+from buffer import unfit
 from runtime import nodes
 from runtime.errors import Dead, Silent
 from runtime.evaluations import Asked
@@ -195,6 +196,8 @@ class Fleet:
             self.log.print(line, file=sys.stderr)
 
     def add(self, buffer, trajectories):
+        if why := unfit(trajectories, self.cfg.task):  # the run stops after a checkpoint (wait_for)
+            raise Dead(why)
         self.received, self.kept = self.received + len(trajectories), self.kept + len(buffer.add(trajectories))
         self.tokens += sum(len(t.response) for t in trajectories)  # their responses' tokens (the train rows' `tokens`)
 
