@@ -26,6 +26,7 @@ import tasks
 from buffer import FIELDS, SCALARS
 from loss import LOSSES, loss_options, reads, tb_loss
 from runtime import lora, nodes, ranks, vllm_env
+from runtime.config import Config
 from runtime.checkpoint import check_model, check_resumed_flags, load_checkpoint, read_config, resumed_flags
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
@@ -203,6 +204,9 @@ def check_flags(cfg, world: int):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     check_lag(cfg, every or 1)
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
+    flags = getattr(LOSSES[cfg.loss], "flags", ())
+    need(flags_of(cfg.loss) == flags, "loss", f"{cfg.loss}'s flags must be a tuple of Config fields' names (loss.py), "
+         f"got {flags!r}")
     cfg = dataclasses.replace(cfg, loss_pools=loss_pools(cfg))
     need(not (cfg.loss_pools and cfg.behaviour_logprobs == "trainer" and world > 1), "behaviour-logprobs", f"trainer "
          f"rescores each trainer rank's share of the batch, and --loss {cfg.loss} pools across the whole batch: on "
@@ -408,6 +412,13 @@ def check_recipe(cfg):
          f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
 
 
+def flags_of(loss: str) -> tuple:
+    """The Config fields loss `loss` reads by name (its `flags`); () where they are not a tuple of fields' names (the
+    run's own loss is then refused: check_flags)."""
+    flags, fields = getattr(LOSSES.get(loss), "flags", ()), {f.name for f in dataclasses.fields(Config)}
+    return flags if isinstance(flags, tuple) and all(f in fields for f in flags) else ()
+
+
 # Flags that act only where other flags let them: (flag, where it acts, why it would not). One given another value
 # than its default where it cannot act would change nothing: refused in one line (check_unused).
 STREAMING = "streaming: with --lag every batch is its step's rounds, each trajectory used once"
@@ -429,10 +440,12 @@ ACTS_ONLY = (
     ("decode_shape", lambda c: c.decode_cost == "gpu", "GPU-shaped emulated decoding (--decode-cost gpu)"),
     ("response_lengths", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above "
      "1)"),
-) + tuple(  # a loss's own flags (its `flags`, loss.py): refused with another loss, as a task's with another task
-    (flag, lambda c, flag=flag: flag in getattr(LOSSES.get(c.loss), "flags", ()),
-     "--loss " + " or ".join(name for name, loss in LOSSES.items() if flag in getattr(loss, "flags", ())))
-    for flag in dict.fromkeys(f for loss in LOSSES.values() for f in getattr(loss, "flags", ())))
+    ("reward_temp_anneal_steps", lambda c: "reward_temp" in flags_of(c.loss), "a --loss that reads --reward-temp"),
+    ("gamma_anneal_steps", lambda c: "gamma_final" in flags_of(c.loss), "a --loss that reads --gamma-final"),
+) + tuple(  # a loss's own knobs (`arg(..., loss=True)`): refused with a loss whose `flags` do not name them, as a
+    (f.name, lambda c, flag=f.name: flag in flags_of(c.loss),  # task's with another task (a loss may read any field)
+     "--loss " + " or ".join(name for name in LOSSES if f.name in flags_of(name)))
+    for f in dataclasses.fields(Config) if f.metadata.get("loss"))
 
 
 def check_unused(cfg, given=None):

@@ -3,6 +3,7 @@ passes without a KV cache, vLLM's engine core kept in the searcher process, and 
 checkpoint that is incomplete or run with other flags."""
 
 import os
+import re
 import traceback
 
 import numpy as np
@@ -423,6 +424,29 @@ def test_a_task_with_characters_the_tokenizer_lacks_or_no_held_out_problems_is_r
     monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), []), reward=len))
     with pytest.raises(ConfigError, match="^--task: times's held-out split is empty"):
         checks.check(cfg, 1)
+
+
+def test_a_losss_flags_that_name_no_field_or_a_general_one(tiny_model, monkeypatch):
+    """Issue 67 items 8, 9 and 15: a loss's `flags` naming no field, or a string for a tuple (`("clip")`), broke every
+    run with an AttributeError traceback: now only a run of that loss is refused, in one line. A general field among
+    them (max_new_tokens) is read, not made the loss's own: given with another loss it is taken. An anneal of T_R
+    with a loss that reads no T_R is refused itself (before: a refusal that sent the user to --reward-temp, which was
+    then refused)."""
+    import loss
+    run = lambda *args: checks.check(checks.parse(Config, ["--model", tiny_model, "--searchers", "0", *SMALL, *args]), 1)
+    monkeypatch.setitem(loss.LOSSES, "typo", loss.LOSSES["grpo"])
+    for flags in (("clip", "no_such_field"), "clip"):
+        monkeypatch.setattr(loss.LOSSES["grpo"], "flags", flags)
+        assert run("--max-new-tokens", "5")[0].loss == "tb"
+        with pytest.raises(ConfigError, match=rf"^--loss: typo's flags must be a tuple of Config fields' names "
+                                              rf"\(loss.py\), got {re.escape(repr(flags))}$"):
+            run("--loss", "typo")
+    monkeypatch.setattr(loss.LOSSES["grpo"], "flags", ("clip", "max_new_tokens"))
+    assert run("--max-new-tokens", "5", "--loss", "rloo")[0].max_new_tokens == 5
+    with pytest.raises(ConfigError, match="^--clip: acts only in --loss grpo"):
+        run("--clip", "0.3")
+    with pytest.raises(ConfigError, match="^--reward-temp-anneal-steps: acts only in a --loss that reads --reward-temp"):
+        run("--loss", "rloo", "--reward-temp-anneal-steps", "10")
 
 
 def test_resume_messages_say_what_is_there(tmp_path):
