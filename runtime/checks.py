@@ -54,9 +54,7 @@ def parser(config_class, description: str = "") -> argparse.ArgumentParser:
     prefix of a flag is not that flag: a run script's checks of the flags it sets would miss one)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    broken = ", ".join(tasks.broken())  # named, not offered
-    listings = {"{tasks}": ", ".join(tasks.names()) + (f" (broken: {broken}; --task NAME says why)" if broken else ""),
-                "{losses}": ", ".join(LOSSES)}  # as they are, not as written
+    listings = {"{tasks}": ", ".join(tasks.TASKS), "{losses}": ", ".join(LOSSES)}  # by file: no task imported
     group = p
     for f in dataclasses.fields(config_class):
         if f.metadata.get("derived"):
@@ -489,13 +487,16 @@ def check_task(cfg):
     Returns (the Config with them, the Task, Data, the training problems)."""
     from transformers import AutoConfig
 
-    need(cfg.task in tasks.TASKS, "task", f"unknown task {cfg.task!r} (choose from {', '.join(tasks.names())})")
+    need(cfg.task in tasks.TASKS, "task", f"unknown task {cfg.task!r} (choose from {', '.join(tasks.TASKS)})")
     task = tasks.get(cfg.task)
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for name in tasks.names():  # those that load (a broken file's flags cannot be known)
-        for flag in tasks.get(name).flags:
-            need(name == cfg.task or getattr(cfg, flag) == defaults[flag], flag.replace("_", "-"),
-                 f"belongs to the {name} task")
+    defaults, fields = {f.name: f.default for f in dataclasses.fields(cfg)}, [f.name for f in dataclasses.fields(cfg)]
+    # another task's flag given: the other task files are imported only then (a file that waits, a download, would
+    # hold every run), a flag of Config's tasks section set that this task does not own
+    asked = [f for f in fields[fields.index("model"):fields.index("searchers")]
+             if getattr(cfg, f) != defaults[f] and f not in task.flags]
+    for name in tasks.names() if asked else ():  # those that load (a broken file's flags cannot be known)
+        for flag in set(tasks.get(name).flags) & set(asked):
+            need(name == cfg.task, flag.replace("_", "-"), f"belongs to the {name} task")
     cfg = dataclasses.replace(cfg, **task.check(cfg))
     train, test = task.load(cfg.data)
     train, test = ([dataclasses.replace(p, prompt=task.prompt(cfg, p.prompt)) for p in part] for part in (train, test))
