@@ -17,7 +17,7 @@ import os
 import signal
 import warnings
 
-from runtime.errors import ConfigError
+from runtime.errors import STOPS, ConfigError
 
 # torchrun stops a rank with SIGTERM to its whole process group, the fork server included, which ignores only
 # SIGINT (Python 3.11, multiprocessing/forkserver.py:196): dead, it reports every searcher as exit code 255
@@ -27,8 +27,8 @@ from runtime.errors import ConfigError
 # on too (its children get this back, multiprocessing/forkserver.py:300-301; the searchers ignore both anyway).
 FORK_SERVER = "TBA_FORK_SERVER"  # set while runtime.fleet.fork_server starts the server
 if os.environ.pop(FORK_SERVER, None):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in STOPS:  # (SIGHUP and SIGUSR1 too: a closed terminal's reaches the whole group)
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def early(argv: list[str]) -> bool:

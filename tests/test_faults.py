@@ -116,20 +116,22 @@ def catches(pid, sig) -> bool:
 
 
 @pytest.mark.engine
-def test_signal_during_start_up_stops_quietly(tiny_model, tmp_path):
-    """While tba.py imports and checks (seconds): one line, status 130, nothing left. The signal
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
+def test_signal_during_start_up_stops_quietly(sig, tiny_model, tmp_path):
+    """While tba.py imports and checks (seconds): one line, status 128 + the signal, nothing left. The signal
     goes as soon as tba.py's start-up handlers are in (Python catches SIGINT from its own start,
-    SIGTERM only once tba.py asks), not after a fixed sleep that a loaded machine may outlast."""
+    the others only once tba.py asks), not after a fixed sleep that a loaded machine may outlast. SIGHUP (a closed
+    terminal or ssh session) and SIGUSR1 (issue 67 item 4) killed it at once, without a line."""
     out = tmp_path / "run"
     proc = start(["--model", tiny_model, *SMALL, "--out", str(out)], tmp_path)
     deadline = time.time() + 60
-    while not catches(proc.pid, signal.SIGTERM):
+    while not catches(proc.pid, signal.SIGTERM if sig == signal.SIGINT else sig):
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, sig)
     output = proc.communicate(timeout=30)[0]
-    assert proc.returncode == 130, output[-3000:]
-    assert output.strip().splitlines() == ["tba.py: stopped by SIGINT during start-up"], output[-3000:]
+    assert proc.returncode == 128 + sig, output[-3000:]
+    assert output.strip().splitlines() == [f"tba.py: stopped by {sig.name} during start-up"], output[-3000:]
     assert not out.exists()
 
 
