@@ -372,8 +372,8 @@ class Fleet:
     # --- stopping ------------------------------------------------------------------------------------
     def stop_reason(self):
         """Why rank 0 stops the run, or None: ("dead", message), ("silent", message) or ("signal", name)."""
-        first = self.signals.first
-        return (("dead", self.dead) if self.dead else ("silent", self.silent) if self.silent else
+        first, dead = self.signals.first, self.dead or self.log.unwritten  # (a row that could not be written)
+        return (("dead", dead) if dead else ("silent", self.silent) if self.silent else
                 ("signal", self.signals.named(first[0])) if first else None)
 
     def close(self):

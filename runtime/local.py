@@ -108,8 +108,8 @@ class LocalFleet:
 
     def stop_reason(self):
         """Why the run stops (after a checkpoint): ("dead", a bad round's line) or ("signal", name), or None."""
-        first = self.signals.first
-        return ("dead", self.dead) if self.dead else ("signal", self.signals.named(first[0])) if first else None
+        first, dead = self.signals.first, self.dead or self.log.unwritten  # (a row that could not be written)
+        return ("dead", dead) if dead else ("signal", self.signals.named(first[0])) if first else None
 
     def close(self):
         self.engine.close()

@@ -39,13 +39,14 @@ class Log:
         self.last_eval = None   # the latest eval row
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
         self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
-        self.last_train, self.bar, self.wandb = None, None, None
+        self.last_train, self.bar, self.wandb, self.file = None, None, None, None
+        self.unwritten = None  # why a row could not be written (a full disk): the run stops after a checkpoint
         if rank != 0:
             return
         os.makedirs(cfg.out, exist_ok=True)
         hold(cfg.out)  # (a resume's check took it already)
         self.write_config()
-        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "a")
+        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "ab", buffering=0)  # a row on disk whole, or not
         if sys.stdout.isatty():
             from tqdm import tqdm
             try:  # follow the terminal's size; one that reports none (0 x 0: tqdm would hide the bar)
@@ -186,8 +187,8 @@ class Log:
             return
         if self.resumed is not None:  # a resumed process's rows: which branch of the run they belong to
             row["resumed"] = self.resumed["step"]  # (tools/plot.py, `latest`, keeps the latest branch's)
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            self.write(json.dumps(row).encode() + b"\n")
         if self.wandb is not None:
             self.wandb.log({f"{row['kind']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))})
         if row["kind"] == "eval":
@@ -200,6 +201,19 @@ class Log:
         else:
             self.last_train = row
         self.show(row)
+
+    def write(self, data: bytes):
+        """A row into metrics.jsonl. One that fails (a full disk) is cut off (no half line is left), and stops the run
+        after a checkpoint (the fleets' stop_reason: `unwritten`); the rows after it are not written."""
+        at = self.file.tell()
+        try:
+            while data:  # (a write may take part of it)
+                data = data[self.file.write(data):]
+        except OSError as e:
+            self.file.truncate(at)
+            self.file.close()
+            self.file = None
+            self.unwritten = f"{self.cfg.out}/metrics.jsonl could not be written ({e.strerror or type(e).__name__})"
 
     def show(self, row):
         """The console: the bar's position and postfix, or a plain line every --log-every steps."""
@@ -247,10 +261,11 @@ class Log:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
-        if getattr(self, "file", None) is not None:
+        if self.file is not None:
             self.file.close()
             self.file = None
-            os.close(HELD.pop(os.path.realpath(self.cfg.out)))  # the run's end: its folder is free
+        if self.rank == 0 and os.path.realpath(self.cfg.out) in HELD:  # the run's end: its folder is free
+            os.close(HELD.pop(os.path.realpath(self.cfg.out)))
 
 
 def check_out(out: str, resume: str | None):

@@ -360,6 +360,29 @@ def file_size_limit(limit: int):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
+def test_a_row_that_cannot_be_written_stops_the_run_and_leaves_no_half_line(tmp_path, capsys):  # (in memory)
+    """Issue 67 item 5: a full disk while a row was written ended in three chained OSError tracebacks, no checkpoint
+    tried, metrics.jsonl's last line half-written. Now the row is cut off whole, the rows after it are not tried, and
+    the fleets' stop reason says it: the run stops after a checkpoint, in one line."""
+    from runtime.config import Config
+    from runtime.fleet import Fleet
+    from runtime.local import LocalFleet
+    from runtime.log import Log
+    out = tmp_path / "run"
+    log = Log(Config(out=str(out), steps=5), 0, time.time())
+    try:
+        log.row(kind="eval", step=0, accuracy=0.5, example={})
+        with file_size_limit((out / "metrics.jsonl").stat().st_size + 40):
+            log.row(kind="eval", step=1, accuracy=0.25, example={"completion": "x" * 100})
+            log.row(kind="eval", step=2, accuracy=0.25, example={})
+    finally:
+        log.close()
+    line = f"{out}/metrics.jsonl could not be written (File too large)"
+    assert log.unwritten == line and [r["step"] for r in metrics(out)] == [0]
+    fleet = types.SimpleNamespace(signals=types.SimpleNamespace(first=None), dead=None, silent=None, log=log)
+    assert Fleet.stop_reason(fleet) == LocalFleet.stop_reason(fleet) == ("dead", line)
+
+
 def test_a_failed_write_is_told_from_a_bug(tmp_path):
     """write_error: each writer of a checkpoint and of final/ that fails on a full disk (here a file size limit) is
     a failed write, with the OS's reason: safetensors (transformers' save_pretrained) says it in its message only,
