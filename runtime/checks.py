@@ -117,6 +117,8 @@ def check(cfg, world: int):
     saved = read_config(cfg.resume, needed=False) if cfg.resume else None
     if saved is not None:
         cfg = resumed(cfg, saved)
+        need(saved.get("task", cfg.task) == cfg.task, "resume", f"--task {cfg.task} (was {saved.get('task')}) cannot "
+             f"change mid-run (said before its model is built: the checkpoint's buffer holds the other task's data)")
     cfg, filled = task_defaults(cfg)
     try:
         return check_flags(cfg, world)

@@ -449,6 +449,18 @@ def test_a_losss_flags_that_name_no_field_or_a_general_one(tiny_model, monkeypat
         run("--loss", "rloo", "--reward-temp-anneal-steps", "10")
 
 
+@pytest.mark.engine
+def test_resume_with_another_task_is_refused_before_its_model_is_built(checkpoint, tmp_path, monkeypatch):
+    """Issue 67 item 12: a resume with another --task built that task's tiny model (minutes) before it was refused,
+    and left a hidden temporary folder behind."""
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    cfg = checks.parse(Config, ["--model", "tiny", "--task", "countdown", "--resume", str(checkpoint), "--steps", "3",
+                                "--out", str(tmp_path / "b")])
+    with pytest.raises(ConfigError, match=r"^--resume: --task countdown \(was arith\) cannot change mid-run"):
+        checks.check(cfg, 1)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "b").exists()
+
+
 def test_resume_messages_say_what_is_there(tmp_path):
     """--resume RUN (the run's folder, not its checkpoint) names the checkpoint inside; a missing path does not
     exist; a folder with neither is not a checkpoint folder."""
