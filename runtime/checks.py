@@ -54,6 +54,7 @@ def parser(config_class, description: str = "") -> argparse.ArgumentParser:
     prefix of a flag is not that flag: a run script's checks of the flags it sets would miss one)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
+    p.error = lambda message: p.exit(2, f"tba.py: error: {message} (--help lists the flags)\n")  # (no usage block)
     listings = {"{tasks}": ", ".join(tasks.TASKS), "{losses}": ", ".join(LOSSES)}  # by file: no task imported
     group = p
     for f in dataclasses.fields(config_class):
@@ -160,9 +161,9 @@ def check_flags(cfg, world: int):
          f"got {world} (vLLM cannot share a multi-process group)")
     need(cfg.evaluator == "searcher" or world == 1, "evaluator", f"after runs an engine in the trainer's process, "
          f"which needs one trainer rank, got {world} (vLLM cannot share a multi-process group)")
-    need(cfg.beta > 0, "beta", "must be positive")
+    need(cfg.beta >= 1e-15, "beta", f"must be at least 1e-15 (below, r / beta squared overflows), got {cfg.beta}")
     cfg = dataclasses.replace(cfg, beta_final=cfg.beta if cfg.beta_final is None else cfg.beta_final)
-    need(cfg.beta_final > 0, "beta-final", "must be positive")
+    need(cfg.beta_final >= 1e-15, "beta-final", f"must be at least 1e-15, got {cfg.beta_final}")
     need(cfg.lr > 0, "lr", "must be positive")
     need(cfg.temperature > 0, "temperature", "must be positive (the evaluation has its own: --eval-temperature)")
     need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
@@ -174,8 +175,8 @@ def check_flags(cfg, world: int):
     need(cfg.eval_limit is None or cfg.eval_limit >= 1, "eval-limit", "must be at least 1")
     need(cfg.save_every >= 0, "save-every", "must be 0 or more")
     need(cfg.log_every >= 1, "log-every", "must be at least 1")
-    need(cfg.timeout > 0, "timeout", "must be positive")
-    need(cfg.start_timeout > 0, "start-timeout", "must be positive")
+    for flag in ("timeout", "start_timeout"):  # torch.distributed's own timeouts overflow far above (1e13 s)
+        need(0 < getattr(cfg, flag) <= 1e6, flag.replace("_", "-"), f"must be in (0, 1e6] s, got {getattr(cfg, flag)}")
     for flag in ("searcher_memory", "trainer_memory"):
         need(getattr(cfg, flag) is None or 0 < getattr(cfg, flag) < 1, flag.replace("_", "-"),
              f"must be a fraction in (0, 1), got {getattr(cfg, flag)}")

@@ -274,8 +274,10 @@ def check_out(out: str, resume: str | None):
     (a file is written and removed). Folders made for the check are removed again: nothing is left until the
     run starts."""
     if os.path.isdir(out) and os.listdir(out):
-        if not resume:
-            raise ConfigError(f"--out: {out} exists and is not empty (pass --resume to continue a run)")
+        if not resume:  # a finished run's --resume alone would be refused as finished
+            hint = ("it holds a finished run: pass a new --out, or --resume OUT/checkpoint with --steps above its step"
+                    if os.path.isdir(os.path.join(out, "final")) else "pass --resume to continue a run")
+            raise ConfigError(f"--out: {out} exists and is not empty ({hint})")
         run = os.path.dirname(os.path.realpath(resume))
         if os.path.realpath(out) != run:  # another run's rows, checkpoints and final model would be overwritten
             raise ConfigError(f"--out: {out} exists and is not empty, and is not the run of the checkpoint "

@@ -332,6 +332,10 @@ def test_resume_into_another_runs_folder_is_refused(tmp_path):
     check_out(str(tmp_path / "empty"), str(run / "checkpoint"))    # an empty one
     with pytest.raises(ConfigError, match="pass --resume to continue a run"):
         check_out(str(other), None)
+    (run / "final").mkdir()  # a finished run: --resume alone would be refused as finished (issue 67 item 15)
+    with pytest.raises(ConfigError, match=r"\(it holds a finished run: pass a new --out, or --resume OUT/checkpoint with "
+                                          r"--steps above its step\)$"):
+        check_out(str(run), None)
 
 
 def test_resume_beside_a_run_that_still_runs_is_refused(tmp_path):
