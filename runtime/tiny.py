@@ -387,7 +387,13 @@ def cached(task: str | None = None) -> str:
     path = folder(task)  # a task's demos are refused here, before anything is built
     if not damage(path):
         return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:  # the cache takes the build's lock and folder: else say why a build is needed, and where it cannot go
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path + ".lock", "a").close()
+    except OSError as e:
+        raise ConfigError(f"--model: the tiny model must be built ({why_not or 'none is cached'}), and the cache "
+                          f"{os.path.dirname(path)} cannot take it ({e.strerror}): set TBA_CACHE to a writable "
+                          f"folder") from None
     with held(path):  # one builder at a time (torchrun's ranks start together)
         why = damage(path)
         if why:
@@ -455,6 +461,8 @@ def main(argv: list[str]):
     args = p.parse_args(argv)
     if args.out and os.path.exists(args.out):
         sys.exit(f"runtime.tiny: {args.out} exists: remove it first, or name another folder")
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        sys.exit(f"runtime.tiny: {os.path.dirname(os.path.abspath(args.out))} does not exist: make it first")
     if args.task is not None:
         import tasks
         try:

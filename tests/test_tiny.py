@@ -289,3 +289,20 @@ def test_without_the_shipped_model_the_tiny_model_is_built_saying_why(tmp_path, 
     assert capsys.readouterr().out.splitlines()[0] == (f"the shipped tiny model {shipped} is incomplete (no "
                                                        f"config.json): building the tiny model into {path} (a line "
                                                        f"every few seconds) ...")
+
+
+def test_the_builder_names_a_missing_folder_or_a_cache_it_cannot_write(tmp_path, monkeypatch):
+    """Issue 67 item 13: `python -m runtime.tiny OUT` under a missing folder, and a TBA_CACHE that names a file (or
+    cannot be written), ended in an OSError traceback that never said why a build was needed."""
+    with pytest.raises(SystemExit) as e:
+        tiny.main([str(tmp_path / "missing" / "out")])
+    assert e.value.code == f"runtime.tiny: {tmp_path / 'missing'} does not exist: make it first"
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "file"))
+    monkeypatch.setattr(tiny, "RECIPE", SMALL)  # not the shipped model's: a build is needed
+    with pytest.raises(SystemExit) as e:
+        tiny.main([])
+    assert e.value.code.startswith("runtime.tiny: --model: the tiny model must be built (the recipe (") and \
+        e.value.code.endswith(f"changed since the shipped tiny model {tiny.SHIPPED} was built), and the cache "
+                              f"{tmp_path / 'file'} cannot take it (File exists): set TBA_CACHE to a writable "
+                              f"folder"), e.value.code
