@@ -28,8 +28,8 @@ import sys
 
 
 def stopped_at_start(signum, frame):
-    """Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 while importing and checking: nothing runs yet, so stop quietly, in one line a node (torchrun
-    forwards the signal to every rank)."""
+    """Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 while importing and checking: nothing runs yet, so stop quietly, in
+    one line a node (torchrun forwards the signal to every rank)."""
     import atexit  # the searchers' fork server may be importing vLLM (vllm_env.early): the exit functions stop it
     atexit._run_exitfuncs()  # and remove its socket's folder, before our line (its import's lines would follow it)
     if os.environ.get("LOCAL_RANK", "0") == "0":

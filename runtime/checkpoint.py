@@ -70,8 +70,8 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
         weights = {os.path.relpath(w, folder): digest(w)  # damage of the same size: load_checkpoint
                    for w in glob.glob(os.path.join(folder, "*", "*.safetensors"))}
         with open(os.path.join(folder, "trainer.pt"), "wb") as f:  # our file: a failed write's OSError is kept
-            torch.save(dict(optimizer=osd, step=step, torch_rng=torch.get_rng_state(), **counters, weights=weights,
-                            **fleet.saved(step)), f)
+            torch.save(dict(optimizer=osd, step=step, torch_rng=torch.get_rng_state(), **counters,
+                            weights=weights, **fleet.saved(step)), f)
         np.savez(os.path.join(folder, "buffer.npz"), **t.buffer.state())
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
@@ -131,8 +131,8 @@ def load_checkpoint(folder: str) -> dict:
     for name, sha in state.get("weights", {}).items():  # damage of the same size (a header check misses it)
         path = os.path.join(folder, name)
         if not os.path.isfile(path) or digest(path) != sha:
-            raise ConfigError(f"--resume: {path} is not the file its checkpoint wrote (missing, or its SHA-256 "
-                              f"differs: damaged?)")
+            raise ConfigError(f"--resume: {path} is not the file its checkpoint wrote (missing, or its "
+                              f"SHA-256 differs: damaged?)")
     return state
 
 

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 def arg(default, help: str, **more):
     """A flag: its default and one-line help (`--help`). `choices`: the only values it takes (anything else is
-    refused in one line, runtime.checks); `loss=True`: a loss's own knob, refused with a loss whose `flags` do not
-    name it (runtime.checks.ACTS_ONLY); `fixed=True`: it changes what the data already searched means (its
+    refused in one line, runtime.checks); `loss=True`: a loss's own knob, refused with a loss whose `flags` do
+    not name it (runtime.checks.ACTS_ONLY); `fixed=True`: it changes what the data already searched means (its
     rewards, pi_ref's log-probs, what the buffer keeps), so a --resume that changes it is refused
     (runtime.checkpoint.fixed_on_resume)."""
     return field(default=default, metadata={"help": help, **more})
@@ -60,13 +60,14 @@ class Config:
     loss: str = arg("tb", "the objective, a function of loss.py's LOSSES: {losses} (tb: trajectory balance, the "
                           "method; tbprime: TBA′'s update for MATH; rloo, grpo, drgrpo: baselines)")
     clip: float = arg(0.2, "grpo: clip range of the importance ratio", loss=True)
-    is_cap: float = arg(8.0, "drgrpo, tbprime: the truncation c of the per-token importance ratio min(pi / mu, c)",
-                        loss=True)
-    importance_weights: bool = arg(True, "tbprime: weight each token by min(pi / mu, c) (off: the plain gradient)",
-                                   loss=True)
+    is_cap: float = arg(8.0, "drgrpo, tbprime: the truncation c of the per-token importance ratio "
+                             "min(pi / mu, c)", loss=True)
+    importance_weights: bool = arg(True, "tbprime: weight each token by min(pi / mu, c) (off: the plain "
+                                         "gradient)", loss=True)
     norm: str = arg("response", "drgrpo, tbprime: each response's token sum divided by its length (response) | its "
                                 "prompt's and its own (sequence: the authors' MATH runs) | --max-new-tokens (budget: "
-                                "Liu et al.'s Dr. GRPO)", choices=("response", "sequence", "budget"), loss=True)
+                                "Liu et al.'s Dr. GRPO)", choices=("response", "sequence", "budget"),
+                    loss=True)
     behaviour_logprobs: str = arg("vllm", "--lag: the importance ratio's behaviour log-probs are vLLM's, of the tokens "
                                           "as sampled (vllm) | recomputed by the trainer with the weights of step n - L "
                                           "(trainer: the authors')", choices=("vllm", "trainer"))

@@ -7,8 +7,9 @@ stop a run that has begun (after a checkpoint where training has begun).
 
 import signal
 
-# The signals that stop a run (a checkpoint first, once training began), status 128 + the signal: Ctrl-C, a kill,
-# a closed terminal or ssh session, a batch scheduler's warning (Slurm's --signal). The searchers ignore them.
+# The signals that stop a run (a checkpoint first, once training began), status 128 + the signal: Ctrl-C, a
+# kill, a closed terminal or ssh session, a batch scheduler's warning (Slurm's --signal). Searchers ignore
+# them.
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 

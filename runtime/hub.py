@@ -61,7 +61,7 @@ def from_hub(name: str, flag: str) -> str:
 
 
 def digest(path: str) -> str:
-    """A file's SHA-256, read in chunks: about a second a GB (a checkpoint's weights, written and read back)."""
+    """A file's SHA-256, read in chunks: about a second a GB (a checkpoint's weights, read back)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 

@@ -107,7 +107,7 @@ class LocalFleet:
         return True
 
     def stop_reason(self):
-        """Why the run stops (after a checkpoint): ("dead", a bad round's line) or ("signal", name), or None."""
+        """Why the run stops (checkpointed): ("dead", a line: a bad round) or ("signal", name), or None."""
         first, dead = self.signals.first, self.dead or self.log.unwritten  # (a row that could not be written)
         return ("dead", dead) if dead else ("signal", self.signals.named(first[0])) if first else None
 

@@ -5,7 +5,8 @@ The console is a progress bar (tqdm) over the steps, with the elapsed and remain
 latest reward, loss, staleness and held-out score, where the output is a terminal; elsewhere (a log
 file, CI, nohup) it is one plain line every `--log-every` steps. Evaluations print above the bar.
 `--wandb PROJECT` sends the same rows to W&B (the package is optional and imported only then).
-`check_out` refuses an --out that cannot take the run's files before the run starts, or that a run still runs in (`hold`).
+`check_out` refuses an --out that cannot take the run's files before the run starts, or that a run still runs
+in (`hold`).
 """
 
 import dataclasses
@@ -40,13 +41,13 @@ class Log:
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
         self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
         self.last_train, self.bar, self.wandb, self.file = None, None, None, None
-        self.unwritten = None  # why a row could not be written (a full disk): the run stops after a checkpoint
+        self.unwritten = None  # why a row could not be written (a full disk): the run stops, checkpointed
         if rank != 0:
             return
         os.makedirs(cfg.out, exist_ok=True)
         hold(cfg.out)  # (a resume's check took it already)
         self.write_config()
-        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "ab", buffering=0)  # a row on disk whole, or not
+        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "ab", buffering=0)  # unbuffered: `write`
         if sys.stdout.isatty():
             from tqdm import tqdm
             try:  # follow the terminal's size; one that reports none (0 x 0: tqdm would hide the bar)
@@ -203,8 +204,8 @@ class Log:
         self.show(row)
 
     def write(self, data: bytes):
-        """A row into metrics.jsonl. One that fails (a full disk) is cut off (no half line is left), and stops the run
-        after a checkpoint (the fleets' stop_reason: `unwritten`); the rows after it are not written."""
+        """A row into metrics.jsonl. One that fails (a full disk) is cut off (no half line is left), and
+        stops the run after a checkpoint (the fleets' stop_reason: `unwritten`); no later row is written."""
         at = self.file.tell()
         try:
             while data:  # (a write may take part of it)
@@ -213,7 +214,8 @@ class Log:
             self.file.truncate(at)
             self.file.close()
             self.file = None
-            self.unwritten = f"{self.cfg.out}/metrics.jsonl could not be written ({e.strerror or type(e).__name__})"
+            why = e.strerror or type(e).__name__
+            self.unwritten = f"{self.cfg.out}/metrics.jsonl could not be written ({why})"
 
     def show(self, row):
         """The console: the bar's position and postfix, or a plain line every --log-every steps."""
@@ -275,8 +277,9 @@ def check_out(out: str, resume: str | None):
     run starts."""
     if os.path.isdir(out) and os.listdir(out):
         if not resume:  # a finished run's --resume alone would be refused as finished
-            hint = ("it holds a finished run: pass a new --out, or --resume OUT/checkpoint with --steps above its step"
-                    if os.path.isdir(os.path.join(out, "final")) else "pass --resume to continue a run")
+            hint = ("it holds a finished run: pass a new --out, or --resume OUT/checkpoint with --steps "
+                    "above its step" if os.path.isdir(os.path.join(out, "final")) else
+                    "pass --resume to continue a run")
             raise ConfigError(f"--out: {out} exists and is not empty ({hint})")
         run = os.path.dirname(os.path.realpath(resume))
         if os.path.realpath(out) != run:  # another run's rows, checkpoints and final model would be overwritten
@@ -307,9 +310,9 @@ HELD = {}  # run folder (real path) -> a descriptor of it, locked while this pro
 
 
 def hold(out: str):
-    """Lock the folder OUT while this process's run lives (flock: the lock goes with its holder, killed or not). A run
-    that still runs there is refused in one line: two runs in one folder interleave their rows and delete each other's
-    checkpoints."""
+    """Lock the folder OUT while this process's run lives (flock: the lock goes with its holder, killed or
+    not). A run that still runs there is refused in one line: two runs in one folder interleave their rows and
+    delete each other's checkpoints."""
     if os.path.realpath(out) in HELD:
         return
     fd = os.open(out, os.O_RDONLY)
@@ -317,5 +320,6 @@ def hold(out: str):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError(f"--resume: a run still runs in {out}: stop it first, or resume once it has ended") from None
+        raise ConfigError(f"--resume: a run still runs in {out}: stop it first, or resume once it has "
+                          f"ended") from None
     HELD[os.path.realpath(out)] = fd

@@ -27,7 +27,7 @@ from runtime.weights import WAIT
 
 
 class Signals:
-    """SIGINT, SIGTERM, SIGHUP, SIGUSR1 (errors.STOPS): before the first step one stops the run at once (Stop);
+    """SIGINT, SIGTERM, SIGHUP, SIGUSR1 (errors.STOPS): before the first step one stops the run at once;
     after it, the first asks the trainer to stop after a checkpoint (`first`), and a second one
     stops it at once (KeyboardInterrupt). Under torchrun, Ctrl-C's SIGINT reaches the trainer twice
     at once (the terminal's and torchrun's): a second signal counts only after 1 s. One that comes while

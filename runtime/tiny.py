@@ -298,7 +298,7 @@ def damage(path: str) -> str:
                 json.load(open(os.path.join(path, name)))
         except Exception as e:  # JSONDecodeError, SafetensorError, a read error
             return f"{name} does not parse ({type(e).__name__})"
-    recorded = json.load(open(os.path.join(path, RECIPE_FILE))).get("weights")  # (a build before it kept it: none)
+    recorded = json.load(open(os.path.join(path, RECIPE_FILE))).get("weights")  # (an older build's: none)
     if recorded and digest(os.path.join(path, "model.safetensors")) != recorded:  # damage of the same size
         return "model.safetensors is not the file its build wrote (its SHA-256 differs)"
     return ""
@@ -387,13 +387,13 @@ def cached(task: str | None = None) -> str:
     path = folder(task)  # a task's demos are refused here, before anything is built
     if not damage(path):
         return path
-    try:  # the cache takes the build's lock and folder: else say why a build is needed, and where it cannot go
+    try:  # the cache takes the build's lock and folder: else say why a build is needed, and where not
         os.makedirs(os.path.dirname(path), exist_ok=True)
         open(path + ".lock", "a").close()
     except OSError as e:
-        raise ConfigError(f"--model: the tiny model must be built ({why_not or 'none is cached'}), and the cache "
-                          f"{os.path.dirname(path)} cannot take it ({e.strerror}): set TBA_CACHE to a writable "
-                          f"folder") from None
+        raise ConfigError(f"--model: the tiny model must be built ({why_not or 'none is cached'}), and the "
+                          f"cache {os.path.dirname(path)} cannot take it ({e.strerror}): set TBA_CACHE to a "
+                          f"writable folder") from None
     with held(path):  # one builder at a time (torchrun's ranks start together)
         why = damage(path)
         if why:

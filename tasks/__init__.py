@@ -8,10 +8,10 @@ named by its file, so a new task is its file alone:
 - `redteam`: the paper's red-teaming task after Lee et al.: an attacker against a frozen victim;
 - `math`: MATH, the paper's Sec. 6 run (Qwen 2.5 7B, TBA′ against Dr. GRPO), with the authors' grading.
 
-`TASKS` maps each `--task` name to the module that holds its `TASK` (found by file name: nothing is imported to list
-them); `get(name)` imports it. A file that does not make a task (it does not import, it holds no `TASK`, a folder of
-its name shadows it) is refused in one line naming it where it is used, and leaves the other tasks alone: `names()`
-lists the tasks that load, each imported with a deadline (a file that waits at its top, a download, is left out).
+`TASKS` maps each `--task` name to the module that holds its `TASK` (found by file name: nothing is imported
+to list them); `get(name)` imports it. A file that does not make a task (it does not import, holds no `TASK`,
+a folder of its name shadows it) is refused in one line naming it where it is used, and leaves the other tasks
+alone: `names()` lists the tasks that load, each imported with a deadline (one that waits at its top is left).
 """
 
 import importlib
@@ -59,14 +59,15 @@ def module(entry: str):
 
 
 def within(entry: str, deadline: float):
-    """`module(entry)`, imported by a thread given `deadline` s: one that waits longer (a download at its top) is
-    refused, and left to its thread."""
+    """`module(entry)`, imported by a thread given `deadline` s: one that waits longer (a download at its top)
+    is refused, and left to its thread."""
     box = []
     thread = threading.Thread(target=lambda: box.append(module_or_error(entry)), daemon=True)
     thread.start()
     thread.join(deadline)
     if not box:
-        raise ConfigError(f"--task: {where(entry)} does not import within {deadline:g} s (it waits at its top level)")
+        raise ConfigError(f"--task: {where(entry)} does not import within {deadline:g} s (it waits at its "
+                          f"top level)")
     if isinstance(box[0], ConfigError):
         raise box[0]
     return box[0]

@@ -449,7 +449,7 @@ def test_a_losss_flags_that_name_no_field_or_a_general_one(tiny_model, monkeypat
     assert run("--max-new-tokens", "5", "--loss", "rloo")[0].max_new_tokens == 5
     with pytest.raises(ConfigError, match="^--clip: acts only in --loss grpo"):
         run("--clip", "0.3")
-    with pytest.raises(ConfigError, match="^--reward-temp-anneal-steps: acts only in a --loss that reads --reward-temp"):
+    with pytest.raises(ConfigError, match="^--reward-temp-anneal-steps: acts only in a --loss reading --reward-temp"):
         run("--loss", "rloo", "--reward-temp-anneal-steps", "10")
 
 
