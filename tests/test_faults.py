@@ -189,6 +189,17 @@ def importing_fork_server(pid):
     return None
 
 
+def test_the_resource_tracker_ignores_a_closed_terminals_signals():
+    """Issue 67 item 4: SIGHUP to the run's process group (a closed terminal) killed multiprocessing's resource
+    tracker, and the one started in its place printed a KeyError traceback for each name it did not know."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from runtime import vllm_env; "
+            "from multiprocessing import resource_tracker as r; vllm_env.quiet_resource_tracker(); "
+            "print(open(f'/proc/{r._resource_tracker._pid}/status').read())")
+    status = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, timeout=60).stdout
+    ignored = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+    assert all(ignored >> (sig - 1) & 1 for sig in (signal.SIGHUP, signal.SIGUSR1))  # (it ignores INT, TERM itself)
+
+
 @pytest.mark.engine
 def test_ctrl_c_while_the_fork_server_imports_vllm_stops_quietly(tiny_model, tmp_path):
     """Ctrl-C (SIGINT to the process group) while the CPU's fork server imports vLLM for the searchers: the run's
