@@ -227,7 +227,7 @@ class Watchdog:
                                        timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
             self.publish(0, None, 0.0)
         self.seen = {}  # rank -> (its last beat, when it changed)
-        # torchrun's other ranks here (pid, start): one stopped (SIGSTOP) when a signal ends the run would outlive it
+        # torchrun's other ranks here (pid, start): one stopped (SIGSTOP) outlives the run a signal ends
         self.siblings = [(p.pid, p.create_time()) for p in psutil.Process(os.getppid()).children()
                          if p.pid != os.getpid()] if signals is not None and signals.launcher else []
         self.pipe = os.pipe()
@@ -283,7 +283,7 @@ class Watchdog:
                 self.came += [(b, time.time()) for b in os.read(self.pipe[0], 64)]
             except OSError:
                 pass
-        for pid, began in self.siblings if self.came else ():  # the run ends: a stopped rank would never see it
+        for pid, began in self.siblings if self.came else ():  # the run ends: a stopped rank never sees it
             with contextlib.suppress(Exception):
                 sibling = psutil.Process(pid)
                 if sibling.create_time() == began and sibling.status() == psutil.STATUS_STOPPED:

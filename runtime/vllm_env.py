@@ -49,9 +49,9 @@ def quiet_resource_tracker():
     """A searcher killed (-9, a crashed vLLM) leaves a semaphore of its own in multiprocessing's resource tracker,
     the trainer's, which unlinks it at the trainer's exit and warns that it leaked, two lines after the run's one
     (multiprocessing/resource_tracker.py:254). The run has said what happened: the tracker, started by the fork
-    server or the trainer's first lock, inherits a filter for that warning alone (idempotent). It is started here,
-    ignoring SIGHUP and SIGUSR1 as it ignores SIGINT and SIGTERM (an ignored signal is inherited across exec): a
-    closed terminal's SIGHUP killed it, and the one started in its place printed a KeyError traceback a name."""
+    server or the trainer's first lock, inherits a filter for that warning alone (idempotent). It is started
+    here, ignoring SIGHUP and SIGUSR1 as it does SIGINT and SIGTERM (an ignored signal is inherited across
+    exec): a closed terminal's SIGHUP killed it, and its successor printed KeyError tracebacks."""
     from multiprocessing import resource_tracker
     quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
     if quiet not in os.environ.get("PYTHONWARNINGS", ""):
