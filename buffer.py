@@ -345,6 +345,14 @@ class ReuseCap:
             self.credit -= draws
 
 
+def unfit(trajectories, task: str) -> str | None:
+    """Why a round cannot enter the buffer, in one line, or None: a reward that is not a finite number (the
+    draws' softmax over rewards would fail far from the task's reward that made it)."""
+    bad = next((t for t in trajectories if not np.isfinite(t.reward)), None)
+    return bad and (f"the {task} task's reward is {bad.reward} for a response to training prompt "
+                    f"{bad.prompt_id}: a reward must be a finite number")
+
+
 def draw(copies: np.ndarray, weights: np.ndarray, K: int, rng: np.random.Generator) -> list[int]:
     """K draws from a multiset (item i held `copies[i]` times, each copy weighted `weights[i]`), without replacement
     while it holds K copies: a batch follows the searchers' multiplicities, as the raw rounds would."""

@@ -40,7 +40,7 @@ import tasks
 from buffer import Trajectory
 from loss import LOSSES, collate, reads, response_logprobs, sequence_logprobs, unique_pairs
 from runtime import decoding, seeds, slowdown
-from runtime.errors import Dead, WrongWeights
+from runtime.errors import STOPS, Dead, WrongWeights
 from runtime.evaluations import Requests
 from runtime.processes import SAID, last_word, parent_alive, send
 from runtime.weights import WAIT, Inbox, SharedWeights, arrival_plan, check_arrival
@@ -350,7 +350,7 @@ def become_searcher():
     """Signals to the whole group are the trainer's to decide (it then stops us); torchrun's variables go
     (vLLM makes its own one-process group); a watchdog exits at once if the trainer dies, even while this
     process is busy inside vLLM."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOPS:
         signal.signal(sig, signal.SIG_IGN)
     for k in list(os.environ):
         if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_"):

@@ -28,18 +28,20 @@ import sys
 
 
 def stopped_at_start(signum, frame):
-    """Ctrl-C or SIGTERM while importing and checking: nothing runs yet, so stop quietly, in one line a node (torchrun
-    forwards the signal to every rank)."""
+    """Ctrl-C, SIGTERM, SIGHUP or SIGUSR1 while importing and checking: nothing runs yet, so stop quietly, in
+    one line a node (torchrun forwards the signal to every rank)."""
     import atexit  # the searchers' fork server may be importing vLLM (vllm_env.early): the exit functions stop it
     atexit._run_exitfuncs()  # and remove its socket's folder, before our line (its import's lines would follow it)
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"tba.py: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
-    os._exit(128 + signum)  # 130 / 143; no searcher has been spawned yet
+    os._exit(128 + signum)  # 130 / 143 / 129 / 138; no searcher has been spawned yet
 
+
+from runtime.errors import STOPS  # noqa: E402  (a leaf module)
 
 if __name__ == "__main__":  # before the heavy imports below, which take seconds
-    signal.signal(signal.SIGINT, stopped_at_start)
-    signal.signal(signal.SIGTERM, stopped_at_start)
+    for sig in STOPS:
+        signal.signal(sig, stopped_at_start)
 # torchrun, this rank's launcher, read before it can be gone: a rank stops once it is (runtime.ranks.Watchdog)
 LAUNCHER = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
@@ -447,7 +449,8 @@ def main(argv=None):
         fail(f"tba.py: error: {e}", 1, rank_env)  # non-finite loss, a wait timed out, final/ could not be written
     except Stop as e:
         name, saved = e.args
-        fail(f"tba.py: stopped by {name}; {saved_where(saved, cfg.out)}", 130 if name == "SIGINT" else 143, rank_env)
+        status = 128 + signal.Signals[name.split()[0]]  # (SIGTERM's name may say why it came)
+        fail(f"tba.py: stopped by {name}; {saved_where(saved, cfg.out)}", status, rank_env)
     except KeyboardInterrupt:
         fail("tba.py: stopped at once by a second signal, without a checkpoint", 130, rank_env)
     except Exception as e:  # a collective failed because another trainer rank or node went away: each node says it

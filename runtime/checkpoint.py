@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from runtime import lora
-from runtime.hub import check_weights, safetensors_damage
+from runtime.hub import check_weights, digest, safetensors_damage
 from runtime.errors import ConfigError
 
 
@@ -58,7 +58,8 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
     t0 = time.time()
     counters = dict(elapsed=t.log.now(), samples=fleet.received, tokens=fleet.tokens, kept=fleet.kept,
                     first_eval=t.log.first_eval, reuse=[t.cap.credit, t.cap.counted, t.cap.drawn],
-                    node_samples=fleet.nodes.samples if fleet.nodes else [])  # several nodes: each one's
+                    node_samples=fleet.nodes.samples if fleet.nodes else [],  # several nodes: each one's
+                    problems=[len(t.data.prompts), t.data.digest()])  # what its buffer's prompt ids index
     sd = full_state_dict(model)
     osd = get_optimizer_state_dict(model, t.opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -66,9 +67,11 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
         save_hf(model, sd, t.tokenizer, os.path.join(folder, "model"))
         if lora.active(model):  # what --resume rebuilds the policy from, with the frozen --model
             lora.save_adapter(model, sd, os.path.join(folder, "adapter"))
+        weights = {os.path.relpath(w, folder): digest(w)  # damage of the same size: load_checkpoint
+                   for w in glob.glob(os.path.join(folder, "*", "*.safetensors"))}
         with open(os.path.join(folder, "trainer.pt"), "wb") as f:  # our file: a failed write's OSError is kept
             torch.save(dict(optimizer=osd, step=step, torch_rng=torch.get_rng_state(), **counters,
-                            **fleet.saved(step)), f)
+                            weights=weights, **fleet.saved(step)), f)
         np.savez(os.path.join(folder, "buffer.npz"), **t.buffer.state())
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
@@ -125,6 +128,11 @@ def load_checkpoint(folder: str) -> dict:
     except Exception as e:
         raise ConfigError(f"--resume: {folder} does not parse as a checkpoint ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    for name, sha in state.get("weights", {}).items():  # damage of the same size (a header check misses it)
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or digest(path) != sha:
+            raise ConfigError(f"--resume: {path} is not the file its checkpoint wrote (missing, or its "
+                              f"SHA-256 differs: damaged?)")
     return state
 
 

@@ -26,6 +26,7 @@ import tasks
 from buffer import FIELDS, SCALARS
 from loss import LOSSES, loss_options, reads, tb_loss
 from runtime import lora, nodes, ranks, vllm_env
+from runtime.config import Config
 from runtime.checkpoint import check_model, check_resumed_flags, load_checkpoint, read_config, resumed_flags
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
@@ -53,9 +54,8 @@ def parser(config_class, description: str = "") -> argparse.ArgumentParser:
     prefix of a flag is not that flag: a run script's checks of the flags it sets would miss one)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    broken = ", ".join(tasks.broken())  # named, not offered
-    listings = {"{tasks}": ", ".join(tasks.names()) + (f" (broken: {broken}; --task NAME says why)" if broken else ""),
-                "{losses}": ", ".join(LOSSES)}  # as they are, not as written
+    p.error = lambda message: p.exit(2, f"tba.py: error: {message} (--help lists the flags)\n")  # no usage
+    listings = {"{tasks}": ", ".join(tasks.TASKS), "{losses}": ", ".join(LOSSES)}  # by file: no task imported
     group = p
     for f in dataclasses.fields(config_class):
         if f.metadata.get("derived"):
@@ -118,6 +118,9 @@ def check(cfg, world: int):
     saved = read_config(cfg.resume, needed=False) if cfg.resume else None
     if saved is not None:
         cfg = resumed(cfg, saved)
+        was = saved.get("task", cfg.task)  # said before this task's model is built (minutes)
+        need(was == cfg.task, "resume", f"--task {cfg.task} (was {was}) cannot change mid-run (the "
+             f"checkpoint's buffer holds the other task's data)")
     cfg, filled = task_defaults(cfg)
     try:
         return check_flags(cfg, world)
@@ -159,9 +162,9 @@ def check_flags(cfg, world: int):
          f"got {world} (vLLM cannot share a multi-process group)")
     need(cfg.evaluator == "searcher" or world == 1, "evaluator", f"after runs an engine in the trainer's process, "
          f"which needs one trainer rank, got {world} (vLLM cannot share a multi-process group)")
-    need(cfg.beta > 0, "beta", "must be positive")
+    need(cfg.beta >= 1e-15, "beta", f"must be at least 1e-15 (r / beta squared overflows), got {cfg.beta}")
     cfg = dataclasses.replace(cfg, beta_final=cfg.beta if cfg.beta_final is None else cfg.beta_final)
-    need(cfg.beta_final > 0, "beta-final", "must be positive")
+    need(cfg.beta_final >= 1e-15, "beta-final", f"must be at least 1e-15, got {cfg.beta_final}")
     need(cfg.lr > 0, "lr", "must be positive")
     need(cfg.temperature > 0, "temperature", "must be positive (the evaluation has its own: --eval-temperature)")
     need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
@@ -173,8 +176,9 @@ def check_flags(cfg, world: int):
     need(cfg.eval_limit is None or cfg.eval_limit >= 1, "eval-limit", "must be at least 1")
     need(cfg.save_every >= 0, "save-every", "must be 0 or more")
     need(cfg.log_every >= 1, "log-every", "must be at least 1")
-    need(cfg.timeout > 0, "timeout", "must be positive")
-    need(cfg.start_timeout > 0, "start-timeout", "must be positive")
+    for flag in ("timeout", "start_timeout"):  # torch.distributed's own timeouts overflow far above (1e13 s)
+        value = getattr(cfg, flag)
+        need(0 < value <= 1e6, flag.replace("_", "-"), f"must be in (0, 1e6] s, got {value}")
     for flag in ("searcher_memory", "trainer_memory"):
         need(getattr(cfg, flag) is None or 0 < getattr(cfg, flag) < 1, flag.replace("_", "-"),
              f"must be a fraction in (0, 1), got {getattr(cfg, flag)}")
@@ -203,6 +207,9 @@ def check_flags(cfg, world: int):
         need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     check_lag(cfg, every or 1)
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
+    flags = getattr(LOSSES[cfg.loss], "flags", ())
+    need(flags_of(cfg.loss) == flags, "loss", f"{cfg.loss}'s flags must be a tuple of Config fields' names "
+         f"(loss.py), got {flags!r}")
     cfg = dataclasses.replace(cfg, loss_pools=loss_pools(cfg))
     need(not (cfg.loss_pools and cfg.behaviour_logprobs == "trainer" and world > 1), "behaviour-logprobs", f"trainer "
          f"rescores each trainer rank's share of the batch, and --loss {cfg.loss} pools across the whole batch: on "
@@ -257,6 +264,9 @@ def check_flags(cfg, world: int):
         saved = read_config(cfg.resume)
         changed = check_resumed_flags(cfg, cfg.resume, same_weights=check_model(cfg, ckpt, cfg.resume))
         cfg = dataclasses.replace(cfg, resumes=(*saved.get("resumes", ()), dict(step=ckpt["step"], changed=changed)))
+        n, digest = ckpt.get("problems", (0, data.digest(0)))  # (saved before checkpoints kept it: none)
+        need(data.digest(n) == digest, "resume", f"the {cfg.task} task's training problems are not those the "
+             f"checkpoint's run searched (edited since?): its buffer's prompt ids would index other prompts")
         buffer = task.buffer(cfg, data.prompts)  # its kind, which the checkpoint's buffer must be
         try:
             ckpt["buffer"] = type(buffer).from_state(ckpt["buffer"])
@@ -405,6 +415,13 @@ def check_recipe(cfg):
          f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
 
 
+def flags_of(loss: str) -> tuple:
+    """The Config fields loss `loss` reads by name (its `flags`); () where they are not a tuple of fields'
+    names (the run's own loss is then refused: check_flags)."""
+    flags, fields = getattr(LOSSES.get(loss), "flags", ()), {f.name for f in dataclasses.fields(Config)}
+    return flags if isinstance(flags, tuple) and all(f in fields for f in flags) else ()
+
+
 # Flags that act only where other flags let them: (flag, where it acts, why it would not). One given another value
 # than its default where it cannot act would change nothing: refused in one line (check_unused).
 STREAMING = "streaming: with --lag every batch is its step's rounds, each trajectory used once"
@@ -426,10 +443,13 @@ ACTS_ONLY = (
     ("decode_shape", lambda c: c.decode_cost == "gpu", "GPU-shaped emulated decoding (--decode-cost gpu)"),
     ("response_lengths", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above "
      "1)"),
-) + tuple(  # a loss's own flags (its `flags`, loss.py): refused with another loss, as a task's with another task
-    (flag, lambda c, flag=flag: flag in getattr(LOSSES.get(c.loss), "flags", ()),
-     "--loss " + " or ".join(name for name, loss in LOSSES.items() if flag in getattr(loss, "flags", ())))
-    for flag in dict.fromkeys(f for loss in LOSSES.values() for f in getattr(loss, "flags", ())))
+    ("reward_temp_anneal_steps", lambda c: "reward_temp" in flags_of(c.loss), "a --loss reading --reward-temp"
+     ),
+    ("gamma_anneal_steps", lambda c: "gamma_final" in flags_of(c.loss), "a --loss reading --gamma-final"),
+) + tuple(  # a loss's own knobs (`arg(..., loss=True)`): refused with a loss whose `flags` do not name them
+    (f.name, lambda c, flag=f.name: flag in flags_of(c.loss),  # (a loss may also read a general field)
+     "--loss " + " or ".join(name for name in LOSSES if f.name in flags_of(name)))
+    for f in dataclasses.fields(Config) if f.metadata.get("loss"))
 
 
 def check_unused(cfg, given=None):
@@ -473,16 +493,21 @@ def check_task(cfg):
     Returns (the Config with them, the Task, Data, the training problems)."""
     from transformers import AutoConfig
 
-    need(cfg.task in tasks.TASKS, "task", f"unknown task {cfg.task!r} (choose from {', '.join(tasks.names())})")
+    need(cfg.task in tasks.TASKS, "task", f"unknown task {cfg.task!r} (choose from {', '.join(tasks.TASKS)})")
     task = tasks.get(cfg.task)
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for name in tasks.names():  # those that load (a broken file's flags cannot be known)
-        for flag in tasks.get(name).flags:
-            need(name == cfg.task or getattr(cfg, flag) == defaults[flag], flag.replace("_", "-"),
-                 f"belongs to the {name} task")
+    fields = list(defaults)  # other task files are imported only for a flag of Config's tasks section set
+    # that this task does not own (another task's?): a file that waits at its top (a download) holds every run
+    asked = [f for f in fields[fields.index("model"):fields.index("searchers")]
+             if getattr(cfg, f) != defaults[f] and f not in task.flags]
+    for name in tasks.names() if asked else ():  # those that load (a broken file's flags cannot be known)
+        for flag in set(tasks.get(name).flags) & set(asked):
+            need(name == cfg.task, flag.replace("_", "-"), f"belongs to the {name} task")
     cfg = dataclasses.replace(cfg, **task.check(cfg))
     train, test = task.load(cfg.data)
     train, test = ([dataclasses.replace(p, prompt=task.prompt(cfg, p.prompt)) for p in part] for part in (train, test))
+    need(test, "task", f"{cfg.task}'s held-out split is empty (its load() gave no held-out problems): the "
+         f"evaluations need one at least")
     test = test[: cfg.eval_limit] if cfg.eval_limit else test
     train = train * -(-cfg.prompts_per_step // len(train)) if task.fill else train
     if cfg.model == "tiny":  # warm-started on the task's demos where it has some, else on arith
@@ -500,6 +525,13 @@ def check_task(cfg):
     cfg = dataclasses.replace(cfg, eval_reward_model_path=cfg.eval_reward_model_path or cfg.reward_model_path)
     need(not task.chat or tokenizer.chat_template, "model", f"the {cfg.task} task's prompts are chat turns, and the "
          f"tokenizer of {model_path} has no chat template")
+    unk = tokenizer.unk_token_id  # a tokenizer without byte fallback (the tiny one): a character it lacks
+    if unk is not None:
+        chars = set("".join(p.prompt + (p.answer if isinstance(p.answer, str) else "") for p in train + test))
+        lacking = sorted(c for c in chars if unk in tokenizer(c, add_special_tokens=False).input_ids)
+        need(not lacking, "task", f"{cfg.task}'s problems use characters that the tokenizer of {model_path} "
+             f"lacks ({' '.join(map(repr, lacking[:10]))}): the model would read each as "
+             f"{tokenizer.unk_token}; write them with characters it has, or pass another --model")
     prompts = [encode(tokenizer, p.prompt, task.chat) for p in train]
     test_prompts = [encode(tokenizer, p.prompt, task.chat) for p in test]
     if task.max_prompt:

@@ -14,7 +14,8 @@ from typing import ClassVar
 
 def arg(default, help: str, **more):
     """A flag: its default and one-line help (`--help`). `choices`: the only values it takes (anything else is
-    refused in one line, runtime.checks); `fixed=True`: it changes what the data already searched means (its
+    refused in one line, runtime.checks); `loss=True`: a loss's own knob, refused with a loss whose `flags` do
+    not name it (runtime.checks.ACTS_ONLY); `fixed=True`: it changes what the data already searched means (its
     rewards, pi_ref's log-probs, what the buffer keeps), so a --resume that changes it is refused
     (runtime.checkpoint.fixed_on_resume)."""
     return field(default=default, metadata={"help": help, **more})
@@ -58,12 +59,15 @@ class Config:
     ref_reset_every: int = arg(0, "TBA′: every N steps pi_ref becomes the current policy; 0 = never")
     loss: str = arg("tb", "the objective, a function of loss.py's LOSSES: {losses} (tb: trajectory balance, the "
                           "method; tbprime: TBA′'s update for MATH; rloo, grpo, drgrpo: baselines)")
-    clip: float = arg(0.2, "grpo: clip range of the importance ratio")
-    is_cap: float = arg(8.0, "drgrpo, tbprime: the truncation c of the per-token importance ratio min(pi / mu, c)")
-    importance_weights: bool = arg(True, "tbprime: weight each token by min(pi / mu, c) (off: the plain gradient)")
+    clip: float = arg(0.2, "grpo: clip range of the importance ratio", loss=True)
+    is_cap: float = arg(8.0, "drgrpo, tbprime: the truncation c of the per-token importance ratio "
+                             "min(pi / mu, c)", loss=True)
+    importance_weights: bool = arg(True, "tbprime: weight each token by min(pi / mu, c) (off: the plain "
+                                         "gradient)", loss=True)
     norm: str = arg("response", "drgrpo, tbprime: each response's token sum divided by its length (response) | its "
                                 "prompt's and its own (sequence: the authors' MATH runs) | --max-new-tokens (budget: "
-                                "Liu et al.'s Dr. GRPO)", choices=("response", "sequence", "budget"))
+                                "Liu et al.'s Dr. GRPO)", choices=("response", "sequence", "budget"),
+                    loss=True)
     behaviour_logprobs: str = arg("vllm", "--lag: the importance ratio's behaviour log-probs are vLLM's, of the tokens "
                                           "as sampled (vllm) | recomputed by the trainer with the weights of step n - L "
                                           "(trainer: the authors')", choices=("vllm", "trainer"))
@@ -111,10 +115,10 @@ class Config:
     dedup_edit: float = arg(0.0, "--buffer-keep best: responses whose edit distance is below this x their lengths "
                                  "are near-duplicates; 0 = off", fixed=True)
     reward_temp: float = arg(1.0, "T_R of log R = (log pi_ref / gamma + r / beta) / T_R: at step 0, annealed to 1 "
-                                  "over --reward-temp-anneal-steps, else constant; 1 = off")
+                                  "over --reward-temp-anneal-steps, else constant; 1 = off", loss=True)
     reward_temp_anneal_steps: int = arg(0, "steps of the linear anneal of T_R from --reward-temp to 1; 0 = T_R constant")
     gamma_final: float = arg(1.0, "gamma, the prior's temperature in log R: at the end of its anneal from 1 over "
-                                  "--gamma-anneal-steps, else constant; 1 = off")
+                                  "--gamma-anneal-steps, else constant; 1 = off", loss=True)
     gamma_anneal_steps: int = arg(0, "steps of the linear anneal of gamma from 1 to --gamma-final; 0 = gamma constant")
     explore_temp_min: float = arg(0.0, "half of a searcher's requests sample at a temperature drawn from [this, "
                                        "--explore-temp-max]; 0 = off")

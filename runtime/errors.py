@@ -5,6 +5,13 @@ tba.py turns each into one line and an exit status: ConfigError is a refusal (st
 stop a run that has begun (after a checkpoint where training has begun).
 """
 
+import signal
+
+# The signals that stop a run (a checkpoint first, once training began), status 128 + the signal: Ctrl-C, a
+# kill, a closed terminal or ssh session, a batch scheduler's warning (Slurm's --signal). Searchers ignore
+# them.
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
 
 class ConfigError(ValueError):
     """Bad input (a flag, a path, a data file): reported in one line, exit status 2."""

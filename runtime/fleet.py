@@ -33,6 +33,7 @@ from queue import Empty
 import torch
 
 import searcher
+from buffer import unfit
 from runtime import nodes
 from runtime.errors import Dead, Silent
 from runtime.evaluations import Asked
@@ -201,6 +202,8 @@ class Fleet:
             self.log.print(self.said.pop(0), file=sys.stderr)
 
     def add(self, buffer, trajectories):
+        if why := unfit(trajectories, self.cfg.task):  # the run stops after a checkpoint (wait_for)
+            raise Dead(why)
         self.received, self.kept = self.received + len(trajectories), self.kept + len(buffer.add(trajectories))
         self.tokens += sum(len(t.response) for t in trajectories)  # their responses' tokens (the train rows' `tokens`)
 
@@ -373,8 +376,8 @@ class Fleet:
     # --- stopping ------------------------------------------------------------------------------------
     def stop_reason(self):
         """Why rank 0 stops the run, or None: ("dead", message), ("silent", message) or ("signal", name)."""
-        first = self.signals.first
-        return (("dead", self.dead) if self.dead else ("silent", self.silent) if self.silent else
+        first, dead = self.signals.first, self.dead or self.log.unwritten  # (a row that could not be written)
+        return (("dead", dead) if dead else ("silent", self.silent) if self.silent else
                 ("signal", self.signals.named(first[0])) if first else None)
 
     def close(self):

@@ -4,6 +4,7 @@ model is built by tiny.py (runtime/checks.py asks it for --model tiny).
 """
 
 import functools
+import hashlib
 import json
 import os
 import struct
@@ -57,6 +58,12 @@ def from_hub(name: str, flag: str) -> str:
         except Exception as e:
             raise ConfigError(f"--{flag}: {name!r} is not a local folder and could not be fetched from the "
                               f"Hugging Face hub ({type(e).__name__})") from None
+
+
+def digest(path: str) -> str:
+    """A file's SHA-256, read in chunks: about a second a GB (a checkpoint's weights, read back)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_weights(path: str, flag: str = "model", why: str = ""):

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import searcher
+from buffer import unfit
 from runtime import seeds, slowdown
 from runtime.evaluations import Here
 from runtime.weights import Inbox, Outbox, create
@@ -22,6 +23,7 @@ class LocalFleet:
 
     def __init__(self, cfg, data, log, signals, device):
         self.cfg, self.data, self.log, self.signals = cfg, data, log, signals
+        self.dead = None  # a round the buffer cannot take (buffer.unfit): the run stops after a checkpoint
         self.received = self.kept = 0  # trajectories made over the run, and those the buffer kept (as Fleet's)
         self.tokens = 0                # their responses' tokens
         self.newest = -1               # the newest weight version that sampled data
@@ -67,6 +69,9 @@ class LocalFleet:
             trajectories, made = self.engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, round_, step),
                                                     for_step=step if cfg.lag is not None else -1)
             search += time.time() - t_search
+            self.dead = unfit(trajectories, cfg.task)
+            if self.dead:
+                return 0.0, search
             made.update(version=self.engine.version, started=t_search, seconds=time.time() - t_search)  # as a message
             self.received += len(trajectories)
             self.tokens += sum(len(t.response) for t in trajectories)
@@ -106,9 +111,9 @@ class LocalFleet:
         return True
 
     def stop_reason(self):
-        """A signal's name (the trainer's process stops after a checkpoint), or None."""
-        first = self.signals.first
-        return ("signal", self.signals.named(first[0])) if first else None
+        """Why the run stops (checkpointed): ("dead", a line: a bad round) or ("signal", name), or None."""
+        first, dead = self.signals.first, self.dead or self.log.unwritten  # (a row that could not be written)
+        return ("dead", dead) if dead else ("signal", self.signals.named(first[0])) if first else None
 
     def close(self):
         self.engine.close()

@@ -5,10 +5,12 @@ The console is a progress bar (tqdm) over the steps, with the elapsed and remain
 latest reward, loss, staleness and held-out score, where the output is a terminal; elsewhere (a log
 file, CI, nohup) it is one plain line every `--log-every` steps. Evaluations print above the bar.
 `--wandb PROJECT` sends the same rows to W&B (the package is optional and imported only then).
-`check_out` refuses an --out that cannot take the run's files before the run starts.
+`check_out` refuses an --out that cannot take the run's files before the run starts, or that a run still runs
+in (`hold`).
 """
 
 import dataclasses
+import fcntl
 import json
 import os
 import sys
@@ -38,12 +40,14 @@ class Log:
         self.last_eval = None   # the latest eval row
         self.first_eval = None  # {"step", "score"}: the run's first evaluation (carried by checkpoints)
         self.resumed = resumed  # {"step"} where this process resumed the run (None: it did not); + "score"
-        self.last_train, self.bar, self.wandb = None, None, None
+        self.last_train, self.bar, self.wandb, self.file = None, None, None, None
+        self.unwritten = None  # why a row could not be written (a full disk): the run stops, checkpointed
         if rank != 0:
             return
         os.makedirs(cfg.out, exist_ok=True)
+        hold(cfg.out)  # (a resume's check took it already)
         self.write_config()
-        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "a")
+        self.file = open(os.path.join(cfg.out, "metrics.jsonl"), "ab", buffering=0)  # unbuffered: `write`
         if sys.stdout.isatty():
             from tqdm import tqdm
             try:  # follow the terminal's size; one that reports none (0 x 0: tqdm would hide the bar)
@@ -185,8 +189,8 @@ class Log:
             return
         if self.resumed is not None:  # a resumed process's rows: which branch of the run they belong to
             row["resumed"] = self.resumed["step"]  # (tools/plot.py, `latest`, keeps the latest branch's)
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            self.write(json.dumps(row).encode() + b"\n")
         if self.wandb is not None:
             self.wandb.log({f"{row['kind']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))})
         if row["kind"] == "eval":
@@ -199,6 +203,20 @@ class Log:
         else:
             self.last_train = row
         self.show(row)
+
+    def write(self, data: bytes):
+        """A row into metrics.jsonl. One that fails (a full disk) is cut off (no half line is left), and
+        stops the run after a checkpoint (the fleets' stop_reason: `unwritten`); no later row is written."""
+        at = self.file.tell()
+        try:
+            while data:  # (a write may take part of it)
+                data = data[self.file.write(data):]
+        except OSError as e:
+            self.file.truncate(at)
+            self.file.close()
+            self.file = None
+            why = e.strerror or type(e).__name__
+            self.unwritten = f"{self.cfg.out}/metrics.jsonl could not be written ({why})"
 
     def show(self, row):
         """The console: the bar's position and postfix, or a plain line every --log-every steps."""
@@ -247,9 +265,11 @@ class Log:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
-        if getattr(self, "file", None) is not None:
+        if self.file is not None:
             self.file.close()
             self.file = None
+        if self.rank == 0 and os.path.realpath(self.cfg.out) in HELD:  # the run's end: its folder is free
+            os.close(HELD.pop(os.path.realpath(self.cfg.out)))
 
 
 def check_out(out: str, resume: str | None):
@@ -258,12 +278,16 @@ def check_out(out: str, resume: str | None):
     (a file is written and removed). Folders made for the check are removed again: nothing is left until the
     run starts."""
     if os.path.isdir(out) and os.listdir(out):
-        if not resume:
-            raise ConfigError(f"--out: {out} exists and is not empty (pass --resume to continue a run)")
+        if not resume:  # a finished run's --resume alone would be refused as finished
+            hint = ("it holds a finished run: pass a new --out, or --resume OUT/checkpoint with --steps "
+                    "above its step" if os.path.isdir(os.path.join(out, "final")) else
+                    "pass --resume to continue a run")
+            raise ConfigError(f"--out: {out} exists and is not empty ({hint})")
         run = os.path.dirname(os.path.realpath(resume))
         if os.path.realpath(out) != run:  # another run's rows, checkpoints and final model would be overwritten
             raise ConfigError(f"--out: {out} exists and is not empty, and is not the run of the checkpoint "
                               f"({run}); pass a new or empty folder, or leave --out out to continue in {run}")
+        hold(out)  # (a fresh run's folder is new or empty: its Log holds it)
     made, parent = [], os.path.abspath(out)
     while not os.path.exists(parent):
         made.append(parent)
@@ -282,3 +306,22 @@ def check_out(out: str, resume: str | None):
                 os.rmdir(folder)
             except OSError:
                 pass
+
+
+HELD = {}  # run folder (real path) -> a descriptor of it, locked while this process's run lives there
+
+
+def hold(out: str):
+    """Lock the folder OUT while this process's run lives (flock: the lock goes with its holder, killed or
+    not). A run that still runs there is refused in one line: two runs in one folder interleave their rows and
+    delete each other's checkpoints."""
+    if os.path.realpath(out) in HELD:
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"--resume: a run still runs in {out}: stop it first, or resume once it has "
+                          f"ended") from None
+    HELD[os.path.realpath(out)] = fd

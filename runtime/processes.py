@@ -23,12 +23,12 @@ from typing import NamedTuple
 import torch
 
 from runtime import vllm_env
-from runtime.errors import Dead, Silent, Stop
+from runtime.errors import STOPS, Dead, Silent, Stop
 from runtime.weights import WAIT
 
 
 class Signals:
-    """SIGINT and SIGTERM: before the first step one stops the run at once (nothing to save, Stop);
+    """SIGINT, SIGTERM, SIGHUP, SIGUSR1 (errors.STOPS): before the first step one stops the run at once;
     after it, the first asks the trainer to stop after a checkpoint (`first`), and a second one
     stops it at once (KeyboardInterrupt). Under torchrun, Ctrl-C's SIGINT reaches the trainer twice
     at once (the terminal's and torchrun's): a second signal counts only after 1 s. One that comes while
@@ -40,8 +40,8 @@ class Signals:
         self.training = False  # set by the loop after its first step
         self.holding = None    # signals that came while `deferred`, acted on at its end
         self.launcher = launcher
-        signal.signal(signal.SIGINT, self.on_signal)
-        signal.signal(signal.SIGTERM, self.on_signal)
+        for sig in STOPS:
+            signal.signal(sig, self.on_signal)
 
     def orphaned(self) -> bool:
         """This process's launcher is gone (it was reparented)."""

@@ -225,6 +225,9 @@ class Watchdog:
                                        timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
             self.publish(0, None, 0.0)
         self.seen = {}  # rank -> (its last beat, when it changed)
+        # torchrun's other ranks here (pid, start): one stopped (SIGSTOP) outlives the run a signal ends
+        self.siblings = [(p.pid, p.create_time()) for p in psutil.Process(os.getppid()).children()
+                         if p.pid != os.getpid()] if signals is not None and signals.launcher else []
         self.pipe = os.pipe()
         for fd in self.pipe:
             os.set_blocking(fd, False)
@@ -279,6 +282,11 @@ class Watchdog:
             except OSError:
                 pass
         self.beat()
+        for pid, began in self.siblings if self.came else ():  # the run ends: a stopped rank never sees it
+            with contextlib.suppress(Exception):
+                sibling = psutil.Process(pid)
+                if sibling.create_time() == began and sibling.status() == psutil.STATUS_STOPPED:
+                    sibling.kill()  # (torchrun, waiting for it, would kill it 30 s later; gone, never)
         if not self.orphaned and self.signals is not None and self.signals.orphaned():  # torchrun gone, its store too
             self.orphaned = True
             if not self.came:  # else a signal came first (torchrun's own, before it died): the rank stops for that

@@ -55,6 +55,7 @@ import time
 import torch
 
 from runtime.errors import ConfigError
+from runtime.hub import digest
 from tasks.arith import splits as arith_splits
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -267,7 +268,8 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
         save(model, tokenizer, tmp)
         made = made_of(r)
         with open(os.path.join(tmp, RECIPE_FILE), "w") as f:  # written last
-            json.dump(dict(identity=identity(made), **made, **done), f, indent=1)
+            weights = digest(os.path.join(tmp, "model.safetensors"))  # damage of the same size: `damage`
+            json.dump(dict(identity=identity(made), **made, **done, weights=weights), f, indent=1)
         os.rename(tmp, out)
     except OSError:  # `out` exists: another process finished the same build first (keep theirs, if whole)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -296,6 +298,9 @@ def damage(path: str) -> str:
                 json.load(open(os.path.join(path, name)))
         except Exception as e:  # JSONDecodeError, SafetensorError, a read error
             return f"{name} does not parse ({type(e).__name__})"
+    recorded = json.load(open(os.path.join(path, RECIPE_FILE))).get("weights")  # (an older build's: none)
+    if recorded and digest(os.path.join(path, "model.safetensors")) != recorded:  # damage of the same size
+        return "model.safetensors is not the file its build wrote (its SHA-256 differs)"
     return ""
 
 
@@ -382,7 +387,13 @@ def cached(task: str | None = None) -> str:
     path = folder(task)  # a task's demos are refused here, before anything is built
     if not damage(path):
         return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:  # the cache takes the build's lock and folder: else say why a build is needed, and where not
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path + ".lock", "a").close()
+    except OSError as e:
+        raise ConfigError(f"--model: the tiny model must be built ({why_not or 'none is cached'}), and the "
+                          f"cache {os.path.dirname(path)} cannot take it ({e.strerror}): set TBA_CACHE to a "
+                          f"writable folder") from None
     with held(path):  # one builder at a time (torchrun's ranks start together)
         why = damage(path)
         if why:
@@ -450,6 +461,8 @@ def main(argv: list[str]):
     args = p.parse_args(argv)
     if args.out and os.path.exists(args.out):
         sys.exit(f"runtime.tiny: {args.out} exists: remove it first, or name another folder")
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        sys.exit(f"runtime.tiny: {os.path.dirname(os.path.abspath(args.out))} does not exist: make it first")
     if args.task is not None:
         import tasks
         try:

@@ -17,7 +17,7 @@ import os
 import signal
 import warnings
 
-from runtime.errors import ConfigError
+from runtime.errors import STOPS, ConfigError
 
 # torchrun stops a rank with SIGTERM to its whole process group, the fork server included, which ignores only
 # SIGINT (Python 3.11, multiprocessing/forkserver.py:196): dead, it reports every searcher as exit code 255
@@ -27,8 +27,8 @@ from runtime.errors import ConfigError
 # on too (its children get this back, multiprocessing/forkserver.py:300-301; the searchers ignore both anyway).
 FORK_SERVER = "TBA_FORK_SERVER"  # set while runtime.fleet.fork_server starts the server
 if os.environ.pop(FORK_SERVER, None):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in STOPS:  # (SIGHUP and SIGUSR1 too: a closed terminal's reaches the whole group)
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def early(argv: list[str]) -> bool:
@@ -49,10 +49,19 @@ def quiet_resource_tracker():
     """A searcher killed (-9, a crashed vLLM) leaves a semaphore of its own in multiprocessing's resource tracker,
     the trainer's, which unlinks it at the trainer's exit and warns that it leaked, two lines after the run's one
     (multiprocessing/resource_tracker.py:254). The run has said what happened: the tracker, started by the fork
-    server or the trainer's first lock, inherits a filter for that warning alone (idempotent)."""
+    server or the trainer's first lock, inherits a filter for that warning alone (idempotent). It is started
+    here, ignoring SIGHUP and SIGUSR1 as it does SIGINT and SIGTERM (an ignored signal is inherited across
+    exec): a closed terminal's SIGHUP killed it, and its successor printed KeyError tracebacks."""
+    from multiprocessing import resource_tracker
     quiet = "ignore::UserWarning:multiprocessing.resource_tracker"
     if quiet not in os.environ.get("PYTHONWARNINGS", ""):
         os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
+    kept = {s: signal.signal(s, signal.SIG_IGN) for s in STOPS[2:]}
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        for s, handler in kept.items():
+            signal.signal(s, handler)
 
 
 def start_fork_server():

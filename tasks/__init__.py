@@ -8,16 +8,17 @@ named by its file, so a new task is its file alone:
 - `redteam`: the paper's red-teaming task after Lee et al.: an attacker against a frozen victim;
 - `math`: MATH, the paper's Sec. 6 run (Qwen 2.5 7B, TBA′ against Dr. GRPO), with the authors' grading.
 
-`TASKS` maps each `--task` name to the module that holds its `TASK`; `get(name)` imports it. A file that does not
-make a task (it does not import, it holds no `TASK`, a folder of its name shadows it) is refused in one line naming
-it where it is used, and leaves the other tasks alone: `names()` lists the tasks that load, `broken()` the files
-that do not import (a module without `TASK` imported by tasks, a helper, is in neither).
+`TASKS` maps each `--task` name to the module that holds its `TASK` (found by file name: nothing is imported
+to list them); `get(name)` imports it. A file that does not make a task (it does not import, holds no `TASK`,
+a folder of its name shadows it) is refused in one line naming it where it is used, and leaves the other tasks
+alone: `names()` lists the tasks that load, each imported with a deadline (one that waits at its top is left).
 """
 
 import importlib
 import importlib.util
 import os
 import pkgutil
+import threading
 import traceback
 
 from runtime.errors import ConfigError
@@ -27,14 +28,14 @@ TASKS = {m.name: f"tasks.{m.name}" for m in sorted(pkgutil.iter_modules(__path__
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def get(name: str):
+def get(name: str, deadline: float | None = None):
     """The Task of `--task name` (an entry may also be a Task itself, registered in code); refused in one line
-    naming its file where the file does not make one (ConfigError)."""
+    naming its file where the file does not make one, or does not import within `deadline` s (ConfigError)."""
     from tasks.task import Task
     entry = TASKS[name]
     if not isinstance(entry, str):
         return entry
-    task = getattr(module(entry), "TASK", None)
+    task = getattr(module(entry) if deadline is None else within(entry, deadline), "TASK", None)
     if not isinstance(task, Task):
         raise ConfigError(f"--task: {where(entry)} holds no `TASK = Task(...)` (tasks/task.py says what a task is)")
     return task
@@ -55,6 +56,28 @@ def module(entry: str):
     except Exception as e:  # a syntax error, a missing import, an error at its top level
         file = where(entry)
         raise ConfigError(f"--task: {file} does not import ({why(e, file)})") from None
+
+
+def within(entry: str, deadline: float):
+    """`module(entry)`, imported by a thread given `deadline` s: one that waits longer (a download at its top)
+    is refused, and left to its thread."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(module_or_error(entry)), daemon=True)
+    thread.start()
+    thread.join(deadline)
+    if not box:
+        raise ConfigError(f"--task: {where(entry)} does not import within {deadline:g} s (it waits at its "
+                          f"top level)")
+    if isinstance(box[0], ConfigError):
+        raise box[0]
+    return box[0]
+
+
+def module_or_error(entry: str):
+    try:
+        return module(entry)
+    except ConfigError as e:
+        return e
 
 
 def why(e: Exception, file: str) -> str:
@@ -81,26 +104,13 @@ def relative(path: str) -> str:
     return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
 
 
-def names() -> list[str]:
-    """The tasks that load (`--task` takes them; --help lists them)."""
+def names(deadline: float = 10.0) -> list[str]:
+    """The tasks that load, each imported within `deadline` s."""
     out = []
     for name in TASKS:
         try:
-            get(name)
+            get(name, deadline)
             out.append(name)
         except ConfigError:
             pass
-    return out
-
-
-def broken() -> dict[str, str]:
-    """The files of tasks/ that do not import, each with its line (a module that imports without a TASK is a helper,
-    not listed)."""
-    out = {}
-    for name, entry in TASKS.items():
-        if isinstance(entry, str):
-            try:
-                module(entry)
-            except ConfigError as e:
-                out[name] = str(e)
     return out

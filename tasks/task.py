@@ -31,6 +31,7 @@ by its file (`tasks.TASKS`; tasks/__init__.py says what happens to one that does
 Bad data raises ConfigError with a one-line message; tba.py prints it and exits with 2.
 """
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -57,6 +58,11 @@ class Data:
     answers: list[str]             # their answers
     test_prompts: list[list[int]]  # held-out prompts, evaluated on
     test_answers: list[str]        # their answers
+
+    def digest(self, n: int | None = None) -> str:
+        """A hash of the first `n` training problems (all): a checkpoint's buffer indexes them by position."""
+        rows = [self.prompts[:n], self.answers[:n]]
+        return hashlib.sha256(json.dumps(rows, default=str).encode()).hexdigest()[:16]
 
 
 class Scorer:

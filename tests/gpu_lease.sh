@@ -46,6 +46,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 say() { echo "$*" | tee -a "$LOG"; }
 
 case $BUDGET in ''|*[!0-9]*) say "tests/gpu_lease.sh: BUDGET=$BUDGET: a whole number of seconds"; exit 2 ;; esac
+# (below FLOOR + KILL no stage could start: before, BUDGET=0 said only "exit status 125")
+[ "$BUDGET" -ge $((FLOOR + KILL)) ] || { say "tests/gpu_lease.sh: BUDGET=$BUDGET: below the $((FLOOR + KILL)) s a stage needs"; exit 2; }
 for stage in ${STAGES//,/ }; do
   case $stage in
     checks|tests|probe) ;;

@@ -631,3 +631,43 @@ def test_a_colocated_calibration_holds_its_devices_and_all_reduce(tmp_path):
     path = bench.colocated_costs(costs, str(tmp_path), 4, 7.0)
     assert read_calibration(path) == dict(seconds_per_token=1e-4, train_step=0.2, devices=5,
                                           all_reduce=pytest.approx(bench.all_reduce_share(5) * 7.0 * 0.2))
+
+
+def test_bad_arguments_are_refused_in_one_line_before_anything_runs(tmp_path):
+    """Issue 67 items 13 and 14: each of these ended in a traceback (ZeroDivisionError; "tba.py produced no metrics"
+    after the runs started) or ran silently wrong (a ratio or seed counted twice in the intervals; an empty table
+    written over the document's; a point labelled G/T 0.2 whose X was clamped at 1)."""
+    import bench
+    (tmp_path / "file").write_text("")
+    for args, line in ((["--parts", "9", "--eval-every", "0"], "--eval-every 0: give whole numbers of at least 1"),
+                       (["--parts", "9", "--searchers", "0"], "--searchers 0: give whole numbers of at least 1"),
+                       (["--parts", "9", "--slowdowns", "0.5"], "--slowdowns 0.5: give numbers of at least 1"),
+                       (["--parts", "1", "--cap", "0"], "--cap 0: give positive numbers"),
+                       (["--parts", "1", "--seeds", "-1"], "--seeds -1: give whole numbers of at least 0"),
+                       (["--parts", "9", "--ratios", "-2"], "--ratios -2: give positive numbers"),
+                       (["--parts", "9", "--ratios", "nan"], "--ratios nan: give positive numbers"),
+                       (["--parts", "9", "--modes", "stream", "stream"], "--modes stream stream: each at most once"),
+                       (["--parts", "1", "--seeds", "0", "0"], "--seeds 0 0: each at most once"),
+                       (["--parts", "1", "--out", str(tmp_path / "file")], f"--out {tmp_path / 'file'} is a file: "
+                                                                            f"pass a folder")):
+        with pytest.raises(bench.BadInput) as e:
+            bench.main(args)
+        assert str(e.value) == line
+    costs = dict(seconds_per_token=2e-4, train_step=0.1, tokens_per_batch=1000)
+    least = 0.5 / bench.point(costs, 0.5, 4)[0]  # the G/T at X 1
+    with pytest.raises(bench.BadInput, match=rf"^--ratios {least / 2:g}: at no slowdown \(X 1\) a round of 4 "
+                                             rf"searcher\(s\) is already {least:.2f} x the step here"):
+        bench.point(costs, least / 2, 4)
+    table, doc = tmp_path / "part9.json", tmp_path / "doc.md"
+    doc.write_text(f"{bench.TABLE_START}\nTHE TABLE\n{bench.TABLE_END}\n")
+    table.write_text(json.dumps({"rows": [], "gain": 0.15}))
+    for args, line in ((["--doc", str(doc)], f"--table: {table} holds no rows"),
+                       (["--doc", str(tmp_path / "none.md")], f"--doc: {tmp_path / 'none.md'} is not a file this "
+                                                               f"process can read and write")):
+        with pytest.raises(bench.BadInput) as e:
+            bench.main(["--table", str(table), *args])
+        assert str(e.value) == line
+    assert doc.read_text() == f"{bench.TABLE_START}\nTHE TABLE\n{bench.TABLE_END}\n"
+    table.write_text(json.dumps({"rows": [dict({k: 1.0 for k in bench.PER_SEED}, G="fast")], "gain": 0.15}))
+    with pytest.raises(bench.BadInput, match=r": a row's G is 'fast', not a number$"):
+        bench.main(["--table", str(table)])

@@ -314,7 +314,7 @@ def test_the_reuse_cap_earns_credit_only_for_what_the_buffer_kept():
     buf = ReplayBuffer(100, recency=1.0, reward_inv_temp=0.0)
     buf.set_reference(4)  # pi_ref is the policy of step 4
     fleet = Fleet.__new__(Fleet)  # its counters only: no searcher is spawned
-    fleet.received, fleet.kept, fleet.tokens, fleet.newest = 0, 0, 0, 4
+    fleet.received, fleet.kept, fleet.tokens, fleet.newest, fleet.cfg = 0, 0, 0, 4, Config()
     fleet.evals = Asked(fleet)
     old = [traj(p, [100 + i], version=3) for p in range(B) for i in range(2 * K)]  # scored under pi_ref 0
     for t in old:
@@ -397,3 +397,19 @@ def test_collapse_draws_the_recent_pool_as_the_authors_buffer_did():
     rng = np.random.default_rng(4)
     rng.random(), rng.integers(1)  # recent or not, the prompt
     assert drawn == rng.choice(6, size=3, replace=False).tolist()
+
+
+def test_a_reward_that_is_not_finite_stops_the_run_in_one_line():
+    """Issue 67 item 10: a task's reward of NaN went into the buffer and ended in a traceback from its draw ("Probabilities
+    contain NaN"), with no checkpoint. The trainer refuses the round with a line naming the reward (Dead: the run stops
+    after a checkpoint), and the buffer never holds it."""
+    from types import SimpleNamespace
+    from runtime.errors import Dead
+    from runtime.fleet import Fleet
+    fleet = SimpleNamespace(cfg=SimpleNamespace(task="arith"), received=0, kept=0, tokens=0)
+    buf = ReplayBuffer(capacity=10, recency=0.5, reward_inv_temp=1.0)
+    Fleet.add(fleet, buf, [traj(0, [1, 2], 1.0)])
+    with pytest.raises(Dead, match=r"^the arith task's reward is nan for a response to training prompt 3: a reward "
+                                   r"must be a finite number$"):
+        Fleet.add(fleet, buf, [traj(2, [1], 0.5), traj(3, [1, 2], math.nan)])
+    assert fleet.received == 1 and sorted(buf.prompts) == [0]

@@ -3,6 +3,7 @@ passes without a KV cache, vLLM's engine core kept in the searcher process, and 
 checkpoint that is incomplete or run with other flags."""
 
 import os
+import re
 import traceback
 
 import numpy as np
@@ -331,6 +332,34 @@ def test_resume_into_another_runs_folder_is_refused(tmp_path):
     check_out(str(tmp_path / "empty"), str(run / "checkpoint"))    # an empty one
     with pytest.raises(ConfigError, match="pass --resume to continue a run"):
         check_out(str(other), None)
+    (run / "final").mkdir()  # a finished run: --resume alone would be refused as finished (issue 67 item 15)
+    with pytest.raises(ConfigError, match=r"\(it holds a finished run: pass a new --out, or --resume OUT/checkpoint with "
+                                          r"--steps above its step\)$"):
+        check_out(str(run), None)
+
+
+def test_resume_beside_a_run_that_still_runs_is_refused(tmp_path):
+    """Issue 67 item 1: a run's folder is locked while its process lives (runtime.log.hold): a resume beside it would
+    interleave the two runs' rows and delete the other's checkpoints. The lock goes with its holder, killed or not."""
+    import subprocess
+    import sys
+    from runtime.log import check_out
+    run = tmp_path / "a"
+    (run / "checkpoint-000004").mkdir(parents=True)
+    (run / "checkpoint").symlink_to("checkpoint-000004")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"import sys, time; sys.path.insert(0, {root!r}); from runtime.log import hold; hold({str(run)!r}); "
+            f"print('held', flush=True); time.sleep(120)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError, match=rf"^--resume: a run still runs in {run}: stop it first"):
+            check_out(str(run), str(run / "checkpoint"))
+    finally:
+        p.kill()
+        p.wait()
+    check_out(str(run), str(run / "checkpoint"))  # its process killed: the folder is free
+    assert sorted(os.listdir(run)) == ["checkpoint", "checkpoint-000004"]  # no file of the lock's
 
 
 @pytest.mark.parametrize("steps,match", [
@@ -345,6 +374,95 @@ def test_resume_with_no_steps_left_is_refused(steps, match, tiny_model, checkpoi
                                 "--steps", steps, "--out", str(tmp_path / "b")])
     with pytest.raises(ConfigError, match=f"^{match}"):
         checks.check(cfg, 1)
+
+
+@pytest.mark.engine
+def test_resume_of_an_edited_task_is_refused(tiny_model, checkpoint, tmp_path, monkeypatch):
+    """Issue 67 item 2: a task whose training problems changed, their count not (two swapped), between a run and its
+    resume: the buffer's prompt ids would index other prompts. The checkpoint keeps a hash of them."""
+    import dataclasses
+    import tasks
+    arith = tasks.get("arith")
+
+    def swapped(data):
+        train, test = arith.load(data)
+        return [train[1], train[0], *train[2:]], test
+    cfg = checks.parse(Config, ["--model", tiny_model, "--searchers", "0", *SMALL, "--resume", str(checkpoint),
+                                "--steps", "3", "--out", str(tmp_path / "b")])
+    assert checks.check(cfg, 1)[2]["step"] == 2  # as it was: resumed
+    monkeypatch.setitem(tasks.TASKS, "arith", dataclasses.replace(arith, load=swapped))
+    with pytest.raises(ConfigError, match="^--resume: the arith task's training problems are not those the "
+                                          "checkpoint's run searched"):
+        checks.check(cfg, 1)
+
+
+@pytest.mark.engine
+def test_resume_with_weights_damaged_in_place_is_refused(checkpoint, tmp_path):
+    """Issue 67 item 3: 4 KB of a checkpoint's weights zeroed in place (the same size: the header parses) are refused
+    in one line; the checkpoint keeps its weights' SHA-256."""
+    import shutil
+    from runtime.checkpoint import load_checkpoint
+    from test_tiny import zero_4kb
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    assert load_checkpoint(str(damaged))["step"] == 2
+    zero_4kb(damaged / "model" / "model.safetensors")
+    with pytest.raises(ConfigError, match=rf"^--resume: {damaged}/model/model.safetensors is not the file its "
+                                          rf"checkpoint wrote \(missing, or its SHA-256 differs: damaged\?\)$"):
+        load_checkpoint(str(damaged))
+
+
+def test_a_task_with_characters_the_tokenizer_lacks_or_no_held_out_problems_is_refused(tiny_model, monkeypatch):
+    """Issue 67 items 7 and 10: a character the tiny tokenizer lacks (×) would reach the model as <unk>, silently; an
+    empty held-out split ended in a KeyError at the first evaluation. Both are refused at start, in one line."""
+    import tasks
+    from tasks.task import Problem, Task
+    problems = lambda sign: [Problem(f"{a} {sign} 2 =", str(2 * a)) for a in range(8)]
+    cfg = checks.parse(Config, ["--model", tiny_model, "--searchers", "0", *SMALL, "--task", "times"])
+    monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), problems("*")), reward=len))
+    assert checks.check(cfg, 1)[1].answers[:2] == ["0", "2"]  # in its characters: taken
+    monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), problems("×")), reward=len))
+    with pytest.raises(ConfigError, match=f"^--task: times's problems use characters that the tokenizer of "
+                                          f"{tiny_model} lacks \\('×'\\): the model would read each as <unk>"):
+        checks.check(cfg, 1)
+    monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), []), reward=len))
+    with pytest.raises(ConfigError, match="^--task: times's held-out split is empty"):
+        checks.check(cfg, 1)
+
+
+def test_a_losss_flags_that_name_no_field_or_a_general_one(tiny_model, monkeypatch):
+    """Issue 67 items 8, 9 and 15: a loss's `flags` naming no field, or a string for a tuple (`("clip")`), broke every
+    run with an AttributeError traceback: now only a run of that loss is refused, in one line. A general field among
+    them (max_new_tokens) is read, not made the loss's own: given with another loss it is taken. An anneal of T_R
+    with a loss that reads no T_R is refused itself (before: a refusal that sent the user to --reward-temp, which was
+    then refused)."""
+    import loss
+    run = lambda *args: checks.check(checks.parse(Config, ["--model", tiny_model, "--searchers", "0", *SMALL, *args]), 1)
+    monkeypatch.setitem(loss.LOSSES, "typo", loss.LOSSES["grpo"])
+    for flags in (("clip", "no_such_field"), "clip"):
+        monkeypatch.setattr(loss.LOSSES["grpo"], "flags", flags)
+        assert run("--max-new-tokens", "5")[0].loss == "tb"
+        with pytest.raises(ConfigError, match=rf"^--loss: typo's flags must be a tuple of Config fields' names "
+                                              rf"\(loss.py\), got {re.escape(repr(flags))}$"):
+            run("--loss", "typo")
+    monkeypatch.setattr(loss.LOSSES["grpo"], "flags", ("clip", "max_new_tokens"))
+    assert run("--max-new-tokens", "5", "--loss", "rloo")[0].max_new_tokens == 5
+    with pytest.raises(ConfigError, match="^--clip: acts only in --loss grpo"):
+        run("--clip", "0.3")
+    with pytest.raises(ConfigError, match="^--reward-temp-anneal-steps: acts only in a --loss reading --reward-temp"):
+        run("--loss", "rloo", "--reward-temp-anneal-steps", "10")
+
+
+@pytest.mark.engine
+def test_resume_with_another_task_is_refused_before_its_model_is_built(checkpoint, tmp_path, monkeypatch):
+    """Issue 67 item 12: a resume with another --task built that task's tiny model (minutes) before it was refused,
+    and left a hidden temporary folder behind."""
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "cache"))
+    cfg = checks.parse(Config, ["--model", "tiny", "--task", "countdown", "--resume", str(checkpoint), "--steps", "3",
+                                "--out", str(tmp_path / "b")])
+    with pytest.raises(ConfigError, match=r"^--resume: --task countdown \(was arith\) cannot change mid-run"):
+        checks.check(cfg, 1)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "b").exists()
 
 
 def test_resume_messages_say_what_is_there(tmp_path):

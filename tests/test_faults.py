@@ -116,20 +116,22 @@ def catches(pid, sig) -> bool:
 
 
 @pytest.mark.engine
-def test_signal_during_start_up_stops_quietly(tiny_model, tmp_path):
-    """While tba.py imports and checks (seconds): one line, status 130, nothing left. The signal
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
+def test_signal_during_start_up_stops_quietly(sig, tiny_model, tmp_path):
+    """While tba.py imports and checks (seconds): one line, status 128 + the signal, nothing left. The signal
     goes as soon as tba.py's start-up handlers are in (Python catches SIGINT from its own start,
-    SIGTERM only once tba.py asks), not after a fixed sleep that a loaded machine may outlast."""
+    the others only once tba.py asks), not after a fixed sleep that a loaded machine may outlast. SIGHUP (a closed
+    terminal or ssh session) and SIGUSR1 (issue 67 item 4) killed it at once, without a line."""
     out = tmp_path / "run"
     proc = start(["--model", tiny_model, *SMALL, "--out", str(out)], tmp_path)
     deadline = time.time() + 60
-    while not catches(proc.pid, signal.SIGTERM):
+    while not catches(proc.pid, signal.SIGTERM if sig == signal.SIGINT else sig):
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, sig)
     output = proc.communicate(timeout=30)[0]
-    assert proc.returncode == 130, output[-3000:]
-    assert output.strip().splitlines() == ["tba.py: stopped by SIGINT during start-up"], output[-3000:]
+    assert proc.returncode == 128 + sig, output[-3000:]
+    assert output.strip().splitlines() == [f"tba.py: stopped by {sig.name} during start-up"], output[-3000:]
     assert not out.exists()
 
 
@@ -185,6 +187,17 @@ def importing_fork_server(pid):
         if signal_mask(p.pid, "SigIgn") & bit(signal.SIGTERM) and not signal_mask(p.pid, "SigCgt") & bit(signal.SIGCHLD):
             return p.pid
     return None
+
+
+def test_the_resource_tracker_ignores_a_closed_terminals_signals():
+    """Issue 67 item 4: SIGHUP to the run's process group (a closed terminal) killed multiprocessing's resource
+    tracker, and the one started in its place printed a KeyError traceback for each name it did not know."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from runtime import vllm_env; "
+            "from multiprocessing import resource_tracker as r; vllm_env.quiet_resource_tracker(); "
+            "print(open(f'/proc/{r._resource_tracker._pid}/status').read())")
+    status = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, timeout=60).stdout
+    ignored = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+    assert all(ignored >> (sig - 1) & 1 for sig in (signal.SIGHUP, signal.SIGUSR1))  # (it ignores INT, TERM itself)
 
 
 @pytest.mark.engine
@@ -356,6 +369,29 @@ def file_size_limit(limit: int):
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_row_that_cannot_be_written_stops_the_run_and_leaves_no_half_line(tmp_path, capsys):  # (in memory)
+    """Issue 67 item 5: a full disk while a row was written ended in three chained OSError tracebacks, no checkpoint
+    tried, metrics.jsonl's last line half-written. Now the row is cut off whole, the rows after it are not tried, and
+    the fleets' stop reason says it: the run stops after a checkpoint, in one line."""
+    from runtime.config import Config
+    from runtime.fleet import Fleet
+    from runtime.local import LocalFleet
+    from runtime.log import Log
+    out = tmp_path / "run"
+    log = Log(Config(out=str(out), steps=5), 0, time.time())
+    try:
+        log.row(kind="eval", step=0, accuracy=0.5, example={})
+        with file_size_limit((out / "metrics.jsonl").stat().st_size + 40):
+            log.row(kind="eval", step=1, accuracy=0.25, example={"completion": "x" * 100})
+            log.row(kind="eval", step=2, accuracy=0.25, example={})
+    finally:
+        log.close()
+    line = f"{out}/metrics.jsonl could not be written (File too large)"
+    assert log.unwritten == line and [r["step"] for r in metrics(out)] == [0]
+    fleet = types.SimpleNamespace(signals=types.SimpleNamespace(first=None), dead=None, silent=None, log=log)
+    assert Fleet.stop_reason(fleet) == LocalFleet.stop_reason(fleet) == ("dead", line)
 
 
 def test_a_failed_write_is_told_from_a_bug(tmp_path):

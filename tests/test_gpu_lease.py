@@ -272,7 +272,8 @@ def test_a_rerun_of_the_decoding_parts_runs_those_alone(lease):
 @pytest.mark.parametrize("env,said", [
     (dict(STAGES="checks,nope"), "tests/gpu_lease.sh: STAGES=checks,nope: the stages are checks, tests, probe"),
     (dict(BUDGET="4m"), "tests/gpu_lease.sh: BUDGET=4m: a whole number of seconds"),
-], ids=["stage", "budget"])
+    (dict(BUDGET="0"), "tests/gpu_lease.sh: BUDGET=0: below the 25 s a stage needs"),  # issue 67 item 15
+], ids=["stage", "budget", "no budget"])
 def test_a_bad_setting_is_refused_before_anything_runs(lease, env, said):
     code, out = lease(**env)
     assert code == 2 and out == said + "\n" and lease.timeouts() == []

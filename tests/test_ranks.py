@@ -630,6 +630,33 @@ def test_the_ranks_stop_within_seconds_when_torchrun_is_killed(tiny_model, tmp_p
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_a_stopped_rank_goes_when_torchrun_is_killed(tiny_model, tmp_path, how):
+    """Issue 67 item 6: rank 1 stopped (SIGSTOP), then torchrun killed: rank 0 stops on its launcher's end and kills
+    its stopped sibling (before, it was left behind, state T, parent 1, for good); or torchrun sent SIGTERM: every
+    process gone within 15 s (before, 31.5 s: torchrun waited 30 s for the stopped rank)."""
+    p, out = launch(tmp_path, tiny_model, "--steps", "100000", "--timeout", "60")
+    pids = set()
+    try:
+        deadline = time.time() + 400
+        while steps_done(out) < 2:
+            assert p.poll() is None and time.time() < deadline, said(tmp_path)[-3000:]
+            time.sleep(0.2)
+        pids = family(p.pid) - {p.pid}
+        rank1 = [pid for pid in pids if b"tba.py" in open(f"/proc/{pid}/cmdline", "rb").read()
+                 and b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGSTOP)
+        t0 = time.time()
+        p.send_signal(how)
+        p.wait(timeout=60)
+        gone_within(pids, 30)
+        assert time.time() - t0 < 15
+    finally:
+        kill_run(p, pids)
+
+
+@pytest.mark.engine
 def test_ctrl_c_during_start_up_is_said_once_a_node(tiny_model, tmp_path):
     """Ctrl-C reaches torchrun (its ranks run in sessions of their own), which sends SIGINT to each rank: during the
     ranks' start-up, one line (before: one a rank)."""

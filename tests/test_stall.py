@@ -270,7 +270,7 @@ def test_take_counts_what_arrives_and_the_newest_version():
                 {"kind": "eval", "searcher": 0, "version": 4, "scores": {"accuracy": 0.5}, "example": {}, "seconds": 1.0}):
         q.put(dict(msg, generate=0.0, slept=0.0, charged=0.0, over=0.0, parts={}, seconds_per_token=None, verified=-1))
     fleet = Fleet.__new__(Fleet)
-    fleet.messages, fleet.procs, fleet.cfg = q, [], types.SimpleNamespace(timeout=60, lag=None)
+    fleet.messages, fleet.procs, fleet.cfg = q, [], types.SimpleNamespace(timeout=60, lag=None, task="arith")
     fleet.log = types.SimpleNamespace(eval=lambda *row: rows.append(row), searched=lambda msg: None)
     fleet.received = fleet.kept = fleet.tokens = 0
     fleet.heard, fleet.dead, fleet.silent = True, None, None

@@ -251,15 +251,33 @@ def test_a_file_that_makes_no_task_is_named_in_one_line_when_used(name, beside, 
 
 def test_a_broken_task_file_leaves_the_other_tasks_alone(beside, tiny_model, tmp_path):
     """Beside the broken files, arith checks as ever; a folder without __init__.py beside a task's file (data, say)
-    shadows nothing; --help offers the tasks that load and names the broken ones apart (a helper module, with no TASK,
-    is neither)."""
+    shadows nothing; names() lists the tasks that load."""
     cfg, _, _ = checks.check(checks.parse(Config, ["--model", tiny_model, "--out", str(tmp_path / "run")]), 1)
     assert cfg.task == "arith"
     assert tasks.get("plain") is tasks.get("arith")
     assert "plain" in tasks.names() and not {*BROKEN, "shadowed"} & set(tasks.names())
-    help = " ".join(checks.parser(Config).format_help().split())
-    assert "(broken: unclosed, needs, divides, shadowed; --task NAME says why)" in help, help
-    assert "helper" not in help
+
+
+def test_a_task_file_that_waits_at_import_holds_no_other_run(beside, tiny_model, tmp_path):
+    """Issue 67 item 11: a file of tasks/ that waits at its top (a download) made --help and every run silent,
+    whatever --task: discovery imported every task. --help lists the files without importing any; a run of another
+    task imports its own alone (others only for a flag of the tasks' section it does not own, each within a
+    deadline)."""
+    import time
+    (beside / "waits.py").write_text("import time\ntime.sleep(600)\n")
+    tasks.TASKS["waits"] = "tasks.waits"
+    try:
+        help = " ".join(checks.parser(Config).format_help().split())
+        assert "waits" in help and "unclosed" in help and "tasks.waits" not in sys.modules, help
+        cfg, _, _ = checks.check(checks.parse(Config, ["--steps", "5", "--out", str(tmp_path / "run")]), 1)
+        assert cfg.task == "arith" and "tasks.waits" not in sys.modules
+        t0 = time.time()
+        assert "waits" not in tasks.names(deadline=0.5) and "arith" in tasks.names(deadline=0.5)
+        assert time.time() - t0 < 30
+        with pytest.raises(ConfigError, match=r"^--task: .*waits.py does not import within 0.5 s \(it waits at its top"):
+            tasks.get("waits", 0.5)
+    finally:
+        del tasks.TASKS["waits"]
 
 
 def test_the_tiny_models_builder_names_a_broken_task_file(beside):

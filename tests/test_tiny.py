@@ -110,7 +110,7 @@ def test_a_build_on_rank_1_of_a_group_is_whole(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "built")).config.hidden_size == 32
 
 
-@pytest.mark.parametrize("harm", ["config.json gone", "weights gone", "weights cut short"])
+@pytest.mark.parametrize("harm", ["config.json gone", "weights gone", "weights cut short", "4 KB zeroed"])
 def test_a_damaged_cache_folder_is_built_again(harm, tmp_path, monkeypatch, capsys):
     """A cached folder that is not whole (a build of the old code on rank 1: no config, no weights; a damaged disk)
     is built again, said in one line naming it, and then loads: before, every run ended in transformers' traceback
@@ -124,12 +124,15 @@ def test_a_damaged_cache_folder_is_built_again(harm, tmp_path, monkeypatch, caps
         os.remove(os.path.join(path, "config.json"))
     elif harm == "weights gone":
         os.remove(weights)
-    else:
+    elif harm == "weights cut short":
         data = open(weights, "rb").read()
         open(weights, "wb").write(data[:len(data) // 2])
+    else:  # in place, the same size (issue 67 item 3): its header parses
+        zero_4kb(weights)
     assert tiny.cached() == path
     why = {"config.json gone": "no config.json", "weights gone": "no model.safetensors",
-           "weights cut short": "model.safetensors does not parse (SafetensorError)"}[harm]
+           "weights cut short": "model.safetensors does not parse (SafetensorError)",
+           "4 KB zeroed": "model.safetensors is not the file its build wrote (its SHA-256 differs)"}[harm]
     line = f"the tiny model in {path} is incomplete ({why}): building it again"
     assert capsys.readouterr().out.splitlines()[0] == line
     from transformers import AutoModelForCausalLM
@@ -247,6 +250,26 @@ def test_the_shipped_model_is_its_recipes(tmp_path, monkeypatch, capsys):
     assert recorded["sft_check_accuracy"] >= tiny.RECIPE["sft_target"] > 0 and recorded["sft_steps_taken"] < 600
 
 
+def zero_4kb(path):
+    """4 KB of a file zeroed in place, half-way through it: its size and header unchanged."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(bytes(4096))
+
+
+def test_the_shipped_model_changed_in_place_is_not_used(tmp_path, monkeypatch):
+    """Issue 67 item 3: the shipped model's weights changed in place (4 KB zeroed) are not the shipped model, though its
+    recipe is the code's: its recipe file keeps their SHA-256."""
+    import shutil
+    shipped = tmp_path / "shipped"
+    shutil.copytree(tiny.SHIPPED, shipped)
+    monkeypatch.setattr(tiny, "SHIPPED", str(shipped))
+    assert tiny.shipped() == ""
+    zero_4kb(shipped / "model.safetensors")
+    assert tiny.shipped() == (f"the shipped tiny model {shipped} is incomplete (model.safetensors is not the file its "
+                              f"build wrote (its SHA-256 differs))")
+
+
 def test_without_the_shipped_model_the_tiny_model_is_built_saying_why(tmp_path, monkeypatch, capsys):
     """With RECIPE edited, or the shipped folder damaged, --model tiny builds into the cache as before, and its first
     line says why."""
@@ -266,3 +289,20 @@ def test_without_the_shipped_model_the_tiny_model_is_built_saying_why(tmp_path, 
     assert capsys.readouterr().out.splitlines()[0] == (f"the shipped tiny model {shipped} is incomplete (no "
                                                        f"config.json): building the tiny model into {path} (a line "
                                                        f"every few seconds) ...")
+
+
+def test_the_builder_names_a_missing_folder_or_a_cache_it_cannot_write(tmp_path, monkeypatch):
+    """Issue 67 item 13: `python -m runtime.tiny OUT` under a missing folder, and a TBA_CACHE that names a file (or
+    cannot be written), ended in an OSError traceback that never said why a build was needed."""
+    with pytest.raises(SystemExit) as e:
+        tiny.main([str(tmp_path / "missing" / "out")])
+    assert e.value.code == f"runtime.tiny: {tmp_path / 'missing'} does not exist: make it first"
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TBA_CACHE", str(tmp_path / "file"))
+    monkeypatch.setattr(tiny, "RECIPE", SMALL)  # not the shipped model's: a build is needed
+    with pytest.raises(SystemExit) as e:
+        tiny.main([])
+    assert e.value.code.startswith("runtime.tiny: --model: the tiny model must be built (the recipe (") and \
+        e.value.code.endswith(f"changed since the shipped tiny model {tiny.SHIPPED} was built), and the cache "
+                              f"{tmp_path / 'file'} cannot take it (File exists): set TBA_CACHE to a writable "
+                              f"folder"), e.value.code

@@ -152,10 +152,18 @@ PARTS = range(1, 13)
 def check_out(out: str, overwrite: bool):
     """Earlier results are never replaced unasked: an --out that holds anything (a bench.json, a part's runs) is
     refused unless --overwrite (then each run folder goes just before its run again: `vacated`)."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise BadInput(f"--out {out} is a file: pass a folder")
     held = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if held and not overwrite:
         raise BadInput(f"--out {out} already holds results ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
                        f"pass a new folder, or --overwrite to replace them")
+    try:  # (an empty folder on a read-only disk: its first write would fail after the runs)
+        os.makedirs(out, exist_ok=True)
+        os.close(os.open(os.path.join(out, ".write-test"), os.O_CREAT | os.O_WRONLY))
+        os.remove(os.path.join(out, ".write-test"))
+    except OSError as e:
+        raise BadInput(f"--out {out}: cannot be written ({e.strerror})") from None
 
 
 def vacated(run: str) -> str:
@@ -499,7 +507,10 @@ def point(costs: dict, ratio: float, n: int, shape: str = "linear", cfg=None, co
     a step alone, where that is longer; with the colocated run, MIN_Y x D x a step alone, so that its trainer's share
     of a step, T / D, stays emulated too), and G_N = X x `round_alone`."""
     y = max(MIN_Y * ((n + 1) if colocated else 1), STEP / costs["train_step"])
-    x = max(1.0, ratio * y * costs["train_step"] / round_alone(costs, n, shape, cfg))
+    x = ratio * y * costs["train_step"] / round_alone(costs, n, shape, cfg)
+    if x < 1:  # X clamped at 1 would run another G/T than the point's label (issue 67 item 14)
+        raise BadInput(f"--ratios {ratio:g}: at no slowdown (X 1) a round of {n} searcher(s) is already "
+                       f"{ratio / x:.2f} x the step here: give ratios of at least {ratio / x:.2f}")
     return round(x, 2), round(y, 2)
 
 
@@ -1272,6 +1283,8 @@ def main(argv=None):
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
     args = p.parse_args(argv)
     if args.table:  # the table from the seeds' figures: nothing runs
+        if args.doc and not (os.path.isfile(args.doc) and os.access(args.doc, os.R_OK | os.W_OK)):
+            raise BadInput(f"--doc: {args.doc} is not a file this process can read and write")
         lines = part9_table(read_per_seed(args.table))
         if args.doc:
             into_doc(args.doc, lines)
@@ -1289,6 +1302,20 @@ def main(argv=None):
             raise BadInput(f"{flag} {value:g}: give a positive number")
     if args.few_seeds < 1:
         raise BadInput(f"--few-seeds {args.few_seeds}: give 1 or more")
+    for flag, values, low in (("--ratios", args.ratios, 0), ("--slowdowns", args.slowdowns, 1), ("--cap", [args.cap], 0),
+                              ("--minutes", [args.minutes], 0)):
+        bad = next((v for v in values if not low <= v < float("inf") or v == 0), None)  # NaN too
+        if bad is not None:
+            raise BadInput(f"{flag} {bad:g}: give {'positive numbers' if low == 0 else 'numbers of at least 1'}")
+    for flag, values, low in (("--searchers", args.searchers, 1), ("--eval-every", [args.eval_every], 1),
+                              ("--seeds", args.seeds or [], 0), ("--lags", args.lags, 0)):
+        bad = next((v for v in values if not low <= v < 2**32), None)  # (a seed: numpy's and tba.py's range)
+        if bad is not None:
+            raise BadInput(f"{flag} {bad}: give {'whole numbers of at least 1' if low else 'whole numbers of at least 0'}")
+    for flag, values in (("--seeds", args.seeds or []), ("--modes", args.modes), ("--searchers", args.searchers),
+                         ("--ratios", args.ratios)):
+        if len(set(values)) < len(values):  # one run counted twice in the intervals
+            raise BadInput(f"{flag} {' '.join(map(str, values))}: each at most once")
     if args.costs is not None:  # checked before anything is made or started
         if 9 not in args.parts:
             raise BadInput("--costs acts only with --parts 9")
@@ -1603,9 +1630,16 @@ def read_per_seed(path: str) -> dict:
     data = data.get("equal_hardware", data) if isinstance(data, dict) else None
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or "gain" not in data:
         raise BadInput(f"--table: {path} is not a part9.json nor a bench.json with part 9")
-    missing = next((k for r in data["rows"] for k in PER_SEED if k not in r), None)
+    if not data["rows"]:  # (with --doc an empty table would replace the document's)
+        raise BadInput(f"--table: {path} holds no rows")
+    missing = next((k for r in data["rows"] for k in PER_SEED if not isinstance(r, dict) or k not in r), None)
     if missing:
         raise BadInput(f"--table: {path}: a row has no {missing}")
+    words = ("shape", "mode", "over_process", "uncharged", "reached")  # every other figure a number, or none
+    odd = next(((k, r[k]) for r in data["rows"] for k in PER_SEED if k not in words and r[k] is not None
+                and (isinstance(r[k], bool) or not isinstance(r[k], (int, float)))), None)
+    if odd:
+        raise BadInput(f"--table: {path}: a row's {odd[0]} is {odd[1]!r}, not a number")
     return dict(data, summary=None)
 
 
