@@ -24,9 +24,10 @@ import torch
 
 import tasks
 from buffer import FIELDS, SCALARS
-from loss import LOSSES, loss_options, reads, tb_loss
+from loss import LOSSES, loss_options, reads
 from runtime import lora, nodes, ranks, vllm_env
 from runtime.checkpoint import check_model, check_resumed_flags, load_checkpoint, read_config, resumed_flags
+from runtime.config import Config
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
 from runtime.log import check_out
@@ -267,11 +268,11 @@ def check_flags(cfg, world: int):
 
 def resumed(cfg, saved: dict):
     """--resume: the flags not given are the checkpoint's (runtime.checkpoint.resumed_flags), but for one that cannot
-    act beside the flags given now (ACTS_ONLY: a streaming run's --max-reuse, resumed with --lag), which is left to its
+    act beside the flags given now (acts_only: a streaming run's --max-reuse, resumed with --lag), which is left to its
     default: refused, it would be a flag the command line never gave."""
     out = resumed_flags(cfg, saved)
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    inert = {flag: defaults[flag] for flag, acts, _ in ACTS_ONLY if not given(cfg, flag) and not acts(out)}
+    inert = {flag: defaults[flag] for flag, acts, _ in acts_only() if not given(cfg, flag) and not acts(out)}
     return dataclasses.replace(out, **inert, given=tuple(n for n in out.given if n not in inert))
 
 
@@ -405,40 +406,25 @@ def check_recipe(cfg):
          f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
 
 
-# Flags that act only where other flags let them: (flag, where it acts, why it would not). One given another value
-# than its default where it cannot act would change nothing: refused in one line (check_unused).
-STREAMING = "streaming: with --lag every batch is its step's rounds, each trajectory used once"
-ACTS_ONLY = (
-    ("recency", lambda c: c.lag is None, STREAMING),
-    ("reward_inv_temp", lambda c: c.lag is None, STREAMING),
-    ("max_staleness", lambda c: c.lag is None, STREAMING),
-    ("buffer_capacity", lambda c: c.lag is None, STREAMING),
-    ("duplicates", lambda c: c.lag is None, STREAMING),
-    ("max_reuse", lambda c: c.lag is None and c.searchers > 0, "the streaming trainer's replay of what searchers "
-     "sent: with --lag every batch is its step's rounds, with --searchers 0 every step searches its own data"),
-    ("behaviour_logprobs", lambda c: c.lag is not None and "behaviour_logps" in reads(LOSSES.get(c.loss, tb_loss)),
-     "--lag, for a loss that reads per-token behaviour log-probs (--loss drgrpo, tbprime): the weights that sampled "
-     "a batch are then one step's"),
-    ("evaluator", lambda c: c.searchers > 0, "a run with searchers (with --searchers 0 the trainer evaluates)"),
-    ("calibration", lambda c: c.generation_slowdown != 1 or c.train_slowdown != 1, "the emulated device time "
-     "(--generation-slowdown or --train-slowdown above 1)"),
-    ("decode_cost", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above 1)"),
-    ("decode_shape", lambda c: c.decode_cost == "gpu", "GPU-shaped emulated decoding (--decode-cost gpu)"),
-    ("response_lengths", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above "
-     "1)"),
-) + tuple(  # a loss's own flags (its `flags`, loss.py): refused with another loss, as a task's with another task
-    (flag, lambda c, flag=flag: flag in getattr(LOSSES.get(c.loss), "flags", ()),
-     "--loss " + " or ".join(name for name, loss in LOSSES.items() if flag in getattr(loss, "flags", ())))
-    for flag in dict.fromkeys(f for loss in LOSSES.values() for f in getattr(loss, "flags", ())))
+def acts_only() -> list:
+    """(flag, where it acts, its words) of each flag that acts only in some runs: its field's `acts`
+    (runtime/config.py), and a loss's own flags (its `flags`, loss.py), refused with another loss as a task's flag
+    with another task. One given another value than its default where it cannot act would change nothing: refused
+    in one line (check_unused)."""
+    declared = [(f.name, *f.metadata["acts"]) for f in dataclasses.fields(Config) if "acts" in f.metadata]
+    return declared + [
+        (flag, lambda c, flag=flag: flag in getattr(LOSSES.get(c.loss), "flags", ()),
+         "--loss " + " or ".join(name for name, loss in LOSSES.items() if flag in getattr(loss, "flags", ())))
+        for flag in dict.fromkeys(f for loss in LOSSES.values() for f in getattr(loss, "flags", ()))]
 
 
 def check_unused(cfg, given=None):
     """Flags that would change nothing, or make another flag change nothing, refused in one line: one given where it
-    cannot act (ACTS_ONLY: `given`'s values, before the defaults that depend on other flags, against `cfg`'s
+    cannot act (acts_only: `given`'s values, before the defaults that depend on other flags, against `cfg`'s
     settings), a schedule's length without the value it goes to, a schedule's end without its length, LoRA's alpha
     without LoRA."""
     defaults, given = {f.name: f.default for f in dataclasses.fields(cfg)}, given or cfg
-    for flag, acts, where in ACTS_ONLY:
+    for flag, acts, where in acts_only():
         need(getattr(given, flag) == defaults[flag] or acts(cfg), flag.replace("_", "-"),
              f"acts only in {where}; here it would change nothing")
     final = cfg.beta if cfg.beta_final is None else cfg.beta_final  # None: --beta (check fills it in)

@@ -631,3 +631,11 @@ def test_a_colocated_calibration_holds_its_devices_and_all_reduce(tmp_path):
     path = bench.colocated_costs(costs, str(tmp_path), 4, 7.0)
     assert read_calibration(path) == dict(seconds_per_token=1e-4, train_step=0.2, devices=5,
                                           all_reduce=pytest.approx(bench.all_reduce_share(5) * 7.0 * 0.2))
+
+
+def test_a_lag_run_leaves_out_the_flags_declared_streaming():
+    """without_streaming: the flags whose field says `acts=STREAMING` (runtime/config.py), each with its value, and
+    no other (--max-reuse acts in the streaming trainer's replay, a mode of its own)."""
+    import bench
+    flags = ["--recency", "1", "--lr", "2e-5", "--duplicates", "collapse", "--max-reuse", "3", "--buffer-capacity", "9"]
+    assert bench.without_streaming(flags) == ["--lr", "2e-5", "--max-reuse", "3"]

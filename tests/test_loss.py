@@ -472,7 +472,7 @@ def test_a_loss_not_finite_on_the_probe_is_refused_in_one_line(losses):
 def test_a_losss_own_flags_reach_it_and_are_refused_with_another_loss(losses):
     """Each loss's `flags`: their values reach every call (loss.loss_options), and one given another value than its
     default with a loss that does not name it is refused in one line, as a task's flag with another task
-    (runtime.checks.ACTS_ONLY's entries for them derive from LOSSES)."""
+    (runtime.checks.acts_only's entries for them derive from LOSSES)."""
     from loss import loss_options
     from runtime import checks
     from runtime.config import Config

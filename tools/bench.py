@@ -660,9 +660,11 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, cou
 
 def without_streaming(flags: list[str]) -> list[str]:
     """The user's flags for a --lag run: those that act only streaming (the buffer's sampling: tba.py refuses them
-    with --lag, runtime/checks.ACTS_ONLY) left out, so that one study of them (`-- --recency 1`) keeps its baseline."""
-    from runtime.checks import ACTS_ONLY
-    streaming = {"--" + flag.replace("_", "-") for flag, _, where in ACTS_ONLY if where.startswith("streaming")}
+    with --lag: their fields' `acts=STREAMING`, runtime/config.py) left out, so that one study of them
+    (`-- --recency 1`) keeps its baseline."""
+    from runtime.config import STREAMING, Config
+    streaming = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(Config)
+                 if f.metadata.get("acts") is STREAMING}
     out, skip = [], False
     for f in flags:
         if skip:
