@@ -14,6 +14,7 @@ Config is frozen, so nothing writes to it after the checks.
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import time
@@ -260,9 +261,12 @@ def check_flags(cfg, world: int):
         cfg = dataclasses.replace(cfg, resumes=(*saved.get("resumes", ()), dict(step=ckpt["step"], changed=changed)))
         buffer = task.buffer(cfg, data.prompts)  # its kind, which the checkpoint's buffer must be
         try:
-            ckpt["buffer"] = type(buffer).from_state(ckpt["buffer"])
+            dropped, ckpt["buffer"] = ckpt["buffer"].get("dropped", "[]"), type(buffer).from_state(ckpt["buffer"])
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
+        if json.loads(str(dropped)) and int(os.environ.get("RANK", "0")) == 0:  # said at its save too
+            print(f"tba.py: note: {cfg.resume}'s buffer left out {', '.join(json.loads(str(dropped)))}: they start "
+                  f"afresh", flush=True)
     return cfg, data, ckpt
 
 
