@@ -120,6 +120,9 @@ def check(cfg, world: int):
     saved = read_config(cfg.resume, needed=False) if cfg.resume else None
     if saved is not None:
         cfg = resumed(cfg, saved)
+        was = saved.get("task", cfg.task)  # before its data and model (--model tiny is each task's own)
+        need(was == cfg.task, "resume", f"--task {cfg.task} (was {was}) cannot change mid-run (the checkpoint's buffer "
+             f"holds {was}'s problems, searched and scored by its reward)")
     cfg, filled = task_defaults(cfg)
     try:
         return check_flags(cfg, world)
