@@ -31,7 +31,7 @@ from runtime.checkpoint import check_model, check_resumed_flags, load_checkpoint
 from runtime.config import Config
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
-from runtime.log import check_out
+from runtime.log import Log, check_out
 from rewards import check_reward_model
 from tasks.task import Data
 
@@ -299,6 +299,8 @@ def loss_pools(cfg) -> bool:
     loss, declared = LOSSES[cfg.loss], getattr(LOSSES[cfg.loss], "pools", None)
     try:
         found = probe_pools(loss, loss_options(cfg, cfg.beta, 1.0, cfg.reward_temp))  # gamma_at, reward_temp_at at 0
+    except ConfigError as e:  # a statistic named like a row field
+        raise ConfigError(f"--loss: {cfg.loss}'s {e}") from None
     except Exception as e:
         raise ConfigError(f"--loss: {cfg.loss} fails on the start-up check's batch ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); see docs/experiments.md for what a loss "
@@ -338,8 +340,12 @@ def probe_pools(loss, options: dict, K: int = 3, T: int = 5) -> bool:
 
     def run(rows):  # the loss on prompts `rows`, x their number
         y = leaf[rows]
-        value = loss(logp=y.sum(-1) if per_token else y, **({"token_logp": y} if per_token else {}),
-                     **{k: v[rows] for k, v in x.items()}, **options)[0]
+        value, stats = loss(logp=y.sum(-1) if per_token else y, **({"token_logp": y} if per_token else {}),
+                            **{k: v[rows] for k, v in x.items()}, **options)
+        taken = [k for k in stats if k in ("loss", "prompts", *Log.FIELDS)]
+        if taken:
+            raise ConfigError(f"statistic {', '.join(taken)} is named like a field the train rows hold already, "
+                              f"whose value it would replace: rename it")
         return value * len(rows)
     whole = run(list(range(B)))
     if not torch.isfinite(whole):
