@@ -235,10 +235,9 @@ class ReplayBuffer:
             if recent:   # data of the newest windows (on-policy up to the sync period and a round), uniformly
                 pool_t = [t for t, w in self.groups[prompt].values() if w >= cutoff]
                 weights = np.ones(len(pool_t))
-            else:        # the whole group, by softmax(reward x inverse temperature)
+            else:        # the whole group, by `weights`
                 pool_t = self.whole(prompt)
-                logits = self.reward_inv_temp * np.array([t.reward for t in pool_t])
-                weights = np.exp(logits - logits.max())
+                weights = self.weights(pool_t)
             if self.duplicates == "count":  # each distinct response as often as the searchers sent it (since cutoff)
                 copies = self.multiplicity(prompt, cutoff if recent else -1)
                 batch.append([pool_t[i] for i in draw(np.array([copies.get(t.response.tobytes(), 1) for t in pool_t]),
@@ -248,6 +247,11 @@ class ReplayBuffer:
                 idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=p)
                 batch.append([pool_t[i] for i in idx])
         return batch
+
+    def weights(self, pool: list[Trajectory]) -> np.ndarray:
+        """The whole-buffer draws' weight of each of a prompt's responses: softmax(reward x inverse temperature)."""
+        logits = self.reward_inv_temp * np.array([t.reward for t in pool])
+        return np.exp(logits - logits.max())
 
     # --- the knobs, checkpoints: plain arrays -----------------------------------------------------------
     @classmethod

@@ -269,7 +269,7 @@ def check_flags(cfg, world: int):
             raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
         if json.loads(str(dropped)) and int(os.environ.get("RANK", "0")) == 0:  # said at its save too
             print(f"tba.py: note: {cfg.resume}'s buffer left out {', '.join(json.loads(str(dropped)))}: they start "
-                  f"afresh", flush=True)
+                  f"afresh (each as the buffer makes it)", flush=True)
     return cfg, data, ckpt
 
 
