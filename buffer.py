@@ -27,9 +27,9 @@ Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
   are kept apart (`rounds`) and make step n's batch alone (`sample_round`), each trajectory once;
   each group is one round's, scored under one pi_ref, so a TBA′ reset drops none of them. Rounds of a step
   already trained are dropped on arrival; a checkpoint keeps none of the steps to come (they are made again).
-- Checkpoints: `state` / `from_state` as plain NumPy arrays, the settings by name (no pickle, no code), any other
-  attribute (a researcher's) as plain data (`plain`) or named as left out. A trajectory's arrays come from its
-  dataclass's fields (`to_arrays`), as on the wire between nodes.
+- Checkpoints: `state` / `from_state` as plain NumPy arrays, the settings by name (no pickle, no code), any
+  other attribute (a researcher's) as plain data (`plain`) or named as left out. A trajectory's arrays come
+  from its dataclass's fields (`to_arrays`), as on the wire between nodes.
 - `ReuseCap` (--max-reuse R): the trainer learns only as fast as data arrives. It draws at most R
   times the trajectories the buffer has kept, counted over the run, so scarce data is not replayed
   without bound (the authors' trainer gets the same bound by waiting at each sync for every
@@ -125,8 +125,9 @@ class ReplayBuffer:
     # (`from_config`), and saved and rebuilt by name (`settings`, `from_state`)
     FLAGS = {"capacity": "buffer_capacity", "recency": "recency", "reward_inv_temp": "reward_inv_temp",
              "duplicates": "duplicates"}
-    # the attributes `state` writes itself; every other one it saves as plain data (`plain`), or names as dropped
-    SAVED = {"groups", "copies", "last_window", "prompts", "size", "window", "pi_ref_version", "next_round", "rounds"}
+    # the attributes `state` writes itself; any other it saves as plain data (`plain`), or names as left out
+    SAVED = {"groups", "copies", "last_window", "prompts", "size", "window", "pi_ref_version", "next_round",
+             "rounds"}
 
     def __init__(self, capacity: int, recency: float, reward_inv_temp: float, duplicates: str = "count"):
         self.capacity, self.recency, self.reward_inv_temp = capacity, recency, reward_inv_temp
@@ -249,7 +250,8 @@ class ReplayBuffer:
         return batch
 
     def weights(self, pool: list[Trajectory]) -> np.ndarray:
-        """The whole-buffer draws' weight of each of a prompt's responses: softmax(reward x inverse temperature)."""
+        """The whole-buffer draws' weight of each of a prompt's responses: softmax(reward x inverse
+        temperature)."""
         logits = self.reward_inv_temp * np.array([t.reward for t in pool])
         return np.exp(logits - logits.max())
 
@@ -279,12 +281,13 @@ class ReplayBuffer:
                     last_window=np.array([list(self.last_window), list(self.last_window.values())],
                                          np.int64).reshape(2, -1),
                     settings=np.array(json.dumps(dict(self.settings(), kind=type(self).__name__, window=self.window,
-                                                      pi_ref_version=self.pi_ref_version, next_round=self.next_round))),
-                    **self.more())
+                                                      pi_ref_version=self.pi_ref_version,
+                                                      next_round=self.next_round))), **self.more())
 
     def more(self) -> dict:
-        """Every other attribute (a researcher's, say each response's draws) as plain data, a JSON text (`more`), and
-        those that are not plain data by name (`dropped`: a save says so, and a resume starts them afresh)."""
+        """Every other attribute (a researcher's, say each response's draws) as plain data, a JSON text
+        (`more`), and those that are not plain data by name (`dropped`: a save says so, a resume starts them
+        afresh)."""
         more, dropped = {}, []
         for name, value in vars(self).items():
             if name in self.SAVED or name in self.settings():
@@ -326,8 +329,8 @@ def plain(x):
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, (bytes, np.ndarray)):
-        return {"bytes": x.hex()} if isinstance(x, bytes) else {"array": x.ravel().tolist(), "dtype": str(x.dtype),
-                                                                "shape": list(x.shape)}
+        return {"bytes": x.hex()} if isinstance(x, bytes) else {
+            "array": x.ravel().tolist(), "dtype": str(x.dtype), "shape": list(x.shape)}
     if isinstance(x, (list, tuple)):
         return {type(x).__name__: [plain(v) for v in x]}
     if isinstance(x, dict):  # an OrderedDict too (read back as a dict: its order stays)
@@ -340,7 +343,8 @@ def unplain(x):
         return x
     kind, value = next(iter(x.items()))
     return {"bytes": bytes.fromhex, "list": lambda v: [unplain(i) for i in v],
-            "tuple": lambda v: tuple(unplain(i) for i in v), "dict": lambda v: {unplain(k): unplain(i) for k, i in v},
+            "tuple": lambda v: tuple(unplain(i) for i in v),
+            "dict": lambda v: {unplain(k): unplain(i) for k, i in v},
             "array": lambda v: np.array(v, x.get("dtype")).reshape(x.get("shape"))}[kind](value)
 
 

@@ -89,8 +89,8 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
                     file=sys.stderr)
         t.unsaved_said = True
     if dropped and not t.dropped_said:  # a researcher's buffer attribute that is no plain data (buffer.plain)
-        t.log.print(f"tba.py: warning: the checkpoint's buffer leaves out {', '.join(dropped)}: a resume starts it "
-                    f"afresh (said once)", file=sys.stderr)
+        t.log.print(f"tba.py: warning: the checkpoint's buffer leaves out {', '.join(dropped)}: a resume "
+                    f"starts it afresh (said once)", file=sys.stderr)
         t.dropped_said = True
     return failed or True
 

@@ -11,8 +11,8 @@ made on a 2-core AMD EPYC, in 100 s on cores shared with other jobs, by
 `--model tiny` takes it where its recorded identity is the code's (RECIPE, the tokenizer's characters and arith's
 training problems, unedited). Where it is not (RECIPE edited, say), `--model tiny` builds the model once into
 $TBA_CACHE (default ~/.cache/tba), saying why in one line, and reuses it: about 20 s on two idle CPU cores, 13
-minutes measured on busy ones, with a line every few seconds (its step, check accuracy and the time left at most,
-every step left at its pace). A build is renamed into place only once whole, and a
+minutes measured on busy ones, with a line every few seconds (its step, check accuracy and the time left at
+most, every step left at its pace). A build is renamed into place only once whole, and a
 folder of the cache that is not (`damage`) is built again, said in one line; a process that finds another building
 the same model says so and waits for it (`held`).
 
@@ -33,8 +33,9 @@ start the same.
     python -m runtime.tiny --task countdown [OUT_DIR] # warm-started on another task's demos (its `demos()`)
 
 A task that brings demonstrations (tasks/task.py: `demos()`, solved problems) gets a tiny model warm-started on
-them instead, the same way, until greedy responses to 512 of its training problems score TASK_RECIPE's target on
-its held-out metric (countdown's: 106 steps, 5-6 minutes on two busy cores): `--model tiny` builds it on first use for such a task (`cached(task)`), so a new task learns on
+them instead, the same way, until greedy responses to 512 of its training problems score TASK_RECIPE's target
+on its held-out metric (countdown's: 106 steps, 5-6 minutes on two busy cores): `--model tiny` builds it on first
+use for such a task (`cached(task)`), so a new task learns on
 a laptop from its own start. A cached model's folder is named by the hash of what decides it (`made_of`: the
 recipe, the tokenizer's characters, and what the warm start reads, a task's demos and training problems), so an
 edited task gets a new warm start, said in one line.
@@ -236,8 +237,8 @@ def greedy_accuracy(model, tokenizer, problems) -> float:
     return right.all(dim=1).float().mean().item()
 
 
-# a task's own warm start (countdown: tests/test_tiny.py); checked every step only from 0.1, as its checks (512
-# generations) took 3/4 of countdown's 329 s when they began at 0.05, and a check does not change the model
+# a task's own warm start (countdown: tests/test_tiny.py); checked every step only from 0.05 below its target
+# (arith's: 0.1): a check (512 generations) costs 2-3 steps, and it does not change the model
 TASK_RECIPE = dict(sft_max_steps=3000, sft_target=0.15, sft_near=0.05)
 
 
@@ -398,8 +399,8 @@ def cached(task: str | None = None) -> str:
                 old, changed = previous(path, made_of(recipe_for(task)))
                 print(f"{why_not}: building the tiny model into {path}" if why_not else
                       f"{changed} changed since {old} was built: warm-starting a new tiny model into {path}" if changed
-                      else f"building the tiny model{f' for {task}' if task else ''} once into {path}", "(minutes: "
-                      "a line every few seconds, with the time left at most) ...", flush=True)
+                      else f"building the tiny model{f' for {task}' if task else ''} once into {path}",
+                      "(minutes: a line every few seconds, with the time left at most) ...", flush=True)
             remove_stale(path, time.time())
             t0 = time.time()
             build(path, recipe_for(task))

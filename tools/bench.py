@@ -11,10 +11,10 @@
 
 It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
 1. time to target: the embedded default (`tba.py`, the toy task) with --searchers 1 (TBA) and
-   --searchers 0 --lag 0 ("sync": one process, the on-policy synchronous baseline, each step's batch searched by
-   its own weights; the flags after `--` that act only streaming are left out of it), same seed, flags and cores,
-   each until held-out greedy accuracy first reaches its start + 0.15 or the time cap; both times and sync / async
-   per seed, and the median ratio over the seeds with its 90% interval (a bootstrap of the seeds).
+   --searchers 0 --lag 0 ("sync": one process, the on-policy synchronous baseline, each step's batch searched
+   by its own weights; the flags after `--` that act only streaming are left out of it), same seed, flags and
+   cores, each until held-out greedy accuracy first reaches its start + 0.15 or the time cap; both times and
+   sync / async per seed, and the median ratio over the seeds with its 90% interval (a bootstrap of the seeds).
    Time counts from the launch of the process, minus the time the trainer spent evaluating (the
    baseline evaluates inside the trainer, TBA in searcher 0) and checkpointing; it is also given
    from the start of the first training step (start-up, mostly importing vLLM and starting its
@@ -1325,7 +1325,8 @@ def main(argv=None):
             run_out = os.path.join(out, f"seed{seed}-searchers{searchers}")
             own = [*flags] if searchers else ["--lag", "0", *without_streaming(flags)]
             runs.append(run_until_target(searchers, seed, args.cap, run_out,
-                                         ["--eval-every", "2" if args.quick else "10", *own], args.full or trl_py is not None))
+                                         ["--eval-every", "2" if args.quick else "10", *own],
+                                         args.full or trl_py is not None))
     result["time_to_target"] = runs
     if trl_py:
         result["trl"] = trl_part(args.seeds, trl_py, trl_note, args.cap, out, cfg, args.quick)
@@ -1403,8 +1404,8 @@ def table(r: dict) -> str:
                      f"{str(s['step']) + '/' + str(a['step']):<16} | "
                      f"{s['seconds_per_step'] or 0:.3f}/{a['seconds_per_step'] or 0:.3f}")
     if r["time_to_target"]:  # the seeds' ratios: their median and its bootstrap interval
-        by = {n: [next(x for x in r["time_to_target"] if x["seed"] == s and x["searchers"] == n) for s in r["seeds"]]
-              for n in (0, 1)}
+        by = {n: [next(x for x in r["time_to_target"] if x["seed"] == s and x["searchers"] == n)
+                  for s in r["seeds"]] for n in (0, 1)}
         train = lambda x: x["seconds"] - x["first_step_seconds"] if x["reached"] else None
         said = []
         for what, of in (("from launch", lambda x: x["seconds"]), ("from the first step", train)):
