@@ -221,8 +221,8 @@ def test_an_edited_task_gets_a_new_warm_start(tmp_path, monkeypatch, capsys):
         now = tiny.cached("sums")
         assert now != latest and tiny.damage(now) == ""
         assert capsys.readouterr().out.splitlines()[0] == (f"{what} changed since {latest} was built: warm-starting a "
-                                                           f"new tiny model into {now} (minutes: a line every few seconds, with the time left "
-                                                           f"at most) ...")
+                                                           f"new tiny model into {now} (minutes: a line every few "
+                                                           f"seconds, with the time left at most) ...")
         latest = now
 
 
@@ -268,6 +268,6 @@ def test_without_the_shipped_model_the_tiny_model_is_built_saying_why(tmp_path, 
     monkeypatch.setenv("TBA_CACHE", str(tmp_path / "other"))
     path = tiny.cached()
     assert capsys.readouterr().out.splitlines()[0] == (f"the shipped tiny model {shipped} is incomplete (no "
-                                                       f"config.json): building the tiny model into {path} (a line "
-                                                       f"every few seconds) ...")
+                                                       f"config.json): building the tiny model into {path} (minutes: "
+                                                       f"a line every few seconds, with the time left at most) ...")
 
