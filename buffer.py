@@ -27,8 +27,9 @@ Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
   are kept apart (`rounds`) and make step n's batch alone (`sample_round`), each trajectory once;
   each group is one round's, scored under one pi_ref, so a TBA′ reset drops none of them. Rounds of a step
   already trained are dropped on arrival; a checkpoint keeps none of the steps to come (they are made again).
-- Checkpoints: `state` / `from_state` as plain NumPy arrays, the settings by name (no pickle, no code).
-  A trajectory's arrays come from its dataclass's fields (`to_arrays`), as on the wire between nodes.
+- Checkpoints: `state` / `from_state` as plain NumPy arrays, the settings by name (no pickle, no code), any
+  other attribute (a researcher's) as plain data (`plain`) or named as left out. A trajectory's arrays come
+  from its dataclass's fields (`to_arrays`), as on the wire between nodes.
 - `ReuseCap` (--max-reuse R): the trainer learns only as fast as data arrives. It draws at most R
   times the trajectories the buffer has kept, counted over the run, so scarce data is not replayed
   without bound (the authors' trainer gets the same bound by waiting at each sync for every
@@ -124,6 +125,9 @@ class ReplayBuffer:
     # (`from_config`), and saved and rebuilt by name (`settings`, `from_state`)
     FLAGS = {"capacity": "buffer_capacity", "recency": "recency", "reward_inv_temp": "reward_inv_temp",
              "duplicates": "duplicates"}
+    # the attributes `state` writes itself; any other it saves as plain data (`plain`), or names as left out
+    SAVED = {"groups", "copies", "last_window", "prompts", "size", "window", "pi_ref_version", "next_round",
+             "rounds"}
 
     def __init__(self, capacity: int, recency: float, reward_inv_temp: float, duplicates: str = "count"):
         self.capacity, self.recency, self.reward_inv_temp = capacity, recency, reward_inv_temp
@@ -232,10 +236,9 @@ class ReplayBuffer:
             if recent:   # data of the newest windows (on-policy up to the sync period and a round), uniformly
                 pool_t = [t for t, w in self.groups[prompt].values() if w >= cutoff]
                 weights = np.ones(len(pool_t))
-            else:        # the whole group, by softmax(reward x inverse temperature)
+            else:        # the whole group, by `weights`
                 pool_t = self.whole(prompt)
-                logits = self.reward_inv_temp * np.array([t.reward for t in pool_t])
-                weights = np.exp(logits - logits.max())
+                weights = self.weights(pool_t)
             if self.duplicates == "count":  # each distinct response as often as the searchers sent it (since cutoff)
                 copies = self.multiplicity(prompt, cutoff if recent else -1)
                 batch.append([pool_t[i] for i in draw(np.array([copies.get(t.response.tobytes(), 1) for t in pool_t]),
@@ -245,6 +248,12 @@ class ReplayBuffer:
                 idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=p)
                 batch.append([pool_t[i] for i in idx])
         return batch
+
+    def weights(self, pool: list[Trajectory]) -> np.ndarray:
+        """The whole-buffer draws' weight of each of a prompt's responses: softmax(reward x inverse
+        temperature)."""
+        logits = self.reward_inv_temp * np.array([t.reward for t in pool])
+        return np.exp(logits - logits.max())
 
     # --- the knobs, checkpoints: plain arrays -----------------------------------------------------------
     @classmethod
@@ -272,7 +281,22 @@ class ReplayBuffer:
                     last_window=np.array([list(self.last_window), list(self.last_window.values())],
                                          np.int64).reshape(2, -1),
                     settings=np.array(json.dumps(dict(self.settings(), kind=type(self).__name__, window=self.window,
-                                                      pi_ref_version=self.pi_ref_version, next_round=self.next_round))))
+                                                      pi_ref_version=self.pi_ref_version,
+                                                      next_round=self.next_round))), **self.more())
+
+    def more(self) -> dict:
+        """Every other attribute (a researcher's, say each response's draws) as plain data, a JSON text
+        (`more`), and those that are not plain data by name (`dropped`: a save says so, a resume starts them
+        afresh)."""
+        more, dropped = {}, []
+        for name, value in vars(self).items():
+            if name in self.SAVED or name in self.settings():
+                continue
+            try:
+                more[name] = plain(value)
+            except TypeError as e:
+                dropped.append(f"{name} ({e})")
+        return dict(more=np.array(json.dumps(more)), dropped=np.array(json.dumps(dropped)))
 
     @classmethod
     def from_state(cls, s: dict) -> "ReplayBuffer":
@@ -292,7 +316,36 @@ class ReplayBuffer:
         buf.last_window = dict(zip(*s["last_window"].tolist()))
         buf.window, buf.pi_ref_version, buf.next_round = window, version, next_round
         buf.size = len(s["window"])
+        for name, value in json.loads(str(s.get("more", "{}"))).items():
+            setattr(buf, name, unplain(value))
         return buf
+
+
+def plain(x):
+    """`x` as JSON that `unplain` reads back the same: numbers, strings, None, bytes, NumPy arrays, and lists,
+    tuples and dicts (any such keys) of them; TypeError naming what is not."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, (bytes, np.ndarray)):
+        return {"bytes": x.hex()} if isinstance(x, bytes) else {
+            "array": x.ravel().tolist(), "dtype": str(x.dtype), "shape": list(x.shape)}
+    if isinstance(x, (list, tuple)):
+        return {type(x).__name__: [plain(v) for v in x]}
+    if isinstance(x, dict):  # an OrderedDict too (read back as a dict: its order stays)
+        return {"dict": [[plain(k), plain(v)] for k, v in x.items()]}
+    raise TypeError(f"a {type(x).__name__}, not plain data")
+
+
+def unplain(x):
+    if not isinstance(x, dict):
+        return x
+    kind, value = next(iter(x.items()))
+    return {"bytes": bytes.fromhex, "list": lambda v: [unplain(i) for i in v],
+            "tuple": lambda v: tuple(unplain(i) for i in v),
+            "dict": lambda v: {unplain(k): unplain(i) for k, i in v},
+            "array": lambda v: np.array(v, x.get("dtype")).reshape(x.get("shape"))}[kind](value)
 
 
 def loss_inputs(part, device, per_token: bool, prompts) -> dict:

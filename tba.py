@@ -153,7 +153,7 @@ class Trainer:
         torch.set_num_threads(cfg.threads)  # before vLLM starts: it pins the thread count after
         # the step whose weights the searchers were last sent (a checkpoint's: they may hold older ones)
         self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
-        self.unsaved_said = False  # a checkpoint that could not be written mid-run was said (once)
+        self.unsaved_said = self.dropped_said = False  # said once: a checkpoint unwritten, the buffer's drops
         self.backward = gradient(cfg)  # the gradient's path, chosen once
         costs = slowdown.read_calibration(cfg.calibration) if cfg.calibration else {}  # --train-slowdown's clock
         self.clock = slowdown.TrainClock(cfg.train_slowdown, costs.get("train_step"), cfg.timeout,

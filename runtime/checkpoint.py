@@ -72,10 +72,12 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
         with open(os.path.join(folder, "trainer.pt"), "wb") as f:  # our file: a failed write's OSError is kept
             torch.save(dict(optimizer=osd, step=step, torch_rng=torch.get_rng_state(), **counters,
                             weights=weights, **fleet.saved(step)), f)
-        np.savez(os.path.join(folder, "buffer.npz"), **t.buffer.state())
+        buffer = t.buffer.state()
+        np.savez(os.path.join(folder, "buffer.npz"), **buffer)
+        dropped.extend(json.loads(str(buffer["dropped"])))
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=1)
-    failed = None
+    failed, dropped = None, []
     try:
         if t.rank == 0:
             atomic_checkpoint(cfg.out, step, write)
@@ -89,6 +91,10 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
         t.log.print(f"tba.py: warning: {failed}; training goes on (a later checkpoint that fails is not said again)",
                     file=sys.stderr)
         t.unsaved_said = True
+    if dropped and not t.dropped_said:  # a researcher's buffer attribute that is no plain data (buffer.plain)
+        t.log.print(f"tba.py: warning: the checkpoint's buffer leaves out {', '.join(dropped)}: a resume "
+                    f"starts it afresh (said once)", file=sys.stderr)
+        t.dropped_said = True
     return failed or True
 
 

@@ -14,6 +14,7 @@ Config is frozen, so nothing writes to it after the checks.
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import time
@@ -24,13 +25,13 @@ import torch
 
 import tasks
 from buffer import FIELDS, SCALARS
-from loss import LOSSES, loss_options, reads, tb_loss
+from loss import LOSSES, loss_options, reads
 from runtime import lora, nodes, ranks, vllm_env
-from runtime.config import Config
 from runtime.checkpoint import check_model, check_resumed_flags, load_checkpoint, read_config, resumed_flags
+from runtime.config import Config
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
-from runtime.log import check_out
+from runtime.log import Log, check_out
 from rewards import check_reward_model
 from tasks.task import Data
 
@@ -118,9 +119,9 @@ def check(cfg, world: int):
     saved = read_config(cfg.resume, needed=False) if cfg.resume else None
     if saved is not None:
         cfg = resumed(cfg, saved)
-        was = saved.get("task", cfg.task)  # said before this task's model is built (minutes)
-        need(was == cfg.task, "resume", f"--task {cfg.task} (was {was}) cannot change mid-run (the "
-             f"checkpoint's buffer holds the other task's data)")
+        was = saved.get("task", cfg.task)  # before its data and model (--model tiny is each task's own)
+        need(was == cfg.task, "resume", f"--task {cfg.task} (was {was}) cannot change mid-run (the checkpoint's buffer "
+             f"holds {was}'s problems, searched and scored by its reward)")
     cfg, filled = task_defaults(cfg)
     try:
         return check_flags(cfg, world)
@@ -269,19 +270,22 @@ def check_flags(cfg, world: int):
              f"checkpoint's run searched (edited since?): its buffer's prompt ids would index other prompts")
         buffer = task.buffer(cfg, data.prompts)  # its kind, which the checkpoint's buffer must be
         try:
-            ckpt["buffer"] = type(buffer).from_state(ckpt["buffer"])
+            dropped, ckpt["buffer"] = ckpt["buffer"].get("dropped", "[]"), type(buffer).from_state(ckpt["buffer"])
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"--resume: {cfg.resume} does not parse as a checkpoint (buffer.npz: {e})") from None
+        if json.loads(str(dropped)) and int(os.environ.get("RANK", "0")) == 0:  # said at its save too
+            print(f"tba.py: note: {cfg.resume}'s buffer left out {', '.join(json.loads(str(dropped)))}: they start "
+                  f"afresh (each as the buffer makes it)", flush=True)
     return cfg, data, ckpt
 
 
 def resumed(cfg, saved: dict):
     """--resume: the flags not given are the checkpoint's (runtime.checkpoint.resumed_flags), but for one that cannot
-    act beside the flags given now (ACTS_ONLY: a streaming run's --max-reuse, resumed with --lag), which is left to its
+    act beside the flags given now (acts_only: a streaming run's --max-reuse, resumed with --lag), which is left to its
     default: refused, it would be a flag the command line never gave."""
     out = resumed_flags(cfg, saved)
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    inert = {flag: defaults[flag] for flag, acts, _ in ACTS_ONLY if not given(cfg, flag) and not acts(out)}
+    inert = {flag: defaults[flag] for flag, acts, _ in acts_only() if not given(cfg, flag) and not acts(out)}
     return dataclasses.replace(out, **inert, given=tuple(n for n in out.given if n not in inert))
 
 
@@ -301,6 +305,8 @@ def loss_pools(cfg) -> bool:
     loss, declared = LOSSES[cfg.loss], getattr(LOSSES[cfg.loss], "pools", None)
     try:
         found = probe_pools(loss, loss_options(cfg, cfg.beta, 1.0, cfg.reward_temp))  # gamma_at, reward_temp_at at 0
+    except ConfigError as e:  # a statistic named like a row field
+        raise ConfigError(f"--loss: {cfg.loss}'s {e}") from None
     except Exception as e:
         raise ConfigError(f"--loss: {cfg.loss} fails on the start-up check's batch ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); see docs/experiments.md for what a loss "
@@ -340,8 +346,12 @@ def probe_pools(loss, options: dict, K: int = 3, T: int = 5) -> bool:
 
     def run(rows):  # the loss on prompts `rows`, x their number
         y = leaf[rows]
-        value = loss(logp=y.sum(-1) if per_token else y, **({"token_logp": y} if per_token else {}),
-                     **{k: v[rows] for k, v in x.items()}, **options)[0]
+        value, stats = loss(logp=y.sum(-1) if per_token else y, **({"token_logp": y} if per_token else {}),
+                            **{k: v[rows] for k, v in x.items()}, **options)
+        taken = [k for k in stats if k in ("loss", "prompts", *Log.FIELDS)]
+        if taken:
+            raise ConfigError(f"statistic {', '.join(taken)} is named like a field the train rows hold already, "
+                              f"whose value it would replace: rename it")
         return value * len(rows)
     whole = run(list(range(B)))
     if not torch.isfinite(whole):
@@ -422,43 +432,27 @@ def flags_of(loss: str) -> tuple:
     return flags if isinstance(flags, tuple) and all(f in fields for f in flags) else ()
 
 
-# Flags that act only where other flags let them: (flag, where it acts, why it would not). One given another value
-# than its default where it cannot act would change nothing: refused in one line (check_unused).
-STREAMING = "streaming: with --lag every batch is its step's rounds, each trajectory used once"
-ACTS_ONLY = (
-    ("recency", lambda c: c.lag is None, STREAMING),
-    ("reward_inv_temp", lambda c: c.lag is None, STREAMING),
-    ("max_staleness", lambda c: c.lag is None, STREAMING),
-    ("buffer_capacity", lambda c: c.lag is None, STREAMING),
-    ("duplicates", lambda c: c.lag is None, STREAMING),
-    ("max_reuse", lambda c: c.lag is None and c.searchers > 0, "the streaming trainer's replay of what searchers "
-     "sent: with --lag every batch is its step's rounds, with --searchers 0 every step searches its own data"),
-    ("behaviour_logprobs", lambda c: c.lag is not None and "behaviour_logps" in reads(LOSSES.get(c.loss, tb_loss)),
-     "--lag, for a loss that reads per-token behaviour log-probs (--loss drgrpo, tbprime): the weights that sampled "
-     "a batch are then one step's"),
-    ("evaluator", lambda c: c.searchers > 0, "a run with searchers (with --searchers 0 the trainer evaluates)"),
-    ("calibration", lambda c: c.generation_slowdown != 1 or c.train_slowdown != 1, "the emulated device time "
-     "(--generation-slowdown or --train-slowdown above 1)"),
-    ("decode_cost", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above 1)"),
-    ("decode_shape", lambda c: c.decode_cost == "gpu", "GPU-shaped emulated decoding (--decode-cost gpu)"),
-    ("response_lengths", lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above "
-     "1)"),
-    ("reward_temp_anneal_steps", lambda c: "reward_temp" in flags_of(c.loss), "a --loss reading --reward-temp"
-     ),
-    ("gamma_anneal_steps", lambda c: "gamma_final" in flags_of(c.loss), "a --loss reading --gamma-final"),
-) + tuple(  # a loss's own knobs (`arg(..., loss=True)`): refused with a loss whose `flags` do not name them
-    (f.name, lambda c, flag=f.name: flag in flags_of(c.loss),  # (a loss may also read a general field)
-     "--loss " + " or ".join(name for name in LOSSES if f.name in flags_of(name)))
-    for f in dataclasses.fields(Config) if f.metadata.get("loss"))
+def acts_only() -> list:
+    """(flag, where it acts, its words) of each flag that acts only in some runs: its field's `acts`
+    (runtime/config.py); a loss's own knob (`arg(..., loss=True)`), refused with a loss whose `flags` do not name it
+    (a loss may also read a general field); an anneal of T_R or gamma with a loss that reads neither. One given
+    another value than its default where it cannot act would change nothing: refused in one line (check_unused)."""
+    declared = [(f.name, *f.metadata["acts"]) for f in dataclasses.fields(Config) if "acts" in f.metadata]
+    return declared + [
+        ("reward_temp_anneal_steps", lambda c: "reward_temp" in flags_of(c.loss), "a --loss reading --reward-temp"),
+        ("gamma_anneal_steps", lambda c: "gamma_final" in flags_of(c.loss), "a --loss reading --gamma-final")] + [
+        (f.name, lambda c, flag=f.name: flag in flags_of(c.loss),
+         "--loss " + " or ".join(name for name in LOSSES if f.name in flags_of(name)))
+        for f in dataclasses.fields(Config) if f.metadata.get("loss")]
 
 
 def check_unused(cfg, given=None):
     """Flags that would change nothing, or make another flag change nothing, refused in one line: one given where it
-    cannot act (ACTS_ONLY: `given`'s values, before the defaults that depend on other flags, against `cfg`'s
+    cannot act (acts_only: `given`'s values, before the defaults that depend on other flags, against `cfg`'s
     settings), a schedule's length without the value it goes to, a schedule's end without its length, LoRA's alpha
     without LoRA."""
     defaults, given = {f.name: f.default for f in dataclasses.fields(cfg)}, given or cfg
-    for flag, acts, where in ACTS_ONLY:
+    for flag, acts, where in acts_only():
         need(getattr(given, flag) == defaults[flag] or acts(cfg), flag.replace("_", "-"),
              f"acts only in {where}; here it would change nothing")
     final = cfg.beta if cfg.beta_final is None else cfg.beta_final  # None: --beta (check fills it in)

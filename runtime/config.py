@@ -15,10 +15,32 @@ from typing import ClassVar
 def arg(default, help: str, **more):
     """A flag: its default and one-line help (`--help`). `choices`: the only values it takes (anything else is
     refused in one line, runtime.checks); `loss=True`: a loss's own knob, refused with a loss whose `flags` do
-    not name it (runtime.checks.ACTS_ONLY); `fixed=True`: it changes what the data already searched means (its
+    not name it (runtime.checks.acts_only); `fixed=True`: it changes what the data already searched means (its
     rewards, pi_ref's log-probs, what the buffer keeps), so a --resume that changes it is refused
-    (runtime.checkpoint.fixed_on_resume)."""
+    (runtime.checkpoint.fixed_on_resume); `acts=MODE`: the only runs where it acts (the modes below), so that
+    given another value than its default in any other run it is refused in one line (runtime.checks)."""
     return field(default=default, metadata={"help": help, **more})
+
+
+def loss_reads(c, field: str) -> bool:  # whether the run's --loss reads a trajectory field (loss.py)
+    from loss import LOSSES, reads, tb_loss
+    return field in reads(LOSSES.get(c.loss, tb_loss))
+
+
+# Where a flag acts (`arg(..., acts=...)`): a test of the run's Config, and the words of its refusal.
+STREAMING = (lambda c: c.lag is None, "streaming: with --lag every batch is its step's rounds, each "
+             "trajectory used once")
+REPLAY = (lambda c: c.lag is None and c.searchers > 0, "the streaming trainer's replay of what searchers "
+          "sent: with --lag every batch is its step's rounds, with --searchers 0 every step searches its own "
+          "data")
+LAG_PER_TOKEN = (lambda c: c.lag is not None and loss_reads(c, "behaviour_logps"), "--lag, for a loss that "
+                 "reads per-token behaviour log-probs (--loss drgrpo, tbprime): the weights that sampled a "
+                 "batch are then one step's")
+SEARCHERS = (lambda c: c.searchers > 0, "a run with searchers (with --searchers 0 the trainer evaluates)")
+EMULATED = (lambda c: c.generation_slowdown != 1 or c.train_slowdown != 1, "the emulated device time "
+            "(--generation-slowdown or --train-slowdown above 1)")
+DECODING = (lambda c: c.generation_slowdown != 1, "the emulated decoding (--generation-slowdown above 1)")
+GPU_DECODING = (lambda c: c.decode_cost == "gpu", "GPU-shaped emulated decoding (--decode-cost gpu)")
 
 
 def derived(default):  # filled in by runtime.checks.check and saved with the run; not a flag
@@ -42,15 +64,19 @@ class Config:
     samples_per_prompt: int = arg(8, "K: responses per prompt in a training batch (log Z is their mean)")
     search_samples_per_prompt: int | None = arg(None, "responses a searcher draws per prompt (>= K; default: K)")
     sync_every: int = arg(1, "k: trainer steps between weight syncs to the searchers")
-    recency: float = arg(0.95, "m: probability that a batch prompt comes from the data added since the last sync")
-    reward_inv_temp: float = arg(0.0, "inverse temperature of the reward softmax of whole-buffer draws; 0 = uniform")
-    buffer_capacity: int = arg(100, "distinct responses kept per prompt", fixed=True)
+    recency: float = arg(0.95, "m: probability that a batch prompt comes from the data added since the last sync",
+                         acts=STREAMING)
+    reward_inv_temp: float = arg(0.0, "inverse temperature of the reward softmax of whole-buffer draws; 0 = uniform",
+                                 acts=STREAMING)
+    buffer_capacity: int = arg(100, "distinct responses kept per prompt", fixed=True, acts=STREAMING)
     duplicates: str = arg("count", "a batch draws each distinct response as often as the searchers sent it (count) "
-                                   "| once (collapse: the authors' buffer)", choices=("count", "collapse"))
+                                   "| once (collapse: the authors' buffer)", choices=("count", "collapse"),
+                         acts=STREAMING)
     initial_buffer: int = arg(0, "trajectories that must have arrived before the first training step")
     max_reuse: float | None = arg(None, "R: draws for training at most R times the trajectories kept, over the run; "
-                                        "0 = no cap; default: 1 with searchers, 0 without")
-    max_staleness: int = arg(100, "S: wait while the newest data was sampled more than S steps ago; 0 = never")
+                                        "0 = no cap; default: 1 with searchers, 0 without", acts=REPLAY)
+    max_staleness: int = arg(100, "S: wait while the newest data was sampled more than S steps ago; 0 = never",
+                             acts=STREAMING)
     beta: float = arg(0.05, "KL coefficient: the target is pi_ref * exp(reward / beta)")
     beta_final: float | None = arg(None, "beta at the end of its anneal, or from --beta-stop-step (default: --beta, "
                                          "no anneal)")
@@ -70,7 +96,8 @@ class Config:
                     loss=True)
     behaviour_logprobs: str = arg("vllm", "--lag: the importance ratio's behaviour log-probs are vLLM's, of the tokens "
                                           "as sampled (vllm) | recomputed by the trainer with the weights of step n - L "
-                                          "(trainer: the authors')", choices=("vllm", "trainer"))
+                                          "(trainer: the authors')", choices=("vllm", "trainer"),
+                                  acts=LAG_PER_TOKEN)
     lag: int | None = arg(None, "L: every batch of step n is sampled by the weights of step n - L exactly (0: "
                                 "synchronous, the searchers waiting for each step's weights); default: stream")
     lr: float = arg(5e-5, "peak learning rate (AdamW)")
@@ -158,18 +185,22 @@ class Config:
     evaluator: str = arg("searcher", "experiment knob: searcher 0 evaluates between its rounds (searcher) | the trainer "
                                      "keeps each evaluation's weights on the host and evaluates them after the last "
                                      "step, each row at the time its weights were made (after: a comparison of "
-                                     "asynchrony that no evaluation may disturb)", choices=("searcher", "after"))
+                                     "asynchrony that no evaluation may disturb)", choices=("searcher", "after"),
+                         acts=SEARCHERS)
     calibration: str | None = arg(None, "experiment knob: a JSON file of the emulated costs alone (seconds_per_token, "
-                                        "train_step: tools/bench.py measures them), instead of each run's own")
+                                        "train_step: tools/bench.py measures them), instead of each run's own",
+                                acts=EMULATED)
     decode_cost: str = arg("linear", "experiment knob, with --generation-slowdown: a decoding step costs each running "
                                      "sequence's share (linear) | a fixed part and a small part a sequence, as on a "
-                                     "GPU (gpu)", choices=("linear", "gpu"))
+                                     "GPU (gpu)", choices=("linear", "gpu"), acts=DECODING)
     decode_shape: str = arg("rho-math-1b", "experiment knob, with --decode-cost gpu: whose decoding step it is shaped "
                                            "as (a fixed part, and a part a sequence from its KV cache's bytes a token "
-                                           "over its weights')", choices=("rho-math-1b", "qwen2.5-7b", "llama-2-7b"))
+                                           "over its weights')", choices=("rho-math-1b", "qwen2.5-7b", "llama-2-7b"),
+                             acts=GPU_DECODING)
     response_lengths: str = arg("real", "experiment knob, with --generation-slowdown: a response's emulated decoding "
                                         "steps are its own (real) | its own times a draw from the long tail of a real "
-                                        "model's GSM8K answers (gsm8k)", choices=("real", "gsm8k"))
+                                        "model's GSM8K answers (gsm8k)", choices=("real", "gsm8k"),
+                                 acts=DECODING)
     # ===== derived by runtime.checks.check, saved with the run; not flags ==============================
     device: str = derived("")                         # cuda | cpu
     threads: int = derived(0)                         # CPU threads per process

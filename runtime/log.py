@@ -111,6 +111,14 @@ class Log:
         mean = lambda parts: {part: seconds / self.rounds for part, seconds in parts.items()}
         return dict(mean(self.parts), **({"uncharged": mean(self.uncharged)} if self.emulated else {}))
 
+    # the train row's own fields, which a loss's statistic may not be named (runtime.checks.probe_pools
+    # refuses it, and the sums' `loss` and `prompts`, tba.add_sums); tests/test_e2e checks a run's rows by it
+    FIELDS = ("kind step time resumed reward truncated staleness staleness_max lr beta gamma reward_temp "
+              "batch_reference wait sync search seconds behaviour_gap trained published rounds samples "
+              "tokens response_length reuse verified generate slept charged buffer reference overhead "
+              "uncharged samples_per_node version_per_node train_slept train_charged over_budget "
+              "over_trainer over_searchers uncharged_trainer uncharged_searchers").split()
+
     def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, clock, **fields):
         """The row of training step `step` (rank 0; its fields: docs/output.md): the loss's statistics (means
         over prompts), the batch's reward and staleness, `fields` (the schedules, the step's seconds) and the

@@ -494,6 +494,7 @@ class BestBuffer(ReplayBuffer):
     edit distance leaves EOS out, ours counts it as a token."""
 
     FLAGS = {**ReplayBuffer.FLAGS, "beta": "beta", "similarity": "dedup_similarity", "edit": "dedup_edit"}
+    SAVED = ReplayBuffer.SAVED | {"best", "best_size"}  # its state's `best_*` arrays
 
     def __init__(self, capacity: int, recency: float, reward_inv_temp: float, beta: float = 1.0,
                  similarity: float = 0.0, edit: float = 0.0, group_of=None, **knobs):

@@ -40,6 +40,7 @@ def test_bench_quick(tiny_model, tmp_path):
         assert x["curve"][0][1] == 0 and all(0 <= acc <= 1 for _, _, acc in x["curve"])
     (async_run,) = [x for x in runs if x["searchers"] == 1]
     assert 0 < async_run["utilisation"] <= 1
+    assert json.load(open(out / "seed0-searchers0" / "config.json"))["lag"] == 0  # sync: on-policy
     tiny = r["sync_cost"]["tiny"]
     assert tiny["publish"] > 0 and tiny["reload"] > 0 and tiny["plain_copy"] > 0 and tiny["ratio"] > 0
     assert r["searcher_overhead"]["ratio"] > 0 and r["trainer_overhead"]["ratio"] > 0
@@ -671,3 +672,29 @@ def test_bad_arguments_are_refused_in_one_line_before_anything_runs(tmp_path):
     table.write_text(json.dumps({"rows": [dict({k: 1.0 for k in bench.PER_SEED}, G="fast")], "gain": 0.15}))
     with pytest.raises(bench.BadInput, match=r": a row's G is 'fast', not a number$"):
         bench.main(["--table", str(table)])
+
+
+def test_a_lag_run_leaves_out_the_flags_declared_streaming():
+    """without_streaming: the flags whose field says `acts=STREAMING` (runtime/config.py), each with its value, and
+    no other (--max-reuse acts in the streaming trainer's replay, a mode of its own)."""
+    import bench
+    flags = ["--recency", "1", "--lr", "2e-5", "--duplicates", "collapse", "--max-reuse", "3", "--buffer-capacity", "9"]
+    assert bench.without_streaming(flags) == ["--lr", "2e-5", "--max-reuse", "3"]
+
+
+def test_part_1_gives_each_ratio_with_its_interval():
+    """Part 1's table: sync is --searchers 0 --lag 0 (on-policy), and beside each seed's ratio the median over the
+    seeds with its bootstrap interval (plot.interval), from launch and from the first step; a seed whose sync run
+    never reached the target has no ratio, one whose async run never did counts as 0."""
+    import bench
+    run = lambda seed, n, s: dict(seed=seed, searchers=n, reached=s is not None, seconds=s, first_step_seconds=5.0,
+                                  step=20, seconds_per_step=0.5, utilisation=0.9 if n else None)
+    r = dict(machine=dict(cpu="x", cores=2, threads_per_process=1, torch="t"), flags=[], seeds=[0, 1, 2, 3], cap=600,
+             time_to_target=[run(0, 0, 40), run(0, 1, 20), run(1, 0, 30), run(1, 1, 25), run(2, 0, 50), run(2, 1, 20),
+                             run(3, 0, None), run(3, 1, 20)])
+    lines = bench.table(r).splitlines()
+    assert any("sync: --searchers 0 --lag 0 (one process, on-policy)" in line for line in lines)
+    assert ("   sync / async, the median over 4 seed(s) with its 90% interval: from launch 2.00 [1.20, 2.50]; from "
+            "the first step 2.33 [1.25, 3.00]") in lines
+    r.update(seeds=[0], time_to_target=r["time_to_target"][:2])
+    assert "from launch 2.00 (no interval below 2 seeds)" in bench.table(r)

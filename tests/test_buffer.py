@@ -1,6 +1,8 @@
 """The replay buffer: one test per rule, and seeded statistical tests of its sampling frequencies."""
 
+import json
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -263,6 +265,7 @@ def test_best_buffer_checkpoint_round_trip():
         buf.mark_sync()
     s = buf.state()
     assert all(isinstance(v, np.ndarray) and v.dtype != object for v in s.values())
+    assert str(s["dropped"]) == "[]" and str(s["more"]) == "{}"  # every attribute is written by its own state()
     back = BestBuffer.from_state(s)
     for name in ("capacity", "recency", "reward_inv_temp", "beta", "similarity", "edit", "group_of", "window",
                  "last_window", "prompts", "size", "best_size", "pi_ref_version"):
@@ -280,6 +283,42 @@ def test_best_buffer_checkpoint_round_trip():
     plain = ReplayBuffer(4, 0.5, 0.0)
     plain.add([scored(1, [1, 2], 0.5)])
     assert [t.response.tolist() for t, _ in ReplayBuffer.from_state(plain.state()).groups[1].values()] == [[1, 2]]
+
+
+class Counted(ReplayBuffer):
+    """A researcher's change: each response's draws for training so far, kept in an attribute of the buffer."""
+    def __init__(self, *args, **knobs):
+        super().__init__(*args, **knobs)
+        self.draws: dict[tuple, int] = {}  # (prompt id, response bytes) -> draws
+        self.seen = np.zeros((0, 2), np.int64)
+        self.lock = threading.Lock()  # no plain data
+
+    def sample(self, B, K, rng):
+        batch = super().sample(B, K, rng)
+        for t in (t for g in batch for t in g):
+            self.draws[t.prompt_id, t.response.tobytes()] = self.draws.get((t.prompt_id, t.response.tobytes()), 0) + 1
+        self.seen = np.concatenate([self.seen, [[len(self.draws), B]]])
+        return batch
+
+
+def test_a_researchers_buffer_attribute_survives_a_checkpoint(tmp_path):
+    """Every attribute of the buffer that its state() does not write itself is saved as plain data (no pickle) and
+    read back as it was, a draw count per response among them; one that is no plain data is named as dropped
+    (the save and the resume say so in one line) and starts afresh."""
+    buf = Counted(capacity=4, recency=0.5, reward_inv_temp=0.0)
+    rng = np.random.default_rng(0)
+    buf.add([traj(p, rng.integers(0, 5, 3).tolist()) for p in range(5) for _ in range(4)])
+    for _ in range(3):
+        buf.sample(3, 4, rng)
+    np.savez(tmp_path / "buffer.npz", **buf.state())
+    with np.load(tmp_path / "buffer.npz", allow_pickle=False) as f:
+        s = dict(f)
+    back = Counted.from_state(s)
+    assert back.draws == buf.draws and sum(back.draws.values()) == 3 * 3 * 4
+    assert back.seen.dtype == np.int64 and np.array_equal(back.seen, buf.seen) and back.lock is not buf.lock
+    assert json.loads(str(s["dropped"])) == ["lock (a lock, not plain data)"]
+    draw = lambda b: [[t.response.tolist() for t in g] for g in b.sample(3, 2, np.random.default_rng(9))]
+    assert draw(back) == draw(buf) and back.draws == buf.draws
 
 
 def test_edit_distances_match_a_plain_levenshtein():

@@ -482,6 +482,19 @@ def test_resume_messages_say_what_is_there(tmp_path):
         load_checkpoint(str(tmp_path / "runs"))
 
 
+def test_a_resume_that_changes_the_task_says_so(tmp_path):
+    """--task on a resume is named before anything of the new task is resolved: with --model tiny its model is the
+    task's own (built on first use), whose weights, checked first, were refused as another --model's."""
+    import dataclasses
+    import json
+    (tmp_path / "ckpt").mkdir()
+    json.dump(dataclasses.asdict(Config(given=("steps",))), open(tmp_path / "ckpt" / "config.json", "w"))
+    cfg = checks.parse(Config, ["--task", "countdown", "--resume", str(tmp_path / "ckpt")])
+    with pytest.raises(ConfigError, match=r"^--resume: --task countdown \(was arith\) cannot change mid-run \(the "
+                                          r"checkpoint's buffer holds arith's problems"):
+        checks.check(cfg, 1)
+
+
 def test_resume_compares_models_by_their_folders(tmp_path):
     """A run of --model tiny resumed with --model set to the folder tiny resolved to (config.json's model_path) is
     the same model, not a change of model; another folder is refused."""

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import DATA, SMALL, TLDR, metrics, run_tba, shared_run
 from rewards import gsm8k_reward
+from runtime.log import Log
 
 TRAIN_FIELDS = {"kind": str, "step": int, "time": float, "loss": float, "reward": float,
                 "beta": float, "lr": float, "staleness": float, "staleness_max": int, "wait": float,
@@ -26,6 +27,7 @@ def check_rows(rows, steps, batch=4 * 4, loss="tb"):
             assert isinstance(r[k], t) or (t is float and isinstance(r[k], int)), (k, r)
         assert np.isfinite(r["loss"]) and 0 <= r["reward"] <= 1 and r["wait"] >= 0
         assert 0 <= r["staleness"] <= r["staleness_max"] <= r["step"] - 1
+        assert not set(r) - {"loss", *LOSS_FIELDS[loss], *Log.FIELDS}, set(r) - set(Log.FIELDS)  # its one list
     assert train[-1]["samples"] >= batch  # at least one batch of B x K arrived
     for r in evals:
         for k, t in EVAL_FIELDS.items():

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, SMALL, env
@@ -129,6 +130,49 @@ def test_a_losss_flag_reaches_every_call_of_the_loss(repo, tiny_model):
     assert got["refused"] == "--overlong-weight: acts only in --loss tb_overlong; here it would change nothing"
 
 
+FRESH = """import io, json, sys
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import tasks
+from buffer import Trajectory
+from runtime import checks
+from runtime.config import Config
+from runtime.errors import ConfigError
+cfg = Config(task="arith_fresh", fresh_weight=1.0, recency=0.0, buffer_capacity=8)
+buf = tasks.get("arith_fresh").buffer(cfg, None)
+rng = np.random.default_rng(0)
+buf.add([Trajectory(p, np.array([10 + i], np.int32), 1.0, -1.0, -1.0, 0) for p in range(4) for i in range(4)])
+for _ in range(50):
+    buf.sample(2, 2, rng)
+f = io.BytesIO()
+np.savez(f, **buf.state())
+f.seek(0)
+back = type(buf).from_state(dict(np.load(f, allow_pickle=False)))
+counts = [[buf.draws.get((p, np.array([10 + i], np.int32).tobytes()), 0) for i in range(4)] for p in range(4)]
+try:
+    checks.check_unused(Config(task="arith_fresh", fresh_weight=1.0, lag=1))
+    refused = None
+except ConfigError as e:
+    refused = str(e)
+print(json.dumps(dict(same=back.draws == buf.draws, fresh=back.fresh, total=sum(buf.draws.values()), counts=counts,
+                      refused=refused)))
+"""
+
+
+def test_the_buffers_sampling_change_keeps_its_state_and_acts_where_it_says(repo):
+    """The page's buffer: its flag reaches it (from_config), each response's draws survive a save and a resume, with
+    the knob; the less drawn are drawn more (50 batches of 2 x 2 over 4 x 4 responses: each prompt's four drawn
+    about equally, never 4 to 1 as a uniform draw can be); with --lag its flag is refused in one line."""
+    p = subprocess.run([sys.executable, "-c", FRESH, repo], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=600, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    assert p.returncode == 0, p.stdout[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["same"] and got["fresh"] == 1.0 and got["total"] == 50 * 2 * 2
+    assert all(max(c) - min(c) <= 2 for c in got["counts"] if sum(c)), got["counts"]
+    assert got["refused"] == ("--fresh-weight: acts only in streaming: with --lag every batch is its step's rounds, "
+                              "each trajectory used once; here it would change nothing")
+
+
 def tba(repo, tmp_path, *args, timeout=600):
     p = subprocess.run([sys.executable, os.path.join(repo, "tba.py"), *args], cwd=tmp_path, env=env(tmp_path),
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
@@ -175,3 +219,12 @@ def test_the_pages_examples_run_as_it_says(repo, tiny_model, tmp_path):
     code, out = tba(repo, tmp_path, "--model", tiny_model, "--task", "arith_short", "--length-penalty", "0.1",
                     *SMALL, "--searchers", "0", "--steps", "4", "--resume", str(tmp_path / "arith_short" / "checkpoint"))
     assert code == 2 and "--length-penalty 0.1 (was 0.05) cannot change mid-run" in out, out[-2000:]
+    fresh = ["--model", tiny_model, "--task", "arith_fresh", "--fresh-weight", "1", "--recency", "0.5", *small,
+             "--eval-every", "0", "--out", str(tmp_path / "fresh")]
+    code, out = tba(repo, tmp_path, *fresh, "--save-every", "2")
+    assert code == 0, out[-3000:]
+    code, out = tba(repo, tmp_path, *fresh[:-2], "--steps", "4", "--resume", str(tmp_path / "fresh" / "checkpoint"))
+    assert code == 0 and "left out" not in out, out[-3000:]
+    with np.load(tmp_path / "fresh" / "checkpoint" / "buffer.npz", allow_pickle=False) as f:  # the resumed run's
+        more, dropped = json.loads(str(f["more"])), str(f["dropped"])  # at step 4
+    assert sum(n for _, n in more["draws"]["dict"]) == 4 * 4 * 4 and dropped == "[]"  # every draw, 4 x 4 a step

@@ -459,6 +459,21 @@ def test_a_loss_says_whether_it_pools_and_a_disagreement_is_one_line(losses, fn,
     assert (out == f"tba.py: --loss mine {line}\n") if line else out == "", out
 
 
+def test_a_statistic_named_like_a_row_field_is_refused_in_one_line(losses):
+    """A loss's statistic is logged in the train row under its name: one named like a field the row holds (the
+    loss itself, the batch's reward, the trainer's count of prompts) would replace it, and is refused at start-up."""
+    from runtime import checks
+    from runtime.config import Config
+    from runtime.errors import ConfigError
+    for name in ("loss", "reward", "prompts", "staleness"):
+        losses["mine"] = lambda logp, name=name, **_: (logp.pow(2).mean(), {name: logp.mean()})
+        with pytest.raises(ConfigError, match=rf"^--loss: mine's statistic {name} is named like a field the train "
+                                              rf"rows hold already, whose value it would replace: rename it$"):
+            checks.loss_pools(Config(loss="mine"))
+    losses["mine"] = lambda logp, **_: (logp.pow(2).mean(), {"mine_reward": logp.mean()})
+    assert checks.loss_pools(Config(loss="mine")) is False
+
+
 def test_a_loss_not_finite_on_the_probe_is_refused_in_one_line(losses):
     from runtime import checks
     from runtime.config import Config
@@ -472,7 +487,7 @@ def test_a_loss_not_finite_on_the_probe_is_refused_in_one_line(losses):
 def test_a_losss_own_flags_reach_it_and_are_refused_with_another_loss(losses):
     """Each loss's `flags`: their values reach every call (loss.loss_options), and one given another value than its
     default with a loss that does not name it is refused in one line, as a task's flag with another task
-    (runtime.checks.ACTS_ONLY's entries for them derive from LOSSES)."""
+    (runtime.checks.acts_only's entries for them derive from LOSSES)."""
     from loss import loss_options
     from runtime import checks
     from runtime.config import Config

@@ -96,7 +96,7 @@ def test_no_flag_takes_inf_or_nan(flag, value):
     (dict(calibration="costs.json"), "emulated device time"),  # a calibration without a slowdown
 ])
 def test_a_flag_that_would_change_nothing_is_refused(given, acts):
-    """One rule (checks.ACTS_ONLY): a flag given another value than its default where it cannot act."""
+    """One rule (its field's `acts`, checks.acts_only): a flag given another value than its default where it cannot act."""
     cfg = Config(**given)
     derived = cfg
     flag = next(k for k in given if k not in ("lag", "loss", "searchers"))

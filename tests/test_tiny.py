@@ -4,6 +4,7 @@ not whole is built again; a wait for another's build says so."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -48,6 +49,7 @@ def test_a_build_shows_progress_and_leaves_nothing_when_stopped(tmp_path, monkey
     out, err = capsys.readouterr()
     assert [line.rsplit(",", 1)[0] for line in out.splitlines()] == [
         f"  warm start: step {s} (at most 3), check accuracy 0.000 (stops at 0.35)" for s in (1, 2, 3)]
+    assert all(re.fullmatch(r"\d+ s \(at most \d+ s more\)", line.rsplit(", ", 1)[1]) for line in out.splitlines()), out
     assert err.count("Writing model shards: 100%") <= 1, err
     assert json.load(open(tmp_path / "built" / "tiny_recipe.json"))["sft_steps_taken"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["built"]
@@ -222,7 +224,8 @@ def test_an_edited_task_gets_a_new_warm_start(tmp_path, monkeypatch, capsys):
         now = tiny.cached("sums")
         assert now != latest and tiny.damage(now) == ""
         assert capsys.readouterr().out.splitlines()[0] == (f"{what} changed since {latest} was built: warm-starting a "
-                                                           f"new tiny model into {now} (a line every few seconds) ...")
+                                                           f"new tiny model into {now} (minutes: a line every few "
+                                                           f"seconds, with the time left at most) ...")
         latest = now
 
 
@@ -279,7 +282,8 @@ def test_without_the_shipped_model_the_tiny_model_is_built_saying_why(tmp_path, 
     assert path == tiny.folder() and tiny.damage(path) == ""
     assert capsys.readouterr().out.splitlines()[0] == (
         f"the recipe (ffn, heads, hidden, layers, sft_batch, sft_check, sft_max_steps) changed since the shipped tiny "
-        f"model {tiny.SHIPPED} was built: building the tiny model into {path} (a line every few seconds) ...")
+        f"model {tiny.SHIPPED} was built: building the tiny model into {path} (minutes: a line every few seconds, "
+        f"with the time left at most) ...")
     shipped = tmp_path / "shipped"
     tiny.build(str(shipped), SMALL)
     os.remove(shipped / "config.json")
@@ -287,8 +291,8 @@ def test_without_the_shipped_model_the_tiny_model_is_built_saying_why(tmp_path, 
     monkeypatch.setenv("TBA_CACHE", str(tmp_path / "other"))
     path = tiny.cached()
     assert capsys.readouterr().out.splitlines()[0] == (f"the shipped tiny model {shipped} is incomplete (no "
-                                                       f"config.json): building the tiny model into {path} (a line "
-                                                       f"every few seconds) ...")
+                                                       f"config.json): building the tiny model into {path} (minutes: "
+                                                       f"a line every few seconds, with the time left at most) ...")
 
 
 def test_the_builder_names_a_missing_folder_or_a_cache_it_cannot_write(tmp_path, monkeypatch):

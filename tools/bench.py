@@ -11,10 +11,10 @@
 
 It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
 1. time to target: the embedded default (`tba.py`, the toy task) with --searchers 1 (TBA) and
-   --searchers 0 (one process, labelled "sync": the trainer searches between its steps, but still replays the
-   buffer, m = 0.95; --searchers 0 --lag 0 is the on-policy synchronous baseline), same seed, flags and cores,
-   each until held-out greedy accuracy first reaches its start + 0.15 or the time cap; both times and sync / async
-   per seed.
+   --searchers 0 --lag 0 ("sync": one process, the on-policy synchronous baseline, each step's batch searched
+   by its own weights; the flags after `--` that act only streaming are left out of it), same seed, flags and
+   cores, each until held-out greedy accuracy first reaches its start + 0.15 or the time cap; both times and
+   sync / async per seed, and the median ratio over the seeds with its 90% interval (a bootstrap of the seeds).
    Time counts from the launch of the process, minus the time the trainer spent evaluating (the
    baseline evaluates inside the trainer, TBA in searcher 0) and checkpointing; it is also given
    from the start of the first training step (start-up, mostly importing vLLM and starting its
@@ -671,9 +671,11 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, cou
 
 def without_streaming(flags: list[str]) -> list[str]:
     """The user's flags for a --lag run: those that act only streaming (the buffer's sampling: tba.py refuses them
-    with --lag, runtime/checks.ACTS_ONLY) left out, so that one study of them (`-- --recency 1`) keeps its baseline."""
-    from runtime.checks import ACTS_ONLY
-    streaming = {"--" + flag.replace("_", "-") for flag, _, where in ACTS_ONLY if where.startswith("streaming")}
+    with --lag: their fields' `acts=STREAMING`, runtime/config.py) left out, so that one study of them
+    (`-- --recency 1`) keeps its baseline."""
+    from runtime.config import STREAMING, Config
+    streaming = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(Config)
+                 if f.metadata.get("acts") is STREAMING}
     out, skip = [], False
     for f in flags:
         if skip:
@@ -1346,10 +1348,12 @@ def main(argv=None):
     # 1, 2 (and tba.py's side of 8: whole runs)
     runs = []
     for seed in args.seeds if {1, 2} & set(args.parts) or trl_py else []:
-        for searchers in (1, 0):
+        for searchers in (1, 0):  # 0: on-policy, as the README's synchronous baseline
             run_out = os.path.join(out, f"seed{seed}-searchers{searchers}")
+            own = [*flags] if searchers else ["--lag", "0", *without_streaming(flags)]
             runs.append(run_until_target(searchers, seed, args.cap, run_out,
-                                         ["--eval-every", "2" if args.quick else "10", *flags], args.full or trl_py is not None))
+                                         ["--eval-every", "2" if args.quick else "10", *own],
+                                         args.full or trl_py is not None))
     result["time_to_target"] = runs
     if trl_py:
         result["trl"] = trl_part(args.seeds, trl_py, trl_note, args.cap, out, cfg, args.quick)
@@ -1413,7 +1417,7 @@ def table(r: dict) -> str:
              f"torch {m['torch']}; tba.py flags: {' '.join(r['flags']) or '(the embedded default)'}", ""]
     if r["time_to_target"]:  # parts 1-5: only those that ran
         lines += ["1. time to target (held-out greedy accuracy >= start + 0.15), seconds from launch; sync: "
-                  "--searchers 0 (one process, replaying the buffer: m = 0.95), async: one searcher",
+                  "--searchers 0 --lag 0 (one process, on-policy), async: one searcher",
                   f"   {'seed':>4} {'sync (s)':>9} {'async (s)':>10} {'ratio':>6}  | from the first step: "
                   f"{'sync':>5} {'async':>6} {'ratio':>6} | steps sync/async | s/step sync/async"]
     for seed in r["seeds"] if r["time_to_target"] else []:
@@ -1426,6 +1430,18 @@ def table(r: dict) -> str:
                      f"{fmt(s, train(s)):>5} {fmt(a, train(a)):>6} {train(s) / train(a) if both else float('nan'):>6.2f} | "
                      f"{str(s['step']) + '/' + str(a['step']):<16} | "
                      f"{s['seconds_per_step'] or 0:.3f}/{a['seconds_per_step'] or 0:.3f}")
+    if r["time_to_target"]:  # the seeds' ratios: their median and its bootstrap interval
+        by = {n: [next(x for x in r["time_to_target"] if x["seed"] == s and x["searchers"] == n)
+                  for s in r["seeds"]] for n in (0, 1)}
+        train = lambda x: x["seconds"] - x["first_step_seconds"] if x["reached"] else None
+        said = []
+        for what, of in (("from launch", lambda x: x["seconds"]), ("from the first step", train)):
+            ratio, ends = plot.interval([x for x in speedups([of(x) for x in by[0]], [of(x) for x in by[1]])
+                                         if x is not None])
+            said.append(f"{what} {'-' if ratio is None else f'{ratio:.2f}'}"
+                        f" {f'[{ends[0]:.2f}, {ends[1]:.2f}]' if ends else '(no interval below 2 seeds)'}")
+        lines.append(f"   sync / async, the median over {len(r['seeds'])} seed(s) with its "
+                     f"{plot.BOOTSTRAP['level']:.0%} interval: {'; '.join(said)}")
     util = [x["utilisation"] for x in r["time_to_target"] if x["searchers"] == 1 and x["utilisation"] is not None]
     if r["time_to_target"]:
         lines.append(f"2. trainer utilisation (TBA runs): {', '.join(f'{u:.3f}' for u in util)}")
@@ -1481,7 +1497,7 @@ def table(r: dict) -> str:
             for y in sorted(ours, key=lambda y: -y["searchers"]):
                 start = y["start_accuracy"]
                 done = y["curve"][-1][2] if y["curve"][-1][1] == trl["runs"][0]["steps"] else None
-                rows.append(("tba.py, 1 searcher" if y["searchers"] else "tba.py --searchers 0", start,
+                rows.append(("tba.py, 1 searcher" if y["searchers"] else "tba.py, sync (--lag 0)", start,
                              reached(y["curve"], start + 0.15)[0], reached(y["curve"], start + 0.25)[0], done,
                              y["curve"][-1][0], y["first_step_seconds"], y["seconds_per_step"]))
             for name, start, t15, t25, final, total, first, per_step in rows:
