@@ -416,6 +416,8 @@ ACTS_ONLY = (
     ("duplicates", lambda c: c.lag is None, STREAMING),
     ("max_reuse", lambda c: c.lag is None and c.searchers > 0, "the streaming trainer's replay of what searchers "
      "sent: with --lag every batch is its step's rounds, with --searchers 0 every step searches its own data"),
+    ("keep_full", lambda c: c.lag is None and c.searchers > 0, "streaming with searchers (with --lag each round is "
+     "one step's weights' and waits for them; with --searchers 0 the trainer searches between its steps)"),
     ("behaviour_logprobs", lambda c: c.lag is not None and "behaviour_logps" in reads(LOSSES.get(c.loss, tb_loss)),
      "--lag, for a loss that reads per-token behaviour log-probs (--loss drgrpo, tbprime): the weights that sampled "
      "a batch are then one step's"),

@@ -69,6 +69,9 @@ class Config:
                                           "(trainer: the authors')", choices=("vllm", "trainer"))
     lag: int | None = arg(None, "L: every batch of step n is sampled by the weights of step n - L exactly (0: "
                                 "synchronous, the searchers waiting for each step's weights); default: stream")
+    keep_full: bool = arg(False, "streaming: a finished response's slot in a searcher's engine takes the next prompt "
+                                 "at once and a prompt is sent when its responses are done, not with its round; new "
+                                 "weights load in flight (docs/performance.md, part 9)")
     lr: float = arg(5e-5, "peak learning rate (AdamW)")
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
     stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until the decay)")
