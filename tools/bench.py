@@ -253,6 +253,47 @@ def picture(bench_json: str, png: str):
         print(f"9. picture skipped: {e}", flush=True)
 
 
+def curves_picture(eh: dict, png: str):
+    """Part 9's main cell from part9.json's rows (`--table FILE --picture PNG`): left, each run's held-out accuracy
+    against seconds from its first round (thin), each mode's mean over its seeds (thick), the target and the horizon
+    dashed; right, each seed's speed-up over the colocated run to the target (dots) and the geometric mean with its
+    t interval (`t_interval`). One line instead where matplotlib is missing."""
+    try:
+        plt = plot.pyplot()
+    except plot.NoMatplotlib as e:
+        print(f"9. picture skipped: {e}", flush=True)
+        return
+    rows = [r for r in eh["rows"] if r["ratio"] and r.get("evals")]
+    main = (rows[0]["searchers"], rows[0]["ratio"]) if rows else None
+    rows = [r for r in rows if (r["searchers"], r["ratio"]) == main]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, (acc, up) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[2, 1]))
+    grid = np.linspace(0, eh["horizon"], 200)
+    for i, mode in enumerate(modes):
+        mine = [r for r in rows if r["mode"] == mode]
+        curves = [np.interp(grid, *zip(*[(t - r["first_round"], a) for t, _, a in r["evals"]])) for r in mine]
+        for c in curves:
+            acc.plot(grid, c, color=f"C{i}", alpha=0.2, linewidth=0.8)
+        acc.plot(grid, np.mean(curves, axis=0), color=f"C{i}", linewidth=2, label=f"{mode} ({len(mine)} seeds)")
+        if mode != "colocated" and "colocated" in modes:
+            ups = paired([r for r in rows if r["mode"] == "colocated"], mine)[0]
+            mid, ci = t_interval(ups, log=True)
+            up.plot([i] * len(ups), ups, "o", color=f"C{i}", alpha=0.4)
+            if ci:
+                up.errorbar([i], [mid], yerr=[[mid - ci[0]], [ci[1] - mid]], fmt="s", color=f"C{i}", capsize=4)
+    start = np.median([r["evals"][0][2] for r in rows]) if rows else 0
+    acc.axhline(start + eh["gain"], color="gray", linestyle="--", linewidth=0.8, label=f"start + {eh['gain']:g}")
+    acc.set(xlabel="seconds from the run's first generation round", ylabel="held-out accuracy",
+            title=f"N {main and main[0]} searchers, G/T {main and main[1]:g}: every run {eh['horizon']:g} s")
+    acc.legend(fontsize=8)
+    up.axhline(1, color="gray", linewidth=0.8, linestyle=":")
+    up.set_xticks(range(len(modes)), modes)
+    up.set(ylabel=f"speed-up over colocated to start + {eh['gain']:g} (x)", title="seeds; geometric mean, 90% t interval")
+    for ax in (acc, up):
+        ax.grid(alpha=0.3)
+    plot.save(fig, png)
+
+
 def timed(fn, repeat: int) -> float:
     """Median seconds of fn() over `repeat` runs, after one warm-up run."""
     fn()
@@ -294,11 +335,11 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     rows, hit, cpu = [], None, {}
     offset_of = lambda: json.loads(read_text(os.path.join(out, "config.json")))["started"] - launched
     late = lambda: rows and offset_of() + rows[-1]["time"] - rows[-1]["overhead"] < until
+    going = lambda: hit is None or full or late()
     if horizon is not None:  # the same window for every mode, from its first round: no run stops at its target
-        late = lambda: first_round(rows) is None or rows[-1]["time"] - rows[-1]["overhead"] < first_round(rows) + horizon
-        full = False
+        going = lambda: first_round(rows) is None or rows[-1]["time"] - rows[-1]["overhead"] < first_round(rows) + horizon
     try:
-        while (hit is None or full or late()) and time.time() - launched < cap and proc.poll() is None:
+        while going() and time.time() - launched < cap and proc.poll() is None:
             time.sleep(0.5)
             rows, hit = read()
             cpu.update(cpu_seconds(proc.pid))
@@ -307,6 +348,11 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     rows, hit = read()
     if not rows:
         raise RuntimeError(f"tba.py produced no metrics: {read_text(out + '.log')[-2000:]}")
+    if horizon is not None and first_round(rows) is not None:  # what the horizon holds: a step past it, no more
+        end = first_round(rows) + horizon
+        rows = [r for r in rows if r["kind"] != "eval" or r["time"] - r["overhead"] <= end]
+        hit = next((e for e in [r for r in rows if r["kind"] == "eval"][1:]
+                    if at_least(e["accuracy"], [r for r in rows if r["kind"] == "eval"][0]["accuracy"] + gain)), None)
     started = json.loads(read_text(os.path.join(out, "config.json")))["started"]
     offset = started - launched  # imports, flag checks, tiny-model cache lookup
 
@@ -1324,18 +1370,23 @@ def main(argv=None):
                    help="print part 9's table recomputed from a part9.json (or a bench.json) and run nothing")
     p.add_argument("--doc", default=None, help="with --table: write it into this file between its markers "
                    "(docs/performance.md)")
+    p.add_argument("--picture", default=None, help="with --table: draw the main cell's curves and speed-ups into this "
+                   "PNG (docs/part9.png; pip install matplotlib)")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
     args = p.parse_args(argv)
     if args.table:  # the table from the seeds' figures: nothing runs
-        lines = part9_table(read_per_seed(args.table))
+        eh = read_per_seed(args.table)
+        lines = part9_table(eh)
         if args.doc:
             into_doc(args.doc, lines)
+        if args.picture:
+            curves_picture(eh, args.picture)
         print("\n".join(lines))
         return
-    if args.doc:
-        raise BadInput("--doc acts only with --table")
+    if args.doc or args.picture:
+        raise BadInput(f"{'--doc' if args.doc else '--picture'} acts only with --table")
     flags = [f for f in args.flags if f != "--"]
     unknown = [n for n in args.parts if n not in PARTS]
     if unknown:
