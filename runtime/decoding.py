@@ -138,7 +138,6 @@ class Slots:
         return self.engine.has_unfinished_requests()
 
 
-
 class Full:
     """--keep-full: the engine kept at `room` prompts x n sequences, each response a request of its own, seeded from
     its prompt's seed and its index; a call returns each prompt whose n responses are done, as soon as they are."""

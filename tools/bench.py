@@ -477,7 +477,7 @@ MODES = {"colocated": ["--lag", "0"],  # with --searchers 0 on N + 1 emulated de
          #                             the batch, then every one trains its share (`colocated_costs`)
          "sync": ["--lag", "0"],  # the synchronous baseline on the searchers' hardware: each step waits for its rounds
          "lag1": ["--lag", "1"],  # one-step off-policy: every batch sampled by the weights of the step before
-         "stream": [],            # TBA, the default: searchers stream rounds, weights reach them between rounds
+         "stream": ["--no-keep-full"],  # TBA as the paper's: searchers stream rounds, weights load between rounds
          "full": ["--keep-full"]}  # TBA with engines kept full: a slot refilled at once, a prompt sent when done
 BASELINES = ("colocated", "sync")  # what each mode's speed-ups are over, paired by seed
 DECODINGS = {"gpu+tails": ["--decode-cost", "gpu", "--response-lengths", "gsm8k"],  # a GPU's step, GSM8K's long tail
