@@ -700,3 +700,20 @@ def test_the_plan_counts_the_horizon_and_the_bound_the_mean_cycle():
     rows = [dict(rounds=[[0, 0, 0.0, 1.0], [1, 0, 0.0, 3.0]]), dict(rounds=[[0, 1, 1.0, 1.0], [1, 1, 3.0, 3.0]]),
             dict(rounds=[[0, 1, 2.0, 1.0]])]
     assert bench.cycle_of(rows) == pytest.approx(2.0)  # searchers of 1 s and 3 s: 2 s a round, not 3
+
+
+def test_the_ceiling_says_what_overlap_alone_allows_and_what_the_tails_add():
+    """At G/T 2 on 4 searchers against 5 colocated devices, streaming whole rounds gains at most about 1.1x in
+    throughput (overlap alone: the colocated round on 5 devices costs about the searchers' on 4, GPU-shaped steps
+    being mostly their fixed part); engines kept full make a batch's responses in well under half a round's time (a
+    round waits for its slowest of GSM8K's tail), so that the trainer sets the pace: 2x and more. At G/T 1 both are
+    the trainer's pace."""
+    import types
+    import bench
+    costs = dict(seconds_per_token=1.42e-4, train_step=0.199, tokens_per_batch=936)
+    cfg = types.SimpleNamespace(prompts_per_step=32, search_samples_per_prompt=8, decode_shape="rho-math-1b")
+    two, one = bench.ceiling(costs, 2.0, 4, cfg), bench.ceiling(costs, 1.0, 4, cfg)
+    assert 1.0 < two["stream"] < 1.15 and two["G_full"] < two["G"] / 2 and two["full"] > 2.0
+    assert two["stream"] == pytest.approx(two["colocated"] / two["G"]) and two["full"] == pytest.approx(
+        two["colocated"] / two["T"])
+    assert one["full"] == pytest.approx(one["stream"], rel=0.01)

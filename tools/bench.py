@@ -567,6 +567,27 @@ def point(costs: dict, ratio: float, n: int, shape: str = "linear", cfg=None) ->
     return round(x, 2), round(y, 2)
 
 
+def ceiling(costs: dict, ratio: float, n: int, cfg) -> dict:
+    """What the emulated machine allows at a point, in throughput (steps a second) over the colocated run's: its period
+    (the round over D = N + 1 devices, then T / D and the all-reduce) against streaming's, whole rounds overlapped with
+    the step (max(G_N, T): overlap alone), and the engines kept full's (max(G_full, T)), where a searcher's slots never
+    wait for a round's slowest response: B x K responses of the mean emulated length at a full engine's step each,
+    over N searchers. A bound on time to a target only where a step teaches as much in every mode."""
+    from runtime import seeds, slowdown
+    x, y = point(costs, ratio, n, "gpu+tails", cfg)
+    T = y * costs["train_step"]
+    B, K = cfg.prompts_per_step, cfg.search_samples_per_prompt
+    colocated = x * round_alone(costs, n, "gpu+tails", cfg, n + 1) + T / (n + 1) + all_reduce_share(n + 1) * T
+    mean = max(1, round(costs["tokens_per_batch"] / (B * K)))
+    draws = np.random.default_rng([0, seeds.TAILS]).random(20000)
+    length = float(np.mean(np.maximum(mean, np.round(mean * np.interp(draws, np.linspace(0, 1, len(slowdown.GSM8K_TAIL)),
+                                                                        slowdown.GSM8K_TAIL)))))
+    clock = slowdown.Clock(1.0, costs["seconds_per_token"], "gpu", B * K, model=cfg.decode_shape)
+    G, G_full = x * round_alone(costs, n, "gpu+tails", cfg), x * length * clock.alone(-(-B // n) * K)
+    return dict(ratio=ratio, x=x, y=y, T=T, G=G, G_full=G_full, colocated=colocated, stream=colocated / max(G, T),
+                full=colocated / max(G_full, T))
+
+
 def colocated_costs(costs: dict, out: str, n: int, y: float) -> str:
     """The colocated run's --calibration for N searchers' hardware: the same costs alone on D = N + 1 devices
     (runtime/slowdown.py: each generates its share of the round's sequences, then trains its share of the batch),
@@ -684,6 +705,11 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, cou
         where = f"G/T {c['ratio']:g}, X {c['x']:g}, Y {c['y']:g}" if c["ratio"] else f"X {c['x']:g} alone"
         print(f"   N {c['n']} {where} {c['shape']}: {' '.join(c['modes'])}, {len(c['seeds'])} seed(s)"
               + (f", about {minutes(e)}" if e else ""), flush=True)
+        if c["ratio"] and c["shape"] == "gpu+tails" and c.get("baseline", True):
+            top = ceiling(costs, c["ratio"], c["n"], cfg)
+            print(f"   its ceiling in throughput over the colocated run: streaming whole rounds {top['stream']:.2f}x "
+                  f"(overlap alone), engines kept full {top['full']:.2f}x (G {top['G']:.2f} s, kept full "
+                  f"{top['G_full']:.2f} s, T {top['T']:.2f} s)", flush=True)
     rows, began_runs = [], time.time()
     for cell in cells:
         for seed in cell["seeds"]:
