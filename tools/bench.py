@@ -93,6 +93,7 @@ Earlier results are never replaced unasked: an --out that holds anything is refu
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -937,6 +938,7 @@ def corrected(pairs: int) -> float:
 LEVEL = 0.90  # the intervals' level (a cell's pairs: corrected)
 
 
+@functools.lru_cache(maxsize=None)
 def t_quantile(p: float, df: int) -> float:
     """Student's t quantile (p > 0.5): the density integrated on a fine grid, the bisection of its CDF (no SciPy)."""
     import math
