@@ -488,7 +488,9 @@ STEP = 0.4  # s: the emulated training step T of part 9's points at least (--tra
 PART9_SEEDS = 10  # the main point's seeds by default: with 3-5, time to start + 0.15 (about +-3 steps of noise at about
 # 18 steps) told no two modes apart that differed by less than about 20%
 FEW_SEEDS = 3  # the other points' seeds by default (the first of the main point's)
-PART9_STEPS = 40  # each run's --steps unless given after --: the target comes near step 8, and a run stops soon after
+PART9_STEPS = 200  # each run's --steps unless given after --: the default run's, its learning rate constant for the
+# first 100 steps, past every mode's steps in the horizon (before, 40: the rate decayed along the way, the faster
+# modes' further, and a run kept full stopped at its 40th step before the horizon)
 MIN_Y = 1.25  # T is at least this times a step alone (a slow or loaded machine's): the trainer's step stays emulated
 # The colocated trainer: data-parallel over D = N + 1 devices (DDP, TRL's default under accelerate), its gradients
 # summed by a ring all-reduce in which each device sends and receives 2 (D - 1) / D of them:
