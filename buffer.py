@@ -66,9 +66,10 @@ class Trajectory:
     reward: float            # r(y, x)
     logp_ref: float          # log pi_ref(y|x), summed over response tokens, from logits / temperature
     logp_behaviour: float    # log-prob under the searcher's policy that sampled y (vLLM's, same temperature)
-    version: int             # trainer step whose weights sampled y (0 = the initial model)
+    version: int             # trainer step whose weights sampled y (0 = the initial model; in flight: the first)
     pi_ref_version: int = 0  # trainer step whose weights were pi_ref when logp_ref was computed (TBA′)
     embedding: np.ndarray | None = vector("float32")  # (H,) unit sentence embedding (--dedup-similarity)
+    version_last: int = -1   # --keep-full: the last weights that sampled a token of y (loaded in flight)
     for_step: int = -1       # --lag: the trainer step whose batch this round is for; -1: streamed
     behaviour_logps: np.ndarray | None = token_field("float32")  # (T,) each token's log-prob when sampled
     ref_logps: np.ndarray | None = token_field("float32")  # (T,) each token's log-prob under pi_ref (per-token losses)

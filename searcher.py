@@ -102,11 +102,12 @@ def loop(index: int, cfg, channels, data, engine: "Engine", weights: Inbox, requ
             continue
         t0 = time.time()
         rng = np.random.default_rng([cfg.seed, index, round_, seeds.SEARCH_PROMPTS])  # a resumed run's too
-        ids = rng.choice(len(data.prompts), size=min(cfg.round_prompts, len(data.prompts)), replace=False)
+        ids = rng.choice(len(data.prompts), size=min(engine.decoder.prompts(), len(data.prompts)), replace=False)
         trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
                                             for_step=for_step)
-        say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
-                 started=t0, seconds=time.time() - t0, **stats))
+        if trajectories:  # (--keep-full: the prompts done by now, none where the engine was left idle)
+            say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
+                     started=t0, seconds=time.time() - t0, **stats))
 
 
 def lagged(cfg, round_: int, wanted) -> tuple[int | None, int | None]:
@@ -160,12 +161,17 @@ class Engine:
                                     cfg.prompts_per_step * cfg.search_samples_per_prompt, cfg.timeout, cfg.decode_shape,
                                     costs.get("devices", 1))
         self.decoder = decoding.decoder(cfg, self.llm, self.clock)
+        if cfg.keep_full:
+            self.llm.llm_engine.set_weight_version("0")  # each token labelled with the weights that sampled it
         self.scorer = task.scorer(self, task, evaluates)
 
     # --- searching -------------------------------------------------------------------------
     def generate(self, prompt_ids, n: int, seed: tuple, plain: bool = False) -> list[tuple[int, list]]:
         """vLLM's n samples of each prompt, seeded: (prompt id, its n completions) for each prompt done (decoding.py).
-        `plain`: a round of these prompts alone, stepped, whatever the run's decoder (the emulation's calibration)."""
+        `plain`: a round of these prompts alone, stepped, whatever the run's decoder (the emulation's calibration).
+        No prompt ids (None): --keep-full's responses in flight, all of them (before an evaluation)."""
+        if prompt_ids is None:
+            return self.decoder.generate([], drain=True)
         decoder = decoding.Stepped(self.llm, self.clock) if plain else self.decoder
         return decoder.generate(self.to_requests(prompt_ids, n, seed))
 
@@ -177,18 +183,24 @@ class Engine:
         """n sampled responses to each prompt, scored, with pi_ref's and the behaviour's log-probs and the version that
         sampled them; `for_step`: --lag's step."""
         done = [(p, c) for p, completions in self.generate(prompt_ids, n, seed) for c in completions]
+        if not done:
+            return [], {}
         if for_step >= 0 and self.cfg.ref_reset_every:  # TBA′ with --lag: scored under the pi_ref of its step
             self.reference_of(for_step)
         texts = [c.text for _, c in done]
         rewards = self.scorer.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done], texts,
                                      [self.answers[p] for p, _ in done])
+        # vLLM labels each token with the weights' version that sampled it (--keep-full: `load`; vllm/outputs.py:42-48,
+        # 90): a response in flight when new weights arrived has two or more
+        versions = [[int(span.version) for span in (c.weight_versions or ()) if self.cfg.keep_full] or [self.version]
+                    for _, c in done]
         trajectories = [Trajectory(prompt_id=p, response=np.asarray(c.token_ids, dtype=np.int32), reward=float(r),
-                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob), version=self.version,
-                                   pi_ref_version=self.pi_ref_version, for_step=for_step,
+                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob), version=v[0],
+                                   version_last=v[-1], pi_ref_version=self.pi_ref_version, for_step=for_step,
                                    truncated=int(c.finish_reason == "length"),
                                    behaviour_logps=np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
                                                             np.float32))
-                        for (p, c), r in zip(done, rewards)]
+                        for (p, c), r, v in zip(done, rewards, versions)]
         pairs, index, fields = *unique_pairs(trajectories, self.prompts), reads(LOSSES[self.cfg.loss])
         if "ref_logps" in fields:  # the loss reads pi_ref's log-prob of each token
             ref_logps = self.token_logprobs(self.pi_ref(), pairs, self.cfg.temperature)
@@ -248,10 +260,18 @@ class Engine:
 
     # --- weights ---------------------------------------------------------------------------
     def load(self, named_tensors, version: int):
-        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache (between rounds: none in flight)."""
+        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache (between rounds: none in flight);
+        --keep-full: requests in flight keep their KV cache (PipelineRL's choice) and go on under the new weights, and
+        those added from now on are salted with the new version (runtime/decoding.Full)."""
         named_tensors = list(named_tensors)  # read twice where the scorer keeps a copy
         self.scorer.loaded(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        if self.cfg.keep_full:
+            self.llm.llm_engine.set_weight_version(str(version))  # the tokens' labels from the next step on
+            self.decoder.version = version
+            if self.decoder.busy():  # the prefix cache is dropped before the next evaluation (`evaluate`)
+                self.version = version
+                return
         # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV values.
         # reset_prefix_cache() returns False when blocks are still in use (vllm/v1/core/block_pool.py:837-845):
         # between two rounds none are, so False is a bug to stop on
@@ -311,7 +331,11 @@ class Engine:
     # --- evaluation ------------------------------------------------------------------------
     def evaluate(self, prompts: list[list[int]], answers: list[str], beat=lambda done: None) -> tuple[dict, dict]:
         """The task's scores of the loaded weights on held-out prompts, and an example (its scorer's
-        `evaluate`: by default one response to each prompt, in parts, each followed by `beat`)."""
+        `evaluate`: by default one response to each prompt, in parts, each followed by `beat`). --keep-full: weights
+        loaded in flight left cached prefixes of older ones, dropped now that the engine is drained."""
+        if self.cfg.keep_full and not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"vLLM could not reset its prefix cache before evaluating the weights of step "
+                               f"{self.version}: requests still in flight")
         return self.scorer.evaluate(prompts, answers, beat)
 
     def respond(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[str]]:

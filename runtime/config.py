@@ -36,6 +36,8 @@ REPLAY = (lambda c: c.lag is None and c.searchers > 0, "the streaming trainer's 
 LAG_PER_TOKEN = (lambda c: c.lag is not None and loss_reads(c, "behaviour_logps"), "--lag, for a loss that "
                  "reads per-token behaviour log-probs (--loss drgrpo, tbprime): the weights that sampled a "
                  "batch are then one step's")
+SEARCHING = (lambda c: c.lag is None and c.searchers > 0, "streaming with searchers (with --lag each round is one "
+             "step's weights' and waits for them; with --searchers 0 the trainer searches between its steps)")
 SEARCHERS = (lambda c: c.searchers > 0, "a run with searchers (with --searchers 0 the trainer evaluates)")
 EMULATED = (lambda c: c.generation_slowdown != 1 or c.train_slowdown != 1, "the emulated device time "
             "(--generation-slowdown or --train-slowdown above 1)")
@@ -100,6 +102,9 @@ class Config:
                                   acts=LAG_PER_TOKEN)
     lag: int | None = arg(None, "L: every batch of step n is sampled by the weights of step n - L exactly (0: "
                                 "synchronous, the searchers waiting for each step's weights); default: stream")
+    keep_full: bool = arg(False, "streaming: a finished response's slot in a searcher's engine takes the next prompt "
+                                 "at once and a prompt is sent when its responses are done, not with its round; new "
+                                 "weights load in flight (docs/performance.md, part 9)", acts=SEARCHING)
     lr: float = arg(5e-5, "peak learning rate (AdamW)")
     warmup_steps: int = arg(0, "learning rate: linear warmup steps")
     stable_steps: int | None = arg(None, "learning rate: constant steps after warmup (default: until the decay)")

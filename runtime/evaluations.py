@@ -140,6 +140,12 @@ class Requests:
         if not self.due(engine.version):
             return
         t0 = time.time()
+        if engine.decoder.busy():  # --keep-full: the responses in flight first (vLLM's generate would run them all)
+            trajectories, stats = engine.search(None, engine.cfg.search_samples_per_prompt, ())
+            if trajectories:
+                say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
+                         started=t0, seconds=time.time() - t0, **stats))
+            t0 = time.time()
         scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda n: say(dict(kind="beat", done=n)))
         self.done(engine.version)
         say(dict(kind="eval", version=engine.version, scores=scores, example=example, seconds=time.time() - t0))

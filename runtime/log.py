@@ -129,6 +129,8 @@ class Log:
         trajectories = [traj for group in batch for traj in group]
         stale = [step - 1 - traj.version for traj in trajectories]
         fields = {k: v for k, v in fields.items() if not (k in ("gamma", "reward_temp") and v == 1.0)}  # Lee et al.'s
+        if self.cfg.keep_full:  # weights loaded in flight: also from the last weights that sampled each
+            fields["staleness_last"] = float(np.mean([step - 1 - traj.version_last for traj in trajectories]))
         if self.cfg.ref_reset_every:  # TBA′: the oldest pi_ref that scored a trajectory of the batch
             fields["batch_reference"] = min(traj.pi_ref_version for traj in trajectories)
         self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},

@@ -60,6 +60,8 @@ def refuse(args, tmp_path, monkeypatch, capfd, match):
     (["--out", "/proc/x"], "--out: cannot write to /proc/x"),
     (["--max-reuse", "-1"], "--max-reuse: must be 0 (no cap) or more"),
     (["--searchers", "0", "--max-reuse", "1"], "--max-reuse: acts only in the streaming trainer's replay"),
+    (["--keep-full", "--lag", "1"], "--keep-full: acts only in streaming with searchers"),
+    (["--keep-full", "--searchers", "0"], "--keep-full: acts only in streaming with searchers"),
     (["--round-prompts", "0"], "--round-prompts: must be at least 1"),
     (["--searchers", "0", "--round-prompts", "4"], "--round-prompts: sizes a searcher's round"),
     # Lee et al.'s red-teaming recipe

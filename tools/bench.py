@@ -93,6 +93,7 @@ Earlier results are never replaced unasked: an --out that holds anything is refu
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -261,6 +262,47 @@ def picture(bench_json: str, png: str):
         print(f"9. picture skipped: {e}", flush=True)
 
 
+def curves_picture(eh: dict, png: str):
+    """Part 9's main cell from part9.json's rows (`--table FILE --picture PNG`): left, each run's held-out accuracy
+    against seconds from its first round (thin), each mode's mean over its seeds (thick), the target and the horizon
+    dashed; right, each seed's speed-up over the colocated run to the target (dots) and the geometric mean with its
+    t interval (`t_interval`). One line instead where matplotlib is missing."""
+    try:
+        plt = plot.pyplot()
+    except plot.NoMatplotlib as e:
+        print(f"9. picture skipped: {e}", flush=True)
+        return
+    rows = [r for r in eh["rows"] if r["ratio"] and r.get("evals")]
+    main = (rows[0]["searchers"], rows[0]["ratio"]) if rows else None
+    rows = [r for r in rows if (r["searchers"], r["ratio"]) == main]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, (acc, up) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw=dict(width_ratios=[2, 1]))
+    grid = np.linspace(0, eh["horizon"], 200)
+    for i, mode in enumerate(modes):
+        mine = [r for r in rows if r["mode"] == mode]
+        curves = [np.interp(grid, *zip(*[(t - r["first_round"], a) for t, _, a in r["evals"]])) for r in mine]
+        for c in curves:
+            acc.plot(grid, c, color=f"C{i}", alpha=0.2, linewidth=0.8)
+        acc.plot(grid, np.mean(curves, axis=0), color=f"C{i}", linewidth=2, label=f"{mode} ({len(mine)} seeds)")
+        if mode != "colocated" and "colocated" in modes:
+            ups = paired([r for r in rows if r["mode"] == "colocated"], mine)[0]
+            mid, ci = t_interval(ups, log=True)
+            up.plot([i] * len(ups), ups, "o", color=f"C{i}", alpha=0.4)
+            if ci:
+                up.errorbar([i], [mid], yerr=[[mid - ci[0]], [ci[1] - mid]], fmt="s", color=f"C{i}", capsize=4)
+    start = np.median([r["evals"][0][2] for r in rows]) if rows else 0
+    acc.axhline(start + eh["gain"], color="gray", linestyle="--", linewidth=0.8, label=f"start + {eh['gain']:g}")
+    acc.set(xlabel="seconds from the run's first generation round", ylabel="held-out accuracy",
+            title=f"N {main and main[0]} searchers, G/T {main and main[1]:g}: every run {eh['horizon']:g} s")
+    acc.legend(fontsize=8)
+    up.axhline(1, color="gray", linewidth=0.8, linestyle=":")
+    up.set_xticks(range(len(modes)), modes)
+    up.set(ylabel=f"speed-up over colocated to start + {eh['gain']:g} (x)", title="seeds; geometric mean, 90% t interval")
+    for ax in (acc, up):
+        ax.grid(alpha=0.3)
+    plot.save(fig, png)
+
+
 def timed(fn, repeat: int) -> float:
     """Median seconds of fn() over `repeat` runs, after one warm-up run."""
     fn()
@@ -280,9 +322,11 @@ def at_least(accuracy: float, level: float) -> bool:
 
 
 def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: list[str], full: bool,
-                     gain: float = 0.15, until: float = 0.0) -> dict:
+                     gain: float = 0.15, until: float = 0.0, horizon: float | None = None) -> dict:
     """Launch tba.py; stop it when an evaluation reaches start + `gain` (unless `full`) and `until` seconds have
-    passed (from launch, less the trainer's overhead), or at the time cap. Its processes' CPU seconds are summed."""
+    passed (from launch, less the trainer's overhead), or with a `horizon`, when that many seconds have passed from
+    its first generation round (`first_round`), whatever its accuracy; or at the time cap. Its processes' CPU
+    seconds are summed."""
     cmd = [sys.executable, os.path.join(ROOT, "tba.py"), "--searchers", str(searchers), "--seed", str(seed),
            "--out", vacated(out), *flags]
     launched = time.time()
@@ -298,10 +342,13 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
         return rows, next((e for e in evals[1:] if at_least(e["accuracy"], evals[0]["accuracy"] + gain)), None)
 
     rows, hit, cpu = [], None, {}
-    late = lambda: rows and offset_of() + rows[-1]["time"] - rows[-1]["overhead"] < until
     offset_of = lambda: json.loads(read_text(os.path.join(out, "config.json")))["started"] - launched
+    late = lambda: rows and offset_of() + rows[-1]["time"] - rows[-1]["overhead"] < until
+    going = lambda: hit is None or full or late()
+    if horizon is not None:  # the same window for every mode, from its first round: no run stops at its target
+        going = lambda: first_round(rows) is None or rows[-1]["time"] - rows[-1]["overhead"] < first_round(rows) + horizon
     try:
-        while (hit is None or full or late()) and time.time() - launched < cap and proc.poll() is None:
+        while going() and time.time() - launched < cap and proc.poll() is None:
             time.sleep(0.5)
             rows, hit = read()
             cpu.update(cpu_seconds(proc.pid))
@@ -310,6 +357,11 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     rows, hit = read()
     if not rows:
         raise RuntimeError(f"tba.py produced no metrics: {read_text(out + '.log')[-2000:]}")
+    if horizon is not None and first_round(rows) is not None:  # what the horizon holds: a step past it, no more
+        end = first_round(rows) + horizon
+        rows = [r for r in rows if r["kind"] != "eval" or r["time"] - r["overhead"] <= end]
+        hit = next((e for e in [r for r in rows if r["kind"] == "eval"][1:]
+                    if at_least(e["accuracy"], [r for r in rows if r["kind"] == "eval"][0]["accuracy"] + gain)), None)
     started = json.loads(read_text(os.path.join(out, "config.json")))["started"]
     offset = started - launched  # imports, flag checks, tiny-model cache lookup
 
@@ -329,7 +381,18 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
         seconds_per_step=span / (len(train) - 1) if len(train) > 1 else None,
         utilisation=1 - sum(busy) / span if span > 0 else None,
         curve=[(clock(e), e["step"], e["accuracy"]) for e in evals], cpu=sum(cpu.values()),
+        first_round=offset + first_round(rows) if first_round(rows) is not None else None,
     )
+
+
+def first_round(rows: list[dict]) -> float | None:
+    """When a run's first generation round began, seconds in the run's time less the trainer's overhead (its train
+    rows' `rounds`: each round's start, a searcher's or the one process's own; the overhead, the colocated run's
+    evaluation of step 0 in its process, is the first train row's), or None before any: every mode's time counts from
+    it (before, the colocated run's clock counted its first round and the others' did not)."""
+    train = [row for row in rows if row["kind"] == "train"]
+    starts = [r[2] for row in train for r in row.get("rounds") or []]
+    return min(starts) - train[0]["overhead"] if starts else None
 
 
 def cpu_seconds(pid: int) -> dict:
@@ -423,7 +486,8 @@ MODES = {"colocated": ["--lag", "0"],  # with --searchers 0 on N + 1 emulated de
          #                             the batch, then every one trains its share (`colocated_costs`)
          "sync": ["--lag", "0"],  # the synchronous baseline on the searchers' hardware: each step waits for its rounds
          "lag1": ["--lag", "1"],  # one-step off-policy: every batch sampled by the weights of the step before
-         "stream": []}            # TBA, the default: searchers stream rounds, weights reach them between rounds
+         "stream": ["--no-keep-full"],  # TBA as the paper's: searchers stream rounds, weights load between rounds
+         "full": ["--keep-full"]}  # TBA with engines kept full: a slot refilled at once, a prompt sent when done
 BASELINES = ("colocated", "sync")  # what each mode's speed-ups are over, paired by seed
 DECODINGS = {"gpu+tails": ["--decode-cost", "gpu", "--response-lengths", "gsm8k"],  # a GPU's step, GSM8K's long tail
              "linear": []}  # each running sequence's share alone (the earlier cells')
@@ -432,7 +496,9 @@ STEP = 0.4  # s: the emulated training step T of part 9's points at least (--tra
 PART9_SEEDS = 10  # the main point's seeds by default: with 3-5, time to start + 0.15 (about +-3 steps of noise at about
 # 18 steps) told no two modes apart that differed by less than about 20%
 FEW_SEEDS = 3  # the other points' seeds by default (the first of the main point's)
-PART9_STEPS = 40  # each run's --steps unless given after --: the target comes near step 8, and a run stops soon after
+PART9_STEPS = 200  # each run's --steps unless given after --: the default run's, its learning rate constant for the
+# first 100 steps, past every mode's steps in the horizon (before, 40: the rate decayed along the way, the faster
+# modes' further, and a run kept full stopped at its 40th step before the horizon)
 MIN_Y = 1.25  # T is at least this times a step alone (a slow or loaded machine's): the trainer's step stays emulated
 # The colocated trainer: data-parallel over D = N + 1 devices (DDP, TRL's default under accelerate), its gradients
 # summed by a ring all-reduce in which each device sends and receives 2 (D - 1) / D of them:
@@ -442,9 +508,10 @@ GRAD_BYTES = 2  # bf16 gradients
 BUS_BANDWIDTH = 360e9  # B/s: NCCL's all-reduce bus bandwidth taken on one H100 SXM node (NVLink 4: 450 GB/s each way)
 PEAK_FLOPS, MFU = 989e12, 0.4  # H100 SXM's dense bf16 peak, and the share of it a 1B model's training step gets
 TOKENS_PER_STEP = 7 * 20 * 250  # run_gsm8k.sh's step: B x K = 7 x 20 sequences of about 250 tokens, prompt and answer
-STARTUP = (7.0, 1.5)  # s from launch to the first step on 2 idle cores: a run without searchers, and more a searcher
+STARTUP = (7.0, 1.5)  # s from launch to the first round on 2 idle cores: a run without searchers, and more a searcher
 # (docs/performance.md, 7 s for --searchers 0, 13 s with 4); for the plan's estimate only
-PLANNED_STEPS = 12  # steps a run makes, for the estimate: to the target, and on to the synchronous run's time
+HORIZON = 100.0  # s from its first round that every run of part 9 runs (the colocated run reaches start + 0.20 at 70 s)
+QUICK_HORIZON = 12.0  # s, --quick's
 EVAL_SECONDS = 0.3  # s an evaluation of the toy's held-out problems takes (--evaluator after), for the estimate
 
 
@@ -502,16 +569,37 @@ def round_alone(costs: dict, n: int, shape: str = "linear", cfg=None, devices: i
     return float(np.mean([max(clock.round_alone(steps(k)) for k in size) for _ in range(draws)]))
 
 
-def point(costs: dict, ratio: float, n: int, shape: str = "linear", cfg=None, colocated: bool = False) -> tuple:
+def point(costs: dict, ratio: float, n: int, shape: str = "linear", cfg=None) -> tuple:
     """(X, Y) where the synchronous round of N searchers takes `ratio` x the training step: T = STEP (or MIN_Y x
     a step alone, where that is longer; with the colocated run, MIN_Y x D x a step alone, so that its trainer's share
     of a step, T / D, stays emulated too), and G_N = X x `round_alone`."""
-    y = max(MIN_Y * ((n + 1) if colocated else 1), STEP / costs["train_step"])
+    y = max(MIN_Y * (n + 1), STEP / costs["train_step"])  # the same machine whether the colocated run is run or not
     x = ratio * y * costs["train_step"] / round_alone(costs, n, shape, cfg)
     if x < 1:  # X clamped at 1 would run another G/T than the point's label (issue 67 item 14)
         raise BadInput(f"--ratios {ratio:g}: at no slowdown (X 1) a round of {n} searcher(s) is already "
                        f"{ratio / x:.2f} x the step here: give ratios of at least {ratio / x:.2f}")
     return round(x, 2), round(y, 2)
+
+
+def ceiling(costs: dict, ratio: float, n: int, cfg) -> dict:
+    """What the emulated machine allows at a point, in throughput (steps a second) over the colocated run's: its period
+    (the round over D = N + 1 devices, then T / D and the all-reduce) against streaming's, whole rounds overlapped with
+    the step (max(G_N, T): overlap alone), and the engines kept full's (max(G_full, T)), where a searcher's slots never
+    wait for a round's slowest response: B x K responses of the mean emulated length at a full engine's step each,
+    over N searchers. A bound on time to a target only where a step teaches as much in every mode."""
+    from runtime import seeds, slowdown
+    x, y = point(costs, ratio, n, "gpu+tails", cfg)
+    T = y * costs["train_step"]
+    B, K = cfg.prompts_per_step, cfg.search_samples_per_prompt
+    colocated = x * round_alone(costs, n, "gpu+tails", cfg, n + 1) + T / (n + 1) + all_reduce_share(n + 1) * T
+    mean = max(1, round(costs["tokens_per_batch"] / (B * K)))
+    draws = np.random.default_rng([0, seeds.TAILS]).random(20000)
+    length = float(np.mean(np.maximum(mean, np.round(mean * np.interp(draws, np.linspace(0, 1, len(slowdown.GSM8K_TAIL)),
+                                                                        slowdown.GSM8K_TAIL)))))
+    clock = slowdown.Clock(1.0, costs["seconds_per_token"], "gpu", B * K, model=cfg.decode_shape)
+    G, G_full = x * round_alone(costs, n, "gpu+tails", cfg), x * length * clock.alone(-(-B // n) * K)
+    return dict(ratio=ratio, x=x, y=y, T=T, G=G, G_full=G_full, colocated=colocated, stream=colocated / max(G, T),
+                full=colocated / max(G_full, T))
 
 
 def colocated_costs(costs: dict, out: str, n: int, y: float) -> str:
@@ -576,10 +664,10 @@ def part9_plan(costs: dict | None, cfg, counts: list[int], ratios: list[float], 
     """Part 9's cells: the main point (the first of `ratios`, the most searchers) on every seed; the other ratios on
     the first `few` seeds; the fewest searchers streaming at the main point's X and Y on every seed (the scaling,
     paired by seed with the most's); --slowdowns' points of X alone (CPU packing, no colocated run)."""
-    n, colocated = max(counts), "colocated" in modes
+    n = max(counts)
     cells = []
     for i, r in enumerate(ratios):
-        x, y = point(costs, r, n, decoding, cfg, colocated)
+        x, y = point(costs, r, n, decoding, cfg)
         cells.append(dict(n=n, ratio=r, x=x, y=y, shape=decoding, modes=modes, seeds=seeds if i == 0 else seeds[:few]))
     if len(counts) > 1 and ratios:
         cells.append(dict(cells[0], n=min(counts), modes=["stream"], baseline=False))  # against the most's stream
@@ -588,22 +676,22 @@ def part9_plan(costs: dict | None, cfg, counts: list[int], ratios: list[float], 
     return cells
 
 
-def plan_seconds(cell: dict, costs: dict | None, cfg, eval_every: int) -> float | None:
+def plan_seconds(cell: dict, costs: dict | None, cfg, eval_every: int, horizon: float = HORIZON) -> float | None:
     """About how long a cell's runs take on idle cores (None: a point of X alone, whose costs are not known before):
-    each run its start-up, PLANNED_STEPS steps at its mode's emulated period and its evaluations; the period from the
-    calibration: --lag 0 G + T, the colocated run its round over D devices + T / D + the all-reduce, the others the
-    slower of G and T."""
+    each run its start-up, the `horizon` from its first round, and its evaluations (made after the last step, or in
+    the colocated run's process) of the steps its mode's emulated period makes in the horizon: --lag 0 G + T, the
+    colocated run its round over D devices + T / D + the all-reduce, the others the slower of G and T (--keep-full:
+    at most T, its engines fuller)."""
     if not cell["ratio"]:
         return None
     T = cell["y"] * costs["train_step"]
     G = lambda n, devices=1: cell["x"] * round_alone(costs, n, cell["shape"], cfg, devices)
     n, d = cell["n"], cell["n"] + 1
     period = dict(sync=G(n) + T, colocated=G(n, d) + T / d + all_reduce_share(d) * T, lag1=max(G(n), T),
-                  stream=max(G(n), T))
-    order = (["sync"] if cell.get("baseline", True) else []) + [m for m in cell["modes"] if m != "sync"]
-    run = lambda m: (STARTUP[0] + STARTUP[1] * (0 if m == "colocated" else n) + PLANNED_STEPS * period[m]
-                     + (PLANNED_STEPS // eval_every + 1) * EVAL_SECONDS)
-    return len(cell["seeds"]) * sum(run(m) for m in order)
+                  stream=max(G(n), T), full=T)
+    run = lambda m: (STARTUP[0] + STARTUP[1] * (0 if m == "colocated" else n) + horizon
+                     + (horizon / period[m] // eval_every + 1) * EVAL_SECONDS)
+    return len(cell["seeds"]) * sum(run(m) for m in cell["modes"])
 
 
 def minutes(seconds: float) -> str:
@@ -612,30 +700,35 @@ def minutes(seconds: float) -> str:
 
 def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, counts: list[int], ratios: list[float],
                    slowdowns: list[float], modes: list[str], gain: float, eval_every: int, decoding: str, cfg,
-                   few: int = FEW_SEEDS, run_one=None, given: str | None = None, horizon: float | None = None) -> dict:
+                   few: int = FEW_SEEDS, run_one=None, given: str | None = None, horizon: float = None) -> dict:
     """Part 9: its cells (`part9_plan`: a point G_N / T with both phases emulated from one shared calibration, or a
-    --generation-slowdown X alone, each run calibrating itself) x mode x seed, their estimated time said first; time to
-    start + `gain` and throughput against the synchronous baseline on the same N searchers (--lag 0), which runs
-    first, so that every other mode runs at least as long (its accuracy at the baseline's time), and against the
-    colocated run on N + 1 devices. `horizon`: the window of the mean accuracy, seconds from the first step (None:
-    each seed's synchronous run's end)."""
+    --generation-slowdown X alone, each run calibrating itself) x mode x seed, their estimated time said first; every
+    run the same `horizon` seconds from its first round (no run stops at its target); time to start + `gain`,
+    throughput and the mean accuracy over the horizon against the colocated run on N + 1 devices and the synchronous
+    baseline on the same N searchers (--lag 0). The plan's estimate and the time taken are both said, and kept."""
+    horizon = horizon or HORIZON
+    began = time.time()
     costs = (reuse_costs(given, out) if given else calibrate_costs(out, flags)) if ratios else None
     cells = part9_plan(costs, cfg, counts, ratios, slowdowns, modes, seeds, few, decoding)
-    estimates = [plan_seconds(c, costs, cfg, eval_every) for c in cells]
-    runs = sum(len(c["seeds"]) * (len(c["modes"]) + ("sync" not in c["modes"] and c.get("baseline", True)))
-               for c in cells)
+    estimates = [plan_seconds(c, costs, cfg, eval_every, horizon) for c in cells]
+    runs = sum(len(c["seeds"]) * len(c["modes"]) for c in cells)
     print(f"9. plan: {runs} runs, about {minutes(sum(e for e in estimates if e))} on idle cores"
-          + (" and the points of X alone" if None in estimates else "") + f" (each run its start-up and about "
-          f"{PLANNED_STEPS} steps at its mode's emulated period)", flush=True)
+          + (" and the points of X alone" if None in estimates else "") + f" (each run its start-up, {horizon:g} s "
+          f"from its first round, and its evaluations)", flush=True)
     for c, e in zip(cells, estimates):
         where = f"G/T {c['ratio']:g}, X {c['x']:g}, Y {c['y']:g}" if c["ratio"] else f"X {c['x']:g} alone"
         print(f"   N {c['n']} {where} {c['shape']}: {' '.join(c['modes'])}, {len(c['seeds'])} seed(s)"
               + (f", about {minutes(e)}" if e else ""), flush=True)
-    rows = []
+        if c["ratio"] and c["shape"] == "gpu+tails" and c.get("baseline", True):
+            top = ceiling(costs, c["ratio"], c["n"], cfg)
+            print(f"   its ceiling in throughput over the colocated run: streaming whole rounds {top['stream']:.2f}x "
+                  f"(overlap alone), engines kept full {top['full']:.2f}x (G {top['G']:.2f} s, kept full "
+                  f"{top['G_full']:.2f} s, T {top['T']:.2f} s)", flush=True)
+    rows, began_runs = [], time.time()
     for cell in cells:
         for seed in cell["seeds"]:
             sync = None
-            for mode in (["sync"] if cell.get("baseline", True) else []) + [m for m in cell["modes"] if m != "sync"]:
+            for mode in sorted(cell["modes"], key=lambda m: m != "sync"):  # the baseline first: the others' gain
                 name = (f"hardware-n{cell['n']}-{'r%g' % cell['ratio'] if cell['ratio'] else 'x%g' % cell['x']}-"
                         f"{cell['shape'].replace('+', '')}-{mode}-seed{seed}")
                 run = os.path.join(out, name)
@@ -645,12 +738,11 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, cou
                          *(["--evaluator", "after"] if mode != "colocated" else []),  # (the one process evaluates)
                          "--generation-slowdown", f"{cell['x']:g}",
                          *(["--train-slowdown", f"{cell['y']:g}", "--calibration", calibration] if cell["ratio"] else []),
-                         *DECODINGS[cell["shape"]], *MODES[mode],
-                         *(without_streaming(flags) if "--lag" in MODES[mode] else flags)]
-                until = sync["seconds"] if sync and sync["reached"] else 0.0
+                         *DECODINGS[cell["shape"]], *MODES[mode]]
                 searchers = 0 if mode == "colocated" else cell["n"]
+                extra += acting(flags, extra, searchers)
                 r = (run_one or (lambda f: f()))(lambda: run_until_target(searchers, seed, cap, run, extra, False, gain,
-                                                                          until=until))
+                                                                          horizon=horizon))
                 rows.append(dict(hardware_row(run, r, sync, baseline=mode == "sync", horizon=horizon),
                                  searchers=cell["n"], ratio=cell["ratio"], x=cell["x"],
                                  y=cell["y"], shape=cell["shape"], mode=mode, seed=seed))
@@ -658,32 +750,41 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, cou
                 h = rows[-1]
                 print(f"9. N {cell['n']} {'G/T %g' % cell['ratio'] if cell['ratio'] else 'X %g' % cell['x']} "
                       f"{cell['shape']} {mode} seed {seed}: start + {gain:g} "
-                      + (f"at {h['seconds_interp']:.1f} s interpolated ({h['from_first_step_interp']:.1f} s from the first "
-                         f"step, step {h['step_interp']:.1f}; first evaluation past it {r['seconds']:.1f} s, step "
+                      + (f"at {h['seconds_interp']:.1f} s interpolated ({h['from_first_round']:.1f} s from the first "
+                         f"round, step {h['step_interp']:.1f}; first evaluation past it {r['seconds']:.1f} s, step "
                          f"{r['step']})" if h["seconds_interp"] is not None else "not reached")
                       + (f", mean accuracy {h['mean_accuracy']:.3f} over {h['horizon']:.1f} s" if h["mean_accuracy"]
                          is not None else "")
                       + f", {h['steps_per_s']:.2f} steps/s, over its charge with uncharged work {h['over']:.0%} "
                         f"({h['over_process']})", flush=True)
+    took = dict(planned=sum(e for e in estimates if e), runs=time.time() - began_runs, all=time.time() - began)
+    print(f"9. took {minutes(took['all'])} ({minutes(took['runs'])} of runs; planned {minutes(took['planned'])})",
+          flush=True)
     return dict(searchers=counts, seeds=seeds, gain=gain, cap=cap, costs=costs, horizon=horizon, rows=rows,
-                summary=hardware_summary(rows))
+                took=took, summary=hardware_summary(rows))
 
 
 def without_streaming(flags: list[str]) -> list[str]:
-    """The user's flags for a --lag run: those that act only streaming (the buffer's sampling: tba.py refuses them
-    with --lag: their fields' `acts=STREAMING`, runtime/config.py) left out, so that one study of them
-    (`-- --recency 1`) keeps its baseline."""
-    from runtime.config import STREAMING, Config
-    streaming = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(Config)
-                 if f.metadata.get("acts") is STREAMING}
-    out, skip = [], False
-    for f in flags:
-        if skip:
-            skip = False
-        elif f in streaming:
-            skip = True
-        else:
-            out.append(f)
+    """The user's flags for a --lag run (`acting`): those that act only streaming left out."""
+    return acting(flags, ["--lag", "0"], 1)
+
+
+def acting(flags: list[str], mode: list[str], searchers: int) -> list[str]:
+    """The user's flags (after --) that act in a mode's run (its flags `mode`, its searchers), the others left out
+    (tba.py refuses a flag where it cannot act: its field's `acts`, runtime.checks.acts_only), so that one study of a
+    streaming flag (`-- --max-reuse 1.5`, `-- --recency 1`) keeps its baselines; a flag and its value, or a --flag /
+    --no-flag."""
+    from runtime.checks import acts_only
+    cfg = Config(lag=int(mode[mode.index("--lag") + 1]) if "--lag" in mode else None, searchers=searchers,
+                 keep_full="--keep-full" in mode)
+    idle = {"--" + name.replace("_", "-") for name, acts, _ in acts_only() if not acts(cfg)}
+    out, i = [], 0
+    while i < len(flags):
+        name = flags[i].split("=")[0]
+        has_value = "=" not in flags[i] and i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        if name not in idle and name.replace("--no-", "--") not in idle:
+            out += flags[i:i + 1 + has_value]
+        i += 1 + has_value
     return out
 
 
@@ -743,12 +844,13 @@ def over_share(last: dict) -> tuple[float, str]:
 
 def cycle_of(train: list[dict]) -> float | None:
     """A searcher's own cycle in a run (train rows' `rounds`, the first row's left out: start-up): the median of each
-    searcher's rounds, its reload and the round, the slowest searcher's; None without them (older rows)."""
+    searcher's rounds, its reload and the round, their mean over the searchers (a step needs B prompts, whichever
+    searchers made them); None without them (older rows)."""
     by = {}
     for r in train[1:]:
         for searcher, _, _, cycle in r.get("rounds") or []:
             by.setdefault(searcher, []).append(cycle)
-    return max(float(np.median(c)) for c in by.values()) if by else None
+    return float(np.mean([np.median(c) for c in by.values()])) if by else None
 
 
 def bound(G: float | None, T: float | None, cycle: float | None, publish: float | None) -> float | None:
@@ -780,19 +882,20 @@ def hardware_row(run: str, r: dict, sync: dict | None, baseline: bool = False, h
     publish, cycle = med(lambda t: t["sync"]), cycle_of(train)
     last = train[-1] if train else {}
     charged = last.get("charged", 0.0) + last.get("train_charged", 0.0)
-    first = r["first_step_seconds"] or 0.0
-    points = [(t - first, acc) for t, _, acc in r["curve"]]  # seconds from the first step
+    first = r["first_round"] if r.get("first_round") is not None else r["first_step_seconds"] or 0.0
+    points = [(t - first, acc) for t, _, acc in r["curve"]]  # seconds from the first round
     cross = crossing(r["curve"], r["target"])
     end = r["last_step_seconds"] - first if r.get("last_step_seconds") is not None else None
     horizon = horizon or (sync["end"] if sync else end)
     at = None
-    if sync and sync["from_first_step_interp"] is not None:
-        at = accuracy_at(points, sync["from_first_step_interp"])
+    if sync and sync["from_first_round"] is not None:
+        at = accuracy_at(points, sync["from_first_round"])
     over, who = over_share(last)
     span = later[-1]["time"] - train[0]["time"] - (later[-1]["overhead"] - train[0]["overhead"]) if len(train) > 1 else 0
     row = dict(reached=r["reached"], start=r["start_accuracy"], seconds=r["seconds"], step=r["step"],
                from_first_step=r["seconds"] - r["first_step_seconds"] if r["reached"] else None,
-               seconds_interp=cross[0] if cross else None, from_first_step_interp=cross[0] - first if cross else None,
+               seconds_interp=cross[0] if cross else None, from_first_round=cross[0] - first if cross else None,
+               first_round=r.get("first_round"), evals=[[round(t, 3), s, a] for t, s, a in r["curve"]],
                step_interp=cross[1] if cross else None, end=end, horizon=horizon,
                mean_accuracy=mean_accuracy(points, horizon), times=[t for t, _ in points],
                first_step=r["first_step_seconds"], G=G, T=T, publish=publish, cycle=cycle,
@@ -813,25 +916,33 @@ def hardware_row(run: str, r: dict, sync: dict | None, baseline: bool = False, h
         gain = (row["mean_accuracy"] - sync["mean_accuracy"] if None not in (row["mean_accuracy"], sync["mean_accuracy"])
                 else None)
         row.update(bound=sync["bound"], speedup_interp=speedups([sync["seconds_interp"]], [row["seconds_interp"]])[0],
-                   speedup_interp_first_step=speedups([sync["from_first_step_interp"]], [row["from_first_step_interp"]])[0],
+                   speedup_interp_first_step=speedups([sync["from_first_round"]], [row["from_first_round"]])[0],
                    accuracy_gain=gain)
     return row
 
 
 CPU_BOUND = 0.10  # a process more than this over its own charge, with its uncharged work: the CPU set the run's pace
 # what part9.json keeps of each row (`per_seed`): the summary's inputs, each seed's, anyone can recompute the table from
-PER_SEED = ("searchers", "ratio", "x", "y", "shape", "mode", "seed", "reached", "seconds_interp", "from_first_step_interp",
-            "step_interp", "first_step", "horizon", "mean_accuracy", "accuracy_at_sync", "steps_per_s", "staleness", "G",
-            "T", "publish", "cycle", "bound", "over", "over_process", "uncharged", "cpu")
+PER_SEED = ("searchers", "ratio", "x", "y", "shape", "mode", "seed", "reached", "seconds_interp", "from_first_round",
+            "step_interp", "first_step", "first_round", "horizon", "mean_accuracy", "accuracy_at_sync", "steps_per_s",
+            "staleness", "G", "T", "publish", "cycle", "bound", "over", "over_process", "uncharged", "cpu", "evals")
 
 
-def paired(a: list[dict], b: list[dict], field: str = "from_first_step_interp") -> tuple[list, list]:
+def reached_by(r: dict, field: str = "from_first_round") -> float:
+    """A run's interpolated time to the target (`field`: from its first round, or `seconds_interp` from launch); one
+    that never reached it within its horizon, its horizon's end: a bound, which understates the other's speed-up."""
+    if r[field] is not None:
+        return r[field]
+    return r["horizon"] + (0.0 if field == "from_first_round" else r["first_round"] or r["first_step"] or 0.0)
+
+
+def paired(a: list[dict], b: list[dict], field: str = "from_first_round") -> tuple[list, list]:
     """Two modes' rows, by seed (the seeds both ran): b's speed-ups over a in interpolated time to the target (`field`:
-    from the first step, or `seconds_interp` from launch: `speedups`) and b's mean accuracy less a's (the same
-    horizon: the seed's synchronous run's end)."""
+    from the first round, or `seconds_interp` from launch; `reached_by`) and b's mean accuracy less a's (the same
+    horizon)."""
     by = {r["seed"]: r for r in b}
     both = [(r, by[r["seed"]]) for r in a if r["seed"] in by]
-    ups = speedups([x[field] for x, _ in both], [y[field] for _, y in both])
+    ups = [reached_by(x, field) / reached_by(y, field) for x, y in both]
     gains = [y["mean_accuracy"] - x["mean_accuracy"] for x, y in both
              if x["mean_accuracy"] is not None and y["mean_accuracy"] is not None]
     return ups, gains
@@ -840,24 +951,52 @@ def paired(a: list[dict], b: list[dict], field: str = "from_first_step_interp") 
 def corrected(pairs: int) -> float:
     """The level of each interval of a cell's pairs (Bonferroni): with P pairs of modes, 2 P claims (time and mean
     accuracy each), each interval at 1 - (1 - 90%) / 2P, so that all of a cell's "resolved" hold together at 90%."""
-    return 1 - (1 - plot.BOOTSTRAP["level"]) / max(1, 2 * pairs)
+    return 1 - (1 - LEVEL) / max(1, 2 * pairs)
+
+
+LEVEL = 0.90  # the intervals' level (a cell's pairs: corrected)
+
+
+@functools.lru_cache(maxsize=None)
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (p > 0.5): the density integrated on a fine grid, the bisection of its CDF (no SciPy)."""
+    import math
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    cdf = lambda x: 0.5 + np.trapezoid(c * (1 + (g := np.linspace(0, x, 20001)) ** 2 / df) ** (-(df + 1) / 2), g)
+    lo, hi = 0.0, 1e3
+    for _ in range(60):
+        lo, hi = ((lo + hi) / 2, hi) if cdf((lo + hi) / 2) < p else (lo, (lo + hi) / 2)
+    return (lo + hi) / 2
+
+
+def t_interval(values, level: float = LEVEL, log: bool = False) -> tuple[float | None, list[float] | None]:
+    """(the mean, [lo, hi]): Student's t interval of the mean of paired values over seeds, its coverage exact where
+    they are normal (a percentile bootstrap of 5 seeds' median gives their min and max, about 94% for "99%"); `log`:
+    of paired ratios' logs, exponentiated (their geometric mean). No interval below 2 values, (None, None) with none."""
+    v = np.asarray([x for x in values if x == x], dtype=float)
+    if not len(v):
+        return None, None
+    v, back = (np.log(v), np.exp) if log else (v, lambda x: x)
+    m = float(v.mean())
+    if len(v) < 2:
+        return float(back(m)), None
+    h = t_quantile((1 + level) / 2, len(v) - 1) * float(v.std(ddof=1)) / np.sqrt(len(v))
+    return float(back(m)), [float(back(m - h)), float(back(m + h))]
 
 
 def hardware_summary(rows: list[dict]) -> dict:
     """Part 9's table from the seeds' rows (a run's, or part9.json's `per_seed` ones: the same result). Per cell (N,
     point, shape) and mode: medians over seeds, and over each baseline (`BASELINES`) the speed-up in interpolated time
-    to the target from the first step (the headline) and from launch, each the median of the seeds' paired ratios
-    with a 90% bootstrap interval over seeds (plot.interval); the gain in mean accuracy over --lag 0 (the mean of the
-    paired differences); the synchronous run's bound. CPU-bound where any process of any seed ran over its own
+    to the target from the first round (the headline) and from launch, each the geometric mean of the seeds' paired
+    ratios with a 90% t interval of their logs (`t_interval`); the gain in mean accuracy over --lag 0 (the mean of the
+    paired differences, its t interval); the synchronous run's bound. CPU-bound where any process of any seed ran over its own
     charge, with its uncharged work, by more than CPU_BOUND: no speed-up nor gain over a baseline is claimed where
     either side is. Then each pair of modes of a cell not CPU-bound, the later's over the earlier, with intervals at
     the `corrected` level: resolved where one excludes no difference; and the searchers' scaling (`scaling`)."""
     med = lambda v: float(np.median(v)) if v else None
-    # Speed-ups: the median of the seeds' paired ratios, not the ratio of the medians: the two runs of a pair share
-    # their seed, so that what the seed makes easy for both cancels, and a median keeps one seed's lucky early
-    # crossing (ratios of 6.7x were seen) from moving it. Mean accuracies are bounded and without such jumps:
-    # the mean of their paired differences, which uses every seed's value.
-    mean = lambda v, axis=None: np.mean(v, axis=axis)
+    # Speed-ups: paired ratios by seed (the two runs of a pair share their seed, so that what it makes easy for both
+    # cancels), their logs' mean and t interval: a crossing off the plateau (start + 0.20) and a common horizon keep
+    # the ratios without the 6.7x jumps that once made a median the safer centre.
     cell_of = lambda r: (r["searchers"], r["ratio"], r["x"], r["y"], r["shape"])
     out, pairs = {}, []
     for cell in sorted({cell_of(r) for r in rows}, key=str):
@@ -873,8 +1012,7 @@ def hardware_summary(rows: list[dict]) -> dict:
             c = dict(searchers=cell[0], ratio=cell[1], x=cell[2], y=cell[3], shape=cell[4], mode=mode, runs=len(these),
                      reached=sum(r["reached"] for r in these), cpu_bound=bound_cpu[mode], bound=sync_bound,
                      seconds=med([r["seconds_interp"] for r in these if r["seconds_interp"] is not None]),
-                     from_first_step=med([r["from_first_step_interp"] for r in these
-                                          if r["from_first_step_interp"] is not None]),
+                     from_first_round=med([r["from_first_round"] for r in these if r["from_first_round"] is not None]),
                      mean_accuracy=med([r["mean_accuracy"] for r in these if r["mean_accuracy"] is not None]),
                      steps=med([r["step_interp"] for r in these if r["step_interp"] is not None]),
                      steps_per_s=med([r["steps_per_s"] for r in these]), staleness=med([r["staleness"] for r in these]),
@@ -889,15 +1027,13 @@ def hardware_summary(rows: list[dict]) -> dict:
                 if base not in modes or base == mode:
                     continue
                 withheld = bound_cpu[mode] or bound_cpu[base]
-                first, first_ci = plot.interval([u for u in paired(of(base), these)[0] if u is not None])
-                launch, launch_ci = plot.interval([u for u in paired(of(base), these, "seconds_interp")[0]
-                                                   if u is not None])
-                c[f"over_{base}"] = dict(withheld=withheld, seeds=len([u for u in paired(of(base), these)[0]
-                                                                         if u is not None]),
-                                         **({} if withheld else dict(first_step=first, first_step_ci=first_ci,
+                first, first_ci = t_interval(paired(of(base), these)[0], log=True)
+                launch, launch_ci = t_interval(paired(of(base), these, "seconds_interp")[0], log=True)
+                c[f"over_{base}"] = dict(withheld=withheld, seeds=len(paired(of(base), these)[0]),
+                                         **({} if withheld else dict(first_round=first, first_round_ci=first_ci,
                                                                      launch=launch, launch_ci=launch_ci)))
             if "sync" in modes and mode != "sync":
-                gain, gain_ci = plot.interval(paired(of("sync"), these)[1], mean)
+                gain, gain_ci = t_interval(paired(of("sync"), these)[1])
                 c["accuracy_gain"], c["accuracy_gain_ci"] = (None, None) if bound_cpu[mode] or bound_cpu["sync"] \
                     else (gain, gain_ci)
             out[" ".join(map(str, (*cell, mode)))] = c
@@ -910,16 +1046,16 @@ def hardware_summary(rows: list[dict]) -> dict:
                 pairs.append(dict(p, cpu_bound=True))
                 continue
             ups, gains = paired(of(a), of(b))
-            up, up_ci = plot.interval([u for u in ups if u is not None], level=level)
-            gain, gain_ci = plot.interval(gains, mean, level=level)
-            pairs.append(dict(p, cpu_bound=False, seeds=len([u for u in ups if u is not None]), speedup=up,
+            up, up_ci = t_interval(ups, level, log=True)
+            gain, gain_ci = t_interval(gains, level)
+            pairs.append(dict(p, cpu_bound=False, seeds=len(ups), speedup=up,
                               speedup_ci=up_ci, resolved=bool(up_ci and (up_ci[0] > 1 or up_ci[1] < 1)),
                               accuracy_gain=gain, accuracy_gain_ci=gain_ci,
                               gain_resolved=bool(gain_ci and (gain_ci[0] > 0 or gain_ci[1] < 0))))
-    return dict(cells=out, pairs=pairs, scaling=scaling(rows), bootstrap=dict(
-        plot.BOOTSTRAP, speedup="the median of the seeds' paired ratios, interpolated time from the first step",
-        accuracy_gain="the mean of the seeds' paired differences in mean accuracy to the horizon",
-        pairs="Bonferroni: each interval of a cell's P pairs at 1 - 10% / 2P"))
+    return dict(cells=out, pairs=pairs, scaling=scaling(rows), intervals=dict(
+        level=LEVEL, speedup="the geometric mean of the seeds' paired ratios of interpolated time from the first round, "
+        "a t interval of their logs", accuracy_gain="the mean of the seeds' paired differences in mean accuracy over "
+        "the horizon, a t interval", pairs="Bonferroni: each interval of a cell's P pairs at 1 - 10% / 2P"))
 
 
 def scaling(rows: list[dict]) -> list[dict]:
@@ -936,11 +1072,11 @@ def scaling(rows: list[dict]) -> list[dict]:
             continue
         few, many = ([r for r in mine if r["searchers"] == n] for n in (counts[0], counts[-1]))
         ups, _ = paired(few, many)
-        ratio, ci = plot.interval([u for u in ups if u is not None])
+        ratio, ci = t_interval(ups, log=True)
         med = lambda rs, k: float(np.median([r[k] for r in rs if r.get(k)])) if any(r.get(k) for r in rs) else None
         throughput = med(many, "steps_per_s") / med(few, "steps_per_s") if med(few, "steps_per_s") else None
         out.append(dict(ratio=point[0], x=point[1], y=point[2], shape=point[3], few=counts[0], many=counts[-1],
-                        speedup=ratio, speedup_ci=ci, seeds=len([u for u in ups if u is not None]),
+                        speedup=ratio, speedup_ci=ci, seeds=len(ups),
                         throughput=throughput, cycle_few=med(few, "cycle"), cycle_many=med(many, "cycle")))
     return out
 
@@ -1263,16 +1399,17 @@ def main(argv=None):
     p.add_argument("--slowdowns", type=float, nargs="*", default=[],
                    help="part 9: points of --generation-slowdown X alone, each run calibrating itself (CPU packing)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
-                   help="part 9: the modes at each point (MODES; --lag 0 runs first whether named or not)")
+                   help="part 9: the modes at each point (MODES; --lag 0 first where named)")
     p.add_argument("--decoding", default="gpu+tails", choices=list(DECODINGS),
                    help="part 9: the points' emulated decoding: as on a GPU with GSM8K's long tail of answer lengths "
                         "(gpu+tails), or each running sequence's share (linear, the earlier cells')")
     p.add_argument("--few-seeds", type=int, default=FEW_SEEDS,
                    help="part 9: the seeds of the points after the main one (the first of --seeds)")
-    p.add_argument("--gain", type=float, default=0.15, help="part 9: the target, held-out accuracy >= start + GAIN "
-                   "(a task with a slower curve, `-- --task countdown`, may want less: 0.1)")
-    p.add_argument("--horizon", type=float, default=None, help="part 9: the window of the mean accuracy, seconds from "
-                   "the first step (default: the same seed's synchronous run's end)")
+    p.add_argument("--gain", type=float, default=0.20, help="part 9: the target, held-out accuracy >= start + GAIN "
+                   "(0.20: above the toy's plateau at 0.48-0.55; a task with a slower curve, `-- --task countdown`, "
+                   "may want less: 0.1)")
+    p.add_argument("--horizon", type=float, default=HORIZON, help="part 9: seconds every run runs from its first "
+                   "round, whatever its accuracy: the window of the mean accuracy")
     p.add_argument("--eval-every", type=int, default=2, help="part 9: steps between evaluations")
     p.add_argument("--costs", default=None, help="part 9: an earlier run's OUT/calibration.json instead of a new one")
     p.add_argument("--lags", type=int, nargs="+", default=[0, 2, 10], help="part 12: the exact lags L")
@@ -1280,6 +1417,8 @@ def main(argv=None):
                    help="print part 9's table recomputed from a part9.json (or a bench.json) and run nothing")
     p.add_argument("--doc", default=None, help="with --table: write it into this file between its markers "
                    "(docs/performance.md)")
+    p.add_argument("--picture", default=None, help="with --table: draw the main cell's curves and speed-ups into this "
+                   "PNG (docs/part9.png; pip install matplotlib)")
     p.add_argument("--trl-python", default=None,
                    help="part 8: the python of a virtual environment holding TRL (default: make one in $TBA_CACHE/trl-venv)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="after --: extra flags for tba.py (both modes)")
@@ -1287,13 +1426,16 @@ def main(argv=None):
     if args.table:  # the table from the seeds' figures: nothing runs
         if args.doc and not (os.path.isfile(args.doc) and os.access(args.doc, os.R_OK | os.W_OK)):
             raise BadInput(f"--doc: {args.doc} is not a file this process can read and write")
-        lines = part9_table(read_per_seed(args.table))
+        eh = read_per_seed(args.table)
+        lines = part9_table(eh)
         if args.doc:
             into_doc(args.doc, lines)
+        if args.picture:
+            curves_picture(eh, args.picture)
         print("\n".join(lines))
         return
-    if args.doc:
-        raise BadInput("--doc acts only with --table")
+    if args.doc or args.picture:
+        raise BadInput(f"{'--doc' if args.doc else '--picture'} acts only with --table")
     flags = [f for f in args.flags if f != "--"]
     unknown = [n for n in args.parts if n not in PARTS]
     if unknown:
@@ -1350,7 +1492,7 @@ def main(argv=None):
     for seed in args.seeds if {1, 2} & set(args.parts) or trl_py else []:
         for searchers in (1, 0):  # 0: on-policy, as the README's synchronous baseline
             run_out = os.path.join(out, f"seed{seed}-searchers{searchers}")
-            own = [*flags] if searchers else ["--lag", "0", *without_streaming(flags)]
+            own = [*flags] if searchers else ["--lag", "0", *acting(flags, ["--lag", "0"], 0)]
             runs.append(run_until_target(searchers, seed, args.cap, run_out,
                                          ["--eval-every", "2" if args.quick else "10", *own],
                                          args.full or trl_py is not None))
@@ -1362,8 +1504,9 @@ def main(argv=None):
     if 9 in args.parts:
         result["equal_hardware"] = eh = equal_hardware(
             seeds9, out, flags, args.cap, [1] if args.quick else args.searchers, [1.0] if args.quick else args.ratios,
-            args.slowdowns, ["colocated", "sync", "stream"] if args.quick else args.modes, 0.05 if args.quick else
-            args.gain, args.eval_every, args.decoding, cfg, few=args.few_seeds, given=args.costs, horizon=args.horizon)
+            args.slowdowns, ["colocated", "sync", "stream", "full"] if args.quick else args.modes, 0.05 if args.quick
+            else args.gain, args.eval_every, args.decoding, cfg, few=args.few_seeds, given=args.costs,
+            horizon=QUICK_HORIZON if args.quick else args.horizon)
         write_json(os.path.join(out, "part9.json"), per_seed(eh, machine, sys.argv))  # beside docs/performance.md
     if 12 in args.parts:
         result["miniature"] = miniature(args.seeds, out, flags, args.quick, args.lags)
@@ -1573,20 +1716,20 @@ def part9_table(eh: dict) -> list[str]:
     mode, then which pairs of modes of a cell the seeds resolve, with the correction said, then the scaling."""
     summary = eh.get("summary") or hardware_summary(eh["rows"])
     fmt = lambda t, f="{:.2f}": f.format(t) if t is not None else "-"
-    c0, boot = eh.get("costs"), summary["bootstrap"]
-    window = f"{eh['horizon']:g} s" if eh.get("horizon") else "the same seed's --lag 0 run's end"
+    c0, level = eh.get("costs"), summary["intervals"]["level"]
     lines = [f"Time to held-out accuracy >= start + {eh['gain']:g}, interpolated between the two evaluations around "
-             f"it; speed-ups over the colocated run (N + 1 devices) and over --lag 0 (the same N searchers), each the "
-             f"median of the seeds' paired ratios with a {boot['level']:.0%} interval ({boot['resamples']} bootstrap "
-             f"resamples of the seeds): from the first step (a steady state) and from launch (start-up counted); "
-             f"bound: (G + T) / max(a searcher's own cycle, T + publish) from the --lag 0 rows, on throughput; gain: "
-             f"the mean accuracy from the first step to {window} over --lag 0's; steps and steps a second: learning "
+             f"it, every run {eh['horizon']:g} s from its first round (one that never reached it: its horizon, a bound "
+             f"that understates the other's speed-up); speed-ups over the colocated run (N + 1 devices) and over --lag "
+             f"0 (the same N searchers), each the geometric mean of the seeds' paired ratios with a {level:.0%} t "
+             f"interval of their logs: from the first round (every mode's clock) and from launch (start-up counted); "
+             f"bound: (G + T) / max(a searcher's mean cycle, T + publish) from the --lag 0 rows, on throughput; gain: "
+             f"the mean accuracy over the {eh['horizon']:g} s over --lag 0's; steps and steps a second: learning "
              f"and throughput apart (medians); G, T, publish: the round, the step and the publish (medians, s); "
              f"uncharged: the work no emulated device pays for, a round (reload / the rest: scoring, pi_ref); over: "
              f"the most any process ran above its own charge, that work counted (CPU-bound above {CPU_BOUND:.0%}: no "
              f"speed-up given)" + (f". Emulated costs alone: {c0['seconds_per_token'] * 1e3:.3f} ms a token, a step "
                                    f"{c0['train_step']:.3f} s" if c0 else "") + ".", "",
-             "| N | G/T | X | Y | decoding | mode | reached | 1st step: over colocated | over --lag 0 | launch: over "
+             "| N | G/T | X | Y | decoding | mode | reached | 1st round: over colocated | over --lag 0 | launch: over "
              "colocated | over --lag 0 | bound | gain over --lag 0 | steps | step/s | stale | G | T | publish | "
              "uncharged | over |",
              "|" + "---|" * 21]
@@ -1598,17 +1741,17 @@ def part9_table(eh: dict) -> list[str]:
                 plus_ci(c.get("accuracy_gain"), c.get("accuracy_gain_ci")) if c["mode"] != "sync" else "+0")
         unch = " / ".join(f"{c['uncharged'].get(p, 0.0):.3f}" for p in ("reload", "score")) if c["uncharged"] else "-"
         lines.append(f"| {c['searchers']} | {fmt(c['ratio'], '{:g}')} | {c['x']:g} | {c['y']:g} | {c['shape']} | "
-                     f"{c['mode']} | {c['reached']}/{c['runs']} | {said('colocated', 'first_step')} | "
-                     f"{said('sync', 'first_step')} | {said('colocated', 'launch')} | {said('sync', 'launch')} | "
+                     f"{c['mode']} | {c['reached']}/{c['runs']} | {said('colocated', 'first_round')} | "
+                     f"{said('sync', 'first_round')} | {said('colocated', 'launch')} | {said('sync', 'launch')} | "
                      f"{fmt(c['bound'])} | {gain} | {fmt(c['steps'], '{:.1f}')} | {fmt(c['steps_per_s'])} | "
                      f"{fmt(c['staleness'])} | {fmt(c['G'], '{:.3f}')} | {fmt(c['T'], '{:.3f}')} | "
                      f"{fmt(c['publish'], '{:.3f}')} | {unch} | {c['over']:.0%} |")
     if summary["pairs"]:
-        lines += ["", f"Pairs of modes, the later's speed-up over the earlier from the first step and its gain in mean "
-                      f"accuracy, paired by seed; resolved where the interval excludes no difference, each interval "
+        lines += ["", f"Pairs of modes, the later's speed-up over the earlier from the first round and its gain in mean "
+                      f"accuracy, paired by seed; resolved where the t interval excludes no difference, each interval "
                       f"at its cell's corrected level (Bonferroni: a cell's P pairs make 2P claims, each interval at "
-                      f"1 - {1 - boot['level']:.0%} / 2P), so that all of a cell's \"resolved\" hold together at "
-                      f"{boot['level']:.0%}:", ""]
+                      f"1 - {1 - level:.0%} / 2P), so that all of a cell's \"resolved\" hold together at "
+                      f"{level:.0%}:", ""]
     for p in summary["pairs"]:
         where = f"N {p['searchers']} {'G/T %g' % p['ratio'] if p['ratio'] else 'X %g' % p['x']} {p['shape']}"
         head = f"- {where}, {p['b']} over {p['a']}"
@@ -1622,7 +1765,7 @@ def part9_table(eh: dict) -> list[str]:
     for s in summary["scaling"]:
         lines += ["", f"Scaling at G/T {s['ratio']:g} ({s['shape']}, the same X and Y): streaming with {s['many']} "
                       f"searchers reaches the target {times_ci(s['speedup'], s['speedup_ci'])} sooner than with "
-                      f"{s['few']} from the first step ({s['seeds']} seeds, {boot['level']:.0%} interval; "
+                      f"{s['few']} from the first round ({s['seeds']} seeds, {level:.0%} interval; "
                       f"{s['many'] / s['few']:g}x is the number of searchers); throughput "
                       f"{fmt(s['throughput'])}x; a searcher's own cycle {fmt(s['cycle_many'], '{:.3f}')} s against "
                       f"{fmt(s['cycle_few'], '{:.3f}')} s."]
@@ -1634,7 +1777,8 @@ def per_seed(eh: dict, machine: dict, command: list[str]) -> dict:
     recomputes the table, docs/performance.md's too): the target, the costs, the machine, the command, and each run's
     PER_SEED figures."""
     return dict(gain=eh["gain"], horizon=eh["horizon"], costs=eh["costs"] and {k: eh["costs"][k] for k in COSTS},
-                machine=machine, command=command, rows=[{k: r.get(k) for k in PER_SEED} for r in eh["rows"]])
+                machine=machine, command=command, took=eh.get("took"),
+                rows=[{k: r.get(k) for k in PER_SEED} for r in eh["rows"]])
 
 
 def read_per_seed(path: str) -> dict:
