@@ -105,9 +105,8 @@ def loop(index: int, cfg, channels, data, engine: "Engine", weights: Inbox, requ
         ids = rng.choice(len(data.prompts), size=min(engine.decoder.prompts(), len(data.prompts)), replace=False)
         trajectories, stats = engine.search(ids, cfg.search_samples_per_prompt, (cfg.seed, index + 1, round_),
                                             for_step=for_step)
-        if trajectories:  # (--keep-full: the prompts done by now, none where the engine was left idle)
-            say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
-                     started=t0, seconds=time.time() - t0, **stats))
+        say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
+                 started=t0, seconds=time.time() - t0, **stats))
 
 
 def lagged(cfg, round_: int, wanted) -> tuple[int | None, int | None]:
@@ -168,30 +167,22 @@ class Engine:
     # --- searching -------------------------------------------------------------------------
     def generate(self, prompt_ids, n: int, seed: tuple, plain: bool = False) -> list[tuple[int, list]]:
         """vLLM's n samples of each prompt, seeded: (prompt id, its n completions) for each prompt done (decoding.py).
-        `plain`: a round of these prompts alone, stepped, whatever the run's decoder (the emulation's calibration).
-        No prompt ids (None): --keep-full's responses in flight, all of them (before an evaluation)."""
-        if prompt_ids is None:
-            return self.decoder.generate([], drain=True)
-        decoder = decoding.Stepped(self.llm, self.clock) if plain else self.decoder
-        return decoder.generate(self.to_requests(prompt_ids, n, seed))
+        `plain`: a round of these prompts alone, stepped, whatever the run's decoder (the emulation's calibration)."""
+        decoder = decoding.Stepped(self.llm, self.clock) if plain else self.decoder  # no prompt ids: drain (Full)
+        return decoder.generate(self.to_requests(prompt_ids, n, seed), drain=prompt_ids is None)
 
     def to_requests(self, prompt_ids, n: int, seed: tuple) -> list[decoding.Request]:
         return [decoding.Request(int(p), self.prompts[p], n, self.explore(seed, p), max_tokens(self.cfg, self.prompts[p]),
-                                 seed) for p in prompt_ids]
+                                 seed) for p in (() if prompt_ids is None else prompt_ids)]
 
     def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1) -> tuple[list[Trajectory], dict]:
-        """n sampled responses to each prompt, scored, with pi_ref's and the behaviour's log-probs and the version that
-        sampled them; `for_step`: --lag's step."""
+        """Each prompt's n responses, scored, with pi_ref's and the behaviour's log-probs and their weights' versions."""
         done = [(p, c) for p, completions in self.generate(prompt_ids, n, seed) for c in completions]
-        if not done:
-            return [], {}
         if for_step >= 0 and self.cfg.ref_reset_every:  # TBA′ with --lag: scored under the pi_ref of its step
             self.reference_of(for_step)
         texts = [c.text for _, c in done]
         rewards = self.scorer.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done], texts,
                                      [self.answers[p] for p, _ in done])
-        # vLLM labels each token with the weights' version that sampled it (--keep-full: `load`; vllm/outputs.py:42-48,
-        # 90): a response in flight when new weights arrived has two or more
         versions = [[int(span.version) for span in (c.weight_versions or ()) if self.cfg.keep_full] or [self.version]
                     for _, c in done]
         trajectories = [Trajectory(prompt_id=p, response=np.asarray(c.token_ids, dtype=np.int32), reward=float(r),
@@ -260,24 +251,18 @@ class Engine:
 
     # --- weights ---------------------------------------------------------------------------
     def load(self, named_tensors, version: int):
-        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache (between rounds: none in flight);
-        --keep-full: requests in flight keep their KV cache (PipelineRL's choice) and go on under the new weights, and
-        those added from now on are salted with the new version (runtime/decoding.Full)."""
+        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache (between rounds: none in flight)."""
         named_tensors = list(named_tensors)  # read twice where the scorer keeps a copy
         self.scorer.loaded(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
-        if self.cfg.keep_full:
-            self.llm.llm_engine.set_weight_version(str(version))  # the tokens' labels from the next step on
-            self.decoder.version = version
-            if self.decoder.busy():  # the prefix cache is dropped before the next evaluation (`evaluate`)
-                self.version = version
-                return
+        self.version = version
+        if self.cfg.keep_full:  # requests in flight go on under the new weights: runtime/decoding.Full.loaded
+            return self.decoder.loaded(self.llm, version)
         # vLLM never drops cached prefixes after new weights: they would keep the old policy's KV values.
         # reset_prefix_cache() returns False when blocks are still in use (vllm/v1/core/block_pool.py:837-845):
         # between two rounds none are, so False is a bug to stop on
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(f"vLLM could not reset its prefix cache after loading the weights of step {version}")
-        self.version = version
 
     def sync(self, weights: Inbox) -> bool:
         """Load the published weights if they moved (unless an evaluation keeps those held: `Requests.hold`),

@@ -60,7 +60,7 @@ class Plain:
     def busy(self) -> bool:
         return False
 
-    def generate(self, requests: list[Request]) -> list[tuple[int, list]]:
+    def generate(self, requests: list[Request], drain: bool = False) -> list[tuple[int, list]]:
         if not requests:
             return []
         t0 = time.time()
@@ -84,7 +84,7 @@ class Stepped:
     def prompts(self) -> int:
         return self.round_prompts
 
-    def generate(self, requests: list[Request]) -> list[tuple[int, list]]:
+    def generate(self, requests: list[Request], drain: bool = False) -> list[tuple[int, list]]:
         ids = []  # each request's ids (request ids no number: offline.py:640); one a response where slots ask
         for i, r in enumerate(requests):
             seeds = [(*r.seed, r.prompt_id, j) for j in range(r.n)] if self.slots.single else [(*r.seed, r.prompt_id)]
@@ -179,4 +179,14 @@ class Full:
 
     def busy(self) -> bool:
         return self.stepped.busy()
+
+    def loaded(self, llm, version: int):
+        """New weights in the engine (searcher.Engine.load): the tokens labelled with their version from the next step
+        on (vLLM's CompletionOutput.weight_versions: vllm/outputs.py:42-48, 90), the requests added from now on salted
+        with it; those in flight keep their KV cache (PipelineRL's choice); the prefix cache is dropped where none
+        is in flight, and before an evaluation (searcher.Engine.evaluate)."""
+        llm.llm_engine.set_weight_version(str(version))
+        self.version = version
+        if not self.busy() and not llm.reset_prefix_cache():
+            raise RuntimeError(f"vLLM could not reset its prefix cache after loading the weights of step {version}")
 

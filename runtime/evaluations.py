@@ -139,16 +139,19 @@ class Requests:
         each part (a long evaluation is no silence)."""
         if not self.due(engine.version):
             return
-        t0 = time.time()
-        if engine.decoder.busy():  # --keep-full: the responses in flight first (vLLM's generate would run them all)
-            trajectories, stats = engine.search(None, engine.cfg.search_samples_per_prompt, ())
-            if trajectories:
-                say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
-                         started=t0, seconds=time.time() - t0, **stats))
-            t0 = time.time()
+        t0 = self.drain(engine, say) if engine.decoder.busy() else time.time()  # --keep-full: those in flight first
         scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda n: say(dict(kind="beat", done=n)))
         self.done(engine.version)
         say(dict(kind="eval", version=engine.version, scores=scores, example=example, seconds=time.time() - t0))
+
+    def drain(self, engine, say) -> float:
+        """--keep-full, before an evaluation: every response in flight decoded, and the prompts done sent. Returns
+        the time it ended."""
+        t0 = time.time()
+        trajectories, stats = engine.search(None, engine.cfg.search_samples_per_prompt, ())
+        say(dict(kind="search", version=engine.version, verified=engine.verified, trajectories=trajectories,
+                 started=t0, seconds=time.time() - t0, **stats))
+        return time.time()
 
     def wanted(self, held: int) -> int | None:
         """--lag, past the last round: the weights of the next evaluation asked for, newer than those `held` (the

@@ -120,17 +120,16 @@ class Log:
               "over_trainer over_searchers uncharged_trainer uncharged_searchers").split()
 
     def train_row(self, step: int, batch, stats: dict, fleet, buffer, cap, clock, **fields):
-        """The row of training step `step` (rank 0; its fields: docs/output.md): the loss's statistics (means
-        over prompts), the batch's reward and staleness, `fields` (the schedules, the step's seconds) and the
-        run's counts; with emulated device time, the trainer's charges (`clock`) and a timeline
-        (`emulated_fields`)."""
+        """The row of training step `step` (rank 0; its fields: docs/output.md): the loss's statistics (means over
+        prompts), the batch's reward and staleness, `fields` (the schedules, the step's seconds) and the run's counts;
+        with emulated device time, the trainer's charges (`clock`) and a timeline (`emulated_fields`)."""
         if self.rank != 0:
             return
         trajectories = [traj for group in batch for traj in group]
         stale = [step - 1 - traj.version for traj in trajectories]
         fields = {k: v for k, v in fields.items() if not (k in ("gamma", "reward_temp") and v == 1.0)}  # Lee et al.'s
-        if self.cfg.keep_full:  # weights loaded in flight: also from the last weights that sampled each
-            fields["staleness_last"] = float(np.mean([step - 1 - traj.version_last for traj in trajectories]))
+        if self.cfg.keep_full:  # weights loaded in flight: from the last weights that sampled each response too
+            fields["staleness_last"] = float(np.mean([step - 1 - t.version_last for t in trajectories]))
         if self.cfg.ref_reset_every:  # TBA′: the oldest pi_ref that scored a trajectory of the batch
             fields["batch_reference"] = min(traj.pi_ref_version for traj in trajectories)
         self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},
