@@ -37,7 +37,9 @@ def sections():
 
 def known_flags() -> set:
     from runtime.config import Config
-    flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(Config) if not f.metadata.get("derived")}
+    fields = [f for f in dataclasses.fields(Config) if not f.metadata.get("derived")]
+    flags = {"--" + f.name.replace("_", "-") for f in fields}
+    flags |= {"--no-" + f.name.replace("_", "-") for f in fields if f.type in (bool, bool | None)}  # argparse's off
     for path in glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True):
         if "/tests/" not in path:
             flags |= set(re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", open(path).read()))

@@ -1795,7 +1795,7 @@ def read_per_seed(path: str) -> dict:
     missing = next((k for r in data["rows"] for k in PER_SEED if not isinstance(r, dict) or k not in r), None)
     if missing:
         raise BadInput(f"--table: {path}: a row has no {missing}")
-    words = ("shape", "mode", "over_process", "uncharged", "reached")  # every other figure a number, or none
+    words = ("shape", "mode", "over_process", "uncharged", "reached", "evals")  # every other figure a number, or none
     odd = next(((k, r[k]) for r in data["rows"] for k in PER_SEED if k not in words and r[k] is not None
                 and (isinstance(r[k], bool) or not isinstance(r[k], (int, float)))), None)
     if odd:
