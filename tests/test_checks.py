@@ -412,7 +412,7 @@ def test_resume_with_weights_damaged_in_place_is_refused(checkpoint, tmp_path):
         load_checkpoint(str(damaged))
 
 
-def test_a_task_with_characters_the_tokenizer_lacks_or_no_held_out_problems_is_refused(tiny_model, monkeypatch):
+def test_a_task_with_characters_the_tokenizer_lacks_or_no_held_out_problems_is_refused(tiny_model, monkeypatch, capfd):
     """Issue 67 items 7 and 10: a character the tiny tokenizer lacks (×) would reach the model as <unk>, silently; an
     empty held-out split ended in a KeyError at the first evaluation. Both are refused at start, in one line."""
     import tasks
@@ -422,9 +422,9 @@ def test_a_task_with_characters_the_tokenizer_lacks_or_no_held_out_problems_is_r
     monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), problems("*")), reward=len))
     assert checks.check(cfg, 1)[1].answers[:2] == ["0", "2"]  # in its characters: taken
     monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), problems("×")), reward=len))
-    with pytest.raises(ConfigError, match=f"^--task: times's problems use characters that the tokenizer of "
-                                          f"{tiny_model} lacks \\('×'\\): the model would read each as <unk>"):
-        checks.check(cfg, 1)
+    checks.check(cfg, 1)  # said in one line (a model may do without them: GSM8K's dashes on a tiny tokenizer)
+    assert (f"tba.py: warning: --task: times's prompts use characters that the tokenizer of {tiny_model} lacks ('×'): "
+            f"the model reads each as <unk>") in capfd.readouterr().err
     monkeypatch.setitem(tasks.TASKS, "times", Task(load=lambda data: (problems("*"), []), reward=len))
     with pytest.raises(ConfigError, match="^--task: times's held-out split is empty"):
         checks.check(cfg, 1)

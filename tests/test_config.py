@@ -90,7 +90,7 @@ def refuse(args, tmp_path, monkeypatch, capfd, match):
     (["--explore-temp-min", "2", "--explore-temp-max", "0.5"], "--explore-temp-min"),
     # issue 67 item 15: lines that named another fault (a lost trainer rank, --loss) or came after 53 lines of usage
     (["--timeout", "1e10"], "--timeout: must be in (0, 1e6] s, got 10000000000.0"),
-    (["--beta", "1e-320"], "--beta: must be at least 1e-15 (below, r / beta squared overflows)"),
+    (["--beta", "1e-320"], "--beta: must be at least 1e-15 (r / beta squared overflows)"),
     (["--ste", "5"], "tba.py: error: unrecognized arguments: --ste 5 (--help lists the flags)"),
 ])
 def test_bad_flags(args, match, tiny_model, tmp_path, monkeypatch, capfd):

@@ -558,7 +558,7 @@ def save_twice(path, out, port, results):
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cfg, data, _ = checks.check(checks.parse(Config, ["--model", path, *SMALL, "--searchers", "0",
                                                               "--out", out]), 1)
-        t = tba.Trainer(cfg, data, None, types.SimpleNamespace(first=None, training=True), time.time())
+        t = tba.Trainer(cfg, data, None, types.SimpleNamespace(first=None, training=True, launcher=None), time.time())
         try:
             t.step = 2
             checkpoint.save_checkpoint(t)

@@ -1360,7 +1360,7 @@ def trainer_overhead(cfg, prompts, repeat: int) -> dict:
         weights.synchronize([ids])
 
     def tb_update():  # the trainer's step on one rank: tba.py's own code
-        tba.backward(model, batch, 0, 1, prompts, 0, device, cfg, beta=cfg.beta)
+        tba.gradient(cfg)(model, batch, 0, 1, prompts, 0, device, cfg, beta=cfg.beta)
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -317,7 +317,7 @@ def math_blocks(device, blocks: int, reduced: bool) -> dict:
     prompts = [rng.integers(4, v, 256).tolist()]
     cfg = Config(samples_per_prompt=K, micro_batch=1, loss="tbprime", norm="sequence", max_new_tokens=tokens,
                  temperature=1.0)
-    out = two_steps(model, opt, lambda: tba.backward(model, [group], 0, 1, prompts, 0, device, cfg, beta=0.005), device, 1.0)
+    out = two_steps(model, opt, lambda: tba.gradient(cfg)(model, [group], 0, 1, prompts, 0, device, cfg, beta=0.005), device, 1.0)
     del model, opt
     free(device)
     return out
@@ -356,7 +356,7 @@ def gsm8k_step(state, device, reduced):
     prompts = [rng.integers(4, v, prompt).tolist() for _ in range(B)]
     cfg = Config(prompts_per_step=B, samples_per_prompt=K, micro_batch=micro, loss="tb", max_new_tokens=response,
                  temperature=0.7, grad_clip=0.0)
-    out = two_steps(model, opt, lambda: tba.backward(model, groups, 0, 1, prompts, 0, device, cfg, beta=0.014), device, 0.0)
+    out = two_steps(model, opt, lambda: tba.gradient(cfg)(model, groups, 0, 1, prompts, 0, device, cfg, beta=0.014), device, 0.0)
     say("GSM8K training step", prompts=B, K=K, micro_batch=micro, tokens_a_sequence=prompt + response,
         params=sum(p.numel() for p in model.parameters()), unit="GB", **out)
     del model, opt

@@ -78,7 +78,7 @@ def measure(path, K, prompt, response, recompute) -> dict:
     batch = [[Trajectory(0, rng.integers(4, 1000, size=int(n)).astype(np.int32), 1.0, -5.0, -5.0, 0)
               for n in lengths]]
     prompts = [rng.integers(4, 1000, size=prompt).tolist()]
-    step = lambda: tba.backward(model, batch, 0, 1, prompts, 0, torch.device("cpu"), cfg, beta=cfg.beta)
+    step = lambda: tba.gradient(cfg)(model, batch, 0, 1, prompts, 0, torch.device("cpu"), cfg, beta=cfg.beta)
     step()
     opt.step()
     opt.zero_grad(set_to_none=True)
