@@ -369,6 +369,17 @@ def test_the_docs_table_is_recomputed_from_the_committed_seeds(tmp_path):
     text = doc.read_text()
     assert text.startswith(f"# before\n\n{bench.TABLE_START}\n") and text.endswith(f"{bench.TABLE_END}\n\nafter\n")
     assert "\n".join(bench.part9_table(eh)) in text and "THE OLD TABLE" not in text
+    # a second run of one mode with a flag after -- (its rows named "stream --max-reuse 2") joins the table
+    other = tmp_path / "r2.json"
+    r2 = [dict(r, mode="stream --max-reuse 2") for r in rows if r["mode"] == "stream"]
+    other.write_text(json.dumps(bench.per_seed(dict(eh, rows=r2, summary=bench.hardware_summary(r2)), {"cpu": "test"},
+                                               ["bench.py"])))
+    joined = bench.read_per_seeds([str(path), str(other)])
+    assert len(joined["rows"]) == len(rows) + len(r2)
+    assert any("| stream --max-reuse 2 |" in line for line in bench.part9_table(joined))
+    other.write_text(json.dumps(bench.per_seed(dict(eh, rows=r2, horizon=60.0), {"cpu": "test"}, ["bench.py"])))
+    with pytest.raises(bench.BadInput, match="one table needs one target and horizon"):
+        bench.read_per_seeds([str(path), str(other)])
     path.write_text(json.dumps({"rows": [{"mode": "sync"}], "gain": 0.15}))
     with pytest.raises(bench.BadInput, match="a row has no searchers"):
         bench.read_per_seed(str(path))

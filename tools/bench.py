@@ -740,16 +740,17 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, cou
                          *(["--train-slowdown", f"{cell['y']:g}", "--calibration", calibration] if cell["ratio"] else []),
                          *DECODINGS[cell["shape"]], *MODES[mode]]
                 searchers = 0 if mode == "colocated" else cell["n"]
-                extra += acting(flags, extra, searchers)
+                theirs = acting(flags, extra, searchers)
+                extra += theirs
                 r = (run_one or (lambda f: f()))(lambda: run_until_target(searchers, seed, cap, run, extra, False, gain,
                                                                           horizon=horizon))
                 rows.append(dict(hardware_row(run, r, sync, baseline=mode == "sync", horizon=horizon),
                                  searchers=cell["n"], ratio=cell["ratio"], x=cell["x"],
-                                 y=cell["y"], shape=cell["shape"], mode=mode, seed=seed))
+                                 y=cell["y"], shape=cell["shape"], mode=" ".join([mode, *theirs]), seed=seed))
                 sync = rows[-1] if mode == "sync" else sync
                 h = rows[-1]
                 print(f"9. N {cell['n']} {'G/T %g' % cell['ratio'] if cell['ratio'] else 'X %g' % cell['x']} "
-                      f"{cell['shape']} {mode} seed {seed}: start + {gain:g} "
+                      f"{cell['shape']} {h['mode']} seed {seed}: start + {gain:g} "
                       + (f"at {h['seconds_interp']:.1f} s interpolated ({h['from_first_round']:.1f} s from the first "
                          f"round, step {h['step_interp']:.1f}; first evaluation past it {r['seconds']:.1f} s, step "
                          f"{r['step']})" if h["seconds_interp"] is not None else "not reached")
@@ -1413,8 +1414,9 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=2, help="part 9: steps between evaluations")
     p.add_argument("--costs", default=None, help="part 9: an earlier run's OUT/calibration.json instead of a new one")
     p.add_argument("--lags", type=int, nargs="+", default=[0, 2, 10], help="part 12: the exact lags L")
-    p.add_argument("--table", default=None, metavar="PART9_JSON",
-                   help="print part 9's table recomputed from a part9.json (or a bench.json) and run nothing")
+    p.add_argument("--table", default=None, nargs="+", metavar="PART9_JSON",
+                   help="print part 9's table recomputed from part9.json files (or bench.json) and run nothing: "
+                   "several, the same gain and horizon, join their rows (a mode is named with its flags after --)")
     p.add_argument("--doc", default=None, help="with --table: write it into this file between its markers "
                    "(docs/performance.md)")
     p.add_argument("--picture", default=None, help="with --table: draw the main cell's curves and speed-ups into this "
@@ -1426,7 +1428,7 @@ def main(argv=None):
     if args.table:  # the table from the seeds' figures: nothing runs
         if args.doc and not (os.path.isfile(args.doc) and os.access(args.doc, os.R_OK | os.W_OK)):
             raise BadInput(f"--doc: {args.doc} is not a file this process can read and write")
-        eh = read_per_seed(args.table)
+        eh = read_per_seeds(args.table)
         lines = part9_table(eh)
         if args.doc:
             into_doc(args.doc, lines)
@@ -1801,6 +1803,17 @@ def read_per_seed(path: str) -> dict:
     if odd:
         raise BadInput(f"--table: {path}: a row's {odd[0]} is {odd[1]!r}, not a number")
     return dict(data, summary=None)
+
+
+def read_per_seeds(paths: list[str]) -> dict:
+    """--table FILE...: their rows joined (`read_per_seed` each), so that runs made one after another (one mode with
+    `-- --max-reuse 2`, another with none) make one table; BadInput in one line where their gain or horizon differ."""
+    parts = [read_per_seed(p) for p in paths]
+    for p, d in zip(paths[1:], parts[1:]):
+        if (d["gain"], d.get("horizon")) != (parts[0]["gain"], parts[0].get("horizon")):
+            raise BadInput(f"--table: {p} has gain {d['gain']:g} and horizon {d.get('horizon')}, {paths[0]} "
+                           f"{parts[0]['gain']:g} and {parts[0].get('horizon')}: one table needs one target and horizon")
+    return dict(parts[0], rows=[r for d in parts for r in d["rows"]])
 
 
 def into_doc(doc: str, lines: list[str]):
