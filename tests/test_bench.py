@@ -391,6 +391,15 @@ def test_the_docs_table_is_recomputed_from_the_committed_seeds(tmp_path):
         assert block == bench.PLACEHOLDER
 
 
+def test_the_replay_sweep_in_the_docs_is_recomputed_from_its_committed_seeds():
+    """docs/performance.md's replay rows are `--table`'s of the three committed part9.json files joined."""
+    import bench
+    files = [os.path.join(ROOT, "docs", "part9-replay", f"{r}.json") for r in ("r1", "r2", "r0")]
+    rows = [l for l in bench.part9_table(bench.read_per_seeds(files)) if l.startswith("| 4 |")]
+    doc = open(os.path.join(ROOT, "docs", "performance.md")).read().split("### Replay: R, measured")[1]
+    assert len(rows) == 4 and all(f"\n{row}\n" in doc for row in rows)
+
+
 def test_over_its_charge_is_per_process_with_the_pooled_share_for_old_rows():
     """The CPU-bound rule reads each process's share over its own charge (the trainer's, each searcher's), the
     largest named; a train row written before them falls back to the pooled seconds over all the charges."""
