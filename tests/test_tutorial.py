@@ -1,6 +1,7 @@
 """docs/tutorial.md runs as it says: each of its command blocks is run as written, with fewer steps and its folders
 under a temporary one, and what the page says each run shows is checked on its rows (staleness 0 when synchronous,
-exactly L with --lag L, the emulation named in the summary), and each example summary line matches its command."""
+0, 1, 2, 3 and then exactly L with --lag 4, log Z near mean reward / beta, the emulation named in the
+summary), and each example summary line matches its command."""
 
 import importlib.util
 import json
@@ -57,10 +58,12 @@ def test_the_tutorials_runs_show_what_it_says(tmp_path):
     sync, _ = outs["sync"]
     assert len(sync) == STEPS and {r["staleness_max"] for r in sync} == {0}  # 1: on-policy
     lag, _ = outs["lag4"]
-    assert [r["staleness"] for r in lag if r["step"] >= 5] == [4.0] * (STEPS - 4)  # 3: exactly L from step L + 1
+    assert [r["staleness"] for r in lag] == [0.0, 1.0, 2.0, 3.0] + [4.0] * (STEPS - 4)  # 3: then exactly L
     assert max(r["staleness_max"] for r in lag) == 4
     for name in ("emulated-sync", "emulated-stream"):  # 5: the emulation named in the summary
         assert "generation slowed 16x (emulated) | training slowed 8x (emulated)" in outs[name][1], outs[name][1][-2000:]
-    assert {"stream", "grpo"} <= set(outs)
+    stream, _ = outs["stream"]  # section 6, exercise 2: log Z about mean r / beta (log_z_fixed.py)
+    assert all(abs(r["log_z"] - r["reward"] / r["beta"]) < 1 for r in stream) and len(stream) == STEPS, stream
+    assert "grpo" in outs
     if importlib.util.find_spec("matplotlib") is not None:
         assert os.path.getsize(tmp_path / "tutorial" / "runs.png") > 0
