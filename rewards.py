@@ -1,18 +1,8 @@
 """Reward functions: plain `reward(completion, answer) -> float`, testable on strings alone (MATH's symbolic
 check of two answers runs in a child process under a hard time limit, runtime/bounded.py, so that no answer can
-hang or crash a round).
-
-- `arith_reward`: the toy task (`--task arith`, see `tasks/arith.py`): exact match of the answer.
-- `gsm8k_reward`: the paper's GSM8K reward (Sec. 5 of Bartoldson et al., and the authors'
-  `gsm8k_utils.py`): 1.0 if the LAST number in the completion, commas removed, equals the
-  number after `####` in the data set's answer, compared as floats; else 0.0.
-- `math_reward`: the authors' MATH grading (their tba-prime's genesys/math.py and math_utils.py): the last
-  `\boxed{}` of the response (after `</think>`, if any) against the answer, equal as strings after
-  Hendrycks' normalisation or, by math-verify, as mathematics; 0.0 without a box.
-- `RewardModel`: a learned reward (`--reward-model`), the paper's TL;DR reward; `check_reward_model`
-  refuses a model that is not one before the run starts.
-The searcher calls either kind the same way, once per round: `reward(prompts, responses,
-completions, answers) -> list[float]` (a string reward through `batched`).
+hang or crash a round), and `RewardModel`, a learned reward (`--reward-model`, the paper's TL;DR reward). The
+searcher calls either kind the same way, once per round: `reward(prompts, responses, completions, answers) ->
+list[float]` (a string reward through `batched`).
 """
 
 import functools

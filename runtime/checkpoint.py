@@ -1,20 +1,9 @@
-"""Checkpoints: tensors and plain data only, written so that a crash never leaves a broken one.
-
-OUT/checkpoint-STEP/ holds the model in Hugging Face format (model/; with LoRA the merged model, and
-the adapter in adapter/, from which --resume rebuilds the policy: runtime/lora.py), the optimizer state,
-step, RNG state and counters, the weights the searchers hold if older than the model's, and pi_ref if
-TBA′ is on (trainer.pt, read back with torch.load(weights_only=True)), the replay buffer
-(buffer.npz, NumPy without pickle; runtime.checks rebuilds it as the task's buffer kind) and the run's
-config (config.json, with the run's history of resumes). OUT/checkpoint links to the
-newest complete one (`atomic_checkpoint`). Nothing read back runs code the file could carry.
-A --resume continues its run: the flags its command line does not give are the checkpoint's (`resumed_flags`);
-`check_resumed_flags` refuses those that differ where the checkpoint's data depend on them and says which others
-differ, and `check_model` refuses a --model whose weights are not those the run started from (trainer.pt keeps
-their fingerprints: runtime.weights.identity).
-A checkpoint and OUT/final are written whole or not at all (`write_folder`): a write that fails (a full disk)
-leaves no temporary folder, and the one before in place; `save_final` keeps the final weights in memory and
-retries (`write_error` tells a failed write from a bug).
-"""
+"""Checkpoints: tensors and plain data only, written whole or not at all (`write_folder`), so that a crash or a
+full disk never leaves a broken one. OUT/checkpoint-STEP/ holds model/ (Hugging Face format; with LoRA the merged
+model, and adapter/), trainer.pt (read back with torch.load(weights_only=True)), buffer.npz (NumPy without pickle)
+and config.json; OUT/checkpoint links to the newest complete one (`atomic_checkpoint`). A --resume takes the flags
+its command line does not give from the checkpoint (`resumed_flags`); `check_resumed_flags` and `check_model`
+refuse what its data depend on (docs/output.md gives a checkpoint's files)."""
 
 import dataclasses
 import glob

@@ -1,16 +1,6 @@
-"""The command line: `parse` builds tba.Config from it, and `check` refuses bad input and computes the
-derived values, once, before anything is spawned or written.
-
-`check` refuses in one line naming the flag (ConfigError; tba.py exits with status 2): values out of
-range, flags of another task, a model folder without weights or tokenizer, a reward model with more
-than one output, a batch the data cannot fill, a context too short for prompt + response, GPU settings
-a spawned process would fail on (runtime/gpu.py), an --out that exists or cannot be written, and a
---resume whose checkpoint is incomplete, whose run used other values of the flags that cannot change
-mid-run, or whose --model holds other weights than the run started from (a resume takes the flags it is not given
-from its checkpoint, and records what changed in the Config's `resumes`). It returns a new Config with the derived
-values filled in (paths, device, dtype, threads, the longest sequence, the defaults that depend on other flags);
-Config is frozen, so nothing writes to it after the checks.
-"""
+"""The command line: `parse` builds tba.Config from it, and `check` refuses bad input in one line naming the flag
+(ConfigError; tba.py exits with status 2) and computes the derived values, once, before anything is spawned or
+written. It returns a new Config with them filled in; Config is frozen, so nothing writes to it after the checks."""
 
 import argparse
 import dataclasses

@@ -1,20 +1,6 @@
-"""GPU settings a spawned process would fail on, and a searcher GPU's memory: refused or computed by
-runtime.checks before any process starts.
-
-- `check_gpus`: too few GPUs, bf16 on a GPU older than compute capability 8.0, GPU 0 in EXCLUSIVE_PROCESS
-  mode; it also picks the dtype `--dtype auto` means.
-- `check_memory`: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it
-  loads beside them fit the smallest of this node's searcher GPUs, split as the searchers will split it
-  (`memory_split`); --searcher-memory's default (`memory_share`).
-- `memory_needs`: what a searcher's GPU holds, from the models' configs (counted on the meta device: no
-  weights read) and the run's settings; a task adds its own engines and models (its `memory`); with
-  --searchers 0 the trainer's own weights, gradients, AdamW state and shared copy too (`trainer_bytes`).
-- `check_evaluator`: --evaluator after's engine, in --trainer-memory of the trainer's GPU, fits beside the
-  trainer's state, or a refusal in one line.
-- `check_host`: what the trainer keeps in the host's RAM (--lag's pinned history, --behaviour-logprobs trainer's,
-  --evaluator after's snapshots: `host_needs`) fits it, or a refusal in one line. `pinned_block` counts a
-  slot of those histories as runtime/weights.flat_slot allocates it (tools/memory.py's plan uses it too).
-"""
+"""GPU settings a spawned process would fail on, a searcher GPU's memory (`check_memory`), --evaluator after's
+engine beside the trainer and the host's RAM: refused in one line, or computed, by runtime.checks before any process
+starts (docs/gpu.md gives the figures)."""
 
 import math
 import os

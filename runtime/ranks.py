@@ -1,17 +1,7 @@
-"""Several trainer ranks: the process group, and the decisions all ranks take together.
-
-- One process group even for a single process (`init_distributed`), so one code path serves 1 and N
-  ranks; its backend follows the run's device (gloo on the CPU, NCCL beside gloo on GPUs).
-- Any decision that leads to a collective is taken by all ranks together: rank 0 decides and
-  broadcasts it (`broadcast`, `broadcast_batch`: plain data and tensors, never pickled), and its long
-  waits answer the other ranks every slice (`wait_together`), so that no rank sits in a collective while
-  rank 0 checkpoints alone. A refusal of the configuration on any rank stops all (`first_refusal`).
-- `fail`: the one line a run ends with, and its exit status, also in torchrun's error file.
-- `Watchdog`: a rank that waits in a collective no other rank will join (or that stopped answering) ends the run
-  within `stall_bound(--timeout)` seconds (and a beat or two), in one line naming the step and where each rank waits;
-  a signal ends a rank stuck in a collective within GRACE seconds; a rank whose launcher (torchrun) is gone stops as
-  on SIGTERM. A thread of each rank's: no Python handler can run while the main thread waits inside a collective.
-"""
+"""Several trainer ranks: the process group (one even for a single process, so one code path serves 1 and N ranks),
+and the decisions all ranks take together: rank 0 decides and broadcasts (plain data and tensors, never pickled),
+and its long waits answer the other ranks every slice (`wait_together`). `Watchdog` ends a stall in the collectives,
+a rank that stopped answering, or a signal to a rank stuck in one, in one line (docs/faults.md)."""
 
 import contextlib
 import datetime

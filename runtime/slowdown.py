@@ -1,29 +1,9 @@
 """Device time, emulated: the regime TBA is for (generation and training each on devices of their own, generation
-dominating), made on a machine that is not in it (tools/bench.py part 9, docs/performance.md). Experiment knobs,
-off by default:
-- `--generation-slowdown X`: each decoding step of a searcher's engine (or the synchronous trainer's) lasts X
-  times its cost alone, sleeping the rest (`Clock.step`). Its cost alone is the engine's calibration, seconds a
-  generated token costs it warm and alone (`calibrate`, `calibrate_alone`: the engines of a node warm up side by
-  side, then time one at a time), times the sequences the step runs (`--decode-cost linear`), or, as on a GPU, a
-  fixed part and a small part a sequence (`gpu`: the same cost as linear's at a whole batch, B x n sequences,
-  whatever the searchers' number; the part a sequence is the model's, `per_sequence(--decode-shape)`).
-  `--response-lengths gsm8k` gives each response emulated decoding steps from the long tail of a real model's
-  GSM8K answers (`Tails` holds a finished response in its slot until they pass).
-- `--train-slowdown Y`: each training step (sample, loss, update) lasts Y times its cost alone (`TrainClock.charge`):
-  the calibration's, or the median of the run's own first steps. The step's weights leave after it, as on a device
-  (before, the synchronous baseline's searchers began the next round inside the trainer's sleep: a baseline faster
-  than the hardware allows).
-- `--calibration FILE`: the costs alone (`seconds_per_token`, `train_step`) measured once, on an idle machine, and
-  handed to every run of a comparison (`read_calibration`), instead of each run's own under whatever load. A file
-  may also describe a colocated run (`--searchers 0` on D devices, tools/bench.py part 9's colocated baseline):
-  `devices` D, each generating its share of a round's running sequences (`Clock.alone`: the slowest device's
-  share; a GPU-shaped step's fixed part is each device's, it does not shrink with the share), then each training
-  its share of the batch, data-parallel (`TrainClock`: the step alone over D), and `all_reduce`, the gradients'
-  all-reduce a step, in emulated seconds. This cannot be said with X and Y alone: a GPU-shaped step a + b x r over
-  D devices is a + b x r / D, which no factor of a + b x r gives.
-Sleeping uses no core, so N searchers and the trainer share the CPU cores as devices of their own would share
-nothing; pi_ref's log-probs, the rewards and the weights' reload are not slowed: work no device pays for
-(`Clock.apart`, counted in the rows as `uncharged`). Where real compute takes longer than its charge, the step is
+dominating), made on a machine that is not in it (tools/bench.py part 9). docs/performance.md says what each knob
+does: `--generation-slowdown` (`Clock.step`), `--train-slowdown` (`TrainClock.charge`), `--calibration`
+(`read_calibration`; a colocated run's `devices` and `all_reduce`), `--decode-cost` and `--decode-shape`
+(`per_sequence`), `--response-lengths` (`Tails`). Work no device pays for (pi_ref's log-probs, the rewards, the
+weights' reload) is not slowed (`Clock.apart`, the rows' `uncharged`); real compute longer than its charge is
 over budget (`over`): a comparison of such runs measures the CPU, not the schedule.
 """
 

@@ -9,12 +9,10 @@ made on a 2-core AMD EPYC, in 100 s on cores shared with other jobs, by
     rm -rf runtime/tiny-arith && python -m runtime.tiny runtime/tiny-arith
 
 `--model tiny` takes it where its recorded identity is the code's (RECIPE, the tokenizer's characters and arith's
-training problems, unedited). Where it is not (RECIPE edited, say), `--model tiny` builds the model once into
-$TBA_CACHE (default ~/.cache/tba), saying why in one line, and reuses it: about 20 s on two idle CPU cores, 13
-minutes measured on busy ones, with a line every few seconds (its step, check accuracy and the time left at
-most, every step left at its pace). A build is renamed into place only once whole, and a
-folder of the cache that is not (`damage`) is built again, said in one line; a process that finds another building
-the same model says so and waits for it (`held`).
+training problems, unedited). Where it is not, and for a task with demos (tasks/task.py: `demos()`, warm-started the
+same way until TASK_RECIPE's target), `--model tiny` builds the model once into $TBA_CACHE (default ~/.cache/tba), in
+a folder named by the hash of what decides it, saying why in one line, with a line every few seconds; docs/faults.md
+says what a damaged folder or a second builder does.
 
 The warm start is a short supervised pass on the answers of training problems, stopped on purpose as soon as greedy
 accuracy on 512 training problems, checked after every step near the target, reaches 35%, so that RL has room to
@@ -31,16 +29,6 @@ start the same.
     python -m runtime.tiny                            # the model --model tiny uses (built if need be): its path
     python -m runtime.tiny OUT_DIR                    # build it into OUT_DIR (a new folder)
     python -m runtime.tiny --task countdown [OUT_DIR] # warm-started on another task's demos (its `demos()`)
-
-A task that brings demonstrations (tasks/task.py: `demos()`, solved problems) gets a tiny model warm-started on
-them instead, the same way, until greedy responses to 512 of its training problems score TASK_RECIPE's target
-on its held-out metric (countdown's: 106 steps, 5-6 minutes on two busy cores): `--model tiny` builds it on first
-use for such a task (`cached(task)`), so a new task learns on
-a laptop from its own start. A cached model's folder is named by the hash of what decides it (`made_of`: the
-recipe, the tokenizer's characters, and what the warm start reads, a task's demos and training problems), so an
-edited task gets a new warm start, said in one line.
-
-Tests make untrained models of other architectures (Pythia, Qwen2, GPT-2) in tests/models.py.
 """
 
 import contextlib

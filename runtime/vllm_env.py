@@ -1,16 +1,6 @@
-"""vLLM's environment and the workarounds its engines need here, in one place.
-
-- `set_up()`: vLLM's and torch's environment variables, set before either is imported (they read them at
-  import): tba.py, searcher.py and the tools call it at their top, ahead of those imports. This module
-  imports neither at its own top.
-- `check()`: refuses (runtime.checks) what the user set that would break the weight path.
-- `llm_options(...)`: the options a vLLM engine of this project starts with, each for a reason given there.
-- `eager_transformers(llm)`: builds transformers models beside a vLLM engine as plain eager models.
-- `quiet_loading()`: no loading bars from transformers (they would break the trainer's progress bar).
-- `engine_params(llm, names)`, `held_fingerprints(llm)`: the weights an engine holds, read back (arrival checks).
-- `start_fork_server()`: on the CPU, the searchers' fork server, which imports vLLM once for them; it imports
-  this module first, with FORK_SERVER set. tba.py starts it before it imports torch (`early`).
-"""
+"""vLLM's environment and the workarounds its engines need here, in one place. This module imports neither vLLM
+nor torch at its top: `set_up()` sets their environment variables before either is imported (they read them at
+import), and the fork server imports this module first, with FORK_SERVER set."""
 
 import contextlib
 import os

@@ -1,18 +1,8 @@
-"""The tasks, one file each (task.py says what a task is). Every module of this folder but task.py is a task,
-named by its file, so a new task is its file alone:
-
-- `arith`: the toy task, two-digit addition (built in, no download);
-- `countdown`: a second toy task, TinyZero's countdown (three numbers and a target; built in);
-- `gsm8k`: the paper's headline task, with the paper's reward;
-- `tldr`: the paper's summarisation task, scored by a reward model, evaluated by win rate and KL;
-- `redteam`: the paper's red-teaming task after Lee et al.: an attacker against a frozen victim;
-- `math`: MATH, the paper's Sec. 6 run (Qwen 2.5 7B, TBA′ against Dr. GRPO), with the authors' grading.
-
-`TASKS` maps each `--task` name to the module that holds its `TASK` (found by file name: nothing is imported
-to list them); `get(name)` imports it. A file that does not make a task (it does not import, holds no `TASK`,
-a folder of its name shadows it) is refused in one line naming it where it is used, and leaves the other tasks
-alone: `names()` lists the tasks that load, each imported with a deadline (one that waits at its top is left).
-"""
+"""The tasks, one file each (task.py says what a task is; the README's Tasks, and docs/tasks.md, list them). Every
+module of this folder but task.py is a task, named by its file, so a new task is its file alone. `TASKS` maps each
+`--task` name to its module (found by file name: nothing is imported to list them); `get(name)` imports it. A file
+that does not make a task is refused in one line naming it where it is used, and leaves the other tasks alone:
+`names()` lists the tasks that load, each imported with a deadline (one that waits at its top is left)."""
 
 import importlib
 import importlib.util
