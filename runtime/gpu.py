@@ -268,11 +268,6 @@ def check_evaluator(cfg, task, local: int):
                           f"beside the trainer: {e} (or evaluate with --evaluator searcher)") from None
 
 
-def pow2_ceil(n: int) -> int:
-    """n rounded up to a power of two, as c10::llvm::PowerOf2Ceil (c10/util/llvmMathExtras.h:701-705)."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
 def pinned_block(sizes) -> int:
     """Bytes of ONE pinned host block holding tensors of `sizes` bytes, each at an offset aligned to 64 bytes: a slot
     of --lag's history (runtime/weights.flat_slot), exact on any torch. The slot is plain host memory page-locked in
@@ -280,13 +275,6 @@ def pinned_block(sizes) -> int:
     (ATen/core/CachingHostAllocator.h:302-309) and, with that rounding turned off, could hand a freed smaller block
     of the same power-of-two bucket to a larger request (get_free_block, :621-633)."""
     return max(1, sum(-(-s // 64) * 64 for s in sizes))
-
-
-def pinned_tensors(sizes) -> int:
-    """Bytes of the same tensors pinned one block each by torch's caching host allocator (--lag's history before
-    flat_slot), each block rounded up to a power of two (ATen/core/CachingHostAllocator.h:302-309): about 1.9x the
-    bytes for Qwen2.5-7B's shapes. The "before" figure of docs/gpu.md's plan."""
-    return sum(pow2_ceil(s) for s in sizes)
 
 
 def snapshots(steps: int, eval_every: int) -> int:
