@@ -115,7 +115,9 @@ def load_checkpoint(folder: str) -> dict:
         raise ConfigError(f"--resume: {folder} is not a checkpoint folder{hint}")
     if not os.path.isfile(buffer):
         raise ConfigError(f"--resume: {folder} has no buffer.npz (an incomplete checkpoint?)")
-    check_checkpoint_model(folder)
+    if not os.path.isfile(os.path.join(folder, "model", "config.json")):  # transformers: a traceback
+        raise ConfigError(f"--resume: {folder} has no model/config.json (an incomplete checkpoint?)")
+    check_weights(os.path.join(folder, "model"), "resume", "; an incomplete checkpoint?")
     try:
         state = torch.load(trainer, weights_only=True, map_location="cpu")  # tensors and plain data only
         with np.load(buffer, allow_pickle=False) as f:
@@ -129,14 +131,6 @@ def load_checkpoint(folder: str) -> dict:
             raise ConfigError(f"--resume: {path} is not the file its checkpoint wrote (missing, or its "
                               f"SHA-256 differs: damaged?)")
     return state
-
-
-def check_checkpoint_model(folder: str):
-    """The checkpoint's model/ holds a config and weights (transformers would fail with a traceback)."""
-    model = os.path.join(folder, "model")
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ConfigError(f"--resume: {folder} has no model/config.json (an incomplete checkpoint?)")
-    check_weights(model, "resume", "; an incomplete checkpoint?")
 
 
 def linked(out: str, step: int) -> bool:

@@ -146,10 +146,14 @@ def check_flags(cfg, world: int):
     need(cfg.search_samples_per_prompt >= cfg.samples_per_prompt, "search-samples-per-prompt",
          f"must be at least K = {cfg.samples_per_prompt}, got {cfg.search_samples_per_prompt}")
     need(cfg.sync_every >= 1, "sync-every", f"k must be at least 1, got {cfg.sync_every}")
-    need(cfg.steps >= 1, "steps", "must be at least 1")
     need(cfg.prompts_per_step >= 1 and cfg.prompts_per_step % world == 0, "prompts-per-step",
          f"must be a positive multiple of the {world} trainer rank(s), got {cfg.prompts_per_step}")
-    need(cfg.searchers >= 0, "searchers", "must be 0 or more")
+    for flag in ("steps", "max_new_tokens", "buffer_capacity", "micro_batch", "log_every"):
+        need(getattr(cfg, flag) >= 1, flag.replace("_", "-"), "must be at least 1")
+    for flag in ("searchers", "eval_every", "save_every", "beta_stop_step", "warmup_steps", "decay_steps",
+                 "beta_anneal_steps", "initial_buffer", "ref_reset_every", "reward_temp_anneal_steps",
+                 "gamma_anneal_steps"):
+        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     need(cfg.searchers > 0 or world == 1, "searchers", f"0 (the trainer searching itself) runs in one trainer process; "
          f"got {world} (vLLM cannot share a multi-process group)")
     need(cfg.evaluator == "searcher" or world == 1, "evaluator", f"after runs an engine in the trainer's process, "
@@ -159,15 +163,9 @@ def check_flags(cfg, world: int):
     need(cfg.beta_final >= 1e-15, "beta-final", f"must be at least 1e-15, got {cfg.beta_final}")
     need(cfg.lr > 0, "lr", "must be positive")
     need(cfg.temperature > 0, "temperature", "must be positive (the evaluation has its own: --eval-temperature)")
-    need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
     need(cfg.context >= 0, "context", f"must be 0 (no limit but --max-new-tokens) or more, got {cfg.context}")
-    need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
-    need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")
     need(cfg.grad_clip >= 0, "grad-clip", "must be 0 (no clipping) or more")
-    need(cfg.eval_every >= 0, "eval-every", "must be 0 or more")
     need(cfg.eval_limit is None or cfg.eval_limit >= 1, "eval-limit", "must be at least 1")
-    need(cfg.save_every >= 0, "save-every", "must be 0 or more")
-    need(cfg.log_every >= 1, "log-every", "must be at least 1")
     for flag in ("timeout", "start_timeout"):  # torch.distributed's own timeouts overflow far above (1e13 s)
         value = getattr(cfg, flag)
         need(0 < value <= 1e6, flag.replace("_", "-"), f"must be in (0, 1e6] s, got {value}")
@@ -195,8 +193,6 @@ def check_flags(cfg, world: int):
         cfg = dataclasses.replace(cfg, round_prompts=-(-cfg.prompts_per_step // every))
     check_recipe(cfg)
     vllm_env.check()
-    for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "ref_reset_every"):
-        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     check_lag(cfg, every or 1)
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
     flags = getattr(LOSSES[cfg.loss], "flags", ())
@@ -214,7 +210,6 @@ def check_flags(cfg, world: int):
         betas = ()
     need(len(betas) == 2 and all(0 <= b < 1 for b in betas), "adam-betas", f"two numbers in [0, 1), beta1,beta2: "
          f"got {cfg.adam_betas!r}")
-    need(cfg.beta_stop_step >= 0, "beta-stop-step", "must be 0 or more")
     need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
     check_unused(cfg, given)
     if cfg.wandb:
@@ -409,8 +404,6 @@ def check_recipe(cfg):
     need(cfg.weight_decay >= 0, "weight-decay", f"must be 0 or more, got {cfg.weight_decay}")
     need(cfg.reward_temp > 0, "reward-temp", f"must be positive, got {cfg.reward_temp}")
     need(cfg.gamma_final > 0, "gamma-final", f"must be positive, got {cfg.gamma_final}")
-    for flag in ("reward_temp_anneal_steps", "gamma_anneal_steps"):
-        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     low, high = cfg.explore_temp_min, cfg.explore_temp_max
     need(low == high == 0 or 0 < low <= high, "explore-temp-min", f"the exploration temperatures need 0 < "
          f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
@@ -459,8 +452,8 @@ def check_unused(cfg, given=None):
          "--reward-temp to 1, and --reward-temp is 1: pass a --reward-temp")
     need(not cfg.gamma_anneal_steps or cfg.gamma_final != 1, "gamma-anneal-steps", "anneals gamma from 1 to "
          "--gamma-final, and --gamma-final is 1: pass a --gamma-final")
-    alpha = next(f.default for f in dataclasses.fields(cfg) if f.name == "lora_alpha")
-    need(cfg.lora_rank or cfg.lora_alpha == alpha, "lora-alpha", "scales a LoRA adapter: pass --lora-rank too")
+    need(cfg.lora_rank or cfg.lora_alpha == defaults["lora_alpha"], "lora-alpha", "scales a LoRA adapter: pass "
+         "--lora-rank too")
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
