@@ -198,16 +198,10 @@ def check_reward_model(name: str, flag: str) -> str:
 
 
 class RewardModel:
-    """A learned reward: a Hugging Face sequence classifier with one output (`--reward-model`), as
-    in the paper's TL;DR runs and the authors' `tba_trainer_tldr.py` (TRL's `get_reward`):
-    - the response is cut after its first EOS; with `non_eos_penalty`, a response that never
-      produced EOS gets `penalty` (-1) instead of a score;
-    - prompt + response are scored in batches, and the score is read at the response's last
-      token (the EOS), whatever the padding token is (transformers' own pooling reads the token
-      before EOS when pad = EOS, as in many Pythia reward models);
-    - the policy's token ids are scored directly when the reward model has the same vocabulary
-      (the authors' case: both are Pythia); otherwise the decoded text is tokenized again.
-    Build it under `Engine.transformers_models()` in a process that runs vLLM (see searcher.py)."""
+    """A learned reward (`--reward-model`): a Hugging Face sequence classifier with one output, read as in the paper's
+    TL;DR runs and the authors' `tba_trainer_tldr.py` (TRL's `get_reward`; docs/tasks.md, "Reward models"): at the
+    response's last token (its first EOS) whatever the padding token (transformers' own pooling reads the token
+    before EOS when pad = EOS). Build it under `Engine.beside()` in a process that runs vLLM (see searcher.py)."""
 
     def __init__(self, path: str, device, dtype, policy_tokenizer, non_eos_penalty: bool,
                  batch: int = 64, penalty: float = -1.0):

@@ -29,14 +29,11 @@ def full_state_dict(model) -> dict:
 
 
 def save_checkpoint(t, stopping: bool = False) -> bool | str:
-    """OUT/checkpoint-STEP of trainer `t` (every rank: its gathers are collective), unless the link already names this
-    step (a signal right after a --save-every save, or the end after the last one): saving a step again deletes the
-    linked checkpoint before it renames the new one in, and a kill between the two would leave the link on nothing.
-    It holds the model (Hugging Face format), the optimizer, the step (the schedules and per-step seeds derive from
-    it), the RNG state, the run's counters (plain data: the reuse cap's among them), the replay buffer, and the
-    weights the searchers hold if older than the model's (runtime.weights.Outbox.saved: --lag's history, TBA′'s
-    pi_ref). True once written; a write that fails (a full disk: `write_error`) leaves the one before linked and
-    returns the line saying so (rank 0), which a stop ends with and mid-run is a warning, once: training goes on."""
+    """OUT/checkpoint-STEP of trainer `t` (every rank: its gathers are collective; docs/output.md: what it holds),
+    unless the link already names this step (saving a step again deletes the linked checkpoint before it renames the
+    new one in: a kill between the two would leave the link on nothing). True once written; a write that fails (a
+    full disk: `write_error`) leaves the one before linked and returns the line saying so (rank 0), which a stop
+    ends with and mid-run is a warning, once: training goes on."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     cfg, model, step, fleet = t.cfg, t.model, t.step, t.fleet
     done = torch.tensor([float(t.rank == 0 and linked(cfg.out, step))])  # rank 0's answer on every rank

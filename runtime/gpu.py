@@ -56,11 +56,9 @@ def compute_mode(index: int) -> int | None:
 
 
 def check_memory(cfg, task, local: int) -> float:
-    """GPUs: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it loads beside
-    them fit the smallest of this node's searcher GPUs, split as the searchers will split it (memory_split), or
-    a refusal in one line naming what does not fit; --evaluator after's engine fits the trainer's GPU beside the
-    trainer (`check_evaluator`); what the trainer keeps on the host fits its RAM (`check_host`). Returns the share
-    of the GPU for the engines: the flag's, or its default computed."""
+    """The vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it loads beside them fit the
+    smallest of this node's searcher GPUs (`memory_split`), --evaluator after's engine the trainer's GPU, the
+    trainer's host state its RAM: else a refusal in one line. Returns the engines' share: the flag's, or its default."""
     flag = "searcher-memory" if cfg.searchers else "trainer-memory"
     gpus = range(local, local + cfg.searchers) if cfg.searchers else range(local)
     card = min(torch.cuda.get_device_properties(i).total_memory for i in gpus)
@@ -136,12 +134,9 @@ def engine_needs(path: str, dtype: str, longest: int, length: int, seqs: int) ->
 
 def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
     """memory_split's inputs for a searcher of this run (`evaluates`: the one that evaluates, the largest), in
-    --dtype: the policy's vLLM engine (`engine_needs`), and beside the engines, by name: pi_ref and its
-    log-prob pass (--score-batch sequences' logits and a 256 MiB float32 chunk, loss.sequence_logprobs), the
-    reward model, what the task adds (its `memory`: TL;DR's evaluation models, red-teaming's victim and judge
-    engines, classifier and embedder), with --searchers 0 the trainer's own state and the shared copy of the
-    weights (the trainer's GPU holds the engine), 1 GiB for the CUDA context and the allocator's cache,
-    and what a reload allocates beside the engine (`reload_bytes`)."""
+    --dtype: the policy's vLLM engine (`engine_needs`), and beside the engines, by name: pi_ref and its log-prob pass,
+    the reward model, the task's own (its `memory`), with --searchers 0 the trainer's state and the shared copy, the
+    CUDA context and a reload's largest layer (`reload_bytes`)."""
     d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     seqs = cfg.prompts_per_step * cfg.search_samples_per_prompt
     engines = {"policy": engine_needs(cfg.model_path, cfg.dtype, cfg.max_model_len, cfg.max_model_len, seqs)}
@@ -234,13 +229,10 @@ def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int
 
 # --- --evaluator after's engine on the trainer's GPU; the host's RAM -----------------------------------
 def evaluator_needs(cfg, task) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
-    """memory_split's inputs for --evaluator after's engine, which runs in the trainer's process on its GPU
-    (runtime/fleet.Fleet): what the engine counts itself (`memory_needs` of the searcher that evaluates, by which
-    searcher.Engine splits its share when it starts; pi_ref among them, which an engine that only evaluates never
-    loads) and, beside it, the trainer: its weights, gradients and AdamW state (`trainer_bytes`), the shared copy
-    in --dtype (two with TBA′'s pi_ref), --behaviour-logprobs trainer's copy in --dtype (runtime/policy.LaggedCopy:
-    one rank, so not sharded) and the CUDA context each searcher opens on this GPU to map the shared copy (CUDA IPC),
-    0.5 GiB each. What a pass keeps for its backward is not counted, as with --searchers 0 (tools/memory.py)."""
+    """memory_split's inputs for --evaluator after's engine, in the trainer's process on its GPU: what the engine
+    counts itself (`memory_needs` of the searcher that evaluates, pi_ref among them) and, beside it, the trainer's
+    state (`trainer_bytes`), the shared copy (two with TBA′'s pi_ref), --behaviour-logprobs trainer's copy and 0.5 GiB
+    for each searcher's CUDA context on this GPU (CUDA IPC). A pass's activations are not counted (tools/memory.py)."""
     engines, beside = memory_needs(cfg, task, evaluates=True)
     params, trained = trainer_parameters(cfg)
     copy = model_bytes(cfg.model_path, cfg.dtype)

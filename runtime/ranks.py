@@ -183,23 +183,12 @@ def stall_bound(timeout: float) -> float:
 
 class Watchdog:
     """Each trainer rank's watch over its main thread, from a thread of its own: a thread still runs while the main
-    one waits inside a collective, where no Python signal handler runs and no timeout of ours can act.
-    - A stall: this rank is inside a collective that has not completed for `bound` seconds (its process groups'
-      sequence numbers unmoved, a torch.distributed frame under its main thread's innermost torch frames: `where`),
-      and so is every other rank, or it stopped answering (its beats, once a second into the process group's store,
-      plain JSON, stopped: a process stopped, not dead). No rank will ever leave: the run ends in one line naming the
-      step and where each rank waits (said by the lowest rank that answers), status 1, this rank's searchers killed,
-      and a rank of this node that stopped answering killed too (SIGSTOP, a debugger: it would never leave). No
-      checkpoint can be written then (it is collective): the line names the last one.
-    - A signal (SIGINT, SIGTERM; the C handler writes it to a wakeup pipe even while the main thread is blocked):
-      the main thread stops after a checkpoint as ever (processes.Signals); if it is inside a collective that has not
-      moved for GRACE seconds since the signal, or a second signal comes, the rank ends at once (its searchers killed),
-      status 128 + the signal.
-    - Its launcher gone (`signals.launcher`: torchrun's pid, read at the rank's start): the rank sends itself
-      SIGTERM and stops as above, the line saying why (processes.Signals.named), as a searcher stops when its
-      trainer is gone. Else torchrun killed (kill -9, a batch scheduler's time limit) left its ranks training on,
-      unwatched, to the end.
-    On one rank only signals and the launcher are watched (no collective can stall there)."""
+    one waits inside a collective, where no Python signal handler runs and no timeout of ours can act. It ends the
+    rank, in one line (docs/faults.md: what each says and kills): on a stall (this rank inside a collective that has
+    not completed for `bound` s, `where`, and so is every other rank, or it stopped answering: its beats, once a
+    second into the process group's store, plain JSON, stopped), on a signal while inside a collective that has not
+    moved for GRACE s, or a second signal, and once its launcher is gone (`signals.launcher`: it sends itself
+    SIGTERM). On one rank only signals and the launcher are watched (no collective can stall there)."""
 
     def __init__(self, rank: int, world: int, bound: float, step, procs, out: str, signals=None, beat=lambda: None):
         """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends;
@@ -342,14 +331,11 @@ class Watchdog:
                  began=now - stuck)
 
     def end(self, code: int, line: str, say: bool, others=(), mark: bool = False, stopped=(), began=None):
-        """End this rank now: its searchers killed, the line said (one rank says it), status `code`, whatever fails.
-        `others`: the ranks this one waits for (5 s at most) to end first: a rank gone first would fail their
-        collectives with tracebacks of their own, or abort them (and the store, where it lives in rank 0, with it).
-        `mark`: this rank is such another, and says it ends as its last act. `stopped`: the pids of ranks that stopped
-        answering, killed if they are this rank's siblings (the same launcher's, on this machine): stopped, they
-        would outlive the run, until torchrun kills them 30 s later, or for ever if it is gone. `began`: when the fault
-        began, in torchrun's error file (its report names the earliest failure: this one, not the ranks killed). The
-        main thread may end the process first (tba.py's end: status 1 too, its traceback unseen)."""
+        """End this rank now: its searchers killed, the line said (`say`: one rank says it), status `code`, whatever
+        fails. `others`: ranks this one waits for (5 s at most) to end first (a rank gone first would fail their
+        collectives with tracebacks of their own); `mark`: this rank is such another, and says it ends as its last
+        act; `stopped`: pids of ranks that stopped answering, killed if this rank's siblings (stopped, they would
+        outlive the run); `began`: when the fault began, for torchrun's error file (its report names the earliest)."""
         try:
             for p in self.procs():
                 try:
