@@ -52,7 +52,7 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
     def write(folder):
         save_hf(model, sd, t.tokenizer, os.path.join(folder, "model"))
         if lora.active(model):  # what --resume rebuilds the policy from, with the frozen --model
-            lora.save_adapter(model, sd, os.path.join(folder, "adapter"))
+            model.save_pretrained(os.path.join(folder, "adapter"), state_dict=sd)  # peft's format
         weights = {os.path.relpath(w, folder): digest(w)  # damage of the same size: load_checkpoint
                    for w in glob.glob(os.path.join(folder, "*", "*.safetensors"))}
         with open(os.path.join(folder, "trainer.pt"), "wb") as f:  # our file: a failed write's OSError is kept

@@ -71,7 +71,6 @@ class Plain:
         return [(r.prompt_id, list(o.outputs)) for r, o in zip(requests, outputs)]
 
 
-
 class Stepped:
     """vLLM's loop driven here, a decoding step at a time, each step charged to the emulated device time (`clock`).
     `slots` say which sequences hold the engine's slots: vLLM's own (`Slots`), or with --response-lengths

@@ -72,18 +72,15 @@ def check_weights(path: str, flag: str = "model", why: str = ""):
     the cause, said after the files looked for."""
     if not any(os.path.isfile(os.path.join(path, w)) for w in WEIGHTS):
         raise ConfigError(f"--{flag}: {path} holds no weights (none of {', '.join(WEIGHTS)}{why})")
-    files = ["model.safetensors"] if os.path.isfile(os.path.join(path, "model.safetensors")) else []
-    index = os.path.join(path, "model.safetensors.index.json")
-    if not files and os.path.isfile(index):  # sharded: every shard its index names
-        try:
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise ConfigError(f"--{flag}: {index} does not parse (a weight_map of tensor names to files){why}") from None
+    try:  # sharded: every shard its index names
+        files = [f for f in weight_files(path) if f.endswith(".safetensors")]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(f"--{flag}: {path}'s weight index does not parse (a weight_map of tensor names to "
+                          f"files){why}") from None
     for name in files:
-        damage = safetensors_damage(os.path.join(path, name))
+        damage = safetensors_damage(name)
         if damage:
-            raise ConfigError(f"--{flag}: {os.path.join(path, name)} {damage}: it would not load{why}")
+            raise ConfigError(f"--{flag}: {name} {damage}: it would not load{why}")
 
 
 def safetensors_damage(path: str) -> str | None:
@@ -126,7 +123,6 @@ def safetensors_damage(path: str) -> str | None:
 
 def weight_files(path: str) -> list[str]:
     """The files transformers loads a model folder's weights from (safetensors first): one, or an index's shards."""
-    import json
     for single, index in zip(WEIGHTS[::2], WEIGHTS[1::2]):
         if os.path.isfile(os.path.join(path, single)):
             return [os.path.join(path, single)]

@@ -119,11 +119,6 @@ def merge_state_dict(model, sd: dict) -> dict:
     return out
 
 
-def save_adapter(model, sd: dict, path: str):
-    """The adapter of a full state dict in peft's format (adapter_config.json, adapter_model.safetensors)."""
-    model.save_pretrained(path, state_dict=sd)
-
-
 def load_adapter(model, path: str):
     """Load a saved adapter into a freshly wrapped model (before sharding); refuses a mismatch."""
     from peft import set_peft_model_state_dict
