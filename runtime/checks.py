@@ -4,6 +4,7 @@ written. It returns a new Config with them filled in; Config is frozen, so nothi
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -212,11 +213,8 @@ def check_flags(cfg, world: int):
          f"got {cfg.adam_betas!r}")
     need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
     check_unused(cfg, given)
-    if cfg.wandb:
-        try:
-            import wandb  # noqa: F401  (optional: imported only when asked for)
-        except ImportError:
-            raise ConfigError("--wandb: the wandb package is not installed (it is optional: pip install wandb)") from None
+    need(not cfg.wandb or importlib.util.find_spec("wandb"), "wandb", "the wandb package is not installed (it is "
+         "optional: pip install wandb)")
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
     if ckpt:  # fewer steps would wait --timeout for an evaluation of weights that never come; as many: only the end
         done = ckpt["step"]  # (the final evaluation and final/), if a stop cut it short
@@ -229,14 +227,13 @@ def check_flags(cfg, world: int):
     # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
     device = ranks.machine_device()
     local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
-    cfg = dataclasses.replace(cfg, device=device)
     if device == "cuda":
         from runtime import gpu  # the GPU checks
         cfg = dataclasses.replace(cfg, dtype=gpu.check_gpus(cfg, local))
     need(device == "cuda" or cfg.dtype in ("auto", "float32"), "dtype",
          f"{cfg.dtype} on the CPU is not supported here (vLLM's CPU engine and the log-prob checks run in float32)")
     cores = len(os.sched_getaffinity(0))
-    cfg = dataclasses.replace(cfg, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
+    cfg = dataclasses.replace(cfg, device=device, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
                               threads=max(1, cores // (local + cfg.searchers)))  # CPU: the cores split evenly
     cfg, task, data, train = check_task(cfg)
     if device == "cuda":
@@ -396,11 +393,8 @@ def check_recipe(cfg):
          "embeddings (--dedup-edit compares tokens)")
     need(cfg.lora_rank >= 0, "lora-rank", f"must be 0 (all weights) or more, got {cfg.lora_rank}")
     need(cfg.lora_alpha > 0, "lora-alpha", f"must be positive, got {cfg.lora_alpha}")
-    if cfg.lora_rank:
-        try:
-            import peft  # noqa: F401  (needed only with --lora-rank)
-        except ImportError:
-            raise ConfigError("--lora-rank: the peft package is not installed (pip install peft)") from None
+    need(not cfg.lora_rank or importlib.util.find_spec("peft"), "lora-rank", "the peft package is not installed (pip "
+         "install peft)")
     need(cfg.weight_decay >= 0, "weight-decay", f"must be 0 or more, got {cfg.weight_decay}")
     need(cfg.reward_temp > 0, "reward-temp", f"must be positive, got {cfg.reward_temp}")
     need(cfg.gamma_final > 0, "gamma-final", f"must be positive, got {cfg.gamma_final}")
@@ -530,9 +524,7 @@ def check_task(cfg):
          f"to the longest prompt's {longest} tokens")
     model_config = AutoConfig.from_pretrained(model_path)
     context = getattr(model_config, "max_position_embeddings", None)
-    longest_sequence = longest + cfg.max_new_tokens
-    if cfg.context:
-        longest_sequence = min(longest_sequence, cfg.context)
+    longest_sequence = min(longest + cfg.max_new_tokens, cfg.context or math.inf)
     need(cfg.score_batch is None or cfg.score_batch >= 1, "score-batch", f"must be at least 1, got {cfg.score_batch}")
     if cfg.score_batch is None:  # the longest sequences' logits in the run's dtype: 2 GiB at most, 256 sequences
         logits = longest_sequence * model_config.get_text_config().vocab_size * (4 if cfg.dtype == "float32" else 2)

@@ -44,6 +44,7 @@ import time
 
 import torch
 
+import tasks
 from runtime.errors import ConfigError
 from runtime.hub import digest
 from tasks.arith import splits as arith_splits
@@ -156,7 +157,6 @@ def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, t
 def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
     """A task's warm start: its demos to imitate, `len(check)` of its training problems to check on, and the check
     (its held-out metric, or its reward, of greedy responses)."""
-    import tasks
     entry = tasks.get(task)
     demos, (problems, _) = demos_of(task), entry.load(None)
     score = entry.metric or entry.reward
@@ -171,7 +171,6 @@ def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
 def demos_of(task: str) -> list:
     """The task's demos (its `demos()`), refused in one line (ConfigError) where there is nothing to warm-start on:
     none, or not `Problem(prompt, solution)`s of text, or a `demos()` that fails."""
-    import tasks
     from tasks.task import Problem
     try:
         demos = tasks.get(task).demos()
@@ -308,7 +307,6 @@ def made_of(recipe: dict) -> dict:
     if task is None:
         problems = arith_splits()[0]
     else:
-        import tasks
         problems = tasks.get(task).load(None)[0]
         made["demos"] = digest([[p.prompt, p.answer] for p in demos_of(task)])
     made["problems"] = digest([[p.prompt, p.answer] for p in problems])
@@ -457,16 +455,10 @@ def main(argv: list[str]):
         sys.exit(f"runtime.tiny: {args.out} exists: remove it first, or name another folder")
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         sys.exit(f"runtime.tiny: {os.path.dirname(os.path.abspath(args.out))} does not exist: make it first")
-    if args.task is not None:
-        import tasks
-        try:
-            demos = args.task in tasks.TASKS and tasks.get(args.task).demos  # a broken file: its line
-        except ConfigError as e:
-            sys.exit(f"runtime.tiny: {e}")
-        if not demos:
+    try:  # a broken task file: its line
+        if args.task is not None and not (args.task in tasks.TASKS and tasks.get(args.task).demos):
             with_demos = [n for n in tasks.names() if tasks.get(n).demos]
             sys.exit(f"runtime.tiny: --task {args.task}: not a task with demos() (those with: {', '.join(with_demos)})")
-    try:
         print(build(args.out, recipe_for(args.task)) if args.out else cached(args.task))
     except ConfigError as e:
         sys.exit(f"runtime.tiny: {e}")

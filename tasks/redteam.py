@@ -206,11 +206,6 @@ def unsafe_index(config, name: str | None) -> int:
     return found[0]
 
 
-def victim_sampling(tokenizer) -> dict:
-    """Lee et al.'s victim sampling: chat models' if the tokenizer has a chat template, else GPT-2's."""
-    return dict(CHAT_SAMPLING if tokenizer.chat_template else ALPACA_SAMPLING)
-
-
 def pad(rows: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention mask) of token rows padded to one length, on the left or the right."""
     T = max(len(r) for r in rows)
@@ -246,7 +241,7 @@ class Victim:
     def __init__(self, path: str, llm, n: int, max_new_tokens: int | None = None):
         from transformers import AutoTokenizer
         self.tokenizer, self.llm, self.n = AutoTokenizer.from_pretrained(path), llm, n
-        self.sampling = victim_sampling(self.tokenizer)
+        self.sampling = dict(CHAT_SAMPLING if self.tokenizer.chat_template else ALPACA_SAMPLING)
         self.sampling["max_new_tokens"] = max_new_tokens or self.sampling["max_new_tokens"]
 
     def prompt(self, attack: str) -> list[int]:
