@@ -34,12 +34,8 @@ al., "Learning diverse attacks on large language models for robust red-teaming a
   embeddings (`--embedding-model`, mean-pooled over tokens and L2-normalised as sentence-transformers'
   all-MiniLM-L6-v2, theirs, does); `unique`, the share of distinct attacks.
 
-The victim and a judge of the causal-LM kind run on vLLM engines of their own beside the attacker's, in the
-searcher process (`RedteamScorer`, through searcher.Engine.start_llm; on a GPU, --searcher-memory is split
-between them by runtime/gpu.py from `memory` below); a sequence classifier and the embedder are
-transformers models beside pi_ref. docs/tasks.md, "Red-teaming", gives why, the split for the paper's two
-settings, and the cost of a round (tools/redteam_round.py times one). `--buffer-keep best` is their buffer
-(`BestBuffer`).
+The models, where they run and why, and the cost of a round: docs/tasks.md, "Red-teaming". `--buffer-keep best` is
+their buffer (`BestBuffer`).
 """
 
 import os
