@@ -126,20 +126,16 @@ def check(cfg, world: int):
 def check_flags(cfg, world: int):
     """`check` after the checkpoint's flags and the task's defaults."""
     for f in dataclasses.fields(cfg):  # an empty path or name (an unset shell variable) is no value: never "not given"
-        need(f.metadata.get("derived") or getattr(cfg, f.name) != "", f.name.replace("_", "-"), "empty (an unset "
-             "shell variable?): give a value, or leave the flag out")
-    for f in dataclasses.fields(cfg):  # a fixed set of values: any other refused, whatever the flag
-        if f.metadata.get("choices") and getattr(cfg, f.name) not in f.metadata["choices"]:
-            need(False, f.name.replace("_", "-"), f"unknown {getattr(cfg, f.name)!r} (choose from "
-                 f"{', '.join(f.metadata['choices'])})")
+        value, flag, choices = getattr(cfg, f.name), f.name.replace("_", "-"), f.metadata.get("choices")
+        need(f.metadata.get("derived") or value != "", flag, "empty (an unset shell variable?): give a value, or "
+             "leave the flag out")
+        need(not choices or value in choices, flag, f"unknown {value!r} (choose from {', '.join(choices or ())})")
+        # argparse reads 'inf' and 'nan' as floats: no flag means either
+        need(not isinstance(value, float) or math.isfinite(value), flag, f"must be a finite number, got {value}")
     # every consumer of the seed takes it: numpy's seeds (vLLM's engine seeds random, numpy and torch with it,
     # vllm/utils/torch_utils.py:548-550, from cpu_worker.py:165 and gpu_worker.py:522), SeedSequence lists, torch
     need(0 <= cfg.seed < 2**32, "seed", f"must be in [0, 2**32 - 1] (numpy's and vLLM's seeds), got {cfg.seed}")
     given = cfg  # the flags as given, before the defaults that depend on others fill in
-    for f in dataclasses.fields(cfg):  # argparse reads 'inf' and 'nan' as floats: no flag means either
-        value = getattr(cfg, f.name)
-        need(not isinstance(value, float) or math.isfinite(value), f.name.replace("_", "-"),
-             f"must be a finite number, got {value}")
     need(0 <= cfg.recency <= 1, "recency", f"must be in [0, 1], got {cfg.recency}")
     need(cfg.samples_per_prompt >= 2, "samples-per-prompt", f"K must be at least 2 (log Z is a mean over K), got {cfg.samples_per_prompt}")
     if cfg.search_samples_per_prompt is None:  # not given: K (an explicit 0 is refused below, not taken as K)
