@@ -23,10 +23,8 @@ from runtime.errors import ConfigError
 # Memory Gap", arXiv 2503.08311; their results in github.com/FerranAgulloLopez/vLLMBatchingMemoryGap, fitted within
 # 3%; OPT-1.3B 0.024, Llama-2-13B 0.013).
 GPU_PER_SEQUENCE = 0.016
-# A memory-bound decoding step reads the weights once (a) and each sequence's KV cache (b), so b / a goes as the KV
-# cache's bytes a token over the weights' bytes, at the same context: `per_sequence` scales the fit by that. Shapes
-# from each model's config.json (layers, key/value heads, head size, parameters); tools/gpu_probe.py measures b / a
-# on a GPU, the figure that replaces these where one is lent.
+# A memory-bound decoding step reads the weights once (a) and each sequence's KV cache (b): `per_sequence` scales
+# the fit by the KV cache's bytes a token over the weights' bytes. Shapes from each model's config.json.
 GPU_SHAPES = {
     "llama-2-7b": dict(layers=32, kv_heads=32, head_dim=128, params=6.74e9),  # full multi-head attention: the fit's
     "rho-math-1b": dict(layers=22, kv_heads=4, head_dim=64, params=1.10e9),   # the paper's GSM8K model (GQA)

@@ -168,14 +168,11 @@ def cpu_kv_cache_bytes(path: str, dtype: str, max_model_len: int) -> int:
 
 @contextlib.contextmanager
 def eager_transformers(llm):
-    """Build transformers models in a process that runs vLLM (pi_ref, reward models, the synchronous
-    trainer's policy) inside this. vLLM serves architectures it has no native code for (GPT-NeoX, i.e.
-    Pythia, in 0.32: vllm/model_executor/models/registry.py:709-716) through its Transformers backend, which
-    rewrites the transformers decoder class in place (vllm/compilation/decorators.py:359, 434, 756, via
-    vllm/model_executor/models/transformers/base.py:172): its __init__ then needs a current vLLM config, and
-    its __call__ runs vLLM's torch.compile wrapper unless that config's compilation is off. A copy of the
-    engine's config with compilation off gives plain eager models, with log-probs and gradients equal to a
-    process without vLLM; for natively served models it changes nothing."""
+    """Build transformers models in a process that runs vLLM (pi_ref, reward models, the synchronous trainer's
+    policy) inside this (docs/tasks.md, "Models"). vLLM's Transformers backend (GPT-NeoX in 0.32:
+    vllm/model_executor/models/registry.py:709-716) rewrites the transformers decoder class in place
+    (vllm/compilation/decorators.py:359, 434, 756, via vllm/model_executor/models/transformers/base.py:172); a copy of
+    the engine's config with compilation off gives plain eager models."""
     import copy
     from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
     config = copy.copy(llm.llm_engine.vllm_config)
