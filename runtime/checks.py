@@ -277,10 +277,9 @@ def run_of(checkpoint: str) -> str:
 
 
 def loss_pools(cfg) -> bool:
-    """Whether --loss gets the whole batch in every pass of the gradient (tba.backward): where it says that it
-    pools (`pools = True`, loss.py) or the probe finds that it does (`probe_pools`, with the run's options at step 0's
-    schedules). Where the two disagree, one line says so, and the loss gets whole batches, the reading that is right
-    either way. A loss that fails on the probe's inputs is refused in one line, before anything starts."""
+    """Whether --loss gets the whole batch in every pass of the gradient (tba.backward): it says so
+    (`pools = True`), or `probe_pools` finds it pools (docs/experiments.md, "B is the whole batch"); one
+    that fails on the probe's batch is refused in one line."""
     loss, declared = LOSSES[cfg.loss], getattr(LOSSES[cfg.loss], "pools", None)
     try:
         found = probe_pools(loss, loss_options(cfg, cfg.beta, 1.0, cfg.reward_temp))  # gamma_at, reward_temp_at at 0
@@ -298,13 +297,11 @@ def loss_pools(cfg) -> bool:
 
 
 def probe_pools(loss, options: dict, K: int = 3, T: int = 5) -> bool:
-    """Whether `loss` pools across prompts: on a batch of 4 prompts, its value or its gradient differs from the sum of
-    its values on parts of it, each x its prompts (a part of 1 prompt and one of 3; each prompt alone). tba.backward
-    runs a loss in passes of whole prompts (--micro-batch, and each trainer rank its share of B), which is the same
-    only for a separable one. The batch is made as a run makes one, from buffer.Trajectory's number fields: the
-    integer ones integers (`prompt_id` one a prompt, `version` 0-4, `pi_ref_version` 0, `for_step` -1), the lengths integers, `reward` 0/1 (a prompt all 0, one all 1) and `truncated` 0/1 (a cut
-    response T long), with another count of ones in each prompt: a mean over the batch's responses with
-    truncated == 0 (DAPO's overlong filter) is then not the mean of the prompts' own, and so found."""
+    """Whether `loss` pools across prompts: on 4 prompts, its value or gradient differs from the sum of its
+    values on parts (1 prompt and 3; each alone), each x its prompts. The batch is made as a run makes one,
+    from buffer.Trajectory's number fields: integers where they are, `reward` 0/1 (a prompt all 0, one all 1)
+    and `truncated` 0/1 (a cut response T long), another count of ones in each prompt, so that a mean over
+    the batch's uncut responses (DAPO's overlong filter) is found."""
     g = torch.Generator().manual_seed(0)
     B, per_token, kind = 4, getattr(loss, "per_token", False), {f.name: f.type for f in FIELDS}
     rand = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)

@@ -64,7 +64,7 @@ class Clock:
     X times its cost alone (`alone`), sleeping the rest; a whole generation in vLLM's own loop (`took`) is only
     counted. `account()` gives the seconds since the last call, for the round's message: generating, slept,
     charged in all (X x the cost alone; the time taken, unslowed), over budget (real compute above the charge), and
-    the work no device pays for, by part (`apart`). `devices`: a colocated run's D (the module docstring)."""
+    the work no device pays for, by part (`apart`). `devices`: a colocated run's D (docs/performance.md)."""
 
     def __init__(self, factor: float, seconds_per_token: float | None = None, shape: str = "linear", full: int = 1,
                  limit: float = math.inf, model: str = "rho-math-1b", devices: int = 1):
@@ -209,7 +209,7 @@ MAX_COST = 3600.0  # s: no step of a token or of training is charged an hour
 def read_calibration(path: str) -> dict:
     """--calibration: {"seconds_per_token": s a generated token costs one engine alone, "train_step": s a training
     step alone}, plain JSON, and for a colocated run "devices" (a whole number, 1 by default) and "all_reduce" (s a
-    step, 0 by default): the module docstring; refused in one line if it is not that."""
+    step, 0 by default: docs/performance.md); refused in one line if it is not that."""
     if not os.path.isfile(path):
         raise ConfigError(f"--calibration: {path} does not exist")
     try:
