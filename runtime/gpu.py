@@ -326,10 +326,7 @@ def check_host(cfg, local: int):
     if total <= ram:
         return
     listed = ", ".join(f"{what} {b / 1e9:.1f}" for what, b in need.items())
-    if cfg.evaluator == "after":
-        flag, fix = f"eval-every {cfg.eval_every}", "evaluate less often (a larger --eval-every) or by a searcher " \
-                                                    "(--evaluator searcher)"
-    else:
-        flag, fix = f"lag {cfg.lag}", "a smaller --lag"
+    flag, fix = ((f"eval-every {cfg.eval_every}", "evaluate less often (a larger --eval-every) or by a searcher "
+                  "(--evaluator searcher)") if cfg.evaluator == "after" else (f"lag {cfg.lag}", "a smaller --lag"))
     raise ConfigError(f"--{flag}: the trainer would keep in this host's RAM {listed}: {total / 1e9:.1f} GB, more than "
                       f"its {ram / 1e9:.1f} GB; {fix}")

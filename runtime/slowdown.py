@@ -68,11 +68,9 @@ class Clock:
 
     def __init__(self, factor: float, seconds_per_token: float | None = None, shape: str = "linear", full: int = 1,
                  limit: float = math.inf, model: str = "rho-math-1b", devices: int = 1):
-        self.factor, self.seconds_per_token, self.shape, self.full, self.limit = (factor, seconds_per_token, shape,
-                                                                                    max(1, full), limit)
+        self.factor, self.seconds_per_token, self.shape, self.limit = factor, seconds_per_token, shape, limit
+        self.full, self.devices, self.emulated = max(1, full), devices, factor != 1
         self.b = per_sequence(model)  # b / a of a decoding step, with --decode-cost gpu
-        self.devices = devices
-        self.emulated = factor != 1
         self.generate = self.slept = self.charged = self.over = 0.0
         self.uncharged = {}  # part -> seconds of work no device pays for (`apart`)
 
