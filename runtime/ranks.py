@@ -45,14 +45,6 @@ def machine_device() -> str:
     return "cuda" if torch.cuda.device_count() else "cpu"
 
 
-def backend_for(device: str) -> str:
-    """The default group's backend for a run on `device`: NCCL only where the model's tensors are CUDA ones
-    (FSDP2's all-gathers and reduce-scatters of them), gloo for CPU tensors either way."""
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: cpu or cuda")
-    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-
-
 def init_distributed(timeout: float, device: str) -> tuple[int, int, int]:
     """The process group (rank, world size, local rank). Its backend follows `device`, the run's ("cpu" or
     "cuda", never guessed here): gloo for a CPU run, even where CUDA exists, and NCCL for CUDA tensors beside
@@ -64,9 +56,11 @@ def init_distributed(timeout: float, device: str) -> tuple[int, int, int]:
             s.bind(("127.0.0.1", 0))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(s.getsockname()[1]))
-    backend = backend_for(device)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: cpu or cuda")
     # joining waits at most --timeout: a rank that failed before it joined never comes
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 1)))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=max(timeout, 1)))
     # every later collective (torch/distributed/distributed_c10d.py:1616): see nodes.allowance
     dist.distributed_c10d._set_pg_timeout(nodes.allowance(timeout))
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])

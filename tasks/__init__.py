@@ -52,7 +52,13 @@ def within(entry: str, deadline: float):
     """`module(entry)`, imported by a thread given `deadline` s: one that waits longer (a download at its top)
     is refused, and left to its thread."""
     box = []
-    thread = threading.Thread(target=lambda: box.append(module_or_error(entry)), daemon=True)
+
+    def load():  # its refusal too, raised in the caller's thread
+        try:
+            box.append(module(entry))
+        except ConfigError as e:
+            box.append(e)
+    thread = threading.Thread(target=load, daemon=True)
     thread.start()
     thread.join(deadline)
     if not box:
@@ -61,13 +67,6 @@ def within(entry: str, deadline: float):
     if isinstance(box[0], ConfigError):
         raise box[0]
     return box[0]
-
-
-def module_or_error(entry: str):
-    try:
-        return module(entry)
-    except ConfigError as e:
-        return e
 
 
 def why(e: Exception, file: str) -> str:
