@@ -197,10 +197,9 @@ RETRY = 5.0  # s between two tries to write OUT/final
 
 
 def save_final(model, state_dict, tokenizer, out: str, step: int, timeout: float, signals, log) -> str | None:
-    """OUT/final (`save_hf`), whole or not at all. A write that fails keeps the weights in memory (nothing smaller
-    than them could be written in their place: a checkpoint is larger), says so in one line, and is tried again
-    every RETRY s until it succeeds, `timeout` s have passed or a signal comes (`signals.first`: at once). Returns
-    None once written, else the line that ends the run."""
+    """OUT/final (`save_hf`), whole or not at all; a write that fails keeps the weights in memory, says so in one
+    line and is tried again every RETRY s until `timeout` s or a signal (docs/faults.md). Returns None once
+    written, else the line that ends the run."""
     path, deadline = os.path.join(out, "final"), None
     while True:
         try:
@@ -275,11 +274,9 @@ def resumed_flags(cfg, saved: dict):
 
 
 def check_resumed_flags(cfg, folder: str, same_weights: bool = False) -> dict:
-    """One line naming the flags that differ from the checkpoint's run; a refusal for those that
-    cannot change mid-run (`fixed_on_resume`). The others may: the schedules and seeds derive from the
-    step, and B, K, k, m, the buffer's sampling, the loss, --steps and the plumbing act from the next step on.
-    `same_weights`: --model's weights were found to be the checkpoint's (`check_model`), whatever its name or folder.
-    Returns what changed, {name: [old, new]}: the flags, and the models' folders (`*_path`) that moved."""
+    """One line naming the flags that differ from the checkpoint's run; a refusal for those that cannot change
+    mid-run (`fixed_on_resume`; docs/output.md). `same_weights`: --model's weights were found to be the
+    checkpoint's (`check_model`). Returns what changed, {name: [old, new]}: the flags, and the models' folders."""
     saved = read_config(folder)
     flags = [f.name for f in dataclasses.fields(cfg) if not f.metadata.get("derived") and f.name not in ("resume", "out")]
 

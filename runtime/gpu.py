@@ -171,11 +171,9 @@ def reload_bytes(path: str, dtype: str) -> int:
 
 def trainer_bytes(params: int, trained: int, trainer_dtype: str, gradients: bool = True) -> int:
     """The trainer's own bytes on one rank (nothing sharded) for `params` parameters of which `trained` learn (all,
-    or LoRA's adapter): the weights in --trainer-dtype, the gradients in it too (FSDP2 casts the float32 reduction
-    back: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:696), and AdamW's two moments in float32 whatever
-    the weights (runtime/policy.AdamW). 16 bytes a parameter with float32 weights, 12 with bf16; `gradients`
-    False: at the start of a backward pass, before they exist. What a pass keeps for its backward is not in it
-    (tools/memory.py measures that)."""
+    or LoRA's adapter): the weights and gradients in --trainer-dtype (FSDP2 casts the float32 reduction back:
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:696), AdamW's moments in float32 (runtime/policy.AdamW);
+    `gradients` False: before a backward pass makes them. A pass's activations are not in it (tools/memory.py)."""
     w = torch.empty(0, dtype=getattr(torch, trainer_dtype)).element_size()
     return w * params + ((w if gradients else 0) + 8) * trained
 

@@ -212,12 +212,10 @@ class Watchdog:
         self.store.set(f"tba/watch/{self.rank}", json.dumps(dict(beat=beat, where=where, stuck=stuck, pid=os.getpid())))
 
     def where(self):
-        """Where the main thread waits, if inside torch.distributed: the innermost torch.distributed function on its
-        stack and our caller; else None. The stack is walked outward through torch's own frames: a collective may wait
-        under other torch frames (DTensor's full_tensor, in weights.gather and in a checkpoint's state dict, waits in
-        a functional collective's wait_tensor, whose innermost frame is torch/_ops.py). The first frame outside torch
-        (the model's code, ours) ends the walk: the thread computes there (FSDP2's backward on the CPU shows
-        torch/autograd's frames, and its hooks' collectives above them)."""
+        """Where the main thread waits, if inside torch.distributed: the innermost torch.distributed function on
+        its stack and our caller; else None. The stack is walked outward through torch's own frames (a collective
+        may wait under others: DTensor's wait_tensor, whose innermost frame is torch/_ops.py) to the first frame
+        outside torch (the model's code, ours), where the thread computes (docs/faults.md)."""
         frame = sys._current_frames().get(self.main)
         while frame is not None and frame.f_code.co_filename.startswith(TORCH) and \
                 not frame.f_code.co_filename.startswith(DISTRIBUTED):

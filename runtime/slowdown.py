@@ -232,10 +232,9 @@ def read_calibration(path: str) -> dict:
 
 
 def calibrate(engine, count: int, n: int, timed: bool = True):
-    """A round of `count` prompts x n on `engine` (searcher.Engine), to warm it up, or (`timed`) to set the
-    seconds a generated token costs it (the clock's linear cost: one step of a round's sequences), warm and (the
-    caller sees to it) alone. Prompts and seeds of their
-    own: the run's samples do not change; the prefix cache is emptied around them."""
+    """A round of `count` prompts x n on `engine` (searcher.Engine), to warm it up, or (`timed`) to set the seconds
+    a generated token costs it warm and (the caller sees to it) alone. Prompts and seeds of their own: the run's
+    samples do not change; the prefix cache is emptied around them."""
     cfg, clock = engine.cfg, engine.clock
     rng = np.random.default_rng([cfg.seed, seeds.CALIBRATION])
     ids = rng.choice(len(engine.prompts), min(count, len(engine.prompts)), replace=False)
