@@ -60,11 +60,9 @@ def slow_down(generate: float, alone: float, factor: float, limit: float = math.
 
 
 class Clock:
-    """The emulated device time of one process's engine (--generation-slowdown X): each decoding step (`step`) lasts
-    X times its cost alone (`alone`), sleeping the rest; a whole generation in vLLM's own loop (`took`) is only
-    counted. `account()` gives the seconds since the last call, for the round's message: generating, slept,
-    charged in all (X x the cost alone; the time taken, unslowed), over budget (real compute above the charge), and
-    the work no device pays for, by part (`apart`). `devices`: a colocated run's D (docs/performance.md)."""
+    """The emulated device time of one process's engine (--generation-slowdown X; docs/performance.md): each
+    decoding step (`step`) lasts X times its cost alone (`alone`; over a colocated run's `devices`), sleeping
+    the rest; a generation in vLLM's own loop (`took`) is only counted (`account`)."""
 
     def __init__(self, factor: float, seconds_per_token: float | None = None, shape: str = "linear", full: int = 1,
                  limit: float = math.inf, model: str = "rho-math-1b", devices: int = 1):
@@ -135,10 +133,9 @@ def tail(seed: tuple) -> float:
 
 
 class Tails:
-    """--response-lengths gsm8k: runtime/decoding.Stepped's slots, each response a request of its own, which stays in
-    its slot after vLLM finished it, running for the emulation, until its emulated decoding steps have passed (its
-    real ones x `tail`): a round then waits for its slowest response as on a GPU. The emulated steps change no
-    token: the versions that sampled a response are those of its real steps."""
+    """--response-lengths gsm8k: runtime/decoding.Stepped's slots, each response a request of its own, held in
+    its slot after vLLM finished it until its emulated decoding steps have passed (its real ones x `tail`), so
+    that a round waits for its slowest response as on a GPU. The emulated steps change no token."""
     single = True
 
     def __init__(self, engine):
@@ -166,10 +163,9 @@ class Tails:
 
 
 class TrainClock:
-    """--train-slowdown Y: a training step lasts Y times its cost alone, sleeping the rest (`charge`); the cost
-    alone is the calibration's, or the median of the run's own first CALIBRATION_STEPS steps, which run unslowed.
-    A colocated calibration's (`devices` D, `all_reduce` s): Y x the cost alone / D, then the all-reduce.
-    `ended`: when the last step's charge ended (Unix time), after which its weights may leave."""
+    """--train-slowdown Y: a training step lasts Y times its cost alone (the calibration's, or the median of
+    the run's first CALIBRATION_STEPS steps, run unslowed; a colocated one's / D, plus the all-reduce),
+    sleeping the rest (`charge`). `ended`: when the last charge ended (its weights leave after it)."""
     CALIBRATION_STEPS = 3
 
     def __init__(self, factor: float, seconds: float | None = None, limit: float = math.inf, devices: int = 1,
@@ -248,11 +244,10 @@ def calibrate(engine, count: int, n: int, timed: bool = True):
 
 
 def calibrate_alone(engine, calibration, cfg, alive):
-    """--generation-slowdown without --calibration (else nothing): `calibrate`: a warm-up round, then, once every
-    engine of this node has started and warmed up (or --start-timeout has passed), the timed round one engine at a
-    time: each is timed alone, as on a device of its own, not sharing the cores with the others' start-up or
-    calibration. `calibration`: (this node's warm engines, a lock that lets one time itself); `alive()` raises if
-    the trainer is gone."""
+    """--generation-slowdown without --calibration (else nothing): a warm-up round (`calibrate`), then, once
+    every engine of this node has warmed up (or --start-timeout has passed), the timed round one engine at a
+    time, each alone as on a device of its own. `calibration`: (this node's warm engines, a lock that lets one
+    time itself); `alive()` raises if the trainer is gone."""
     from runtime.weights import acquire
     if not engine.clock.emulated or engine.clock.seconds_per_token:
         return

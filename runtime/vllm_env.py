@@ -22,11 +22,10 @@ if os.environ.pop(FORK_SERVER, None):
 
 
 def early(argv: list[str]) -> bool:
-    """Whether tba.py's command line will start searchers from a fork server (runtime/processes.fork_server), judged
-    before torch is imported, so that the server's import of vLLM (5-7 s of one core) begins at once, beside this
-    process's own imports and checks: each node's first rank, searchers asked for, no help asked,
-    no NVIDIA device (a GPU node spawns its searchers). Where it guesses wrong, the server is started later or not
-    used, and stopped at exit either way."""
+    """Whether tba.py's command line will start searchers from a fork server (runtime/processes.fork_server),
+    judged before torch is imported so that the server's import of vLLM (5-7 s of one core) begins at once:
+    each node's first rank, searchers asked for, no help asked, no NVIDIA device (a GPU node spawns its
+    searchers). A wrong guess starts the server later or leaves it unused; it stops at exit either way."""
     if os.environ.get("LOCAL_RANK", "0") != "0" or {"-h", "--help"} & set(argv) or os.path.exists("/dev/nvidiactl"):
         return False
     for i, a in enumerate(argv):
