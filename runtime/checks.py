@@ -404,10 +404,9 @@ def flags_of(loss: str) -> tuple:
 
 
 def acts_only() -> list:
-    """(flag, where it acts, its words) of each flag that acts only in some runs: its field's `acts`
-    (runtime/config.py); a loss's own knob (`arg(..., loss=True)`), refused with a loss whose `flags` do not name it
-    (a loss may also read a general field); an anneal of T_R or gamma with a loss that reads neither. One given
-    another value than its default where it cannot act would change nothing: refused in one line (check_unused)."""
+    """(flag, where it acts, its words) of each flag that acts only in some runs (check_unused refuses one
+    given elsewhere): its field's `acts` (runtime/config.py), a loss's knob (`arg(..., loss=True)`) with a
+    loss whose `flags` do not name it, an anneal of T_R or gamma with a loss that reads neither."""
     declared = [(f.name, *f.metadata["acts"]) for f in dataclasses.fields(Config) if "acts" in f.metadata]
     return declared + [
         ("reward_temp_anneal_steps", lambda c: "reward_temp" in flags_of(c.loss), "a --loss reading --reward-temp"),
@@ -418,10 +417,9 @@ def acts_only() -> list:
 
 
 def check_unused(cfg, given=None):
-    """Flags that would change nothing, or make another flag change nothing, refused in one line: one given where it
-    cannot act (acts_only: `given`'s values, before the defaults that depend on other flags, against `cfg`'s
-    settings), a schedule's length without the value it goes to, a schedule's end without its length, LoRA's alpha
-    without LoRA."""
+    """Flags that would change nothing, or make another flag change nothing, refused in one line: one given
+    where it cannot act (acts_only: `given`'s values against `cfg`'s settings), a schedule's length without
+    its end value, its end without its length, LoRA's alpha without LoRA."""
     defaults, given = {f.name: f.default for f in dataclasses.fields(cfg)}, given or cfg
     for flag, acts, where in acts_only():
         need(getattr(given, flag) == defaults[flag] or acts(cfg), flag.replace("_", "-"),

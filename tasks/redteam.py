@@ -476,13 +476,11 @@ def memory(cfg, evaluates: bool, engines: dict, beside: dict):
 class BestBuffer(ReplayBuffer):
     """TBA's buffer, and beside its newest data (which the recent draws keep using) each prompt's set of its
     best `capacity` trajectories by log R = logp_ref + reward / beta (at gamma = T_R = 1, as theirs ranks),
-    from which the whole-buffer draws come. A newcomer that is an exact duplicate of one held is dropped
-    (theirs keeps the copy held); one that is a near-duplicate of one held (embedding cosine above
-    `similarity`, or token edit distance below `edit` x the two lengths; the nearest held one) replaces it
-    if its log R is higher and is dropped otherwise; else it joins, and the lowest log R leaves when the
-    set is full. Copies of one prompt (red-teaming searches one instruction as B copies) share one set
-    (`group_of`). Departures: theirs takes the first near-duplicate in heap order, ours the nearest; their
-    edit distance leaves EOS out, ours counts it as a token."""
+    from which the whole-buffer draws come. A newcomer that is an exact duplicate of one held is dropped; one
+    that is a near-duplicate of one held (embedding cosine above `similarity`, or token edit distance below
+    `edit` x the two lengths; the nearest) replaces it if its log R is higher, else is dropped; else it joins,
+    and the lowest log R leaves a full set. Copies of one prompt (one instruction searched as B copies) share
+    one set (`group_of`). docs/departures.md gives what differs from theirs."""
 
     FLAGS = {**ReplayBuffer.FLAGS, "beta": "beta", "similarity": "dedup_similarity", "edit": "dedup_edit"}
     SAVED = ReplayBuffer.SAVED | {"best", "best_size"}  # its state's `best_*` arrays
