@@ -11,10 +11,9 @@ from runtime.errors import ConfigError
 
 
 def check_gpus(cfg, local: int) -> str:
-    """GPU settings that would fail inside a spawned process: refuse them here, in one line. `local`: the
-    trainer ranks on this node (torchrun's LOCAL_WORLD_SIZE), which with this node's searchers use this
-    node's GPUs; on several nodes every node checks its own. Returns the dtype (`--dtype auto`: bf16 where
-    every GPU used has it, else float16)."""
+    """GPU settings that would fail inside a spawned process, refused here in one line. `local`: the trainer
+    ranks on this node (LOCAL_WORLD_SIZE), whose GPUs they and its searchers use; every node checks its own.
+    Returns the dtype (`--dtype auto`: bf16 where every GPU used has it, else float16)."""
     gpus = torch.cuda.device_count()
     used = range(local + cfg.searchers)
     if len(used) > gpus:
@@ -120,11 +119,10 @@ def batch_tokens(max_model_len: int) -> int:
 
 def engine_needs(path: str, dtype: str, longest: int, length: int, seqs: int) -> tuple[int, int, int]:
     """A vLLM engine of the model at `path` whose longest sequence is `longest`: (its weights and the working
-    memory vLLM measures, the least KV cache, the KV cache a round can fill). The working memory is estimated
-    for the step budget it is given (`batch_tokens`, BATCH_SEQS): a step's activations, the sampler's float32
-    logits and log-probs, and 0.5 GiB of CUDA graphs and workspaces; the least KV cache is one whole sequence
-    (vLLM starts no engine with less: vllm/v1/core/kv_cache_utils.py:1104-1136); a round fills `seqs`
-    sequences (BATCH_SEQS at once at most) of `length`."""
+    memory vLLM measures, the least KV cache, the KV cache a round can fill). The working memory, for its step
+    budget (`batch_tokens`, BATCH_SEQS): a step's activations, the sampler's float32 logits and log-probs, and
+    512 MiB of CUDA graphs and workspaces; the least KV cache, one whole sequence (vLLM starts no engine with
+    less: vllm/v1/core/kv_cache_utils.py:1104-1136); a round's, min(`seqs`, BATCH_SEQS) of `length`."""
     c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
     work = batch_tokens(longest) * (4 * c.hidden_size + 2 * ffn) * d + 3 * BATCH_SEQS * c.vocab_size * 4 + 2**29
