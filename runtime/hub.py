@@ -25,25 +25,18 @@ def resolve_model(name: str, flag: str = "model") -> str:
         path = name
     elif os.path.exists(name):
         raise ConfigError(f"--{flag}: {name} is a file, not a model folder (a folder with config.json and weights)")
-    elif is_hub_id(name):
-        path, why = from_hub(name, flag), "; only safetensors weights are fetched from the hub"
     else:
-        known = "'tiny', an alias" if flag == "model" else "an alias"
-        raise ConfigError(f"--{flag}: {name!r} does not exist (not {known}, a folder or a hub id)")
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+        try:
+            validate_repo_id(name)  # the hub's own rule for a model id
+        except HFValidationError:
+            known = "'tiny', an alias" if flag == "model" else "an alias"
+            raise ConfigError(f"--{flag}: {name!r} does not exist (not {known}, a folder or a hub id)") from None
+        path, why = from_hub(name, flag), "; only safetensors weights are fetched from the hub"
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"--{flag}: {path} holds no model (no config.json)")
     check_weights(path, flag, why)
     return path
-
-
-def is_hub_id(name: str) -> bool:
-    """Whether the hub would take `name` as a model id (its own rule: huggingface_hub's validate_repo_id)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def from_hub(name: str, flag: str) -> str:

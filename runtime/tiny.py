@@ -86,23 +86,17 @@ def llama_config(tokenizer, hidden: int, layers: int, heads: int, ffn: int, max_
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **extra)
 
 
-def new_model(hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0, tokenizer=None):
-    """A randomly initialised tiny Llama and its tokenizer (default: the character-level one): (model, tokenizer)."""
+def make_model(out: str | None, hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0, tokenizer=None):
+    """A randomly initialised tiny Llama and its tokenizer (default: the character-level one), saved to `out`
+    unless it is None: (model, tokenizer)."""
     import transformers
-
     tokenizer = tokenizer or make_tokenizer()
     config = llama_config(tokenizer, hidden, layers, heads, ffn or 3 * hidden, max_len)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
-
-
-def make_model(out: str, hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0, tokenizer=None):
-    """Save a randomly initialised tiny Llama and its tokenizer (default: the character-level one)
-    to `out`; return (model, tokenizer)."""
-    model, tokenizer = new_model(hidden, layers, heads, ffn, max_len, seed, tokenizer)
-    save(model, tokenizer, out)
+    if out is not None:
+        save(model, tokenizer, out)
     return model, tokenizer
 
 
@@ -253,7 +247,7 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
                   f"(stops at {r['sft_target']:g}), {last - t0:.0f} s (at most "
                   f"{f'{left / 60:.0f} min' if left >= 120 else f'{left:.0f} s'} more)", flush=True)
     try:
-        model, tokenizer = new_model(r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
+        model, tokenizer = make_model(None, r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
         done = warm_start(model, tokenizer, r["sft_max_steps"], r["sft_batch"], r["sft_lr"], r["seed"],
                           r["sft_target"], r["sft_check"], progress, r.get("task"), r.get("sft_near", 0.1))
         if r.get("task") is None:  # arith's start for RL: greedy on its 400 held-out problems
