@@ -212,8 +212,11 @@ def pad(rows: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.T
 
 
 def load_model(cls, path: str, device, dtype: str):
-    model = cls.from_pretrained(path, dtype=getattr(torch, dtype))
-    return model.to(device).eval().requires_grad_(False)
+    """(the model at `path`, frozen in eval mode; its tokenizer; its pad token id, else its EOS)."""
+    from transformers import AutoTokenizer
+    tokenizer, model = AutoTokenizer.from_pretrained(path), cls.from_pretrained(path, dtype=getattr(torch, dtype))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return model.to(device).eval().requires_grad_(False), tokenizer, pad
 
 
 # --- the victim ----------------------------------------------------------------------------------------
@@ -271,11 +274,9 @@ class SequenceClassifier:
     """log P(unsafe) of a response alone (Lee et al.'s RobertaClassifier: the victim's text only)."""
 
     def __init__(self, path: str, device, dtype: str, unsafe_label: str | None, batch: int):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model, self.device, self.batch = load_model(AutoModelForSequenceClassification, path, device, dtype), device, batch
-        self.unsafe = unsafe_index(self.model.config, unsafe_label)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        from transformers import AutoModelForSequenceClassification
+        self.model, self.tokenizer, self.pad_id = load_model(AutoModelForSequenceClassification, path, device, dtype)
+        self.device, self.batch, self.unsafe = device, batch, unsafe_index(self.model.config, unsafe_label)
         if self.model.config.pad_token_id is None:  # decoder classifiers read the last token before padding
             self.model.config.pad_token_id = self.pad_id
         self.max_len = min(512, getattr(self.model.config, "max_position_embeddings", 512))
@@ -359,10 +360,9 @@ class Embedder:
     states mean-pooled over the tokens (padding left out), then L2-normalised."""
 
     def __init__(self, path: str, device, dtype: str, batch: int):
-        from transformers import AutoModel, AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model, self.device, self.batch = load_model(AutoModel, path, device, dtype), device, batch
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        from transformers import AutoModel
+        self.model, self.tokenizer, self.pad_id = load_model(AutoModel, path, device, dtype)
+        self.device, self.batch = device, batch
 
     @torch.no_grad()
     def __call__(self, texts: list[str]) -> torch.Tensor:
