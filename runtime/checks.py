@@ -34,11 +34,8 @@ def parse(config_class, argv, description: str = ""):
     """The Config of a command line: one flag per field that is not derived, its help the field's; `given` says which
     flags the line gave (a task's defaults fill in the others: check)."""
     names = {f.name for f in dataclasses.fields(config_class)}
-    given = set()
-    for token in argv:
-        if token.startswith("--"):
-            name = token[2:].split("=")[0].replace("-", "_")
-            given.add(name[3:] if name.startswith("no_") and name[3:] in names else name)
+    flags = [token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")]
+    given = {name[3:] if name.startswith("no_") and name[3:] in names else name for name in flags}
     return config_class(**vars(parser(config_class, description).parse_args(argv)), given=tuple(sorted(given & names)))
 
 

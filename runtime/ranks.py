@@ -186,11 +186,9 @@ class Watchdog:
 
     def __init__(self, rank: int, world: int, bound: float, step, procs, out: str, signals=None, beat=lambda: None):
         """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends;
-        `beat()`: run each beat (runtime.fleet.Fleet.watching: the searchers' silence and exits, off the
-        step's path)."""
+        `beat()`: run each beat (runtime.fleet.Fleet.watching: the searchers' silence and exits)."""
         self.rank, self.world, self.bound, self.step, self.procs, self.out = rank, world, bound, step, procs, out
-        self.beat = beat
-        self.signals, self.orphaned = signals, False
+        self.signals, self.orphaned, self.beat = signals, False, beat
         self.main, self.closed, self.came = threading.main_thread().ident, False, []
         self.store = None
         if world > 1:  # a client of its own: the store's default client is the main thread's

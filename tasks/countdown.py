@@ -1,11 +1,10 @@
 """`countdown`, a second toy task (no download), after TinyZero's: three numbers and a target, the response an
 arithmetic expression that uses each number once and equals the target, e.g. prompt "7,2,11>25=" and response
 "2*7+11". Many responses are right, so the held-out metric (`countdown_correct`: 1 if right, else 0) is not a
-match to the answer field, which holds one solution; the training reward gives 0.1 for a well-formed expression
-of the given numbers that misses the target (TinyZero's format reward), so that a warm-started model that rarely
-hits gets a signal. Numbers 1-12: a response needs up to 9 tokens with its end, so the task sets --max-new-tokens
-12 (the default 8 would cut some). `demos()` gives each training problem's solution: `python -m runtime.tiny
---task countdown` warm-starts the tiny model on them (`--model tiny --task countdown` does so on first use).
+match to the answer field, which holds one solution; the training reward gives 0.1 for a well-formed
+expression of the given numbers that misses the target (TinyZero's format reward), so that a warm-started
+model that rarely hits gets a signal. Numbers 1-12: a response needs up to 9 tokens with its end, so the task
+sets --max-new-tokens 12 (the default 8 would cut some). `demos()`: the solutions.
 """
 
 import itertools
