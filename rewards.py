@@ -97,9 +97,8 @@ def math_verify_equal(gold: str, given: str) -> bool:
 
 
 def hendrycks_normalize(answer: str) -> str:
-    """Hendrycks et al.'s MATH normalisation, as the authors' mathd_normalize_answer and _strip_string
-    (math_utils.py:15-164, "Dan Hendrycks' code"): an enclosing \\text{} off, then _strip_string; an answer
-    that makes it fail stays as it is."""
+    """Hendrycks et al.'s MATH normalisation, as the authors' mathd_normalize_answer (math_utils.py:15-164):
+    an enclosing \\text{} off, then _strip_string; an answer that makes it fail stays as it is."""
     answer = answer.strip()
     try:
         m = re.search(r"^\\text\{(?P<text>.+?)\}$", answer)

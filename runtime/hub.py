@@ -17,9 +17,8 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 
 
 def resolve_model(name: str, flag: str = "model") -> str:
-    """A local folder holding the model named by --FLAG: a folder, or a hub id (with or without a namespace,
-    as the hub allows: `gpt2`), from the local Hugging Face cache first, else fetched; refused in one line
-    unless it holds a config and weights."""
+    """The local folder of the model --FLAG names (a folder, or a hub id: `gpt2` too), from the Hugging Face
+    cache first, else fetched; refused in one line unless it holds a config and weights."""
     name, why = ALIASES.get(name, name), ""
     if os.path.isdir(name):
         path = name
@@ -77,10 +76,9 @@ def check_weights(path: str, flag: str = "model", why: str = ""):
 
 
 def safetensors_damage(path: str) -> str | None:
-    """What makes a .safetensors file unloadable, read from its header alone, or None. The format: 8 bytes (the
-    header's length, little-endian), a JSON header giving each tensor's byte range in the data after it, the data;
-    safetensors refuses a file whose ranges do not tile the data exactly. Plain json and struct: nothing it holds
-    runs, and the tensors are not read."""
+    """What makes a .safetensors file unloadable, read from its header alone, or None: 8 bytes (the header's
+    length, little-endian), a JSON header of each tensor's byte range in the data after it, and the data,
+    which the ranges must tile exactly (as safetensors checks). Plain json and struct: nothing runs."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:

@@ -22,9 +22,8 @@ PREFIX = "base_model.model."  # peft's prefix on every state-dict name of the wr
 
 
 def wrap(model, rank: int, alpha: int, seed: int):
-    """The model with a fresh LoRA adapter on peft's default target modules for its architecture. B
-    starts at zero (the policy starts as the model); A's random start is drawn from `seed`, the same
-    on every trainer rank."""
+    """The model with a fresh LoRA adapter on peft's default target modules for its architecture. B starts at
+    zero (the policy starts as the model); A's random start is drawn from `seed`, the same on every rank."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():

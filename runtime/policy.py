@@ -94,14 +94,13 @@ def recompute_blocks(model, blocks: set):
 
 
 class LaggedCopy:
-    """--behaviour-logprobs trainer (with --lag L): the behaviour log-probs of a batch recomputed by the trainer, as
-    the authors' MATH trainer does (their model_for_logprob_only, recompute_logprobs: train.py:139-141, 238-244,
-    290-301), so that the importance ratio compares the trainer's own log-probs, not vLLM's. A second copy of the
-    policy, sharded as it is, in the compute dtype (--dtype: its forward casts to it anyway, so bf16 gives the same
-    numbers at half the memory); each rank keeps the shards of the last L + 1 steps' weights on the host (`record`,
-    into slots allocated once: runtime.weights.flat_slot), and before step s loads those of step s - L, which sampled
-    the batch, and rescores this rank's trajectories (`rescore`). Every rank runs the same passes (FSDP2's
-    all-gathers)."""
+    """--behaviour-logprobs trainer (with --lag L): the behaviour log-probs of a batch recomputed by the
+    trainer, as the authors' MATH trainer does (their model_for_logprob_only, recompute_logprobs:
+    train.py:139-141, 238-244, 290-301), so that the importance ratio compares the trainer's own log-probs,
+    not vLLM's. A second copy of the policy, sharded as it is, in the compute dtype (its forward casts to it
+    anyway: bf16 gives the same numbers at half the memory); each rank keeps the shards of the last L + 1
+    steps' weights on the host (`record`, into slots allocated once: weights.flat_slot), and before step s
+    loads those of step s - L, which sampled the batch, to rescore its trajectories (`rescore`)."""
 
     def __init__(self, path: str, device, dtype: str, lag: int):
         from runtime.weights import flat_slot
@@ -136,9 +135,8 @@ class LaggedCopy:
 
     @torch.no_grad()
     def rescore(self, groups, step: int, prompts, pad, device, temperature: float, micro_batch: int) -> float:
-        """Each trajectory's behaviour log-probs (per token and summed) under the weights of step `step` - L, in
-        passes of at most `micro_batch` sequences; returns the mean absolute change of the summed ones (vLLM's
-        against the trainer's)."""
+        """Each trajectory's behaviour log-probs (per token and summed) under the weights of step `step` - L,
+        in passes of at most `micro_batch`; returns the mean absolute change of the summed ones."""
         from loss import collate, response_logprobs
         for p, saved in zip(self.model.parameters(), self.ring[max(0, step - self.lag)].values()):
             local(p).copy_(saved)

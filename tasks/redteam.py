@@ -402,9 +402,8 @@ def eval_counts(prompts: int, attacks: int | None) -> list[int]:
 
 # --- the task's work in a searcher: the reward's models, the embeddings, the evaluation ---------------
 class RedteamScorer(Scorer):
-    """The victim, and a judge of the causal-LM kind, on vLLM engines of their own beside the attacker's (on a
-    GPU with their shares of --searcher-memory); a sequence classifier and the embedder in transformers
-    (docs/tasks.md says why)."""
+    """The victim, and a judge of the causal-LM kind, on vLLM engines of their own beside the attacker's; a
+    sequence classifier and the embedder in transformers (docs/tasks.md says why, and how a GPU is split)."""
 
     def __init__(self, engine, task, evaluates: bool):
         self.engine, self.cfg, self.seconds, self.embedder = engine, engine.cfg, {}, None
