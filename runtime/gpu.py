@@ -154,11 +154,10 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
 
 
 def reload_bytes(path: str, dtype: str) -> int:
-    """What vLLM 0.32's reload of new weights allocates beside the engine: it rebuilds each layer on the
-    device (its own tensors, as vLLM fuses them: the embeddings, the LM head, q k v, gate and up), loads it,
-    copies it into the engine's tensors and lets it go (vllm/model_executor/model_loader/reload/
-    layerwise.py:344-401, materialize_layer in meta.py:145-153): the largest layer, 1.09 GB for Qwen2.5-7B's
-    embeddings."""
+    """What vLLM 0.32's reload of new weights allocates beside the engine: it rebuilds each layer on the device
+    (as vLLM fuses them: embeddings, LM head, q k v, gate and up), loads it, copies it into the engine's tensors
+    and lets it go (vllm/model_executor/model_loader/reload/layerwise.py:344-401, materialize_layer in
+    meta.py:145-153): the largest layer (Qwen2.5-7B's embeddings: 1.09 GB)."""
     c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     h = c.hidden_size
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h

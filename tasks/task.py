@@ -86,10 +86,9 @@ class Scorer:
 
     def evaluate(self, prompts: list[list[int]], answers: list[str], beat=lambda done: None) -> tuple[dict, dict]:
         """One response to each prompt with the loaded weights: each score's mean, and the first problem's
-        example. In parts of a search round's size (B x responses per prompt; 256 at least, vLLM's batch of
-        sequences on the CPU), each followed by beat(prompts done): a long evaluation (the TL;DR one at 2.8B,
-        with a 6.9B judge: about 15 minutes on an A100) is then no silence to the trainer's watch, while a part
-        that hangs is."""
+        example. In parts of a search round's size (256 at least), each followed by beat(prompts done): a long
+        evaluation (TL;DR's at 2.8B: about 15 minutes on an A100) is then no silence to the trainer's watch,
+        while a part that hangs is."""
         size = max(256, self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt)
         rows, example = {}, None
         for i in range(0, len(prompts), size):
