@@ -111,10 +111,9 @@ def save(model, tokenizer, out: str):
 
 def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, target: float = 1.0,
                check: int = 512, progress=None, task: str | None = None, near: float = 0.1) -> dict:
-    """Supervised pass on arith answers, or a task's demos (`task`: its solutions; the loss covers the answer and EOS
-    only), for `steps` steps or until greedy accuracy on `check` training problems reaches `target` (measured every
-    5 steps, and after every step from within `near` of the target; a task's by its held-out metric on greedy
-    responses). `progress(step, accuracy)` after each step (the latest accuracy measured). Returns what it did."""
+    """Supervised pass on arith answers, or a task's demos (`task`; the loss covers the answer and EOS only), for
+    `steps` steps or until greedy accuracy on `check` training problems (a task's held-out metric) reaches `target`,
+    measured every 5 steps, and every step from within `near` of it. `progress(step, accuracy)` after each step."""
     train, _ = arith_splits()
     rng, check = random.Random(seed), random.Random(seed + 1).sample(train, check)
     accuracy_of = greedy_accuracy
@@ -203,9 +202,8 @@ def greedy_texts(model, tokenizer, prompts: list[str], max_new: int, batch: int 
 
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, problems) -> float:
-    """Exact-match accuracy of greedy answers, in one forward pass: greedy decoding writes the answer
-    and EOS exactly when, fed the right answer, the argmax at each answer position and at the EOS
-    is the right token (by induction over the positions). Arith prompts all have the same length."""
+    """Exact-match accuracy of greedy answers in one forward pass: greedy decoding writes the answer and EOS
+    exactly when the argmax at each of their positions, fed the answer, is its token (one prompt length: arith)."""
     model.eval()
     rows = [tokenizer(p.prompt).input_ids + tokenizer(p.answer).input_ids + [tokenizer.eos_token_id] for p in problems]
     P = len(tokenizer(problems[0].prompt).input_ids)
@@ -230,9 +228,8 @@ def recipe_for(task: str | None) -> dict:
 
 
 def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
-    """Build the tiny model into `out` (made atomically: a temporary folder beside it, renamed into place only once
-    whole; the folder goes whatever stops the build), with a line every `every` s: the warm start's step and check
-    accuracy. A recipe with a `task` warm-starts on that task's demos."""
+    """Build the tiny model into `out`, whole or not at all (a temporary folder beside it, renamed once whole),
+    with a line every `every` s: its step and check accuracy. A recipe's `task`: warm-started on its demos."""
     r = recipe
     out = os.path.abspath(out)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=os.path.dirname(out))
@@ -269,9 +266,8 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
 
 
 def damage(path: str) -> str:
-    """What keeps the folder at `path` from loading as a built tiny model ('' when nothing does): a file of WHOLE
-    missing, or one that does not parse. A build is renamed into place only once whole; before, a build on rank 1
-    of a torch.distributed group had no config or weights, and a disk or a hand can damage any folder."""
+    """What keeps the folder at `path` from loading as a built tiny model ('' when nothing does): a file of
+    WHOLE missing, or one that does not parse (a build on rank 1 of a process group had none: docs/faults.md)."""
     from safetensors import safe_open
     missing = [name for name in WHOLE if not os.path.isfile(os.path.join(path, name))]
     if missing:
@@ -292,9 +288,8 @@ def damage(path: str) -> str:
 
 
 def made_of(recipe: dict) -> dict:
-    """What decides the tiny model of `recipe`: the recipe, the tokenizer's characters and what the warm start reads
-    (arith's training problems; a task's demos and training problems), the last by hash. An edited task (its demos,
-    its problems) is then another model, warm-started anew."""
+    """What decides the tiny model of `recipe`: the recipe, the tokenizer's characters and, by hash, what the warm
+    start reads (arith's training problems; a task's demos and problems): an edited task warm-starts anew."""
     digest = lambda rows: hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
     task = recipe.get("task")
     made = dict(recipe=recipe, tokens=digest(SPECIALS + CHARS))
@@ -364,9 +359,8 @@ def shipped() -> str:
 
 
 def cached(task: str | None = None) -> str:
-    """The path of the tiny model `--model tiny` uses: arith's shipped one (SHIPPED) where the code makes that one,
-    else the cached one (warm-started on arith, or on `task`'s demos), built on first use; a folder in the cache
-    that is not whole (`damage`) is built again, said in one line."""
+    """The path of the tiny model `--model tiny` uses: arith's shipped one (SHIPPED) where the code makes that
+    one, else the cached one (of arith, or of `task`), built on first use and again where not whole (`damage`)."""
     why_not = shipped() if task is None else ""
     if task is None and not why_not:
         return SHIPPED
