@@ -88,9 +88,9 @@ def symbolic_equal(gold: str, given: str) -> bool:
 
 
 def math_verify_equal(gold: str, given: str) -> bool:
-    """math-verify's verdict (HF's math-verify 0.9.0) on two answers, each parsed inside a box: a bare
-    LaTeX answer has no delimiters for its LaTeX extraction (108 of MATH-500's 500 answers then fail
-    against themselves). This replaces the authors' sympy grader (grade_answer_sympy, math_utils.py:424-460)."""
+    """math-verify's verdict (HF's math-verify 0.9.0) on two answers, each parsed inside a box: a bare LaTeX
+    answer has no delimiters for its LaTeX extraction (108 of MATH-500's 500 answers then fail against
+    themselves). This replaces the authors' sympy grader (grade_answer_sympy, math_utils.py:424-460)."""
     from math_verify import parse, verify
     box = lambda s: parse("\\boxed{" + s + "}", parsing_timeout=MATH_VERIFY_SECONDS)
     return bool(verify(box(gold), box(given), timeout_seconds=MATH_VERIFY_SECONDS))

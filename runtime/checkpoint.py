@@ -29,11 +29,11 @@ def full_state_dict(model) -> dict:
 
 
 def save_checkpoint(t, stopping: bool = False) -> bool | str:
-    """OUT/checkpoint-STEP of trainer `t` (every rank: its gathers are collective; docs/output.md: what it holds),
-    unless the link already names this step (saving a step again deletes the linked checkpoint before it renames the
-    new one in: a kill between the two would leave the link on nothing). True once written; a write that fails (a
-    full disk: `write_error`) leaves the one before linked and returns the line saying so (rank 0), which a stop
-    ends with and mid-run is a warning, once: training goes on."""
+    """OUT/checkpoint-STEP of trainer `t` (every rank: its gathers are collective; docs/output.md: what it
+    holds), unless the link already names this step (saving a step again deletes the linked checkpoint before
+    it renames the new one in: a kill between the two would leave the link on nothing). True once written; a
+    write that fails (a full disk: `write_error`) leaves the one before linked and returns the line saying so
+    (rank 0), which a stop ends with and mid-run is a warning, once: training goes on."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     cfg, model, step, fleet = t.cfg, t.model, t.step, t.fleet
     done = torch.tensor([float(t.rank == 0 and linked(cfg.out, step))])  # rank 0's answer on every rank
@@ -85,8 +85,8 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
 
 
 def restore(t, ckpt: dict):
-    """--resume, into trainer `t`: the optimizer, the RNG, the counters; the buffer's sampling knobs act from the next
-    step on (`check_resumed_flags`), what it keeps cannot change (`fixed_on_resume`)."""
+    """--resume, into trainer `t`: the optimizer, the RNG, the counters; the buffer's sampling knobs act from
+    the next step on (`check_resumed_flags`), what it keeps cannot change (`fixed_on_resume`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     set_optimizer_state_dict(t.model, t.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(ckpt["torch_rng"])
@@ -197,9 +197,9 @@ RETRY = 5.0  # s between two tries to write OUT/final
 
 
 def save_final(model, state_dict, tokenizer, out: str, step: int, timeout: float, signals, log) -> str | None:
-    """OUT/final (`save_hf`), whole or not at all; a write that fails keeps the weights in memory, says so in one
-    line and is tried again every RETRY s until `timeout` s or a signal (docs/faults.md). Returns None once
-    written, else the line that ends the run."""
+    """OUT/final (`save_hf`), whole or not at all; a write that fails keeps the weights in memory, says so in
+    one line and is tried again every RETRY s until `timeout` s or a signal (docs/faults.md). Returns None
+    once written, else the line that ends the run."""
     path, deadline = os.path.join(out, "final"), None
     while True:
         try:
@@ -237,15 +237,15 @@ def save_hf(model, state_dict, tokenizer, path):
 
 def fixed_on_resume() -> tuple[str, ...]:
     """The flags the checkpoint's data depend on, each declared so where it is declared (runtime/config.py's
-    `arg(..., fixed=True)`): the buffer's prompt ids index the task's prompts, its rewards and logp_ref were computed
-    with these models, this reward and this temperature, and it kept what these settings kept."""
+    `arg(..., fixed=True)`): the buffer's prompt ids index the task's prompts, its rewards and logp_ref were
+    computed with these models, this reward and this temperature, and it kept what these settings kept."""
     from runtime.config import Config
     return tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("fixed"))
 
 
 def read_config(folder: str, needed: bool = True) -> dict | None:
-    """A checkpoint's config.json: its run's flags and derived values. Not `needed`: None where the folder holds none
-    (load_checkpoint then says what the folder is)."""
+    """A checkpoint's config.json: its run's flags and derived values. Not `needed`: None where the folder
+    holds none (load_checkpoint then says what the folder is)."""
     path = os.path.join(folder, "config.json")
     if not needed and not os.path.isfile(path):
         return None

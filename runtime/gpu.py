@@ -154,10 +154,10 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
 
 
 def reload_bytes(path: str, dtype: str) -> int:
-    """What vLLM 0.32's reload of new weights allocates beside the engine: it rebuilds each layer on the device
-    (as vLLM fuses them: embeddings, LM head, q k v, gate and up), loads it, copies it into the engine's tensors
-    and lets it go (vllm/model_executor/model_loader/reload/layerwise.py:344-401, materialize_layer in
-    meta.py:145-153): the largest layer (Qwen2.5-7B's embeddings: 1.09 GB)."""
+    """What vLLM 0.32's reload of new weights allocates beside the engine: it rebuilds each layer on the
+    device (as vLLM fuses them: embeddings, LM head, q k v, gate and up), loads it, copies it into the
+    engine's tensors and lets it go (vllm/model_executor/model_loader/reload/layerwise.py:344-401,
+    materialize_layer in meta.py:145-153): the largest layer (Qwen2.5-7B's embeddings: 1.09 GB)."""
     c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     h = c.hidden_size
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
@@ -202,9 +202,9 @@ def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int
     the KV cache, the least KV cache, the KV cache a round can fill): each gets its first two, and the share's
     spare goes to the KV caches in proportion to the third. `beside` (the models loaded after the engines)
     must fit in 1 - share. In vLLM 0.32 an engine's fraction is a budget of its own: its KV cache is what its
-    weights, activations and CUDA graphs leave of it, and the engines started before it count as another process
-    (vllm/v1/worker/utils.py:716-770, vllm/v1/worker/gpu_worker.py:713-744, vllm/utils/mem_utils.py:242-245).
-    Raises ValueError, one line naming what does not fit."""
+    weights, activations and CUDA graphs leave of it, and the engines started before it count as another
+    process (vllm/v1/worker/utils.py:716-770, vllm/v1/worker/gpu_worker.py:713-744,
+    vllm/utils/mem_utils.py:242-245). Raises ValueError, one line naming what does not fit."""
     gib = lambda b: f"{b / 2**30:.1f} GiB"
     them = f"the {' + '.join(engines)} engine" + ("s'" if len(engines) > 1 else "'s")
     fixed, rest = sum(f + least for f, least, _ in engines.values()), sum(beside.values())
@@ -240,9 +240,9 @@ def evaluator_needs(cfg, task) -> tuple[dict[str, tuple[int, int, int]], dict[st
 
 
 def check_evaluator(cfg, task, local: int):
-    """--evaluator after (one trainer rank): its vLLM engine takes --trainer-memory of the trainer's GPU when it
-    starts, before the trainer loads its model (runtime/fleet.Fleet.beside); the trainer must fit in the rest, or
-    a refusal in one line naming both flags and the figures (memory_split's)."""
+    """--evaluator after (one trainer rank): its vLLM engine takes --trainer-memory of the trainer's GPU when
+    it starts, before the trainer loads its model (runtime/fleet.Fleet.beside); the trainer must fit in the
+    rest, or a refusal in one line naming both flags and the figures (memory_split's)."""
     if cfg.evaluator != "after":
         return
     card = min(torch.cuda.get_device_properties(i).total_memory for i in range(local))
@@ -256,11 +256,11 @@ def check_evaluator(cfg, task, local: int):
 
 
 def pinned_block(sizes) -> int:
-    """Bytes of ONE pinned host block holding tensors of `sizes` bytes, each at an offset aligned to 64 bytes: a slot
-    of --lag's history (runtime/weights.flat_slot), exact on any torch. The slot is plain host memory page-locked in
-    place (cudaHostRegister), not torch's caching host allocator's, which rounds a block up to a power of two
-    (ATen/core/CachingHostAllocator.h:302-309) and, with that rounding turned off, could hand a freed smaller block
-    of the same power-of-two bucket to a larger request (get_free_block, :621-633)."""
+    """Bytes of ONE pinned host block holding tensors of `sizes` bytes, each at an offset aligned to 64 bytes:
+    a slot of --lag's history (runtime/weights.flat_slot), exact on any torch. The slot is plain host memory
+    page-locked in place (cudaHostRegister), not torch's caching host allocator's, which rounds a block up to
+    a power of two (ATen/core/CachingHostAllocator.h:302-309) and, with that rounding turned off, could hand a
+    freed smaller block of the same power-of-two bucket to a larger request (get_free_block, :621-633)."""
     return max(1, sum(-(-s // 64) * 64 for s in sizes))
 
 
@@ -314,8 +314,8 @@ def host_needs(cfg, local: int, world: int | None = None) -> dict[str, int]:
 
 
 def check_host(cfg, local: int):
-    """What the trainer keeps on the host (`host_needs`) fits its RAM, or a refusal in one line naming the flag to
-    change (--eval-every where --evaluator after keeps snapshots, else --lag) and the figures."""
+    """What the trainer keeps on the host (`host_needs`) fits its RAM, or a refusal in one line naming the
+    flag to change (--eval-every where --evaluator after keeps snapshots, else --lag) and the figures."""
     need = host_needs(cfg, local)
     total, ram = sum(need.values()), host_ram()
     if total <= ram:

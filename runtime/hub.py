@@ -60,8 +60,8 @@ def digest(path: str) -> str:
 
 def check_weights(path: str, flag: str = "model", why: str = ""):
     """Refuse a model folder without weights, or whose safetensors files are truncated or damaged, in one line
-    before anything starts (transformers and vLLM would fail in every process, with tracebacks); `why`: a guess at
-    the cause, said after the files looked for."""
+    before anything starts (transformers and vLLM would fail in every process, with tracebacks); `why`: a
+    guess at the cause, said after the files looked for."""
     if not any(os.path.isfile(os.path.join(path, w)) for w in WEIGHTS):
         raise ConfigError(f"--{flag}: {path} holds no weights (none of {', '.join(WEIGHTS)}{why})")
     try:  # sharded: every shard its index names
@@ -125,8 +125,8 @@ def weight_files(path: str) -> list[str]:
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(path: str, flag: str = "model"):
-    """The tokenizer saved beside the model, or a one-line refusal naming what is missing; loaded once a process (the
-    checks and the trainer ask for it: a tokenizer of a real model takes a second or more)."""
+    """The tokenizer saved beside the model, or a one-line refusal naming what is missing; loaded once a
+    process (the checks and the trainer ask for it: a tokenizer of a real model takes a second or more)."""
     from transformers import AutoTokenizer
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(path, f)) for f in files):

@@ -34,9 +34,9 @@ def wrap(model, rank: int, alpha: int, seed: int):
 
 
 def check_rank(path: str, rank: int):
-    """Refuse in one line a --lora-rank that peft cannot place on the model at `path`, or that is above the width
-    of a target: the update B A of an (in x out) layer has rank at most min(in, out), so a larger r only adds
-    parameters. The widths come from the config, on the meta device (no weights read, no memory)."""
+    """Refuse in one line a --lora-rank that peft cannot place on the model at `path`, or that is above the
+    width of a target: the update B A of an (in x out) layer has rank at most min(in, out), so a larger r only
+    adds parameters. The widths come from the config, on the meta device (no weights read, no memory)."""
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS  # what wrap's peft uses
     from transformers import AutoConfig, AutoModelForCausalLM
     from runtime.errors import ConfigError

@@ -27,10 +27,10 @@ CONTINUE, DONE, FAILED = 0, 1, 2  # rank 0's decision after a meeting
 
 
 def allowance(timeout: float) -> datetime.timedelta:
-    """How long a collective may wait, in the default group and the leaders' alike. Rank 0's long waits answer the
-    others every slice (ranks.wait_together) and every POLL on several nodes; what remains is a rank's time alone
-    between two collectives: a weight-sync lock (up to --timeout) or rank 0 writing a checkpoint (a 2.8B one is
-    about 33 GB: minutes on a slow disk)."""
+    """How long a collective may wait, in the default group and the leaders' alike. Rank 0's long waits answer
+    the others every slice (ranks.wait_together) and every POLL on several nodes; what remains is a rank's
+    time alone between two collectives: a weight-sync lock (up to --timeout) or rank 0 writing a checkpoint (a
+    2.8B one is about 33 GB: minutes on a slow disk)."""
     return datetime.timedelta(seconds=2 * timeout + 600)
 
 

@@ -33,9 +33,9 @@ GPU_SHAPES = {
 
 
 def per_sequence(shape: str) -> float:
-    """b / a of a decoding step of the model `shape` (GPU_SHAPES): the fit for Llama-2-7B, times the KV cache's bytes a
-    token over the weights' bytes against Llama-2-7B's (rho-math-1b: 0.0042, a step 3.8x flatter; Qwen2.5-7B:
-    0.0015). Both in the same dtype: it cancels."""
+    """b / a of a decoding step of the model `shape` (GPU_SHAPES): the fit for Llama-2-7B, times the KV
+    cache's bytes a token over the weights' bytes against Llama-2-7B's (rho-math-1b: 0.0042, a step 3.8x
+    flatter; Qwen2.5-7B: 0.0015). Both in the same dtype: it cancels."""
     kv_per_weight = lambda m: 2 * m["layers"] * m["kv_heads"] * m["head_dim"] / m["params"]  # K and V, a token
     return GPU_PER_SEQUENCE * kv_per_weight(GPU_SHAPES[shape]) / kv_per_weight(GPU_SHAPES["llama-2-7b"])
 # `--response-lengths gsm8k`: quantiles (0, 5, ..., 100%) of a real model's GSM8K answer lengths over their median:
@@ -46,10 +46,10 @@ GSM8K_TAIL = (0.281, 0.506, 0.573, 0.64, 0.708, 0.753, 0.798, 0.843, 0.899, 0.94
 
 
 def slow_down(generate: float, alone: float, factor: float, limit: float = math.inf) -> float:
-    """After a generation that took `generate` s and would have taken `alone` s on an engine of its own,
-    sleep until `factor` x `alone` has passed. Charging the cost alone, not the time taken, keeps searchers
-    that share a few CPU cores from multiplying that contention by `factor`: on a GPU node they share
-    nothing. A sleep longer than `limit` (--timeout) is a fault, not a wait: TimeoutError. Returns the seconds slept."""
+    """After a generation that took `generate` s and would have taken `alone` s on an engine of its own, sleep
+    until `factor` x `alone` has passed. Charging the cost alone, not the time taken, keeps searchers that
+    share a few CPU cores from multiplying that contention by `factor`: on a GPU node they share nothing. A
+    sleep longer than `limit` (--timeout) is a fault, not a wait: TimeoutError. Returns the seconds slept."""
     seconds = factor * alone - generate if factor != 1 else 0.0
     if seconds > limit:
         raise TimeoutError(f"an emulated step of {factor * alone:.3g} s ({factor:g} x its cost alone, {alone:.3g} s) "
@@ -73,27 +73,27 @@ class Clock:
         self.uncharged = {}  # part -> seconds of work no device pays for (`apart`)
 
     def alone(self, running: int) -> float:
-        """A decoding step's cost alone: each of its sequences' share (linear), or as on a GPU a fixed part and a
-        small part a sequence, equal to linear's at a whole batch of `full` sequences (gpu: B x n, the same for every
-        number of searchers, so that a searcher running N times the sequences is not charged N times for them).
-        Over `devices`, the slowest device's: a share of ceil(running / D) sequences each, as evenly as they can be
-        spread (a colocated run's best case), the fixed part each device's."""
+        """A decoding step's cost alone: each of its sequences' share (linear), or as on a GPU a fixed part
+        and a small part a sequence, equal to linear's at a whole batch of `full` sequences (gpu: B x n, the
+        same for every number of searchers, so that a searcher running N times the sequences is not charged N
+        times for them). Over `devices`, the slowest device's: a share of ceil(running / D) sequences each, as
+        evenly as they can be spread (a colocated run's best case), the fixed part each device's."""
         running = -(-running // self.devices)
         if self.shape == "gpu":
             return self.seconds_per_token * self.full * (1 + self.b * running) / (1 + self.b * self.full)
         return self.seconds_per_token * running
 
     def round_alone(self, lengths) -> float:
-        """A round's cost alone: responses of these decoding steps, all begun together, each step costing `alone`
-        of the responses still running (a round waits for its longest, as with --response-lengths)."""
+        """A round's cost alone: responses of these decoding steps, all begun together, each step costing
+        `alone` of the responses still running (a round waits for its longest, as with --response-lengths)."""
         lengths = np.sort(np.asarray(lengths, dtype=int))
         steps = np.arange(lengths[-1]) if len(lengths) else np.arange(0)
         return float(sum(self.alone(int(len(lengths) - np.searchsorted(lengths, t, side="right"))) for t in steps))
 
     @contextlib.contextmanager
     def apart(self, part: str):
-        """Time a block of work that no emulated device pays for (a weight reload and its check, ...): counted in
-        `account()`'s `uncharged`, never slept."""
+        """Time a block of work that no emulated device pays for (a weight reload and its check, ...): counted
+        in `account()`'s `uncharged`, never slept."""
         t0 = time.time()
         try:
             yield
@@ -126,8 +126,8 @@ class Clock:
 
 
 def tail(seed: tuple) -> float:
-    """--response-lengths gsm8k: a response's emulated decoding steps over its real ones, a draw from GSM8K_TAIL
-    (interpolated between its quantiles), reproducible from the response's seed."""
+    """--response-lengths gsm8k: a response's emulated decoding steps over its real ones, a draw from
+    GSM8K_TAIL (interpolated between its quantiles), reproducible from the response's seed."""
     u = np.random.default_rng([*seed, seeds.TAILS]).random()
     return float(np.interp(u, np.linspace(0, 1, len(GSM8K_TAIL)), GSM8K_TAIL))
 
@@ -177,8 +177,8 @@ class TrainClock:
         self.ended = None
 
     def charge(self, seconds: float) -> float:
-        """A training step took `seconds` of compute: sleep until Y x its cost alone has passed. Returns the seconds
-        slept."""
+        """A training step took `seconds` of compute: sleep until Y x its cost alone has passed. Returns the
+        seconds slept."""
         try:
             if self.factor == 1:
                 return 0.0
@@ -201,9 +201,9 @@ MAX_COST = 3600.0  # s: no step of a token or of training is charged an hour
 
 
 def read_calibration(path: str) -> dict:
-    """--calibration: {"seconds_per_token": s a generated token costs one engine alone, "train_step": s a training
-    step alone}, plain JSON, and for a colocated run "devices" (a whole number, 1 by default) and "all_reduce" (s a
-    step, 0 by default: docs/performance.md); refused in one line if it is not that."""
+    """--calibration: {"seconds_per_token": s a generated token costs one engine alone, "train_step": s a
+    training step alone}, plain JSON, and for a colocated run "devices" (a whole number, 1 by default) and
+    "all_reduce" (s a step, 0 by default: docs/performance.md); refused in one line if it is not that."""
     if not os.path.isfile(path):
         raise ConfigError(f"--calibration: {path} does not exist")
     try:
@@ -228,9 +228,9 @@ def read_calibration(path: str) -> dict:
 
 
 def calibrate(engine, count: int, n: int, timed: bool = True):
-    """A round of `count` prompts x n on `engine` (searcher.Engine), to warm it up, or (`timed`) to set the seconds
-    a generated token costs it warm and (the caller sees to it) alone. Prompts and seeds of their own: the run's
-    samples do not change; the prefix cache is emptied around them."""
+    """A round of `count` prompts x n on `engine` (searcher.Engine), to warm it up, or (`timed`) to set the
+    seconds a generated token costs it warm and (the caller sees to it) alone. Prompts and seeds of their own:
+    the run's samples do not change; the prefix cache is emptied around them."""
     cfg, clock = engine.cfg, engine.clock
     rng = np.random.default_rng([cfg.seed, seeds.CALIBRATION])
     ids = rng.choice(len(engine.prompts), min(count, len(engine.prompts)), replace=False)

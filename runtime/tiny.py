@@ -148,8 +148,8 @@ def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, t
 
 
 def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
-    """A task's warm start: its demos to imitate, `len(check)` of its training problems to check on, and the check
-    (its held-out metric, or its reward, of greedy responses)."""
+    """A task's warm start: its demos to imitate, `len(check)` of its training problems to check on, and the
+    check (its held-out metric, or its reward, of greedy responses)."""
     entry = tasks.get(task)
     demos, (problems, _) = demos_of(task), entry.load(None)
     score = entry.metric or entry.reward
@@ -162,8 +162,8 @@ def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
 
 
 def demos_of(task: str) -> list:
-    """The task's demos (its `demos()`), refused in one line (ConfigError) where there is nothing to warm-start on:
-    none, or not `Problem(prompt, solution)`s of text, or a `demos()` that fails."""
+    """The task's demos (its `demos()`), refused in one line (ConfigError) where there is nothing to
+    warm-start on: none, or not `Problem(prompt, solution)`s of text, or a `demos()` that fails."""
     from tasks.task import Problem
     try:
         demos = tasks.get(task).demos()
@@ -308,8 +308,8 @@ def identity(made: dict) -> str:
 
 
 def changes(old: dict, new: dict) -> str:
-    """What differs between what decided two tiny models (`made_of`, as recorded in their recipe files), in words
-    ('' when nothing)."""
+    """What differs between what decided two tiny models (`made_of`, as recorded in their recipe files), in
+    words ('' when nothing)."""
     who = new["recipe"].get("task") or "arith"
     a, b = old["recipe"], new["recipe"]
     keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
@@ -321,16 +321,16 @@ def changes(old: dict, new: dict) -> str:
 
 
 def folder(task: str | None = None) -> str:
-    """Where the cached tiny model (of arith, or of `task`) is, built or not: $TBA_CACHE (default ~/.cache/tba),
-    in a folder named by the hash of what decides it (`identity`)."""
+    """Where the cached tiny model (of arith, or of `task`) is, built or not: $TBA_CACHE (default
+    ~/.cache/tba), in a folder named by the hash of what decides it (`identity`)."""
     root = os.environ.get("TBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tba")
     key = identity(made_of(recipe_for(task)))
     return os.path.join(root, f"tiny-{key}" if task is None else f"tiny-{task}-{key}")
 
 
 def previous(path: str, made: dict) -> tuple[str, str]:
-    """The latest whole model of the cache beside `path` made for the same task, and what changed since (`changes`);
-    ('', '') where there is none."""
+    """The latest whole model of the cache beside `path` made for the same task, and what changed since
+    (`changes`); ('', '') where there is none."""
     root, task = os.path.dirname(path), made["recipe"].get("task")
     found = []
     for name in os.listdir(root):
@@ -346,8 +346,8 @@ def previous(path: str, made: dict) -> tuple[str, str]:
 
 
 def shipped() -> str:
-    """Why the shipped arith model (SHIPPED) is not the one the code makes ('' when it is): not whole, or made of
-    other things (`changes`: RECIPE edited, say) than the code's."""
+    """Why the shipped arith model (SHIPPED) is not the one the code makes ('' when it is): not whole, or made
+    of other things (`changes`: RECIPE edited, say) than the code's."""
     why = damage(SHIPPED)
     if why:
         return f"the shipped tiny model {SHIPPED} is incomplete ({why})"
@@ -395,9 +395,9 @@ def cached(task: str | None = None) -> str:
 
 @contextlib.contextmanager
 def held(path: str, every: float = 30.0):
-    """Hold the build lock of the model at `path` (a file beside it). While another process holds it, building the
-    same model, say so in one line, again every `every` s, and give up after WAIT s in one line (ConfigError). The
-    lock goes with its holder (flock): a lock held is a builder alive."""
+    """Hold the build lock of the model at `path` (a file beside it). While another process holds it, building
+    the same model, say so in one line, again every `every` s, and give up after WAIT s in one line
+    (ConfigError). The lock goes with its holder (flock): a lock held is a builder alive."""
     with open(path + ".lock", "w") as lock:
         start, said = time.time(), None
         while True:
@@ -422,8 +422,8 @@ def held(path: str, every: float = 30.0):
 
 
 def remove_stale(path: str, since: float):
-    """The temporary folders of builds of `path` that died (killed: no cleanup ran), found by the next builder under
-    its lock: made before it took the lock (`since`), so by a builder that no longer holds it."""
+    """The temporary folders of builds of `path` that died (killed: no cleanup ran), found by the next builder
+    under its lock: made before it took the lock (`since`), so by a builder that no longer holds it."""
     root, prefix = os.path.dirname(path), f".{os.path.basename(path)}-"
     for name in os.listdir(root):
         stale = os.path.join(root, name)
@@ -432,8 +432,8 @@ def remove_stale(path: str, since: float):
 
 
 def main(argv: list[str]):
-    """`python -m runtime.tiny [--task NAME] [OUT_DIR]`: the path of the tiny model `--model tiny` uses (of arith,
-    or of the task), built or found; or a build into OUT_DIR."""
+    """`python -m runtime.tiny [--task NAME] [OUT_DIR]`: the path of the tiny model `--model tiny` uses (of
+    arith, or of the task), built or found; or a build into OUT_DIR."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m runtime.tiny", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", help="warm-start on this task's demos (its `demos()`) instead of arith")

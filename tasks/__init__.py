@@ -32,8 +32,8 @@ def get(name: str, deadline: float | None = None):
 
 
 def module(entry: str):
-    """The module `entry`, imported; refused in one line naming its file where it does not import, or where a folder
-    of its name shadows it."""
+    """The module `entry`, imported; refused in one line naming its file where it does not import, or where a
+    folder of its name shadows it."""
     spec = importlib.util.find_spec(entry)
     # A folder with an __init__ file (any suffix Python loads) is imported before a file of its name beside it
     # (importlib's FileFinder.find_spec looks for the package first); a folder without one never shadows it.
@@ -70,8 +70,8 @@ def within(entry: str, deadline: float):
 
 
 def why(e: Exception, file: str) -> str:
-    """An import's error in a phrase: its kind, its message's first line and where (the last line of ours it ran; its
-    line alone where that is in `file`)."""
+    """An import's error in a phrase: its kind, its message's first line and where (the last line of ours it
+    ran; its line alone where that is in `file`)."""
     if isinstance(e, SyntaxError):
         at = (e.filename or "?", e.lineno)
     else:

@@ -37,8 +37,8 @@ def problems() -> list[tuple[str, str]]:
 
 
 def splits() -> tuple[list[Problem], list[Problem]]:
-    """(train, held out): the answer field is the prompt's numbers and target, "7,2,11>25", which the reward checks
-    a response against (any right expression scores, not only the demo's)."""
+    """(train, held out): the answer field is the prompt's numbers and target, "7,2,11>25", which the reward
+    checks a response against (any right expression scores, not only the demo's)."""
     made = [Problem(prompt, prompt[:-1]) for prompt, _ in problems()]
     return made[TEST:], made[:TEST]
 
@@ -70,8 +70,8 @@ def countdown_correct(completion: str, answer: str) -> float:
 
 
 def countdown_reward(completion: str, answer: str) -> float:
-    """The training reward: 1.0 if right, 0.1 for a well-formed expression of the numbers that misses (TinyZero's
-    format reward), else 0.0."""
+    """The training reward: 1.0 if right, 0.1 for a well-formed expression of the numbers that misses
+    (TinyZero's format reward), else 0.0."""
     got = value(completion, answer)
     return 0.0 if got is None else 1.0 if got == int(answer.split(">")[1]) else 0.1
 

@@ -73,8 +73,8 @@ def load(data: str | None) -> tuple[list[Problem], list[Problem]]:
 # PRM800K's grader), ported with its guards; run in a child process under MATH_SECONDS as math-verify is (theirs had
 # no limit). It needs pylatexenc (their LaTeX to text) and sympy.
 def authors_reward(completion: str, answer: str) -> float:
-    """Their compute_math_reward (genesys/math.py:6-47): the last box against the answer, by Hendrycks' normalisation
-    or their sympy check."""
+    """Their compute_math_reward (genesys/math.py:6-47): the last box against the answer, by Hendrycks'
+    normalisation or their sympy check."""
     text = completion.split("</think>")[1] if "</think>" in completion else completion
     given, gold = last_boxed(text), last_boxed(answer) if "\\boxed" in answer else answer
     if not given or not gold:
@@ -196,8 +196,8 @@ def split_tuple(expr: str) -> list[str]:
 
 
 def sympy_equal(truth: str, given: str) -> bool:
-    """Their are_equal_under_sympy (math_utils.py:351-362) behind their should_allow_eval (335-348): no more than two
-    unknown letters, no nested or long exponents."""
+    """Their are_equal_under_sympy (math_utils.py:351-362) behind their should_allow_eval (335-348): no more
+    than two unknown letters, no nested or long exponents."""
     expr = f"({truth})-({given})"
     letters = {c for c in expr.replace("sqrt", "").replace("frac", "") if c.isalpha()}
     if len(letters) > 2 or "^{" in expr or "^(" in expr or re.search(r"\^[0-9]+\^|\^[0-9][0-9]+", expr):

@@ -145,8 +145,8 @@ def check(cfg) -> dict:
 # (vllm/v1/worker/cpu_worker.py:107-177): the CPU runs any model.
 def workspace_user(path: str) -> str | None:
     """Why an engine of the model at `path` would use vLLM's workspace: 'quantized (FIELD)', 'a mixture of
-    experts (FIELD)' or 'multi-head latent attention (kv_lora_rank)', from its config (with the class's defaults,
-    nested configs included), or None for a dense unquantized model."""
+    experts (FIELD)' or 'multi-head latent attention (kv_lora_rank)', from its config (with the class's
+    defaults, nested configs included), or None for a dense unquantized model."""
     from transformers import AutoConfig
 
     def fields(d):
@@ -170,8 +170,8 @@ def workspace_user(path: str) -> str | None:
 
 
 def one_workspace(cfg, flag: str, path: str):
-    """On a GPU, refuse a model for an engine beside others in the searcher process (the attacker, the victim, a
-    judge) that would use vLLM's workspace (`workspace_user`), in one line."""
+    """On a GPU, refuse a model for an engine beside others in the searcher process (the attacker, the victim,
+    a judge) that would use vLLM's workspace (`workspace_user`), in one line."""
     why = workspace_user(path) if cfg.device == "cuda" else None
     if why:
         raise ConfigError(f"--{flag}: {path} is {why}; on a GPU the redteam task runs the attacker's, the victim's "
@@ -256,11 +256,11 @@ class Victim:
 
     def respond(self, attacks: list[str], seed: int) -> list[str]:
         """n responses to each attack, attack by attack ([a0 r0, a0 r1, ..., a1 r0, ...]): one request an
-        attack with its own seed (vLLM gives its n samples seed + i, vllm/v1/engine/parallel_sampling.py:76-81),
-        so that the answers follow from `seed` alone. No top-k cut, as Lee et al.'s vLLM; it stops at every EOS
-        id of the victim's generation_config.json (vllm/sampling_params.py:786-800,
-        vllm/v1/engine/input_processor.py:489): Llama 3's <|eot_id|>, which theirs lists by hand
-        (gfn_trainer.py:183-187)."""
+        attack with its own seed (vLLM gives its n samples seed + i,
+        vllm/v1/engine/parallel_sampling.py:76-81), so that the answers follow from `seed` alone. No top-k
+        cut, as Lee et al.'s vLLM; it stops at every EOS id of the victim's generation_config.json
+        (vllm/sampling_params.py:786-800, vllm/v1/engine/input_processor.py:489): Llama 3's <|eot_id|>, which
+        theirs lists by hand (gfn_trainer.py:183-187)."""
         s = self.sampling
         params = [sampling_params(s["temperature"], s["max_new_tokens"], (seed, i), n=self.n, logprobs=None,
                                   top_p=s["top_p"]) for i in range(len(attacks))]
@@ -295,12 +295,12 @@ class SequenceClassifier:
 
 
 class Judge:
-    """log P(first verdict token = that of "unsafe") of a causal LM judging (attack, response), on a vLLM engine
-    of its own (`llm`, with prefix caching: the prompts' shared head, Llama Guard's category list, is computed
-    once). One token is generated greedily and the verdict token's log-prob read among `logprob_token_ids`, which
-    vLLM 0.32 takes from the raw logits whatever the token's rank (vllm/v1/sample/sampler.py:86-95, 112-119,
-    134-137; the engine keeps the default raw_logprobs): Lee et al.'s top-2 (utils.py:108-109, 129) misses
-    "unsafe" when two other tokens are likelier."""
+    """log P(first verdict token = that of "unsafe") of a causal LM judging (attack, response), on a vLLM
+    engine of its own (`llm`, with prefix caching: the prompts' shared head, Llama Guard's category list, is
+    computed once). One token is generated greedily and the verdict token's log-prob read among
+    `logprob_token_ids`, which vLLM 0.32 takes from the raw logits whatever the token's rank
+    (vllm/v1/sample/sampler.py:86-95, 112-119, 134-137; the engine keeps the default raw_logprobs): Lee et
+    al.'s top-2 (utils.py:108-109, 129) misses "unsafe" when two other tokens are likelier."""
 
     def __init__(self, path: str, llm):
         from transformers import AutoTokenizer

@@ -58,10 +58,10 @@ class Data:
 
 
 class Scorer:
-    """A task's work inside a searcher's engine (searcher.Engine): the reward of a round's responses, and
-    the evaluation. This one scores with the task's string reward (or `--reward-model` in its place) and
-    evaluates the accuracy (pass@1) of one response per held-out prompt, greedy or at --eval-temperature.
-    `seconds`: the last reward's time by part, for the train rows (red-teaming: the victim's, the classifier's)."""
+    """A task's work inside a searcher's engine (searcher.Engine): the reward of a round's responses, and the
+    evaluation. This one scores with the task's string reward (or `--reward-model` in its place) and evaluates
+    the accuracy (pass@1) of one response per held-out prompt, greedy or at --eval-temperature. `seconds`: the
+    last reward's time by part, for the train rows (red-teaming: the victim's, the classifier's)."""
 
     def __init__(self, engine, task: "Task", evaluates: bool):
         self.engine, self.cfg, self.seconds = engine, engine.cfg, {}
@@ -100,15 +100,15 @@ class Scorer:
         return {k: float(np.mean(v)) for k, v in rows.items()}, example
 
     def evaluate_part(self, prompts: list[list[int]], answers: list[str]) -> tuple[dict, dict]:
-        """evaluate() on some prompts: each score's value for each response (the task's metric, never the training
-        reward of `reward`, which a subclass may shape), and the first one's example."""
+        """evaluate() on some prompts: each score's value for each response (the task's metric, never the
+        training reward of `reward`, which a subclass may shape), and the first one's example."""
         responses, texts = self.engine.respond(prompts)
         scores = self.metric(prompts, responses, texts, answers)
         return {self.cfg.score: list(scores)}, self.example(prompts, texts, scores)
 
     def example(self, prompts, texts, values, name: str | None = None) -> dict:
-        """The eval row's `example`: the first problem's prompt, its completion, and that completion's value of the
-        score `name` (default: the task's headline score, `Task.score`), under that name."""
+        """The eval row's `example`: the first problem's prompt, its completion, and that completion's value
+        of the score `name` (default: the task's headline score, `Task.score`), under that name."""
         return dict(prompt=self.engine.tokenizer.decode(prompts[0], skip_special_tokens=True), completion=texts[0],
                     **{name or self.cfg.score: float(values[0])})
 
