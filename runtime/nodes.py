@@ -1,14 +1,11 @@
 """Several nodes: searchers on every node, one replay buffer on trainer rank 0 (docs/nodes.md: how to launch,
 how it works, what crosses nodes and what a fault does).
 
-    # on each of N nodes (node rank n), with the same flags everywhere:
-    torchrun --nnodes N --node-rank n --nproc-per-node R --master-addr HOST0 --master-port 29500 tba.py ...
-
 On one node nothing here runs (runtime/fleet.py's Fleet holds `nodes`: None). On several, each node's leader
-(LOCAL_RANK 0) does for its node what rank 0 does on one; once a step the leaders meet (`Nodes`), and a gather over
-a gloo group brings to rank 0 what their searchers queued, or a line naming a dead or silent one. What crosses
-nodes is plain data (`encode`, `decode`: a length-prefixed JSON header and the arrays by field, as the buffer saves
-them), never pickled.
+(LOCAL_RANK 0) does for its node what rank 0 does on one; once a step the leaders meet (`Nodes`), and a gather
+over a gloo group brings to rank 0 what their searchers queued, or a line naming a dead or silent one. What
+crosses nodes is plain data (`encode`, `decode`: a length-prefixed JSON header and the arrays by field, as the
+buffer saves them), never pickled.
 """
 
 import datetime

@@ -1,10 +1,11 @@
-"""Device time, emulated: the regime TBA is for (generation and training each on devices of their own, generation
-dominating), made on a machine that is not in it (tools/bench.py part 9). docs/performance.md says what each knob
-does: `--generation-slowdown` (`Clock.step`), `--train-slowdown` (`TrainClock.charge`), `--calibration`
-(`read_calibration`; a colocated run's `devices` and `all_reduce`), `--decode-cost` and `--decode-shape`
-(`per_sequence`), `--response-lengths` (`Tails`). Work no device pays for (pi_ref's log-probs, the rewards, the
-weights' reload) is not slowed (`Clock.apart`, the rows' `uncharged`); real compute longer than its charge is
-over budget (`over`): a comparison of such runs measures the CPU, not the schedule.
+"""Device time, emulated: the regime TBA is for (generation and training each on devices of their own,
+generation dominating), made on a machine that is not in it (tools/bench.py part 9). docs/performance.md says
+what each knob does: `--generation-slowdown` (`Clock.step`), `--train-slowdown` (`TrainClock.charge`),
+`--calibration` (`read_calibration`; a colocated run's `devices` and `all_reduce`: no factor says a GPU-shaped
+step over D devices, a + b x r / D), `--decode-cost` and `--decode-shape` (`per_sequence`),
+`--response-lengths` (`Tails`). Work no device pays for (pi_ref's log-probs, the rewards, the weights' reload)
+is not slowed (`Clock.apart`, the rows' `uncharged`); real compute longer than its charge is over budget
+(`over`): a comparison of such runs measures the CPU, not the schedule.
 """
 
 import contextlib
