@@ -1,18 +1,8 @@
 """Reward functions: plain `reward(completion, answer) -> float`, testable on strings alone (MATH's symbolic
 check of two answers runs in a child process under a hard time limit, runtime/bounded.py, so that no answer can
-hang or crash a round).
-
-- `arith_reward`: the toy task (`--task arith`, see `tasks/arith.py`): exact match of the answer.
-- `gsm8k_reward`: the paper's GSM8K reward (Sec. 5 of Bartoldson et al., and the authors'
-  `gsm8k_utils.py`): 1.0 if the LAST number in the completion, commas removed, equals the
-  number after `####` in the data set's answer, compared as floats; else 0.0.
-- `math_reward`: the authors' MATH grading (their tba-prime's genesys/math.py and math_utils.py): the last
-  `\boxed{}` of the response (after `</think>`, if any) against the answer, equal as strings after
-  Hendrycks' normalisation or, by math-verify, as mathematics; 0.0 without a box.
-- `RewardModel`: a learned reward (`--reward-model`), the paper's TL;DR reward; `check_reward_model`
-  refuses a model that is not one before the run starts.
-The searcher calls either kind the same way, once per round: `reward(prompts, responses,
-completions, answers) -> list[float]` (a string reward through `batched`).
+hang or crash a round), and `RewardModel`, a learned reward (`--reward-model`, the paper's TL;DR reward). The
+searcher calls either kind the same way, once per round: `reward(prompts, responses, completions, answers) ->
+list[float]` (a string reward through `batched`).
 """
 
 import functools
@@ -98,18 +88,17 @@ def symbolic_equal(gold: str, given: str) -> bool:
 
 
 def math_verify_equal(gold: str, given: str) -> bool:
-    """math-verify's verdict (HF's math-verify 0.9.0) on two answers, each parsed inside a box: a bare
-    LaTeX answer has no delimiters for its LaTeX extraction (108 of MATH-500's 500 answers then fail
-    against themselves). This replaces the authors' sympy grader (grade_answer_sympy, math_utils.py:424-460)."""
+    """math-verify's verdict (HF's math-verify 0.9.0) on two answers, each parsed inside a box: a bare LaTeX
+    answer has no delimiters for its LaTeX extraction (108 of MATH-500's 500 answers then fail against
+    themselves). This replaces the authors' sympy grader (grade_answer_sympy, math_utils.py:424-460)."""
     from math_verify import parse, verify
     box = lambda s: parse("\\boxed{" + s + "}", parsing_timeout=MATH_VERIFY_SECONDS)
     return bool(verify(box(gold), box(given), timeout_seconds=MATH_VERIFY_SECONDS))
 
 
 def hendrycks_normalize(answer: str) -> str:
-    """Hendrycks et al.'s MATH normalisation, as the authors' mathd_normalize_answer and _strip_string
-    (math_utils.py:15-164, "Dan Hendrycks' code"): an enclosing \\text{} off, then _strip_string; an answer
-    that makes it fail stays as it is."""
+    """Hendrycks et al.'s MATH normalisation, as the authors' mathd_normalize_answer (math_utils.py:15-164):
+    an enclosing \\text{} off, then _strip_string; an answer that makes it fail stays as it is."""
     answer = answer.strip()
     try:
         m = re.search(r"^\\text\{(?P<text>.+?)\}$", answer)
@@ -208,16 +197,10 @@ def check_reward_model(name: str, flag: str) -> str:
 
 
 class RewardModel:
-    """A learned reward: a Hugging Face sequence classifier with one output (`--reward-model`), as
-    in the paper's TL;DR runs and the authors' `tba_trainer_tldr.py` (TRL's `get_reward`):
-    - the response is cut after its first EOS; with `non_eos_penalty`, a response that never
-      produced EOS gets `penalty` (-1) instead of a score;
-    - prompt + response are scored in batches, and the score is read at the response's last
-      token (the EOS), whatever the padding token is (transformers' own pooling reads the token
-      before EOS when pad = EOS, as in many Pythia reward models);
-    - the policy's token ids are scored directly when the reward model has the same vocabulary
-      (the authors' case: both are Pythia); otherwise the decoded text is tokenized again.
-    Build it under `Engine.transformers_models()` in a process that runs vLLM (see searcher.py)."""
+    """A learned reward (`--reward-model`): a Hugging Face sequence classifier with one output, read as in the paper's
+    TL;DR runs and the authors' `tba_trainer_tldr.py` (TRL's `get_reward`; docs/tasks.md, "Reward models"): at the
+    response's last token (its first EOS) whatever the padding token (transformers' own pooling reads the token
+    before EOS when pad = EOS). Build it under `Engine.beside()` in a process that runs vLLM (see searcher.py)."""
 
     def __init__(self, path: str, device, dtype, policy_tokenizer, non_eos_penalty: bool,
                  batch: int = 64, penalty: float = -1.0):

@@ -1,20 +1,9 @@
-"""Checkpoints: tensors and plain data only, written so that a crash never leaves a broken one.
-
-OUT/checkpoint-STEP/ holds the model in Hugging Face format (model/; with LoRA the merged model, and
-the adapter in adapter/, from which --resume rebuilds the policy: runtime/lora.py), the optimizer state,
-step, RNG state and counters, the weights the searchers hold if older than the model's, and pi_ref if
-TBA′ is on (trainer.pt, read back with torch.load(weights_only=True)), the replay buffer
-(buffer.npz, NumPy without pickle; runtime.checks rebuilds it as the task's buffer kind) and the run's
-config (config.json, with the run's history of resumes). OUT/checkpoint links to the
-newest complete one (`atomic_checkpoint`). Nothing read back runs code the file could carry.
-A --resume continues its run: the flags its command line does not give are the checkpoint's (`resumed_flags`);
-`check_resumed_flags` refuses those that differ where the checkpoint's data depend on them and says which others
-differ, and `check_model` refuses a --model whose weights are not those the run started from (trainer.pt keeps
-their fingerprints: runtime.weights.identity).
-A checkpoint and OUT/final are written whole or not at all (`write_folder`): a write that fails (a full disk)
-leaves no temporary folder, and the one before in place; `save_final` keeps the final weights in memory and
-retries (`write_error` tells a failed write from a bug).
-"""
+"""Checkpoints: tensors and plain data only, written whole or not at all (`write_folder`), so that a crash or a
+full disk never leaves a broken one. OUT/checkpoint-STEP/ holds model/ (Hugging Face format; with LoRA the merged
+model, and adapter/), trainer.pt (read back with torch.load(weights_only=True)), buffer.npz (NumPy without pickle)
+and config.json; OUT/checkpoint links to the newest complete one (`atomic_checkpoint`). A --resume takes the flags
+its command line does not give from the checkpoint (`resumed_flags`); `check_resumed_flags` and `check_model`
+refuse what its data depend on (docs/output.md gives a checkpoint's files)."""
 
 import dataclasses
 import glob
@@ -40,14 +29,11 @@ def full_state_dict(model) -> dict:
 
 
 def save_checkpoint(t, stopping: bool = False) -> bool | str:
-    """OUT/checkpoint-STEP of trainer `t` (every rank: its gathers are collective), unless the link already names this
-    step (a signal right after a --save-every save, or the end after the last one): saving a step again deletes the
-    linked checkpoint before it renames the new one in, and a kill between the two would leave the link on nothing.
-    It holds the model (Hugging Face format), the optimizer, the step (the schedules and per-step seeds derive from
-    it), the RNG state, the run's counters (plain data: the reuse cap's among them), the replay buffer, and the
-    weights the searchers hold if older than the model's (runtime.weights.Outbox.saved: --lag's history, TBA′'s
-    pi_ref). True once written; a write that fails (a full disk: `write_error`) leaves the one before linked and
-    returns the line saying so (rank 0), which a stop ends with and mid-run is a warning, once: training goes on."""
+    """OUT/checkpoint-STEP of trainer `t` (every rank: its gathers are collective; docs/output.md: what it
+    holds), unless the link already names this step (saving a step again deletes the linked checkpoint before
+    it renames the new one in: a kill between the two would leave the link on nothing). True once written; a
+    write that fails (a full disk: `write_error`) leaves the one before linked and returns the line saying so
+    (rank 0), which a stop ends with and mid-run is a warning, once: training goes on."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     cfg, model, step, fleet = t.cfg, t.model, t.step, t.fleet
     done = torch.tensor([float(t.rank == 0 and linked(cfg.out, step))])  # rank 0's answer on every rank
@@ -66,7 +52,7 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
     def write(folder):
         save_hf(model, sd, t.tokenizer, os.path.join(folder, "model"))
         if lora.active(model):  # what --resume rebuilds the policy from, with the frozen --model
-            lora.save_adapter(model, sd, os.path.join(folder, "adapter"))
+            model.save_pretrained(os.path.join(folder, "adapter"), state_dict=sd)  # peft's format
         weights = {os.path.relpath(w, folder): digest(w)  # damage of the same size: load_checkpoint
                    for w in glob.glob(os.path.join(folder, "*", "*.safetensors"))}
         with open(os.path.join(folder, "trainer.pt"), "wb") as f:  # our file: a failed write's OSError is kept
@@ -99,8 +85,8 @@ def save_checkpoint(t, stopping: bool = False) -> bool | str:
 
 
 def restore(t, ckpt: dict):
-    """--resume, into trainer `t`: the optimizer, the RNG, the counters; the buffer's sampling knobs act from the next
-    step on (`check_resumed_flags`), what it keeps cannot change (`fixed_on_resume`)."""
+    """--resume, into trainer `t`: the optimizer, the RNG, the counters; the buffer's sampling knobs act from
+    the next step on (`check_resumed_flags`), what it keeps cannot change (`fixed_on_resume`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     set_optimizer_state_dict(t.model, t.opt, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
     torch.set_rng_state(ckpt["torch_rng"])
@@ -126,7 +112,9 @@ def load_checkpoint(folder: str) -> dict:
         raise ConfigError(f"--resume: {folder} is not a checkpoint folder{hint}")
     if not os.path.isfile(buffer):
         raise ConfigError(f"--resume: {folder} has no buffer.npz (an incomplete checkpoint?)")
-    check_checkpoint_model(folder)
+    if not os.path.isfile(os.path.join(folder, "model", "config.json")):  # transformers: a traceback
+        raise ConfigError(f"--resume: {folder} has no model/config.json (an incomplete checkpoint?)")
+    check_weights(os.path.join(folder, "model"), "resume", "; an incomplete checkpoint?")
     try:
         state = torch.load(trainer, weights_only=True, map_location="cpu")  # tensors and plain data only
         with np.load(buffer, allow_pickle=False) as f:
@@ -140,14 +128,6 @@ def load_checkpoint(folder: str) -> dict:
             raise ConfigError(f"--resume: {path} is not the file its checkpoint wrote (missing, or its "
                               f"SHA-256 differs: damaged?)")
     return state
-
-
-def check_checkpoint_model(folder: str):
-    """The checkpoint's model/ holds a config and weights (transformers would fail with a traceback)."""
-    model = os.path.join(folder, "model")
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ConfigError(f"--resume: {folder} has no model/config.json (an incomplete checkpoint?)")
-    check_weights(model, "resume", "; an incomplete checkpoint?")
 
 
 def linked(out: str, step: int) -> bool:
@@ -217,10 +197,9 @@ RETRY = 5.0  # s between two tries to write OUT/final
 
 
 def save_final(model, state_dict, tokenizer, out: str, step: int, timeout: float, signals, log) -> str | None:
-    """OUT/final (`save_hf`), whole or not at all. A write that fails keeps the weights in memory (nothing smaller
-    than them could be written in their place: a checkpoint is larger), says so in one line, and is tried again
-    every RETRY s until it succeeds, `timeout` s have passed or a signal comes (`signals.first`: at once). Returns
-    None once written, else the line that ends the run."""
+    """OUT/final (`save_hf`), whole or not at all; a write that fails keeps the weights in memory, says so in
+    one line and is tried again every RETRY s until `timeout` s or a signal (docs/faults.md). Returns None
+    once written, else the line that ends the run."""
     path, deadline = os.path.join(out, "final"), None
     while True:
         try:
@@ -258,15 +237,15 @@ def save_hf(model, state_dict, tokenizer, path):
 
 def fixed_on_resume() -> tuple[str, ...]:
     """The flags the checkpoint's data depend on, each declared so where it is declared (runtime/config.py's
-    `arg(..., fixed=True)`): the buffer's prompt ids index the task's prompts, its rewards and logp_ref were computed
-    with these models, this reward and this temperature, and it kept what these settings kept."""
+    `arg(..., fixed=True)`): the buffer's prompt ids index the task's prompts, its rewards and logp_ref were
+    computed with these models, this reward and this temperature, and it kept what these settings kept."""
     from runtime.config import Config
     return tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("fixed"))
 
 
 def read_config(folder: str, needed: bool = True) -> dict | None:
-    """A checkpoint's config.json: its run's flags and derived values. Not `needed`: None where the folder holds none
-    (load_checkpoint then says what the folder is)."""
+    """A checkpoint's config.json: its run's flags and derived values. Not `needed`: None where the folder
+    holds none (load_checkpoint then says what the folder is)."""
     path = os.path.join(folder, "config.json")
     if not needed and not os.path.isfile(path):
         return None
@@ -295,11 +274,9 @@ def resumed_flags(cfg, saved: dict):
 
 
 def check_resumed_flags(cfg, folder: str, same_weights: bool = False) -> dict:
-    """One line naming the flags that differ from the checkpoint's run; a refusal for those that
-    cannot change mid-run (`fixed_on_resume`). The others may: the schedules and seeds derive from the
-    step, and B, K, k, m, the buffer's sampling, the loss, --steps and the plumbing act from the next step on.
-    `same_weights`: --model's weights were found to be the checkpoint's (`check_model`), whatever its name or folder.
-    Returns what changed, {name: [old, new]}: the flags, and the models' folders (`*_path`) that moved."""
+    """One line naming the flags that differ from the checkpoint's run; a refusal for those that cannot change
+    mid-run (`fixed_on_resume`; docs/output.md). `same_weights`: --model's weights were found to be the
+    checkpoint's (`check_model`). Returns what changed, {name: [old, new]}: the flags, and the models' folders."""
     saved = read_config(folder)
     flags = [f.name for f in dataclasses.fields(cfg) if not f.metadata.get("derived") and f.name not in ("resume", "out")]
 

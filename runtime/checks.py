@@ -1,19 +1,10 @@
-"""The command line: `parse` builds tba.Config from it, and `check` refuses bad input and computes the
-derived values, once, before anything is spawned or written.
-
-`check` refuses in one line naming the flag (ConfigError; tba.py exits with status 2): values out of
-range, flags of another task, a model folder without weights or tokenizer, a reward model with more
-than one output, a batch the data cannot fill, a context too short for prompt + response, GPU settings
-a spawned process would fail on (runtime/gpu.py), an --out that exists or cannot be written, and a
---resume whose checkpoint is incomplete, whose run used other values of the flags that cannot change
-mid-run, or whose --model holds other weights than the run started from (a resume takes the flags it is not given
-from its checkpoint, and records what changed in the Config's `resumes`). It returns a new Config with the derived
-values filled in (paths, device, dtype, threads, the longest sequence, the defaults that depend on other flags);
-Config is frozen, so nothing writes to it after the checks.
-"""
+"""The command line: `parse` builds tba.Config from it, and `check` refuses bad input in one line naming the flag
+(ConfigError; tba.py exits with status 2) and computes the derived values, once, before anything is spawned or
+written. It returns a new Config with them filled in; Config is frozen, so nothing writes to it after the checks."""
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -43,11 +34,8 @@ def parse(config_class, argv, description: str = ""):
     """The Config of a command line: one flag per field that is not derived, its help the field's; `given` says which
     flags the line gave (a task's defaults fill in the others: check)."""
     names = {f.name for f in dataclasses.fields(config_class)}
-    given = set()
-    for token in argv:
-        if token.startswith("--"):
-            name = token[2:].split("=")[0].replace("-", "_")
-            given.add(name[3:] if name.startswith("no_") and name[3:] in names else name)
+    flags = [token[2:].split("=")[0].replace("-", "_") for token in argv if token.startswith("--")]
+    given = {name[3:] if name.startswith("no_") and name[3:] in names else name for name in flags}
     return config_class(**vars(parser(config_class, description).parse_args(argv)), given=tuple(sorted(given & names)))
 
 
@@ -135,20 +123,16 @@ def check(cfg, world: int):
 def check_flags(cfg, world: int):
     """`check` after the checkpoint's flags and the task's defaults."""
     for f in dataclasses.fields(cfg):  # an empty path or name (an unset shell variable) is no value: never "not given"
-        need(f.metadata.get("derived") or getattr(cfg, f.name) != "", f.name.replace("_", "-"), "empty (an unset "
-             "shell variable?): give a value, or leave the flag out")
-    for f in dataclasses.fields(cfg):  # a fixed set of values: any other refused, whatever the flag
-        if f.metadata.get("choices") and getattr(cfg, f.name) not in f.metadata["choices"]:
-            need(False, f.name.replace("_", "-"), f"unknown {getattr(cfg, f.name)!r} (choose from "
-                 f"{', '.join(f.metadata['choices'])})")
+        value, flag, choices = getattr(cfg, f.name), f.name.replace("_", "-"), f.metadata.get("choices")
+        need(f.metadata.get("derived") or value != "", flag, "empty (an unset shell variable?): give a value, or "
+             "leave the flag out")
+        need(not choices or value in choices, flag, f"unknown {value!r} (choose from {', '.join(choices or ())})")
+        # argparse reads 'inf' and 'nan' as floats: no flag means either
+        need(not isinstance(value, float) or math.isfinite(value), flag, f"must be a finite number, got {value}")
     # every consumer of the seed takes it: numpy's seeds (vLLM's engine seeds random, numpy and torch with it,
     # vllm/utils/torch_utils.py:548-550, from cpu_worker.py:165 and gpu_worker.py:522), SeedSequence lists, torch
     need(0 <= cfg.seed < 2**32, "seed", f"must be in [0, 2**32 - 1] (numpy's and vLLM's seeds), got {cfg.seed}")
     given = cfg  # the flags as given, before the defaults that depend on others fill in
-    for f in dataclasses.fields(cfg):  # argparse reads 'inf' and 'nan' as floats: no flag means either
-        value = getattr(cfg, f.name)
-        need(not isinstance(value, float) or math.isfinite(value), f.name.replace("_", "-"),
-             f"must be a finite number, got {value}")
     need(0 <= cfg.recency <= 1, "recency", f"must be in [0, 1], got {cfg.recency}")
     need(cfg.samples_per_prompt >= 2, "samples-per-prompt", f"K must be at least 2 (log Z is a mean over K), got {cfg.samples_per_prompt}")
     if cfg.search_samples_per_prompt is None:  # not given: K (an explicit 0 is refused below, not taken as K)
@@ -156,10 +140,14 @@ def check_flags(cfg, world: int):
     need(cfg.search_samples_per_prompt >= cfg.samples_per_prompt, "search-samples-per-prompt",
          f"must be at least K = {cfg.samples_per_prompt}, got {cfg.search_samples_per_prompt}")
     need(cfg.sync_every >= 1, "sync-every", f"k must be at least 1, got {cfg.sync_every}")
-    need(cfg.steps >= 1, "steps", "must be at least 1")
     need(cfg.prompts_per_step >= 1 and cfg.prompts_per_step % world == 0, "prompts-per-step",
          f"must be a positive multiple of the {world} trainer rank(s), got {cfg.prompts_per_step}")
-    need(cfg.searchers >= 0, "searchers", "must be 0 or more")
+    for flag in ("steps", "max_new_tokens", "buffer_capacity", "micro_batch", "log_every"):
+        need(getattr(cfg, flag) >= 1, flag.replace("_", "-"), "must be at least 1")
+    for flag in ("searchers", "eval_every", "save_every", "beta_stop_step", "warmup_steps", "decay_steps",
+                 "beta_anneal_steps", "initial_buffer", "ref_reset_every", "reward_temp_anneal_steps",
+                 "gamma_anneal_steps"):
+        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     need(cfg.searchers > 0 or world == 1, "searchers", f"0 (the trainer searching itself) runs in one trainer process; "
          f"got {world} (vLLM cannot share a multi-process group)")
     need(cfg.evaluator == "searcher" or world == 1, "evaluator", f"after runs an engine in the trainer's process, "
@@ -169,15 +157,9 @@ def check_flags(cfg, world: int):
     need(cfg.beta_final >= 1e-15, "beta-final", f"must be at least 1e-15, got {cfg.beta_final}")
     need(cfg.lr > 0, "lr", "must be positive")
     need(cfg.temperature > 0, "temperature", "must be positive (the evaluation has its own: --eval-temperature)")
-    need(cfg.max_new_tokens >= 1, "max-new-tokens", "must be at least 1")
     need(cfg.context >= 0, "context", f"must be 0 (no limit but --max-new-tokens) or more, got {cfg.context}")
-    need(cfg.buffer_capacity >= 1, "buffer-capacity", "must be at least 1")
-    need(cfg.micro_batch >= 1, "micro-batch", "must be at least 1")
     need(cfg.grad_clip >= 0, "grad-clip", "must be 0 (no clipping) or more")
-    need(cfg.eval_every >= 0, "eval-every", "must be 0 or more")
     need(cfg.eval_limit is None or cfg.eval_limit >= 1, "eval-limit", "must be at least 1")
-    need(cfg.save_every >= 0, "save-every", "must be 0 or more")
-    need(cfg.log_every >= 1, "log-every", "must be at least 1")
     for flag in ("timeout", "start_timeout"):  # torch.distributed's own timeouts overflow far above (1e13 s)
         value = getattr(cfg, flag)
         need(0 < value <= 1e6, flag.replace("_", "-"), f"must be in (0, 1e6] s, got {value}")
@@ -205,8 +187,6 @@ def check_flags(cfg, world: int):
         cfg = dataclasses.replace(cfg, round_prompts=-(-cfg.prompts_per_step // every))
     check_recipe(cfg)
     vllm_env.check()
-    for flag in ("warmup_steps", "decay_steps", "beta_anneal_steps", "initial_buffer", "ref_reset_every"):
-        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     check_lag(cfg, every or 1)
     need(cfg.loss in LOSSES, "loss", f"unknown loss {cfg.loss!r} (choose from {', '.join(LOSSES)})")
     flags = getattr(LOSSES[cfg.loss], "flags", ())
@@ -224,14 +204,10 @@ def check_flags(cfg, world: int):
         betas = ()
     need(len(betas) == 2 and all(0 <= b < 1 for b in betas), "adam-betas", f"two numbers in [0, 1), beta1,beta2: "
          f"got {cfg.adam_betas!r}")
-    need(cfg.beta_stop_step >= 0, "beta-stop-step", "must be 0 or more")
     need(cfg.eval_temperature >= 0, "eval-temperature", "must be 0 (greedy) or more")
     check_unused(cfg, given)
-    if cfg.wandb:
-        try:
-            import wandb  # noqa: F401  (optional: imported only when asked for)
-        except ImportError:
-            raise ConfigError("--wandb: the wandb package is not installed (it is optional: pip install wandb)") from None
+    need(not cfg.wandb or importlib.util.find_spec("wandb"), "wandb", "the wandb package is not installed (it is "
+         "optional: pip install wandb)")
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
     if ckpt:  # fewer steps would wait --timeout for an evaluation of weights that never come; as many: only the end
         done = ckpt["step"]  # (the final evaluation and final/), if a stop cut it short
@@ -244,14 +220,13 @@ def check_flags(cfg, world: int):
     # devices: trainer rank r on GPU r, searcher i on GPU (ranks + i)
     device = ranks.machine_device()
     local = nodes.layout(world)[1]  # trainer ranks on this node (all of them on one node)
-    cfg = dataclasses.replace(cfg, device=device)
     if device == "cuda":
         from runtime import gpu  # the GPU checks
         cfg = dataclasses.replace(cfg, dtype=gpu.check_gpus(cfg, local))
     need(device == "cuda" or cfg.dtype in ("auto", "float32"), "dtype",
          f"{cfg.dtype} on the CPU is not supported here (vLLM's CPU engine and the log-prob checks run in float32)")
     cores = len(os.sched_getaffinity(0))
-    cfg = dataclasses.replace(cfg, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
+    cfg = dataclasses.replace(cfg, device=device, dtype="float32" if cfg.dtype == "auto" else cfg.dtype,
                               threads=max(1, cores // (local + cfg.searchers)))  # CPU: the cores split evenly
     cfg, task, data, train = check_task(cfg)
     if device == "cuda":
@@ -299,10 +274,9 @@ def run_of(checkpoint: str) -> str:
 
 
 def loss_pools(cfg) -> bool:
-    """Whether --loss gets the whole batch in every pass of the gradient (tba.backward): where it says that it
-    pools (`pools = True`, loss.py) or the probe finds that it does (`probe_pools`, with the run's options at step 0's
-    schedules). Where the two disagree, one line says so, and the loss gets whole batches, the reading that is right
-    either way. A loss that fails on the probe's inputs is refused in one line, before anything starts."""
+    """Whether --loss gets the whole batch in every pass of the gradient (tba.backward): it says so
+    (`pools = True`), or `probe_pools` finds it pools (docs/experiments.md, "B is the whole batch"); one
+    that fails on the probe's batch is refused in one line."""
     loss, declared = LOSSES[cfg.loss], getattr(LOSSES[cfg.loss], "pools", None)
     try:
         found = probe_pools(loss, loss_options(cfg, cfg.beta, 1.0, cfg.reward_temp))  # gamma_at, reward_temp_at at 0
@@ -320,13 +294,11 @@ def loss_pools(cfg) -> bool:
 
 
 def probe_pools(loss, options: dict, K: int = 3, T: int = 5) -> bool:
-    """Whether `loss` pools across prompts: on a batch of 4 prompts, its value or its gradient differs from the sum of
-    its values on parts of it, each x its prompts (a part of 1 prompt and one of 3; each prompt alone). tba.backward
-    runs a loss in passes of whole prompts (--micro-batch, and each trainer rank its share of B), which is the same
-    only for a separable one. The batch is made as a run makes one, from buffer.Trajectory's number fields: the
-    integer ones integers (`prompt_id` one a prompt, `version` 0-4, `pi_ref_version` 0, `for_step` -1), the lengths integers, `reward` 0/1 (a prompt all 0, one all 1) and `truncated` 0/1 (a cut
-    response T long), with another count of ones in each prompt: a mean over the batch's responses with
-    truncated == 0 (DAPO's overlong filter) is then not the mean of the prompts' own, and so found."""
+    """Whether `loss` pools across prompts: on 4 prompts, its value or gradient differs from the sum of its
+    values on parts (1 prompt and 3; each alone), each x its prompts. The batch is made as a run makes one,
+    from buffer.Trajectory's number fields: integers where they are, `reward` 0/1 (a prompt all 0, one all 1)
+    and `truncated` 0/1 (a cut response T long), another count of ones in each prompt, so that a mean over
+    the batch's uncut responses (DAPO's overlong filter) is found."""
     g = torch.Generator().manual_seed(0)
     B, per_token, kind = 4, getattr(loss, "per_token", False), {f.name: f.type for f in FIELDS}
     rand = lambda *shape: torch.rand(*shape, generator=g, dtype=torch.float64)
@@ -411,16 +383,11 @@ def check_recipe(cfg):
          "embeddings (--dedup-edit compares tokens)")
     need(cfg.lora_rank >= 0, "lora-rank", f"must be 0 (all weights) or more, got {cfg.lora_rank}")
     need(cfg.lora_alpha > 0, "lora-alpha", f"must be positive, got {cfg.lora_alpha}")
-    if cfg.lora_rank:
-        try:
-            import peft  # noqa: F401  (needed only with --lora-rank)
-        except ImportError:
-            raise ConfigError("--lora-rank: the peft package is not installed (pip install peft)") from None
+    need(not cfg.lora_rank or importlib.util.find_spec("peft"), "lora-rank", "the peft package is not installed (pip "
+         "install peft)")
     need(cfg.weight_decay >= 0, "weight-decay", f"must be 0 or more, got {cfg.weight_decay}")
     need(cfg.reward_temp > 0, "reward-temp", f"must be positive, got {cfg.reward_temp}")
     need(cfg.gamma_final > 0, "gamma-final", f"must be positive, got {cfg.gamma_final}")
-    for flag in ("reward_temp_anneal_steps", "gamma_anneal_steps"):
-        need(getattr(cfg, flag) >= 0, flag.replace("_", "-"), "must be 0 or more")
     low, high = cfg.explore_temp_min, cfg.explore_temp_max
     need(low == high == 0 or 0 < low <= high, "explore-temp-min", f"the exploration temperatures need 0 < "
          f"--explore-temp-min <= --explore-temp-max (both 0 = off), got {low} and {high}")
@@ -434,10 +401,9 @@ def flags_of(loss: str) -> tuple:
 
 
 def acts_only() -> list:
-    """(flag, where it acts, its words) of each flag that acts only in some runs: its field's `acts`
-    (runtime/config.py); a loss's own knob (`arg(..., loss=True)`), refused with a loss whose `flags` do not name it
-    (a loss may also read a general field); an anneal of T_R or gamma with a loss that reads neither. One given
-    another value than its default where it cannot act would change nothing: refused in one line (check_unused)."""
+    """(flag, where it acts, its words) of each flag that acts only in some runs (check_unused refuses one
+    given elsewhere): its field's `acts` (runtime/config.py), a loss's knob (`arg(..., loss=True)`) with a
+    loss whose `flags` do not name it, an anneal of T_R or gamma with a loss that reads neither."""
     declared = [(f.name, *f.metadata["acts"]) for f in dataclasses.fields(Config) if "acts" in f.metadata]
     return declared + [
         ("reward_temp_anneal_steps", lambda c: "reward_temp" in flags_of(c.loss), "a --loss reading --reward-temp"),
@@ -448,10 +414,9 @@ def acts_only() -> list:
 
 
 def check_unused(cfg, given=None):
-    """Flags that would change nothing, or make another flag change nothing, refused in one line: one given where it
-    cannot act (acts_only: `given`'s values, before the defaults that depend on other flags, against `cfg`'s
-    settings), a schedule's length without the value it goes to, a schedule's end without its length, LoRA's alpha
-    without LoRA."""
+    """Flags that would change nothing, or make another flag change nothing, refused in one line: one given
+    where it cannot act (acts_only: `given`'s values against `cfg`'s settings), a schedule's length without
+    its end value, its end without its length, LoRA's alpha without LoRA."""
     defaults, given = {f.name: f.default for f in dataclasses.fields(cfg)}, given or cfg
     for flag, acts, where in acts_only():
         need(getattr(given, flag) == defaults[flag] or acts(cfg), flag.replace("_", "-"),
@@ -469,8 +434,8 @@ def check_unused(cfg, given=None):
          "--reward-temp to 1, and --reward-temp is 1: pass a --reward-temp")
     need(not cfg.gamma_anneal_steps or cfg.gamma_final != 1, "gamma-anneal-steps", "anneals gamma from 1 to "
          "--gamma-final, and --gamma-final is 1: pass a --gamma-final")
-    alpha = next(f.default for f in dataclasses.fields(cfg) if f.name == "lora_alpha")
-    need(cfg.lora_rank or cfg.lora_alpha == alpha, "lora-alpha", "scales a LoRA adapter: pass --lora-rank too")
+    need(cfg.lora_rank or cfg.lora_alpha == defaults["lora_alpha"], "lora-alpha", "scales a LoRA adapter: pass "
+         "--lora-rank too")
 
 
 def encode(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -547,9 +512,7 @@ def check_task(cfg):
          f"to the longest prompt's {longest} tokens")
     model_config = AutoConfig.from_pretrained(model_path)
     context = getattr(model_config, "max_position_embeddings", None)
-    longest_sequence = longest + cfg.max_new_tokens
-    if cfg.context:
-        longest_sequence = min(longest_sequence, cfg.context)
+    longest_sequence = min(longest + cfg.max_new_tokens, cfg.context or math.inf)
     need(cfg.score_batch is None or cfg.score_batch >= 1, "score-batch", f"must be at least 1, got {cfg.score_batch}")
     if cfg.score_batch is None:  # the longest sequences' logits in the run's dtype: 2 GiB at most, 256 sequences
         logits = longest_sequence * model_config.get_text_config().vocab_size * (4 if cfg.dtype == "float32" else 2)

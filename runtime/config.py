@@ -1,11 +1,8 @@
-"""Every flag of a run: one flat, typed, frozen `Config`, whose fields' helps are `--help`.
-
-Four sections, as `--help` groups them (`Config.SECTIONS`): the paper's knobs (TBA's B, K, k, m, its objective and
-schedules), the tasks and recipes (the flags that belong to one task are named by its entry: tasks/task.py), the
-plumbing, and the experiment knobs (emulated devices: the benchmark's).
-runtime/checks.py parses the command line into it and checks it, and returns a new one with the
-derived values (the last section) filled in; nothing writes to it after that. Where a default comes
-from (the paper, the authors' code, Lee et al.'s): docs/departures.md.
+"""Every flag of a run: one flat, typed, frozen `Config`, whose fields' helps are `--help`, in four sections
+(`Config.SECTIONS`): the paper's knobs, the tasks and recipes (a task's own flags are named by its entry:
+tasks/task.py), the plumbing, and the experiment knobs. runtime/checks.py parses the command line into it,
+checks it and returns a new one with the derived values (the last fields) filled in; nothing writes to it
+after that. Where a default comes from (the paper, the authors' code, Lee et al.'s): docs/departures.md.
 """
 
 from dataclasses import dataclass, field
@@ -51,8 +48,7 @@ def derived(default):  # filled in by runtime.checks.check and saved with the ru
 
 @dataclass(frozen=True)
 class Config:
-    """Every flag, its default and its one-line help (`--help`); where a default comes from:
-    docs/departures.md. Frozen: runtime.checks.check returns a new one with the derived values."""
+    """Every flag, its default and its one-line help (`--help`); frozen (the module docstring says more)."""
     # --help's groups, each beginning at its field (the sections below)
     SECTIONS: ClassVar[dict] = {
         "steps": "the paper's knobs: TBA (B, K, k, m), its objective and its schedules",

@@ -21,8 +21,8 @@ import numpy as np
 
 @dataclass
 class Request:
-    """n responses to one prompt, sampled at `temperature`, seeded from `seed` (a tuple: the run's seed and the
-    round's numbers) and the prompt."""
+    """n responses to one prompt, sampled at `temperature`, seeded from `seed` (a tuple: the run's seed and
+    the round's numbers) and the prompt."""
     prompt_id: int
     tokens: list[int]
     n: int
@@ -32,8 +32,8 @@ class Request:
 
 
 def sampling_params(temperature: float, max_tokens: int, seed: tuple | None = None, n: int = 1, logprobs=0, **more):
-    """vLLM's SamplingParams of a request: `logprobs=0` gives the sampled token's log-prob (and the cumulative one);
-    a seed tuple gives the request a generator of its own, reproducible from the run's seed."""
+    """vLLM's SamplingParams of a request: `logprobs=0` gives the sampled token's log-prob (and the cumulative
+    one); a seed tuple gives the request a generator of its own, reproducible from the run's seed."""
     from vllm import SamplingParams
     return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=logprobs,
                           seed=None if seed is None else int(np.random.SeedSequence(seed).generate_state(1)[0]), **more)
@@ -71,7 +71,6 @@ class Plain:
         return [(r.prompt_id, list(o.outputs)) for r, o in zip(requests, outputs)]
 
 
-
 class Stepped:
     """vLLM's loop driven here, a decoding step at a time, each step charged to the emulated device time (`clock`).
     `slots` say which sequences hold the engine's slots: vLLM's own (`Slots`), or with --response-lengths
@@ -104,8 +103,8 @@ class Stepped:
         self.slots.admit(request_id, seed)
 
     def step(self, refill=lambda: None) -> list:
-        """One decoding step, then `refill()` (--keep-full: the freed slots taken), charged to the clock. Returns the
-        requests that left their slots."""
+        """One decoding step, then `refill()` (--keep-full: the freed slots taken), charged to the clock.
+        Returns the requests that left their slots."""
         running = self.slots.running()  # sequences: each makes one token in this step (or holds its slot)
         t0 = time.time()
         finished = self.slots.leave([out for out in self.engine.step() if out.finished]
@@ -155,8 +154,8 @@ class Full:
         return max(0, -(-short // self.n))
 
     def generate(self, requests: list[Request], drain: bool = False) -> list[tuple[int, list]]:
-        """Queue the requests' responses, then decode until a prompt's responses are all done (`drain`: until none is
-        left, before an evaluation). Returns the prompts done, (prompt id, its n completions) each."""
+        """Queue the requests' responses, then decode until a prompt's responses are all done (`drain`: until
+        none is left, before an evaluation). Returns the prompts done, (prompt id, its n completions) each."""
         for r in requests:
             self.added += 1
             self.open[self.added] = (r.prompt_id, r.n, [])
@@ -181,10 +180,10 @@ class Full:
         return self.stepped.busy()
 
     def loaded(self, llm, version: int):
-        """New weights in the engine (searcher.Engine.load): the tokens labelled with their version from the next step
-        on (vLLM's CompletionOutput.weight_versions: vllm/outputs.py:42-48, 90), the requests added from now on salted
-        with it; those in flight keep their KV cache (PipelineRL's choice); the prefix cache is dropped where none
-        is in flight, and before an evaluation (searcher.Engine.evaluate)."""
+        """New weights in the engine (searcher.Engine.load): the tokens labelled with their version from the
+        next step on (vLLM's CompletionOutput.weight_versions: vllm/outputs.py:42-48, 90), the requests added
+        from now on salted with it; those in flight keep their KV cache (PipelineRL's choice); the prefix
+        cache is dropped where none is in flight, and before an evaluation (searcher.Engine.evaluate)."""
         llm.llm_engine.set_weight_version(str(version))
         self.version = version
         if not self.busy() and not llm.reset_prefix_cache():

@@ -1,20 +1,6 @@
-"""GPU settings a spawned process would fail on, and a searcher GPU's memory: refused or computed by
-runtime.checks before any process starts.
-
-- `check_gpus`: too few GPUs, bf16 on a GPU older than compute capability 8.0, GPU 0 in EXCLUSIVE_PROCESS
-  mode; it also picks the dtype `--dtype auto` means.
-- `check_memory`: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it
-  loads beside them fit the smallest of this node's searcher GPUs, split as the searchers will split it
-  (`memory_split`); --searcher-memory's default (`memory_share`).
-- `memory_needs`: what a searcher's GPU holds, from the models' configs (counted on the meta device: no
-  weights read) and the run's settings; a task adds its own engines and models (its `memory`); with
-  --searchers 0 the trainer's own weights, gradients, AdamW state and shared copy too (`trainer_bytes`).
-- `check_evaluator`: --evaluator after's engine, in --trainer-memory of the trainer's GPU, fits beside the
-  trainer's state, or a refusal in one line.
-- `check_host`: what the trainer keeps in the host's RAM (--lag's pinned history, --behaviour-logprobs trainer's,
-  --evaluator after's snapshots: `host_needs`) fits it, or a refusal in one line. `pinned_block` counts a
-  slot of those histories as runtime/weights.flat_slot allocates it (tools/memory.py's plan uses it too).
-"""
+"""GPU settings a spawned process would fail on, a searcher GPU's memory (`check_memory`), --evaluator after's
+engine beside the trainer and the host's RAM: refused in one line, or computed, by runtime.checks before any process
+starts (docs/gpu.md gives the figures)."""
 
 import math
 import os
@@ -25,10 +11,9 @@ from runtime.errors import ConfigError
 
 
 def check_gpus(cfg, local: int) -> str:
-    """GPU settings that would fail inside a spawned process: refuse them here, in one line. `local`: the
-    trainer ranks on this node (torchrun's LOCAL_WORLD_SIZE), which with this node's searchers use this
-    node's GPUs; on several nodes every node checks its own. Returns the dtype (`--dtype auto`: bf16 where
-    every GPU used has it, else float16)."""
+    """GPU settings that would fail inside a spawned process, refused here in one line. `local`: the trainer
+    ranks on this node (LOCAL_WORLD_SIZE), whose GPUs they and its searchers use; every node checks its own.
+    Returns the dtype (`--dtype auto`: bf16 where every GPU used has it, else float16)."""
     gpus = torch.cuda.device_count()
     used = range(local + cfg.searchers)
     if len(used) > gpus:
@@ -70,11 +55,9 @@ def compute_mode(index: int) -> int | None:
 
 
 def check_memory(cfg, task, local: int) -> float:
-    """GPUs: the vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it loads beside
-    them fit the smallest of this node's searcher GPUs, split as the searchers will split it (memory_split), or
-    a refusal in one line naming what does not fit; --evaluator after's engine fits the trainer's GPU beside the
-    trainer (`check_evaluator`); what the trainer keeps on the host fits its RAM (`check_host`). Returns the share
-    of the GPU for the engines: the flag's, or its default computed."""
+    """The vLLM engines of a searcher (of the trainer, with --searchers 0) and the models it loads beside them fit the
+    smallest of this node's searcher GPUs (`memory_split`), --evaluator after's engine the trainer's GPU, the
+    trainer's host state its RAM: else a refusal in one line. Returns the engines' share: the flag's, or its default."""
     flag = "searcher-memory" if cfg.searchers else "trainer-memory"
     gpus = range(local, local + cfg.searchers) if cfg.searchers else range(local)
     card = min(torch.cuda.get_device_properties(i).total_memory for i in gpus)
@@ -136,11 +119,10 @@ def batch_tokens(max_model_len: int) -> int:
 
 def engine_needs(path: str, dtype: str, longest: int, length: int, seqs: int) -> tuple[int, int, int]:
     """A vLLM engine of the model at `path` whose longest sequence is `longest`: (its weights and the working
-    memory vLLM measures, the least KV cache, the KV cache a round can fill). The working memory is estimated
-    for the step budget it is given (`batch_tokens`, BATCH_SEQS): a step's activations, the sampler's float32
-    logits and log-probs, and 0.5 GiB of CUDA graphs and workspaces; the least KV cache is one whole sequence
-    (vLLM starts no engine with less: vllm/v1/core/kv_cache_utils.py:1104-1136); a round fills `seqs`
-    sequences (BATCH_SEQS at once at most) of `length`."""
+    memory vLLM measures, the least KV cache, the KV cache a round can fill). The working memory, for its step
+    budget (`batch_tokens`, BATCH_SEQS): a step's activations, the sampler's float32 logits and log-probs, and
+    512 MiB of CUDA graphs and workspaces; the least KV cache, one whole sequence (vLLM starts no engine with
+    less: vllm/v1/core/kv_cache_utils.py:1104-1136); a round's, min(`seqs`, BATCH_SEQS) of `length`."""
     c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
     work = batch_tokens(longest) * (4 * c.hidden_size + 2 * ffn) * d + 3 * BATCH_SEQS * c.vocab_size * 4 + 2**29
@@ -150,12 +132,9 @@ def engine_needs(path: str, dtype: str, longest: int, length: int, seqs: int) ->
 
 def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
     """memory_split's inputs for a searcher of this run (`evaluates`: the one that evaluates, the largest), in
-    --dtype: the policy's vLLM engine (`engine_needs`), and beside the engines, by name: pi_ref and its
-    log-prob pass (--score-batch sequences' logits and a 256 MiB float32 chunk, loss.sequence_logprobs), the
-    reward model, what the task adds (its `memory`: TL;DR's evaluation models, red-teaming's victim and judge
-    engines, classifier and embedder), with --searchers 0 the trainer's own state and the shared copy of the
-    weights (the trainer's GPU holds the engine), 1 GiB for the CUDA context and the allocator's cache,
-    and what a reload allocates beside the engine (`reload_bytes`)."""
+    --dtype: the policy's vLLM engine (`engine_needs`), and beside the engines, by name: pi_ref and its log-prob pass,
+    the reward model, the task's own (its `memory`), with --searchers 0 the trainer's state and the shared copy, the
+    CUDA context and a reload's largest layer (`reload_bytes`)."""
     d = torch.empty(0, dtype=getattr(torch, cfg.dtype)).element_size()
     seqs = cfg.prompts_per_step * cfg.search_samples_per_prompt
     engines = {"policy": engine_needs(cfg.model_path, cfg.dtype, cfg.max_model_len, cfg.max_model_len, seqs)}
@@ -176,10 +155,9 @@ def memory_needs(cfg, task, evaluates: bool = True) -> tuple[dict[str, tuple[int
 
 def reload_bytes(path: str, dtype: str) -> int:
     """What vLLM 0.32's reload of new weights allocates beside the engine: it rebuilds each layer on the
-    device (its own tensors, as vLLM fuses them: the embeddings, the LM head, q k v, gate and up), loads it,
-    copies it into the engine's tensors and lets it go (vllm/model_executor/model_loader/reload/
-    layerwise.py:344-401, materialize_layer in meta.py:145-153): the largest layer, 1.09 GB for Qwen2.5-7B's
-    embeddings."""
+    device (as vLLM fuses them: embeddings, LM head, q k v, gate and up), loads it, copies it into the
+    engine's tensors and lets it go (vllm/model_executor/model_loader/reload/layerwise.py:344-401,
+    materialize_layer in meta.py:145-153): the largest layer (Qwen2.5-7B's embeddings: 1.09 GB)."""
     c, d = text_config(path), torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     h = c.hidden_size
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
@@ -190,11 +168,9 @@ def reload_bytes(path: str, dtype: str) -> int:
 
 def trainer_bytes(params: int, trained: int, trainer_dtype: str, gradients: bool = True) -> int:
     """The trainer's own bytes on one rank (nothing sharded) for `params` parameters of which `trained` learn (all,
-    or LoRA's adapter): the weights in --trainer-dtype, the gradients in it too (FSDP2 casts the float32 reduction
-    back: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:696), and AdamW's two moments in float32 whatever
-    the weights (runtime/policy.AdamW). 16 bytes a parameter with float32 weights, 12 with bf16; `gradients`
-    False: at the start of a backward pass, before they exist. What a pass keeps for its backward is not in it
-    (tools/memory.py measures that)."""
+    or LoRA's adapter): the weights and gradients in --trainer-dtype (FSDP2 casts the float32 reduction back:
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:696), AdamW's moments in float32 (runtime/policy.AdamW);
+    `gradients` False: before a backward pass makes them. A pass's activations are not in it (tools/memory.py)."""
     w = torch.empty(0, dtype=getattr(torch, trainer_dtype)).element_size()
     return w * params + ((w if gradients else 0) + 8) * trained
 
@@ -226,9 +202,9 @@ def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int
     the KV cache, the least KV cache, the KV cache a round can fill): each gets its first two, and the share's
     spare goes to the KV caches in proportion to the third. `beside` (the models loaded after the engines)
     must fit in 1 - share. In vLLM 0.32 an engine's fraction is a budget of its own: its KV cache is what its
-    weights, activations and CUDA graphs leave of it, and the engines started before it count as another process
-    (vllm/v1/worker/utils.py:716-770, vllm/v1/worker/gpu_worker.py:713-744, vllm/utils/mem_utils.py:242-245).
-    Raises ValueError, one line naming what does not fit."""
+    weights, activations and CUDA graphs leave of it, and the engines started before it count as another
+    process (vllm/v1/worker/utils.py:716-770, vllm/v1/worker/gpu_worker.py:713-744,
+    vllm/utils/mem_utils.py:242-245). Raises ValueError, one line naming what does not fit."""
     gib = lambda b: f"{b / 2**30:.1f} GiB"
     them = f"the {' + '.join(engines)} engine" + ("s'" if len(engines) > 1 else "'s")
     fixed, rest = sum(f + least for f, least, _ in engines.values()), sum(beside.values())
@@ -248,13 +224,10 @@ def memory_split(card: int, share: float, engines: dict[str, tuple[int, int, int
 
 # --- --evaluator after's engine on the trainer's GPU; the host's RAM -----------------------------------
 def evaluator_needs(cfg, task) -> tuple[dict[str, tuple[int, int, int]], dict[str, int]]:
-    """memory_split's inputs for --evaluator after's engine, which runs in the trainer's process on its GPU
-    (runtime/fleet.Fleet): what the engine counts itself (`memory_needs` of the searcher that evaluates, by which
-    searcher.Engine splits its share when it starts; pi_ref among them, which an engine that only evaluates never
-    loads) and, beside it, the trainer: its weights, gradients and AdamW state (`trainer_bytes`), the shared copy
-    in --dtype (two with TBA′'s pi_ref), --behaviour-logprobs trainer's copy in --dtype (runtime/policy.LaggedCopy:
-    one rank, so not sharded) and the CUDA context each searcher opens on this GPU to map the shared copy (CUDA IPC),
-    0.5 GiB each. What a pass keeps for its backward is not counted, as with --searchers 0 (tools/memory.py)."""
+    """memory_split's inputs for --evaluator after's engine, in the trainer's process on its GPU: what the engine
+    counts itself (`memory_needs` of the searcher that evaluates, pi_ref among them) and, beside it, the trainer's
+    state (`trainer_bytes`), the shared copy (two with TBA′'s pi_ref), --behaviour-logprobs trainer's copy and 0.5 GiB
+    for each searcher's CUDA context on this GPU (CUDA IPC). A pass's activations are not counted (tools/memory.py)."""
     engines, beside = memory_needs(cfg, task, evaluates=True)
     params, trained = trainer_parameters(cfg)
     copy = model_bytes(cfg.model_path, cfg.dtype)
@@ -267,9 +240,9 @@ def evaluator_needs(cfg, task) -> tuple[dict[str, tuple[int, int, int]], dict[st
 
 
 def check_evaluator(cfg, task, local: int):
-    """--evaluator after (one trainer rank): its vLLM engine takes --trainer-memory of the trainer's GPU when it
-    starts, before the trainer loads its model (runtime/fleet.Fleet.beside); the trainer must fit in the rest, or
-    a refusal in one line naming both flags and the figures (memory_split's)."""
+    """--evaluator after (one trainer rank): its vLLM engine takes --trainer-memory of the trainer's GPU when
+    it starts, before the trainer loads its model (runtime/fleet.Fleet.beside); the trainer must fit in the
+    rest, or a refusal in one line naming both flags and the figures (memory_split's)."""
     if cfg.evaluator != "after":
         return
     card = min(torch.cuda.get_device_properties(i).total_memory for i in range(local))
@@ -282,25 +255,13 @@ def check_evaluator(cfg, task, local: int):
                           f"beside the trainer: {e} (or evaluate with --evaluator searcher)") from None
 
 
-def pow2_ceil(n: int) -> int:
-    """n rounded up to a power of two, as c10::llvm::PowerOf2Ceil (c10/util/llvmMathExtras.h:701-705)."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
-
 def pinned_block(sizes) -> int:
-    """Bytes of ONE pinned host block holding tensors of `sizes` bytes, each at an offset aligned to 64 bytes: a slot
-    of --lag's history (runtime/weights.flat_slot), exact on any torch. The slot is plain host memory page-locked in
-    place (cudaHostRegister), not torch's caching host allocator's, which rounds a block up to a power of two
-    (ATen/core/CachingHostAllocator.h:302-309) and, with that rounding turned off, could hand a freed smaller block
-    of the same power-of-two bucket to a larger request (get_free_block, :621-633)."""
+    """Bytes of ONE pinned host block holding tensors of `sizes` bytes, each at an offset aligned to 64 bytes:
+    a slot of --lag's history (runtime/weights.flat_slot), exact on any torch. The slot is plain host memory
+    page-locked in place (cudaHostRegister), not torch's caching host allocator's, which rounds a block up to
+    a power of two (ATen/core/CachingHostAllocator.h:302-309) and, with that rounding turned off, could hand a
+    freed smaller block of the same power-of-two bucket to a larger request (get_free_block, :621-633)."""
     return max(1, sum(-(-s // 64) * 64 for s in sizes))
-
-
-def pinned_tensors(sizes) -> int:
-    """Bytes of the same tensors pinned one block each by torch's caching host allocator (--lag's history before
-    flat_slot), each block rounded up to a power of two (ATen/core/CachingHostAllocator.h:302-309): about 1.9x the
-    bytes for Qwen2.5-7B's shapes. The "before" figure of docs/gpu.md's plan."""
-    return sum(pow2_ceil(s) for s in sizes)
 
 
 def snapshots(steps: int, eval_every: int) -> int:
@@ -353,17 +314,14 @@ def host_needs(cfg, local: int, world: int | None = None) -> dict[str, int]:
 
 
 def check_host(cfg, local: int):
-    """What the trainer keeps on the host (`host_needs`) fits its RAM, or a refusal in one line naming the flag to
-    change (--eval-every where --evaluator after keeps snapshots, else --lag) and the figures."""
+    """What the trainer keeps on the host (`host_needs`) fits its RAM, or a refusal in one line naming the
+    flag to change (--eval-every where --evaluator after keeps snapshots, else --lag) and the figures."""
     need = host_needs(cfg, local)
     total, ram = sum(need.values()), host_ram()
     if total <= ram:
         return
     listed = ", ".join(f"{what} {b / 1e9:.1f}" for what, b in need.items())
-    if cfg.evaluator == "after":
-        flag, fix = f"eval-every {cfg.eval_every}", "evaluate less often (a larger --eval-every) or by a searcher " \
-                                                    "(--evaluator searcher)"
-    else:
-        flag, fix = f"lag {cfg.lag}", "a smaller --lag"
+    flag, fix = ((f"eval-every {cfg.eval_every}", "evaluate less often (a larger --eval-every) or by a searcher "
+                  "(--evaluator searcher)") if cfg.evaluator == "after" else (f"lag {cfg.lag}", "a smaller --lag"))
     raise ConfigError(f"--{flag}: the trainer would keep in this host's RAM {listed}: {total / 1e9:.1f} GB, more than "
                       f"its {ram / 1e9:.1f} GB; {fix}")

@@ -17,33 +17,25 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.b
 
 
 def resolve_model(name: str, flag: str = "model") -> str:
-    """A local folder holding the model named by --FLAG: a folder, or a hub id (with or without a namespace,
-    as the hub allows: `gpt2`), from the local Hugging Face cache first, else fetched; refused in one line
-    unless it holds a config and weights."""
+    """The local folder of the model --FLAG names (a folder, or a hub id: `gpt2` too), from the Hugging Face
+    cache first, else fetched; refused in one line unless it holds a config and weights."""
     name, why = ALIASES.get(name, name), ""
     if os.path.isdir(name):
         path = name
     elif os.path.exists(name):
         raise ConfigError(f"--{flag}: {name} is a file, not a model folder (a folder with config.json and weights)")
-    elif is_hub_id(name):
-        path, why = from_hub(name, flag), "; only safetensors weights are fetched from the hub"
     else:
-        known = "'tiny', an alias" if flag == "model" else "an alias"
-        raise ConfigError(f"--{flag}: {name!r} does not exist (not {known}, a folder or a hub id)")
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+        try:
+            validate_repo_id(name)  # the hub's own rule for a model id
+        except HFValidationError:
+            known = "'tiny', an alias" if flag == "model" else "an alias"
+            raise ConfigError(f"--{flag}: {name!r} does not exist (not {known}, a folder or a hub id)") from None
+        path, why = from_hub(name, flag), "; only safetensors weights are fetched from the hub"
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"--{flag}: {path} holds no model (no config.json)")
     check_weights(path, flag, why)
     return path
-
-
-def is_hub_id(name: str) -> bool:
-    """Whether the hub would take `name` as a model id (its own rule: huggingface_hub's validate_repo_id)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def from_hub(name: str, flag: str) -> str:
@@ -68,29 +60,25 @@ def digest(path: str) -> str:
 
 def check_weights(path: str, flag: str = "model", why: str = ""):
     """Refuse a model folder without weights, or whose safetensors files are truncated or damaged, in one line
-    before anything starts (transformers and vLLM would fail in every process, with tracebacks); `why`: a guess at
-    the cause, said after the files looked for."""
+    before anything starts (transformers and vLLM would fail in every process, with tracebacks); `why`: a
+    guess at the cause, said after the files looked for."""
     if not any(os.path.isfile(os.path.join(path, w)) for w in WEIGHTS):
         raise ConfigError(f"--{flag}: {path} holds no weights (none of {', '.join(WEIGHTS)}{why})")
-    files = ["model.safetensors"] if os.path.isfile(os.path.join(path, "model.safetensors")) else []
-    index = os.path.join(path, "model.safetensors.index.json")
-    if not files and os.path.isfile(index):  # sharded: every shard its index names
-        try:
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise ConfigError(f"--{flag}: {index} does not parse (a weight_map of tensor names to files){why}") from None
+    try:  # sharded: every shard its index names
+        files = [f for f in weight_files(path) if f.endswith(".safetensors")]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(f"--{flag}: {path}'s weight index does not parse (a weight_map of tensor names to "
+                          f"files){why}") from None
     for name in files:
-        damage = safetensors_damage(os.path.join(path, name))
+        damage = safetensors_damage(name)
         if damage:
-            raise ConfigError(f"--{flag}: {os.path.join(path, name)} {damage}: it would not load{why}")
+            raise ConfigError(f"--{flag}: {name} {damage}: it would not load{why}")
 
 
 def safetensors_damage(path: str) -> str | None:
-    """What makes a .safetensors file unloadable, read from its header alone, or None. The format: 8 bytes (the
-    header's length, little-endian), a JSON header giving each tensor's byte range in the data after it, the data;
-    safetensors refuses a file whose ranges do not tile the data exactly. Plain json and struct: nothing it holds
-    runs, and the tensors are not read."""
+    """What makes a .safetensors file unloadable, read from its header alone, or None: 8 bytes (the header's
+    length, little-endian), a JSON header of each tensor's byte range in the data after it, and the data,
+    which the ranges must tile exactly (as safetensors checks). Plain json and struct: nothing runs."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -126,7 +114,6 @@ def safetensors_damage(path: str) -> str | None:
 
 def weight_files(path: str) -> list[str]:
     """The files transformers loads a model folder's weights from (safetensors first): one, or an index's shards."""
-    import json
     for single, index in zip(WEIGHTS[::2], WEIGHTS[1::2]):
         if os.path.isfile(os.path.join(path, single)):
             return [os.path.join(path, single)]
@@ -138,8 +125,8 @@ def weight_files(path: str) -> list[str]:
 
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(path: str, flag: str = "model"):
-    """The tokenizer saved beside the model, or a one-line refusal naming what is missing; loaded once a process (the
-    checks and the trainer ask for it: a tokenizer of a real model takes a second or more)."""
+    """The tokenizer saved beside the model, or a one-line refusal naming what is missing; loaded once a
+    process (the checks and the trainer ask for it: a tokenizer of a real model takes a second or more)."""
     from transformers import AutoTokenizer
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(path, f)) for f in files):

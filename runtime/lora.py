@@ -22,9 +22,8 @@ PREFIX = "base_model.model."  # peft's prefix on every state-dict name of the wr
 
 
 def wrap(model, rank: int, alpha: int, seed: int):
-    """The model with a fresh LoRA adapter on peft's default target modules for its architecture. B
-    starts at zero (the policy starts as the model); A's random start is drawn from `seed`, the same
-    on every trainer rank."""
+    """The model with a fresh LoRA adapter on peft's default target modules for its architecture. B starts at
+    zero (the policy starts as the model); A's random start is drawn from `seed`, the same on every rank."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -35,9 +34,9 @@ def wrap(model, rank: int, alpha: int, seed: int):
 
 
 def check_rank(path: str, rank: int):
-    """Refuse in one line a --lora-rank that peft cannot place on the model at `path`, or that is above the width
-    of a target: the update B A of an (in x out) layer has rank at most min(in, out), so a larger r only adds
-    parameters. The widths come from the config, on the meta device (no weights read, no memory)."""
+    """Refuse in one line a --lora-rank that peft cannot place on the model at `path`, or that is above the
+    width of a target: the update B A of an (in x out) layer has rank at most min(in, out), so a larger r only
+    adds parameters. The widths come from the config, on the meta device (no weights read, no memory)."""
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS  # what wrap's peft uses
     from transformers import AutoConfig, AutoModelForCausalLM
     from runtime.errors import ConfigError
@@ -117,11 +116,6 @@ def merge_state_dict(model, sd: dict) -> dict:
                                    sd[f"{prefix}lora_B.{ADAPTER}.weight"])).to(t.dtype)
         out[plain_name(name)] = t
     return out
-
-
-def save_adapter(model, sd: dict, path: str):
-    """The adapter of a full state dict in peft's format (adapter_config.json, adapter_model.safetensors)."""
-    model.save_pretrained(path, state_dict=sd)
 
 
 def load_adapter(model, path: str):

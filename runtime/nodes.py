@@ -1,44 +1,11 @@
-"""Several nodes: searchers on every node, one replay buffer on trainer rank 0.
+"""Several nodes: searchers on every node, one replay buffer on trainer rank 0 (docs/nodes.md: how to launch,
+how it works, what crosses nodes and what a fault does).
 
-    # on each of N nodes (node rank n), with the same flags everywhere:
-    torchrun --nnodes N --node-rank n --nproc-per-node R --master-addr HOST0 --master-port 29500 tba.py ...
-
-On one node nothing here runs (runtime/fleet.py's Fleet holds `nodes`: None on one node). On several:
-- Each node has a leader, its trainer process with LOCAL_RANK 0. It does for its node what rank 0
-  does on one node: it makes the node's `SharedWeights`, spawns the node's `--searchers` searchers
-  (on the GPUs its node's trainer ranks leave free; on a CPU machine its share of the cores) and
-  publishes under its node's lock. Searchers never join a process group and read the weights
-  through shared memory / CUDA IPC as on one node.
-- No weight transport of its own: every trainer rank already runs FSDP2's all-gather of each full
-  parameter when weights are published (weights.gather), and every leader copies them into its
-  node's shared tensors. The shards are cast to the sync dtype before the all-gather: half the
-  bytes in bf16, and the same bits as rounding after it, since rounding is per element
-  (tests/test_nodes.py).
-- Trajectories go to rank 0 over torch.distributed: once a step (and every POLL seconds while rank 0
-  waits for its initial data, and for a first message from every node: the first step waits until
-  every node's searchers are known to run) the leaders meet in `collect`: each takes what its node's searchers
-  queued, without waiting for more, and a gather over a gloo group of the leaders brings it to rank
-  0, which keeps the one replay buffer, samples and logs as on one node. Node 0's own messages go
-  through runtime.fleet.drain() as on one node; evaluations are searcher 0's of node 0, so they never
-  cross nodes. Rank 0 decides in each meeting whether to wait on, and tells the others with the
-  decision (a broadcast), so that every leader leaves the wait at the same meeting.
-- What crosses nodes is plain data: a uint8 tensor holding a length-prefixed JSON header (a report, and
-  the name, dtype and length of each array) and the arrays of the trajectories, by field, as the buffer
-  saves them (`buffer.to_arrays`; `encode`, `decode`). Nothing received from another node is unpickled.
-- Faults: a leader whose searcher died sends that line instead of data (one that died holding the
-  weight lock too: the leader still joins the all-gathers it owes); rank 0 stops the run with it,
-  naming the node, and the others stop at the decision. Every leader watches its own searchers
-  (runtime.fleet.Watch): its warnings reach rank 0's console at the next meeting, and a searcher silent
-  for --timeout, or a weight lock a stopped searcher never freed (the leader still joins the
-  all-gathers it owes), is sent as the node's silent line: rank 0 ends the wait with it, and the run
-  stops after a checkpoint with one line naming the node and the searcher, as on one node. A node
-  that disappears breaks the gloo connections: the next collective on every other node fails at
-  once (a closed connection), or at the groups' timeout (`allowance`) when the machine is
-  unreachable, and each node's leader stops with one line (`lost`); the searchers of every node are
-  stopped as on one node.
-Train rows gain `samples_per_node` (trajectories received from each node so far; checkpoints carry them) and
-`version_per_node` (the newest weight version in the trajectories from each node other than node 0,
-whose searchers read rank 0's own copy; null for node 0).
+On one node nothing here runs (runtime/fleet.py's Fleet holds `nodes`: None). On several, each node's leader
+(LOCAL_RANK 0) does for its node what rank 0 does on one; once a step the leaders meet (`Nodes`), and a gather
+over a gloo group brings to rank 0 what their searchers queued, or a line naming a dead or silent one. What
+crosses nodes is plain data (`encode`, `decode`: a length-prefixed JSON header and the arrays by field, as the
+buffer saves them), never pickled.
 """
 
 import datetime
@@ -57,10 +24,9 @@ CONTINUE, DONE, FAILED = 0, 1, 2  # rank 0's decision after a meeting
 
 
 def allowance(timeout: float) -> datetime.timedelta:
-    """How long a collective may wait, in the default group and the leaders' alike. Rank 0's long waits
-    (engines starting, the initial buffer, fresher data, the final evaluation) answer the others every
-    slice (processes.wait_together) and every POLL on several nodes; what remains is a rank's time alone
-    between two collectives: a weight-sync lock (up to --timeout) or rank 0 writing a checkpoint (a
+    """How long a collective may wait, in the default group and the leaders' alike. Rank 0's long waits answer
+    the others every slice (ranks.wait_together) and every POLL on several nodes; what remains is a rank's
+    time alone between two collectives: a weight-sync lock (up to --timeout) or rank 0 writing a checkpoint (a
     2.8B one is about 33 GB: minutes on a slow disk)."""
     return datetime.timedelta(seconds=2 * timeout + 600)
 

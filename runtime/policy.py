@@ -13,10 +13,10 @@ def load_policy(path: str, device, dtype: str, weights_dtype: str = "float32", r
                 adapter: tuple | None = None):
     """`weights_dtype` weights (float32, or bfloat16 as the authors' GSM8K run; AdamW's moments stay in
     float32 either way: `AdamW`), sharded with FSDP2 over the trainer ranks (per decoder block, then the
-    whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32. The blocks are
-    the modules whose class the model lists in `_no_split_modules` (transformers' convention for
-    sharding wrappers): LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, Qwen2DecoderLayer, ...
-    `adapter` = (rank, alpha, seed, saved adapter folder or None): LoRA on the frozen model (runtime/lora.py)."""
+    whole), computing in `dtype` (bf16 on GPUs) and reducing gradients in float32. The blocks are the modules
+    whose class the model lists in `_no_split_modules` (transformers' convention for sharding wrappers):
+    LlamaDecoderLayer, GPTNeoXLayer, GPT2Block, Qwen2DecoderLayer, ... `adapter` = (rank, alpha, seed, saved
+    adapter folder or None): LoRA on the frozen model (runtime/lora.py)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -94,14 +94,13 @@ def recompute_blocks(model, blocks: set):
 
 
 class LaggedCopy:
-    """--behaviour-logprobs trainer (with --lag L): the behaviour log-probs of a batch recomputed by the trainer, as
-    the authors' MATH trainer does (their model_for_logprob_only, recompute_logprobs: train.py:139-141, 238-244,
-    290-301), so that the importance ratio compares the trainer's own log-probs, not vLLM's. A second copy of the
-    policy, sharded as it is, in the compute dtype (--dtype: its forward casts to it anyway, so bf16 gives the same
-    numbers at half the memory); each rank keeps the shards of the last L + 1 steps' weights on the host (`record`,
-    into slots allocated once: runtime.weights.flat_slot), and before step s loads those of step s - L, which sampled
-    the batch, and rescores this rank's trajectories (`rescore`). Every rank runs the same passes (FSDP2's
-    all-gathers)."""
+    """--behaviour-logprobs trainer (with --lag L): the behaviour log-probs of a batch recomputed by the
+    trainer, as the authors' MATH trainer does (their model_for_logprob_only, recompute_logprobs:
+    train.py:139-141, 238-244, 290-301), so that the importance ratio compares the trainer's own log-probs,
+    not vLLM's. A second copy of the policy, sharded as it is, in the compute dtype (its forward casts to it
+    anyway: bf16 gives the same numbers at half the memory); each rank keeps the shards of the last L + 1
+    steps' weights on the host (`record`, into slots allocated once: weights.flat_slot), and before step s
+    loads those of step s - L, which sampled the batch, to rescore its trajectories (`rescore`)."""
 
     def __init__(self, path: str, device, dtype: str, lag: int):
         from runtime.weights import flat_slot
@@ -115,8 +114,8 @@ class LaggedCopy:
         self.lag, self.slots, self.ring = lag, [flat_slot(shards, pin) for _ in range(lag + 1)], {}
 
     def record(self, model, step: int):
-        """The shards of `model`'s weights at step `step` (before its update), into slot step % (L + 1), which held
-        the weights of step - L - 1: no batch needs them any more."""
+        """The shards of `model`'s weights at step `step` (before its update), into slot step % (L + 1), which
+        held the weights of step - L - 1: no batch needs them any more."""
         slot = self.slots[step % len(self.slots)]
         model.reshard()  # its shards, even after a forward without gradient (see __init__)
         for i, p in enumerate(model.parameters()):
@@ -127,8 +126,8 @@ class LaggedCopy:
         self.ring[step] = slot
 
     def restore(self, history: dict):
-        """A resumed run: the weights of the L steps before the checkpoint's (its history: full weights in the sync
-        dtype, on every rank), each sharded through the copy into the ring."""
+        """A resumed run: the weights of the L steps before the checkpoint's (its history: full weights in the
+        sync dtype, on every rank), each sharded through the copy into the ring."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         for v, full in sorted(history.items()):
             set_model_state_dict(self.model, dict(full), options=StateDictOptions(full_state_dict=True, strict=False))
@@ -136,9 +135,8 @@ class LaggedCopy:
 
     @torch.no_grad()
     def rescore(self, groups, step: int, prompts, pad, device, temperature: float, micro_batch: int) -> float:
-        """Each trajectory's behaviour log-probs (per token and summed) under the weights of step `step` - L, in
-        passes of at most `micro_batch` sequences; returns the mean absolute change of the summed ones (vLLM's
-        against the trainer's)."""
+        """Each trajectory's behaviour log-probs (per token and summed) under the weights of step `step` - L,
+        in passes of at most `micro_batch`; returns the mean absolute change of the summed ones."""
         from loss import collate, response_logprobs
         for p, saved in zip(self.model.parameters(), self.ring[max(0, step - self.lag)].values()):
             local(p).copy_(saved)

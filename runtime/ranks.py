@@ -1,17 +1,7 @@
-"""Several trainer ranks: the process group, and the decisions all ranks take together.
-
-- One process group even for a single process (`init_distributed`), so one code path serves 1 and N
-  ranks; its backend follows the run's device (gloo on the CPU, NCCL beside gloo on GPUs).
-- Any decision that leads to a collective is taken by all ranks together: rank 0 decides and
-  broadcasts it (`broadcast`, `broadcast_batch`: plain data and tensors, never pickled), and its long
-  waits answer the other ranks every slice (`wait_together`), so that no rank sits in a collective while
-  rank 0 checkpoints alone. A refusal of the configuration on any rank stops all (`first_refusal`).
-- `fail`: the one line a run ends with, and its exit status, also in torchrun's error file.
-- `Watchdog`: a rank that waits in a collective no other rank will join (or that stopped answering) ends the run
-  within `stall_bound(--timeout)` seconds (and a beat or two), in one line naming the step and where each rank waits;
-  a signal ends a rank stuck in a collective within GRACE seconds; a rank whose launcher (torchrun) is gone stops as
-  on SIGTERM. A thread of each rank's: no Python handler can run while the main thread waits inside a collective.
-"""
+"""Several trainer ranks: the process group (one even for a single process, so one code path serves 1 and N ranks),
+and the decisions all ranks take together: rank 0 decides and broadcasts (plain data and tensors, never pickled),
+and its long waits answer the other ranks every slice (`wait_together`). `Watchdog` ends a stall in the collectives,
+a rank that stopped answering, or a signal to a rank stuck in one, in one line (docs/faults.md)."""
 
 import contextlib
 import datetime
@@ -55,14 +45,6 @@ def machine_device() -> str:
     return "cuda" if torch.cuda.device_count() else "cpu"
 
 
-def backend_for(device: str) -> str:
-    """The default group's backend for a run on `device`: NCCL only where the model's tensors are CUDA ones
-    (FSDP2's all-gathers and reduce-scatters of them), gloo for CPU tensors either way."""
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r}: cpu or cuda")
-    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-
-
 def init_distributed(timeout: float, device: str) -> tuple[int, int, int]:
     """The process group (rank, world size, local rank). Its backend follows `device`, the run's ("cpu" or
     "cuda", never guessed here): gloo for a CPU run, even where CUDA exists, and NCCL for CUDA tensors beside
@@ -74,9 +56,11 @@ def init_distributed(timeout: float, device: str) -> tuple[int, int, int]:
             s.bind(("127.0.0.1", 0))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(s.getsockname()[1]))
-    backend = backend_for(device)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: cpu or cuda")
     # joining waits at most --timeout: a rank that failed before it joined never comes
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 1)))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=max(timeout, 1)))
     # every later collective (torch/distributed/distributed_c10d.py:1616): see nodes.allowance
     dist.distributed_c10d._set_pg_timeout(nodes.allowance(timeout))
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
@@ -193,31 +177,18 @@ def stall_bound(timeout: float) -> float:
 
 class Watchdog:
     """Each trainer rank's watch over its main thread, from a thread of its own: a thread still runs while the main
-    one waits inside a collective, where no Python signal handler runs and no timeout of ours can act.
-    - A stall: this rank is inside a collective that has not completed for `bound` seconds (its process groups'
-      sequence numbers unmoved, a torch.distributed frame under its main thread's innermost torch frames: `where`),
-      and so is every other rank, or it stopped answering (its beats, once a second into the process group's store,
-      plain JSON, stopped: a process stopped, not dead). No rank will ever leave: the run ends in one line naming the
-      step and where each rank waits (said by the lowest rank that answers), status 1, this rank's searchers killed,
-      and a rank of this node that stopped answering killed too (SIGSTOP, a debugger: it would never leave). No
-      checkpoint can be written then (it is collective): the line names the last one.
-    - A signal (SIGINT, SIGTERM; the C handler writes it to a wakeup pipe even while the main thread is blocked):
-      the main thread stops after a checkpoint as ever (processes.Signals); if it is inside a collective that has not
-      moved for GRACE seconds since the signal, or a second signal comes, the rank ends at once (its searchers killed),
-      status 128 + the signal.
-    - Its launcher gone (`signals.launcher`: torchrun's pid, read at the rank's start): the rank sends itself
-      SIGTERM and stops as above, the line saying why (processes.Signals.named), as a searcher stops when its
-      trainer is gone. Else torchrun killed (kill -9, a batch scheduler's time limit) left its ranks training on,
-      unwatched, to the end.
-    On one rank only signals and the launcher are watched (no collective can stall there)."""
+    one waits inside a collective, where no Python signal handler runs and no timeout of ours can act. It ends the
+    rank, in one line (docs/faults.md: what each says and kills): on a stall (this rank inside a collective that has
+    not completed for `bound` s, `where`, and so is every other rank, or it stopped answering: its beats, once a
+    second into the process group's store, plain JSON, stopped), on a signal while inside a collective that has not
+    moved for GRACE s, or a second signal, and once its launcher is gone (`signals.launcher`: it sends itself
+    SIGTERM). On one rank only signals and the launcher are watched (no collective can stall there)."""
 
     def __init__(self, rank: int, world: int, bound: float, step, procs, out: str, signals=None, beat=lambda: None):
         """`step()`: the step under way, for the lines; `procs()`: this rank's searchers, killed when it ends;
-        `beat()`: run each beat (runtime.fleet.Fleet.watching: the searchers' silence and exits, off the
-        step's path)."""
+        `beat()`: run each beat (runtime.fleet.Fleet.watching: the searchers' silence and exits)."""
         self.rank, self.world, self.bound, self.step, self.procs, self.out = rank, world, bound, step, procs, out
-        self.beat = beat
-        self.signals, self.orphaned = signals, False
+        self.signals, self.orphaned, self.beat = signals, False, beat
         self.main, self.closed, self.came = threading.main_thread().ident, False, []
         self.store = None
         if world > 1:  # a client of its own: the store's default client is the main thread's
@@ -239,12 +210,10 @@ class Watchdog:
         self.store.set(f"tba/watch/{self.rank}", json.dumps(dict(beat=beat, where=where, stuck=stuck, pid=os.getpid())))
 
     def where(self):
-        """Where the main thread waits, if inside torch.distributed: the innermost torch.distributed function on its
-        stack and our caller; else None. The stack is walked outward through torch's own frames: a collective may wait
-        under other torch frames (DTensor's full_tensor, in weights.gather and in a checkpoint's state dict, waits in
-        a functional collective's wait_tensor, whose innermost frame is torch/_ops.py). The first frame outside torch
-        (the model's code, ours) ends the walk: the thread computes there (FSDP2's backward on the CPU shows
-        torch/autograd's frames, and its hooks' collectives above them)."""
+        """Where the main thread waits, if inside torch.distributed: the innermost torch.distributed function on
+        its stack and our caller; else None. The stack is walked outward through torch's own frames (a collective
+        may wait under others: DTensor's wait_tensor, whose innermost frame is torch/_ops.py) to the first frame
+        outside torch (the model's code, ours), where the thread computes (docs/faults.md)."""
         frame = sys._current_frames().get(self.main)
         while frame is not None and frame.f_code.co_filename.startswith(TORCH) and \
                 not frame.f_code.co_filename.startswith(DISTRIBUTED):
@@ -352,14 +321,11 @@ class Watchdog:
                  began=now - stuck)
 
     def end(self, code: int, line: str, say: bool, others=(), mark: bool = False, stopped=(), began=None):
-        """End this rank now: its searchers killed, the line said (one rank says it), status `code`, whatever fails.
-        `others`: the ranks this one waits for (5 s at most) to end first: a rank gone first would fail their
-        collectives with tracebacks of their own, or abort them (and the store, where it lives in rank 0, with it).
-        `mark`: this rank is such another, and says it ends as its last act. `stopped`: the pids of ranks that stopped
-        answering, killed if they are this rank's siblings (the same launcher's, on this machine): stopped, they
-        would outlive the run, until torchrun kills them 30 s later, or for ever if it is gone. `began`: when the fault
-        began, in torchrun's error file (its report names the earliest failure: this one, not the ranks killed). The
-        main thread may end the process first (tba.py's end: status 1 too, its traceback unseen)."""
+        """End this rank now: its searchers killed, the line said (`say`: one rank says it), status `code`, whatever
+        fails. `others`: ranks this one waits for (5 s at most) to end first (a rank gone first would fail their
+        collectives with tracebacks of their own); `mark`: this rank is such another, and says it ends as its last
+        act; `stopped`: pids of ranks that stopped answering, killed if this rank's siblings (stopped, they would
+        outlive the run); `began`: when the fault began, for torchrun's error file (its report names the earliest)."""
         try:
             for p in self.procs():
                 try:

@@ -1,30 +1,11 @@
-"""Device time, emulated: the regime TBA is for (generation and training each on devices of their own, generation
-dominating), made on a machine that is not in it (tools/bench.py part 9, docs/performance.md). Experiment knobs,
-off by default:
-- `--generation-slowdown X`: each decoding step of a searcher's engine (or the synchronous trainer's) lasts X
-  times its cost alone, sleeping the rest (`Clock.step`). Its cost alone is the engine's calibration, seconds a
-  generated token costs it warm and alone (`calibrate`, `calibrate_alone`: the engines of a node warm up side by
-  side, then time one at a time), times the sequences the step runs (`--decode-cost linear`), or, as on a GPU, a
-  fixed part and a small part a sequence (`gpu`: the same cost as linear's at a whole batch, B x n sequences,
-  whatever the searchers' number; the part a sequence is the model's, `per_sequence(--decode-shape)`).
-  `--response-lengths gsm8k` gives each response emulated decoding steps from the long tail of a real model's
-  GSM8K answers (`Tails` holds a finished response in its slot until they pass).
-- `--train-slowdown Y`: each training step (sample, loss, update) lasts Y times its cost alone (`TrainClock.charge`):
-  the calibration's, or the median of the run's own first steps. The step's weights leave after it, as on a device
-  (before, the synchronous baseline's searchers began the next round inside the trainer's sleep: a baseline faster
-  than the hardware allows).
-- `--calibration FILE`: the costs alone (`seconds_per_token`, `train_step`) measured once, on an idle machine, and
-  handed to every run of a comparison (`read_calibration`), instead of each run's own under whatever load. A file
-  may also describe a colocated run (`--searchers 0` on D devices, tools/bench.py part 9's colocated baseline):
-  `devices` D, each generating its share of a round's running sequences (`Clock.alone`: the slowest device's
-  share; a GPU-shaped step's fixed part is each device's, it does not shrink with the share), then each training
-  its share of the batch, data-parallel (`TrainClock`: the step alone over D), and `all_reduce`, the gradients'
-  all-reduce a step, in emulated seconds. This cannot be said with X and Y alone: a GPU-shaped step a + b x r over
-  D devices is a + b x r / D, which no factor of a + b x r gives.
-Sleeping uses no core, so N searchers and the trainer share the CPU cores as devices of their own would share
-nothing; pi_ref's log-probs, the rewards and the weights' reload are not slowed: work no device pays for
-(`Clock.apart`, counted in the rows as `uncharged`). Where real compute takes longer than its charge, the step is
-over budget (`over`): a comparison of such runs measures the CPU, not the schedule.
+"""Device time, emulated: the regime TBA is for (generation and training each on devices of their own,
+generation dominating), made on a machine that is not in it (tools/bench.py part 9). docs/performance.md says
+what each knob does: `--generation-slowdown` (`Clock.step`), `--train-slowdown` (`TrainClock.charge`),
+`--calibration` (`read_calibration`; a colocated run's `devices` and `all_reduce`: no factor says a GPU-shaped
+step over D devices, a + b x r / D), `--decode-cost` and `--decode-shape` (`per_sequence`),
+`--response-lengths` (`Tails`). Work no device pays for (pi_ref's log-probs, the rewards, the weights' reload)
+is not slowed (`Clock.apart`, the rows' `uncharged`); real compute longer than its charge is over budget
+(`over`): a comparison of such runs measures the CPU, not the schedule.
 """
 
 import contextlib
@@ -43,10 +24,8 @@ from runtime.errors import ConfigError
 # Memory Gap", arXiv 2503.08311; their results in github.com/FerranAgulloLopez/vLLMBatchingMemoryGap, fitted within
 # 3%; OPT-1.3B 0.024, Llama-2-13B 0.013).
 GPU_PER_SEQUENCE = 0.016
-# A memory-bound decoding step reads the weights once (a) and each sequence's KV cache (b), so b / a goes as the KV
-# cache's bytes a token over the weights' bytes, at the same context: `per_sequence` scales the fit by that. Shapes
-# from each model's config.json (layers, key/value heads, head size, parameters); tools/gpu_probe.py measures b / a
-# on a GPU, the figure that replaces these where one is lent.
+# A memory-bound decoding step reads the weights once (a) and each sequence's KV cache (b): `per_sequence` scales
+# the fit by the KV cache's bytes a token over the weights' bytes. Shapes from each model's config.json.
 GPU_SHAPES = {
     "llama-2-7b": dict(layers=32, kv_heads=32, head_dim=128, params=6.74e9),  # full multi-head attention: the fit's
     "rho-math-1b": dict(layers=22, kv_heads=4, head_dim=64, params=1.10e9),   # the paper's GSM8K model (GQA)
@@ -55,9 +34,9 @@ GPU_SHAPES = {
 
 
 def per_sequence(shape: str) -> float:
-    """b / a of a decoding step of the model `shape` (GPU_SHAPES): the fit for Llama-2-7B, times the KV cache's bytes a
-    token over the weights' bytes against Llama-2-7B's (rho-math-1b: 0.0042, a step 3.8x flatter; Qwen2.5-7B:
-    0.0015). Both in the same dtype: it cancels."""
+    """b / a of a decoding step of the model `shape` (GPU_SHAPES): the fit for Llama-2-7B, times the KV
+    cache's bytes a token over the weights' bytes against Llama-2-7B's (rho-math-1b: 0.0042, a step 3.8x
+    flatter; Qwen2.5-7B: 0.0015). Both in the same dtype: it cancels."""
     kv_per_weight = lambda m: 2 * m["layers"] * m["kv_heads"] * m["head_dim"] / m["params"]  # K and V, a token
     return GPU_PER_SEQUENCE * kv_per_weight(GPU_SHAPES[shape]) / kv_per_weight(GPU_SHAPES["llama-2-7b"])
 # `--response-lengths gsm8k`: quantiles (0, 5, ..., 100%) of a real model's GSM8K answer lengths over their median:
@@ -68,10 +47,10 @@ GSM8K_TAIL = (0.281, 0.506, 0.573, 0.64, 0.708, 0.753, 0.798, 0.843, 0.899, 0.94
 
 
 def slow_down(generate: float, alone: float, factor: float, limit: float = math.inf) -> float:
-    """After a generation that took `generate` s and would have taken `alone` s on an engine of its own,
-    sleep until `factor` x `alone` has passed. Charging the cost alone, not the time taken, keeps searchers
-    that share a few CPU cores from multiplying that contention by `factor`: on a GPU node they share
-    nothing. A sleep longer than `limit` (--timeout) is a fault, not a wait: TimeoutError. Returns the seconds slept."""
+    """After a generation that took `generate` s and would have taken `alone` s on an engine of its own, sleep
+    until `factor` x `alone` has passed. Charging the cost alone, not the time taken, keeps searchers that
+    share a few CPU cores from multiplying that contention by `factor`: on a GPU node they share nothing. A
+    sleep longer than `limit` (--timeout) is a fault, not a wait: TimeoutError. Returns the seconds slept."""
     seconds = factor * alone - generate if factor != 1 else 0.0
     if seconds > limit:
         raise TimeoutError(f"an emulated step of {factor * alone:.3g} s ({factor:g} x its cost alone, {alone:.3g} s) "
@@ -82,44 +61,40 @@ def slow_down(generate: float, alone: float, factor: float, limit: float = math.
 
 
 class Clock:
-    """The emulated device time of one process's engine (--generation-slowdown X): each decoding step (`step`) lasts
-    X times its cost alone (`alone`), sleeping the rest; a whole generation in vLLM's own loop (`took`) is only
-    counted. `account()` gives the seconds since the last call, for the round's message: generating, slept,
-    charged in all (X x the cost alone; the time taken, unslowed), over budget (real compute above the charge), and
-    the work no device pays for, by part (`apart`). `devices`: a colocated run's D (the module docstring)."""
+    """The emulated device time of one process's engine (--generation-slowdown X; docs/performance.md): each
+    decoding step (`step`) lasts X times its cost alone (`alone`; over a colocated run's `devices`), sleeping
+    the rest; a generation in vLLM's own loop (`took`) is only counted (`account`)."""
 
     def __init__(self, factor: float, seconds_per_token: float | None = None, shape: str = "linear", full: int = 1,
                  limit: float = math.inf, model: str = "rho-math-1b", devices: int = 1):
-        self.factor, self.seconds_per_token, self.shape, self.full, self.limit = (factor, seconds_per_token, shape,
-                                                                                    max(1, full), limit)
+        self.factor, self.seconds_per_token, self.shape, self.limit = factor, seconds_per_token, shape, limit
+        self.full, self.devices, self.emulated = max(1, full), devices, factor != 1
         self.b = per_sequence(model)  # b / a of a decoding step, with --decode-cost gpu
-        self.devices = devices
-        self.emulated = factor != 1
         self.generate = self.slept = self.charged = self.over = 0.0
         self.uncharged = {}  # part -> seconds of work no device pays for (`apart`)
 
     def alone(self, running: int) -> float:
-        """A decoding step's cost alone: each of its sequences' share (linear), or as on a GPU a fixed part and a
-        small part a sequence, equal to linear's at a whole batch of `full` sequences (gpu: B x n, the same for every
-        number of searchers, so that a searcher running N times the sequences is not charged N times for them).
-        Over `devices`, the slowest device's: a share of ceil(running / D) sequences each, as evenly as they can be
-        spread (a colocated run's best case), the fixed part each device's."""
+        """A decoding step's cost alone: each of its sequences' share (linear), or as on a GPU a fixed part
+        and a small part a sequence, equal to linear's at a whole batch of `full` sequences (gpu: B x n, the
+        same for every number of searchers, so that a searcher running N times the sequences is not charged N
+        times for them). Over `devices`, the slowest device's: a share of ceil(running / D) sequences each, as
+        evenly as they can be spread (a colocated run's best case), the fixed part each device's."""
         running = -(-running // self.devices)
         if self.shape == "gpu":
             return self.seconds_per_token * self.full * (1 + self.b * running) / (1 + self.b * self.full)
         return self.seconds_per_token * running
 
     def round_alone(self, lengths) -> float:
-        """A round's cost alone: responses of these decoding steps, all begun together, each step costing `alone`
-        of the responses still running (a round waits for its longest, as with --response-lengths)."""
+        """A round's cost alone: responses of these decoding steps, all begun together, each step costing
+        `alone` of the responses still running (a round waits for its longest, as with --response-lengths)."""
         lengths = np.sort(np.asarray(lengths, dtype=int))
         steps = np.arange(lengths[-1]) if len(lengths) else np.arange(0)
         return float(sum(self.alone(int(len(lengths) - np.searchsorted(lengths, t, side="right"))) for t in steps))
 
     @contextlib.contextmanager
     def apart(self, part: str):
-        """Time a block of work that no emulated device pays for (a weight reload and its check, ...): counted in
-        `account()`'s `uncharged`, never slept."""
+        """Time a block of work that no emulated device pays for (a weight reload and its check, ...): counted
+        in `account()`'s `uncharged`, never slept."""
         t0 = time.time()
         try:
             yield
@@ -152,17 +127,16 @@ class Clock:
 
 
 def tail(seed: tuple) -> float:
-    """--response-lengths gsm8k: a response's emulated decoding steps over its real ones, a draw from GSM8K_TAIL
-    (interpolated between its quantiles), reproducible from the response's seed."""
+    """--response-lengths gsm8k: a response's emulated decoding steps over its real ones, a draw from
+    GSM8K_TAIL (interpolated between its quantiles), reproducible from the response's seed."""
     u = np.random.default_rng([*seed, seeds.TAILS]).random()
     return float(np.interp(u, np.linspace(0, 1, len(GSM8K_TAIL)), GSM8K_TAIL))
 
 
 class Tails:
-    """--response-lengths gsm8k: runtime/decoding.Stepped's slots, each response a request of its own, which stays in
-    its slot after vLLM finished it, running for the emulation, until its emulated decoding steps have passed (its
-    real ones x `tail`): a round then waits for its slowest response as on a GPU. The emulated steps change no
-    token: the versions that sampled a response are those of its real steps."""
+    """--response-lengths gsm8k: runtime/decoding.Stepped's slots, each response a request of its own, held in
+    its slot after vLLM finished it until its emulated decoding steps have passed (its real ones x `tail`), so
+    that a round waits for its slowest response as on a GPU. The emulated steps change no token."""
     single = True
 
     def __init__(self, engine):
@@ -190,10 +164,9 @@ class Tails:
 
 
 class TrainClock:
-    """--train-slowdown Y: a training step lasts Y times its cost alone, sleeping the rest (`charge`); the cost
-    alone is the calibration's, or the median of the run's own first CALIBRATION_STEPS steps, which run unslowed.
-    A colocated calibration's (`devices` D, `all_reduce` s): Y x the cost alone / D, then the all-reduce.
-    `ended`: when the last step's charge ended (Unix time), after which its weights may leave."""
+    """--train-slowdown Y: a training step lasts Y times its cost alone (the calibration's, or the median of
+    the run's first CALIBRATION_STEPS steps, run unslowed; a colocated one's / D, plus the all-reduce),
+    sleeping the rest (`charge`). `ended`: when the last charge ended (its weights leave after it)."""
     CALIBRATION_STEPS = 3
 
     def __init__(self, factor: float, seconds: float | None = None, limit: float = math.inf, devices: int = 1,
@@ -205,8 +178,8 @@ class TrainClock:
         self.ended = None
 
     def charge(self, seconds: float) -> float:
-        """A training step took `seconds` of compute: sleep until Y x its cost alone has passed. Returns the seconds
-        slept."""
+        """A training step took `seconds` of compute: sleep until Y x its cost alone has passed. Returns the
+        seconds slept."""
         try:
             if self.factor == 1:
                 return 0.0
@@ -229,9 +202,9 @@ MAX_COST = 3600.0  # s: no step of a token or of training is charged an hour
 
 
 def read_calibration(path: str) -> dict:
-    """--calibration: {"seconds_per_token": s a generated token costs one engine alone, "train_step": s a training
-    step alone}, plain JSON, and for a colocated run "devices" (a whole number, 1 by default) and "all_reduce" (s a
-    step, 0 by default): the module docstring; refused in one line if it is not that."""
+    """--calibration: {"seconds_per_token": s a generated token costs one engine alone, "train_step": s a
+    training step alone}, plain JSON, and for a colocated run "devices" (a whole number, 1 by default) and
+    "all_reduce" (s a step, 0 by default: docs/performance.md); refused in one line if it is not that."""
     if not os.path.isfile(path):
         raise ConfigError(f"--calibration: {path} does not exist")
     try:
@@ -257,9 +230,8 @@ def read_calibration(path: str) -> dict:
 
 def calibrate(engine, count: int, n: int, timed: bool = True):
     """A round of `count` prompts x n on `engine` (searcher.Engine), to warm it up, or (`timed`) to set the
-    seconds a generated token costs it (the clock's linear cost: one step of a round's sequences), warm and (the
-    caller sees to it) alone. Prompts and seeds of their
-    own: the run's samples do not change; the prefix cache is emptied around them."""
+    seconds a generated token costs it warm and (the caller sees to it) alone. Prompts and seeds of their own:
+    the run's samples do not change; the prefix cache is emptied around them."""
     cfg, clock = engine.cfg, engine.clock
     rng = np.random.default_rng([cfg.seed, seeds.CALIBRATION])
     ids = rng.choice(len(engine.prompts), min(count, len(engine.prompts)), replace=False)
@@ -273,11 +245,10 @@ def calibrate(engine, count: int, n: int, timed: bool = True):
 
 
 def calibrate_alone(engine, calibration, cfg, alive):
-    """--generation-slowdown without --calibration (else nothing): `calibrate`: a warm-up round, then, once every
-    engine of this node has started and warmed up (or --start-timeout has passed), the timed round one engine at a
-    time: each is timed alone, as on a device of its own, not sharing the cores with the others' start-up or
-    calibration. `calibration`: (this node's warm engines, a lock that lets one time itself); `alive()` raises if
-    the trainer is gone."""
+    """--generation-slowdown without --calibration (else nothing): a warm-up round (`calibrate`), then, once
+    every engine of this node has warmed up (or --start-timeout has passed), the timed round one engine at a
+    time, each alone as on a device of its own. `calibration`: (this node's warm engines, a lock that lets one
+    time itself); `alive()` raises if the trainer is gone."""
     from runtime.weights import acquire
     if not engine.clock.emulated or engine.clock.seconds_per_token:
         return

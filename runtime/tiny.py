@@ -9,12 +9,10 @@ made on a 2-core AMD EPYC, in 100 s on cores shared with other jobs, by
     rm -rf runtime/tiny-arith && python -m runtime.tiny runtime/tiny-arith
 
 `--model tiny` takes it where its recorded identity is the code's (RECIPE, the tokenizer's characters and arith's
-training problems, unedited). Where it is not (RECIPE edited, say), `--model tiny` builds the model once into
-$TBA_CACHE (default ~/.cache/tba), saying why in one line, and reuses it: about 20 s on two idle CPU cores, 13
-minutes measured on busy ones, with a line every few seconds (its step, check accuracy and the time left at
-most, every step left at its pace). A build is renamed into place only once whole, and a
-folder of the cache that is not (`damage`) is built again, said in one line; a process that finds another building
-the same model says so and waits for it (`held`).
+training problems, unedited). Where it is not, and for a task with demos (tasks/task.py: `demos()`, warm-started the
+same way until TASK_RECIPE's target), `--model tiny` builds the model once into $TBA_CACHE (default ~/.cache/tba), in
+a folder named by the hash of what decides it, saying why in one line, with a line every few seconds; docs/faults.md
+says what a damaged folder or a second builder does.
 
 The warm start is a short supervised pass on the answers of training problems, stopped on purpose as soon as greedy
 accuracy on 512 training problems, checked after every step near the target, reaches 35%, so that RL has room to
@@ -31,16 +29,6 @@ start the same.
     python -m runtime.tiny                            # the model --model tiny uses (built if need be): its path
     python -m runtime.tiny OUT_DIR                    # build it into OUT_DIR (a new folder)
     python -m runtime.tiny --task countdown [OUT_DIR] # warm-started on another task's demos (its `demos()`)
-
-A task that brings demonstrations (tasks/task.py: `demos()`, solved problems) gets a tiny model warm-started on
-them instead, the same way, until greedy responses to 512 of its training problems score TASK_RECIPE's target
-on its held-out metric (countdown's: 106 steps, 5-6 minutes on two busy cores): `--model tiny` builds it on first
-use for such a task (`cached(task)`), so a new task learns on
-a laptop from its own start. A cached model's folder is named by the hash of what decides it (`made_of`: the
-recipe, the tokenizer's characters, and what the warm start reads, a task's demos and training problems), so an
-edited task gets a new warm start, said in one line.
-
-Tests make untrained models of other architectures (Pythia, Qwen2, GPT-2) in tests/models.py.
 """
 
 import contextlib
@@ -56,6 +44,7 @@ import time
 
 import torch
 
+import tasks
 from runtime.errors import ConfigError
 from runtime.hub import digest
 from tasks.arith import splits as arith_splits
@@ -97,23 +86,17 @@ def llama_config(tokenizer, hidden: int, layers: int, heads: int, ffn: int, max_
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **extra)
 
 
-def new_model(hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0, tokenizer=None):
-    """A randomly initialised tiny Llama and its tokenizer (default: the character-level one): (model, tokenizer)."""
+def make_model(out: str | None, hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0, tokenizer=None):
+    """A randomly initialised tiny Llama and its tokenizer (default: the character-level one), saved to `out`
+    unless it is None: (model, tokenizer)."""
     import transformers
-
     tokenizer = tokenizer or make_tokenizer()
     config = llama_config(tokenizer, hidden, layers, heads, ffn or 3 * hidden, max_len)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
-
-
-def make_model(out: str, hidden=64, layers=2, heads=2, ffn=None, max_len=256, seed=0, tokenizer=None):
-    """Save a randomly initialised tiny Llama and its tokenizer (default: the character-level one)
-    to `out`; return (model, tokenizer)."""
-    model, tokenizer = new_model(hidden, layers, heads, ffn, max_len, seed, tokenizer)
-    save(model, tokenizer, out)
+    if out is not None:
+        save(model, tokenizer, out)
     return model, tokenizer
 
 
@@ -128,10 +111,9 @@ def save(model, tokenizer, out: str):
 
 def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, target: float = 1.0,
                check: int = 512, progress=None, task: str | None = None, near: float = 0.1) -> dict:
-    """Supervised pass on arith answers, or a task's demos (`task`: its solutions; the loss covers the answer and EOS
-    only), for `steps` steps or until greedy accuracy on `check` training problems reaches `target` (measured every
-    5 steps, and after every step from within `near` of the target; a task's by its held-out metric on greedy
-    responses). `progress(step, accuracy)` after each step (the latest accuracy measured). Returns what it did."""
+    """Supervised pass on arith answers, or a task's demos (`task`; the loss covers the answer and EOS only), for
+    `steps` steps or until greedy accuracy on `check` training problems (a task's held-out metric) reaches `target`,
+    measured every 5 steps, and every step from within `near` of it. `progress(step, accuracy)` after each step."""
     train, _ = arith_splits()
     rng, check = random.Random(seed), random.Random(seed + 1).sample(train, check)
     accuracy_of = greedy_accuracy
@@ -166,9 +148,8 @@ def warm_start(model, tokenizer, steps: int, batch: int, lr: float, seed: int, t
 
 
 def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
-    """A task's warm start: its demos to imitate, `len(check)` of its training problems to check on, and the check
-    (its held-out metric, or its reward, of greedy responses)."""
-    import tasks
+    """A task's warm start: its demos to imitate, `len(check)` of its training problems to check on, and the
+    check (its held-out metric, or its reward, of greedy responses)."""
     entry = tasks.get(task)
     demos, (problems, _) = demos_of(task), entry.load(None)
     score = entry.metric or entry.reward
@@ -181,9 +162,8 @@ def demo_set(task: str, check: list, seed: int) -> tuple[list, list, object]:
 
 
 def demos_of(task: str) -> list:
-    """The task's demos (its `demos()`), refused in one line (ConfigError) where there is nothing to warm-start on:
-    none, or not `Problem(prompt, solution)`s of text, or a `demos()` that fails."""
-    import tasks
+    """The task's demos (its `demos()`), refused in one line (ConfigError) where there is nothing to
+    warm-start on: none, or not `Problem(prompt, solution)`s of text, or a `demos()` that fails."""
     from tasks.task import Problem
     try:
         demos = tasks.get(task).demos()
@@ -222,9 +202,8 @@ def greedy_texts(model, tokenizer, prompts: list[str], max_new: int, batch: int 
 
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, problems) -> float:
-    """Exact-match accuracy of greedy answers, in one forward pass: greedy decoding writes the answer
-    and EOS exactly when, fed the right answer, the argmax at each answer position and at the EOS
-    is the right token (by induction over the positions). Arith prompts all have the same length."""
+    """Exact-match accuracy of greedy answers in one forward pass: greedy decoding writes the answer and EOS
+    exactly when the argmax at each of their positions, fed the answer, is its token (one prompt length: arith)."""
     model.eval()
     rows = [tokenizer(p.prompt).input_ids + tokenizer(p.answer).input_ids + [tokenizer.eos_token_id] for p in problems]
     P = len(tokenizer(problems[0].prompt).input_ids)
@@ -249,9 +228,8 @@ def recipe_for(task: str | None) -> dict:
 
 
 def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
-    """Build the tiny model into `out` (made atomically: a temporary folder beside it, renamed into place only once
-    whole; the folder goes whatever stops the build), with a line every `every` s: the warm start's step and check
-    accuracy. A recipe with a `task` warm-starts on that task's demos."""
+    """Build the tiny model into `out`, whole or not at all (a temporary folder beside it, renamed once whole),
+    with a line every `every` s: its step and check accuracy. A recipe's `task`: warm-started on its demos."""
     r = recipe
     out = os.path.abspath(out)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}-", dir=os.path.dirname(out))
@@ -266,7 +244,7 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
                   f"(stops at {r['sft_target']:g}), {last - t0:.0f} s (at most "
                   f"{f'{left / 60:.0f} min' if left >= 120 else f'{left:.0f} s'} more)", flush=True)
     try:
-        model, tokenizer = new_model(r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
+        model, tokenizer = make_model(None, r["hidden"], r["layers"], r["heads"], r["ffn"], r["max_len"], r["seed"])
         done = warm_start(model, tokenizer, r["sft_max_steps"], r["sft_batch"], r["sft_lr"], r["seed"],
                           r["sft_target"], r["sft_check"], progress, r.get("task"), r.get("sft_near", 0.1))
         if r.get("task") is None:  # arith's start for RL: greedy on its 400 held-out problems
@@ -288,9 +266,8 @@ def build(out: str, recipe: dict = RECIPE, every: float = 5.0) -> str:
 
 
 def damage(path: str) -> str:
-    """What keeps the folder at `path` from loading as a built tiny model ('' when nothing does): a file of WHOLE
-    missing, or one that does not parse. A build is renamed into place only once whole; before, a build on rank 1
-    of a torch.distributed group had no config or weights, and a disk or a hand can damage any folder."""
+    """What keeps the folder at `path` from loading as a built tiny model ('' when nothing does): a file of
+    WHOLE missing, or one that does not parse (a build on rank 1 of a process group had none: docs/faults.md)."""
     from safetensors import safe_open
     missing = [name for name in WHOLE if not os.path.isfile(os.path.join(path, name))]
     if missing:
@@ -311,16 +288,14 @@ def damage(path: str) -> str:
 
 
 def made_of(recipe: dict) -> dict:
-    """What decides the tiny model of `recipe`: the recipe, the tokenizer's characters and what the warm start reads
-    (arith's training problems; a task's demos and training problems), the last by hash. An edited task (its demos,
-    its problems) is then another model, warm-started anew."""
+    """What decides the tiny model of `recipe`: the recipe, the tokenizer's characters and, by hash, what the warm
+    start reads (arith's training problems; a task's demos and problems): an edited task warm-starts anew."""
     digest = lambda rows: hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
     task = recipe.get("task")
     made = dict(recipe=recipe, tokens=digest(SPECIALS + CHARS))
     if task is None:
         problems = arith_splits()[0]
     else:
-        import tasks
         problems = tasks.get(task).load(None)[0]
         made["demos"] = digest([[p.prompt, p.answer] for p in demos_of(task)])
     made["problems"] = digest([[p.prompt, p.answer] for p in problems])
@@ -333,8 +308,8 @@ def identity(made: dict) -> str:
 
 
 def changes(old: dict, new: dict) -> str:
-    """What differs between what decided two tiny models (`made_of`, as recorded in their recipe files), in words
-    ('' when nothing)."""
+    """What differs between what decided two tiny models (`made_of`, as recorded in their recipe files), in
+    words ('' when nothing)."""
     who = new["recipe"].get("task") or "arith"
     a, b = old["recipe"], new["recipe"]
     keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
@@ -346,16 +321,16 @@ def changes(old: dict, new: dict) -> str:
 
 
 def folder(task: str | None = None) -> str:
-    """Where the cached tiny model (of arith, or of `task`) is, built or not: $TBA_CACHE (default ~/.cache/tba),
-    in a folder named by the hash of what decides it (`identity`)."""
+    """Where the cached tiny model (of arith, or of `task`) is, built or not: $TBA_CACHE (default
+    ~/.cache/tba), in a folder named by the hash of what decides it (`identity`)."""
     root = os.environ.get("TBA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tba")
     key = identity(made_of(recipe_for(task)))
     return os.path.join(root, f"tiny-{key}" if task is None else f"tiny-{task}-{key}")
 
 
 def previous(path: str, made: dict) -> tuple[str, str]:
-    """The latest whole model of the cache beside `path` made for the same task, and what changed since (`changes`);
-    ('', '') where there is none."""
+    """The latest whole model of the cache beside `path` made for the same task, and what changed since
+    (`changes`); ('', '') where there is none."""
     root, task = os.path.dirname(path), made["recipe"].get("task")
     found = []
     for name in os.listdir(root):
@@ -371,8 +346,8 @@ def previous(path: str, made: dict) -> tuple[str, str]:
 
 
 def shipped() -> str:
-    """Why the shipped arith model (SHIPPED) is not the one the code makes ('' when it is): not whole, or made of
-    other things (`changes`: RECIPE edited, say) than the code's."""
+    """Why the shipped arith model (SHIPPED) is not the one the code makes ('' when it is): not whole, or made
+    of other things (`changes`: RECIPE edited, say) than the code's."""
     why = damage(SHIPPED)
     if why:
         return f"the shipped tiny model {SHIPPED} is incomplete ({why})"
@@ -384,9 +359,8 @@ def shipped() -> str:
 
 
 def cached(task: str | None = None) -> str:
-    """The path of the tiny model `--model tiny` uses: arith's shipped one (SHIPPED) where the code makes that one,
-    else the cached one (warm-started on arith, or on `task`'s demos), built on first use; a folder in the cache
-    that is not whole (`damage`) is built again, said in one line."""
+    """The path of the tiny model `--model tiny` uses: arith's shipped one (SHIPPED) where the code makes that
+    one, else the cached one (of arith, or of `task`), built on first use and again where not whole (`damage`)."""
     why_not = shipped() if task is None else ""
     if task is None and not why_not:
         return SHIPPED
@@ -421,9 +395,9 @@ def cached(task: str | None = None) -> str:
 
 @contextlib.contextmanager
 def held(path: str, every: float = 30.0):
-    """Hold the build lock of the model at `path` (a file beside it). While another process holds it, building the
-    same model, say so in one line, again every `every` s, and give up after WAIT s in one line (ConfigError). The
-    lock goes with its holder (flock): a lock held is a builder alive."""
+    """Hold the build lock of the model at `path` (a file beside it). While another process holds it, building
+    the same model, say so in one line, again every `every` s, and give up after WAIT s in one line
+    (ConfigError). The lock goes with its holder (flock): a lock held is a builder alive."""
     with open(path + ".lock", "w") as lock:
         start, said = time.time(), None
         while True:
@@ -448,8 +422,8 @@ def held(path: str, every: float = 30.0):
 
 
 def remove_stale(path: str, since: float):
-    """The temporary folders of builds of `path` that died (killed: no cleanup ran), found by the next builder under
-    its lock: made before it took the lock (`since`), so by a builder that no longer holds it."""
+    """The temporary folders of builds of `path` that died (killed: no cleanup ran), found by the next builder
+    under its lock: made before it took the lock (`since`), so by a builder that no longer holds it."""
     root, prefix = os.path.dirname(path), f".{os.path.basename(path)}-"
     for name in os.listdir(root):
         stale = os.path.join(root, name)
@@ -458,8 +432,8 @@ def remove_stale(path: str, since: float):
 
 
 def main(argv: list[str]):
-    """`python -m runtime.tiny [--task NAME] [OUT_DIR]`: the path of the tiny model `--model tiny` uses (of arith,
-    or of the task), built or found; or a build into OUT_DIR."""
+    """`python -m runtime.tiny [--task NAME] [OUT_DIR]`: the path of the tiny model `--model tiny` uses (of
+    arith, or of the task), built or found; or a build into OUT_DIR."""
     import argparse
     p = argparse.ArgumentParser(prog="python -m runtime.tiny", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", help="warm-start on this task's demos (its `demos()`) instead of arith")
@@ -469,16 +443,10 @@ def main(argv: list[str]):
         sys.exit(f"runtime.tiny: {args.out} exists: remove it first, or name another folder")
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         sys.exit(f"runtime.tiny: {os.path.dirname(os.path.abspath(args.out))} does not exist: make it first")
-    if args.task is not None:
-        import tasks
-        try:
-            demos = args.task in tasks.TASKS and tasks.get(args.task).demos  # a broken file: its line
-        except ConfigError as e:
-            sys.exit(f"runtime.tiny: {e}")
-        if not demos:
+    try:  # a broken task file: its line
+        if args.task is not None and not (args.task in tasks.TASKS and tasks.get(args.task).demos):
             with_demos = [n for n in tasks.names() if tasks.get(n).demos]
             sys.exit(f"runtime.tiny: --task {args.task}: not a task with demos() (those with: {', '.join(with_demos)})")
-    try:
         print(build(args.out, recipe_for(args.task)) if args.out else cached(args.task))
     except ConfigError as e:
         sys.exit(f"runtime.tiny: {e}")

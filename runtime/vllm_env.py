@@ -1,16 +1,6 @@
-"""vLLM's environment and the workarounds its engines need here, in one place.
-
-- `set_up()`: vLLM's and torch's environment variables, set before either is imported (they read them at
-  import): tba.py, searcher.py and the tools call it at their top, ahead of those imports. This module
-  imports neither at its own top.
-- `check()`: refuses (runtime.checks) what the user set that would break the weight path.
-- `llm_options(...)`: the options a vLLM engine of this project starts with, each for a reason given there.
-- `eager_transformers(llm)`: builds transformers models beside a vLLM engine as plain eager models.
-- `quiet_loading()`: no loading bars from transformers (they would break the trainer's progress bar).
-- `engine_params(llm, names)`, `held_fingerprints(llm)`: the weights an engine holds, read back (arrival checks).
-- `start_fork_server()`: on the CPU, the searchers' fork server, which imports vLLM once for them; it imports
-  this module first, with FORK_SERVER set. tba.py starts it before it imports torch (`early`).
-"""
+"""vLLM's environment and the workarounds its engines need here, in one place. This module imports neither vLLM
+nor torch at its top: `set_up()` sets their environment variables before either is imported (they read them at
+import), and the fork server imports this module first, with FORK_SERVER set."""
 
 import contextlib
 import os
@@ -32,11 +22,10 @@ if os.environ.pop(FORK_SERVER, None):
 
 
 def early(argv: list[str]) -> bool:
-    """Whether tba.py's command line will start searchers from a fork server (runtime/processes.fork_server), judged
-    before torch is imported, so that the server's import of vLLM (5-7 s of one core) begins at once, beside this
-    process's own imports and checks: each node's first rank, searchers asked for, no help asked,
-    no NVIDIA device (a GPU node spawns its searchers). Where it guesses wrong, the server is started later or not
-    used, and stopped at exit either way."""
+    """Whether tba.py's command line will start searchers from a fork server (runtime/processes.fork_server),
+    judged before torch is imported so that the server's import of vLLM (5-7 s of one core) begins at once:
+    each node's first rank, searchers asked for, no help asked, no NVIDIA device (a GPU node spawns its
+    searchers). A wrong guess starts the server later or leaves it unused; it stops at exit either way."""
     if os.environ.get("LOCAL_RANK", "0") != "0" or {"-h", "--help"} & set(argv) or os.path.exists("/dev/nvidiactl"):
         return False
     for i, a in enumerate(argv):
@@ -178,14 +167,11 @@ def cpu_kv_cache_bytes(path: str, dtype: str, max_model_len: int) -> int:
 
 @contextlib.contextmanager
 def eager_transformers(llm):
-    """Build transformers models in a process that runs vLLM (pi_ref, reward models, the synchronous
-    trainer's policy) inside this. vLLM serves architectures it has no native code for (GPT-NeoX, i.e.
-    Pythia, in 0.32: vllm/model_executor/models/registry.py:709-716) through its Transformers backend, which
-    rewrites the transformers decoder class in place (vllm/compilation/decorators.py:359, 434, 756, via
-    vllm/model_executor/models/transformers/base.py:172): its __init__ then needs a current vLLM config, and
-    its __call__ runs vLLM's torch.compile wrapper unless that config's compilation is off. A copy of the
-    engine's config with compilation off gives plain eager models, with log-probs and gradients equal to a
-    process without vLLM; for natively served models it changes nothing."""
+    """Build transformers models in a process that runs vLLM (pi_ref, reward models, the synchronous trainer's
+    policy) inside this (docs/tasks.md, "Models"). vLLM's Transformers backend (GPT-NeoX in 0.32:
+    vllm/model_executor/models/registry.py:709-716) rewrites the transformers decoder class in place
+    (vllm/compilation/decorators.py:359, 434, 756, via vllm/model_executor/models/transformers/base.py:172); a copy of
+    the engine's config with compilation off gives plain eager models."""
     import copy
     from vllm.config import CompilationConfig, CompilationMode, set_current_vllm_config
     config = copy.copy(llm.llm_engine.vllm_config)

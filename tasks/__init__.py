@@ -1,18 +1,8 @@
-"""The tasks, one file each (task.py says what a task is). Every module of this folder but task.py is a task,
-named by its file, so a new task is its file alone:
-
-- `arith`: the toy task, two-digit addition (built in, no download);
-- `countdown`: a second toy task, TinyZero's countdown (three numbers and a target; built in);
-- `gsm8k`: the paper's headline task, with the paper's reward;
-- `tldr`: the paper's summarisation task, scored by a reward model, evaluated by win rate and KL;
-- `redteam`: the paper's red-teaming task after Lee et al.: an attacker against a frozen victim;
-- `math`: MATH, the paper's Sec. 6 run (Qwen 2.5 7B, TBA′ against Dr. GRPO), with the authors' grading.
-
-`TASKS` maps each `--task` name to the module that holds its `TASK` (found by file name: nothing is imported
-to list them); `get(name)` imports it. A file that does not make a task (it does not import, holds no `TASK`,
-a folder of its name shadows it) is refused in one line naming it where it is used, and leaves the other tasks
-alone: `names()` lists the tasks that load, each imported with a deadline (one that waits at its top is left).
-"""
+"""The tasks, one file each (task.py says what a task is; the README's Tasks, and docs/tasks.md, list them). Every
+module of this folder but task.py is a task, named by its file, so a new task is its file alone. `TASKS` maps each
+`--task` name to its module (found by file name: nothing is imported to list them); `get(name)` imports it. A file
+that does not make a task is refused in one line naming it where it is used, and leaves the other tasks alone:
+`names()` lists the tasks that load, each imported with a deadline (one that waits at its top is left)."""
 
 import importlib
 import importlib.util
@@ -42,8 +32,8 @@ def get(name: str, deadline: float | None = None):
 
 
 def module(entry: str):
-    """The module `entry`, imported; refused in one line naming its file where it does not import, or where a folder
-    of its name shadows it."""
+    """The module `entry`, imported; refused in one line naming its file where it does not import, or where a
+    folder of its name shadows it."""
     spec = importlib.util.find_spec(entry)
     # A folder with an __init__ file (any suffix Python loads) is imported before a file of its name beside it
     # (importlib's FileFinder.find_spec looks for the package first); a folder without one never shadows it.
@@ -62,7 +52,13 @@ def within(entry: str, deadline: float):
     """`module(entry)`, imported by a thread given `deadline` s: one that waits longer (a download at its top)
     is refused, and left to its thread."""
     box = []
-    thread = threading.Thread(target=lambda: box.append(module_or_error(entry)), daemon=True)
+
+    def load():  # its refusal too, raised in the caller's thread
+        try:
+            box.append(module(entry))
+        except ConfigError as e:
+            box.append(e)
+    thread = threading.Thread(target=load, daemon=True)
     thread.start()
     thread.join(deadline)
     if not box:
@@ -73,16 +69,9 @@ def within(entry: str, deadline: float):
     return box[0]
 
 
-def module_or_error(entry: str):
-    try:
-        return module(entry)
-    except ConfigError as e:
-        return e
-
-
 def why(e: Exception, file: str) -> str:
-    """An import's error in a phrase: its kind, its message's first line and where (the last line of ours it ran; its
-    line alone where that is in `file`)."""
+    """An import's error in a phrase: its kind, its message's first line and where (the last line of ours it
+    ran; its line alone where that is in `file`)."""
     if isinstance(e, SyntaxError):
         at = (e.filename or "?", e.lineno)
     else:

@@ -1,7 +1,6 @@
-"""`arith`, the toy task (no download): two-digit addition answered most significant digit first, e.g.
-prompt "47+85=" and answer "132"; the reward (`rewards.arith_reward`) is an exact match. Of the 8,100
-problems, 400 are held out for evaluation and never searched on. The `tiny` model is warm-started on it
-(runtime/tiny.py).
+"""`arith`, the toy task (no download): two-digit addition answered most significant digit first, e.g. prompt
+"47+85=" and answer "132"; the reward (`rewards.arith_reward`) is an exact match. Of the 8,100 problems, 400
+are held out for evaluation and never searched on. The `tiny` model is warm-started on it (runtime/tiny.py).
 """
 
 import random

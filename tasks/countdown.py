@@ -1,11 +1,10 @@
 """`countdown`, a second toy task (no download), after TinyZero's: three numbers and a target, the response an
 arithmetic expression that uses each number once and equals the target, e.g. prompt "7,2,11>25=" and response
 "2*7+11". Many responses are right, so the held-out metric (`countdown_correct`: 1 if right, else 0) is not a
-match to the answer field, which holds one solution; the training reward gives 0.1 for a well-formed expression
-of the given numbers that misses the target (TinyZero's format reward), so that a warm-started model that rarely
-hits gets a signal. Numbers 1-12: a response needs up to 9 tokens with its end, so the task sets --max-new-tokens
-12 (the default 8 would cut some). `demos()` gives each training problem's solution: `python -m runtime.tiny
---task countdown` warm-starts the tiny model on them (`--model tiny --task countdown` does so on first use).
+match to the answer field, which holds one solution; the training reward gives 0.1 for a well-formed
+expression of the given numbers that misses the target (TinyZero's format reward), so that a warm-started
+model that rarely hits gets a signal. Numbers 1-12: a response needs up to 9 tokens with its end, so the task
+sets --max-new-tokens 12 (the default 8 would cut some). `demos()`: the solutions.
 """
 
 import itertools
@@ -38,8 +37,8 @@ def problems() -> list[tuple[str, str]]:
 
 
 def splits() -> tuple[list[Problem], list[Problem]]:
-    """(train, held out): the answer field is the prompt's numbers and target, "7,2,11>25", which the reward checks
-    a response against (any right expression scores, not only the demo's)."""
+    """(train, held out): the answer field is the prompt's numbers and target, "7,2,11>25", which the reward
+    checks a response against (any right expression scores, not only the demo's)."""
     made = [Problem(prompt, prompt[:-1]) for prompt, _ in problems()]
     return made[TEST:], made[:TEST]
 
@@ -71,8 +70,8 @@ def countdown_correct(completion: str, answer: str) -> float:
 
 
 def countdown_reward(completion: str, answer: str) -> float:
-    """The training reward: 1.0 if right, 0.1 for a well-formed expression of the numbers that misses (TinyZero's
-    format reward), else 0.0."""
+    """The training reward: 1.0 if right, 0.1 for a well-formed expression of the numbers that misses
+    (TinyZero's format reward), else 0.0."""
     got = value(completion, answer)
     return 0.0 if got is None else 1.0 if got == int(answer.split(">")[1]) else 0.1
 

@@ -1,24 +1,6 @@
 """`math`: MATH (Hendrycks et al., 2021), the paper's Sec. 6 run with Qwen 2.5 7B, TBA′ against Dr. GRPO
-(run_math.sh), as in the authors' code for it (bbartoldson/tba-prime, a fork of prime-rl).
-
-Data: `--data DIR` with `train.jsonl` (searching) and `test.jsonl` (the evaluation: MATH-500 in the paper,
-or any other set in either format), one JSON object a line in either of two formats, told apart line by line:
-- genesys (justus27/math-hendrycks-genesys-format and PrimeIntellect/MATH-500 on the hub): `prompt`, the
-  problem, and `verification_info`, a JSON string or object whose `ground_truth` is the answer, plain or in a
-  \\boxed{} (the authors read them so: their infer.py:271-273, genesys/math.py:24-36);
-- MATH's own (MATH-500's release, {problem, solution, answer}): `problem`, and `answer`, or else the last
-  \\boxed{} of `solution`.
-Without --data: the train split of justus27/math-hendrycks-genesys-format (their infer.py:90 reads a local copy
-of it) and the one split ("train") of PrimeIntellect/MATH-500 (their eval/registry.py:8, 23). A training
-problem that is also a held-out one is dropped, so that the evaluation never scores a problem searched on.
-
-The prompt: the problem and the authors' instruction (their inference/utils.py:202 at 71c1716) as the user's turn
-of the model's chat template, the assistant's turn begun (`chat`). Their f-string makes `\\boxed{12}` into
-`\\boxed12` (Python reads {12} as an expression); the braces stay here, as meant, unless `--math-prompt authors`
-(`prompt`; docs/departures.md). The reward: rewards.math_reward, their grading with math-verify in place of their
-sympy check, or with `--math-grader authors` their sympy check itself (`authors_equal`, a port of their
-grade_answer_sympy with its guards, under the same time limit). The evaluation: the accuracy of one response to
-each held-out problem (run_math.sh samples it at the training temperature, or greedily).
+(run_math.sh), as in the authors' code for it (bbartoldson/tba-prime, a fork of prime-rl). docs/tasks.md, "MATH",
+gives its data (two formats, told apart line by line), prompt, reward and evaluation.
 """
 
 import importlib
@@ -91,8 +73,8 @@ def load(data: str | None) -> tuple[list[Problem], list[Problem]]:
 # PRM800K's grader), ported with its guards; run in a child process under MATH_SECONDS as math-verify is (theirs had
 # no limit). It needs pylatexenc (their LaTeX to text) and sympy.
 def authors_reward(completion: str, answer: str) -> float:
-    """Their compute_math_reward (genesys/math.py:6-47): the last box against the answer, by Hendrycks' normalisation
-    or their sympy check."""
+    """Their compute_math_reward (genesys/math.py:6-47): the last box against the answer, by Hendrycks'
+    normalisation or their sympy check."""
     text = completion.split("</think>")[1] if "</think>" in completion else completion
     given, gold = last_boxed(text), last_boxed(answer) if "\\boxed" in answer else answer
     if not given or not gold:
@@ -214,8 +196,8 @@ def split_tuple(expr: str) -> list[str]:
 
 
 def sympy_equal(truth: str, given: str) -> bool:
-    """Their are_equal_under_sympy (math_utils.py:351-362) behind their should_allow_eval (335-348): no more than two
-    unknown letters, no nested or long exponents."""
+    """Their are_equal_under_sympy (math_utils.py:351-362) behind their should_allow_eval (335-348): no more
+    than two unknown letters, no nested or long exponents."""
     expr = f"({truth})-({given})"
     letters = {c for c in expr.replace("sqrt", "").replace("frac", "") if c.isalpha()}
     if len(letters) > 2 or "^{" in expr or "^(" in expr or re.search(r"\^[0-9]+\^|\^[0-9][0-9]+", expr):

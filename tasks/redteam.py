@@ -34,12 +34,8 @@ al., "Learning diverse attacks on large language models for robust red-teaming a
   embeddings (`--embedding-model`, mean-pooled over tokens and L2-normalised as sentence-transformers'
   all-MiniLM-L6-v2, theirs, does); `unique`, the share of distinct attacks.
 
-The victim and a judge of the causal-LM kind run on vLLM engines of their own beside the attacker's, in the
-searcher process (`RedteamScorer`, through searcher.Engine.start_llm; on a GPU, --searcher-memory is split
-between them by runtime/gpu.py from `memory` below); a sequence classifier and the embedder are
-transformers models beside pi_ref. docs/tasks.md, "Red-teaming", gives why, the split for the paper's two
-settings, and the cost of a round (tools/redteam_round.py times one). `--buffer-keep best` is their buffer
-(`BestBuffer`).
+The models, where they run and why, and the cost of a round: docs/tasks.md, "Red-teaming". `--buffer-keep best` is
+their buffer (`BestBuffer`).
 """
 
 import os
@@ -149,8 +145,8 @@ def check(cfg) -> dict:
 # (vllm/v1/worker/cpu_worker.py:107-177): the CPU runs any model.
 def workspace_user(path: str) -> str | None:
     """Why an engine of the model at `path` would use vLLM's workspace: 'quantized (FIELD)', 'a mixture of
-    experts (FIELD)' or 'multi-head latent attention (kv_lora_rank)', from its config (with the class's defaults,
-    nested configs included), or None for a dense unquantized model."""
+    experts (FIELD)' or 'multi-head latent attention (kv_lora_rank)', from its config (with the class's
+    defaults, nested configs included), or None for a dense unquantized model."""
     from transformers import AutoConfig
 
     def fields(d):
@@ -174,8 +170,8 @@ def workspace_user(path: str) -> str | None:
 
 
 def one_workspace(cfg, flag: str, path: str):
-    """On a GPU, refuse a model for an engine beside others in the searcher process (the attacker, the victim, a
-    judge) that would use vLLM's workspace (`workspace_user`), in one line."""
+    """On a GPU, refuse a model for an engine beside others in the searcher process (the attacker, the victim,
+    a judge) that would use vLLM's workspace (`workspace_user`), in one line."""
     why = workspace_user(path) if cfg.device == "cuda" else None
     if why:
         raise ConfigError(f"--{flag}: {path} is {why}; on a GPU the redteam task runs the attacker's, the victim's "
@@ -206,11 +202,6 @@ def unsafe_index(config, name: str | None) -> int:
     return found[0]
 
 
-def victim_sampling(tokenizer) -> dict:
-    """Lee et al.'s victim sampling: chat models' if the tokenizer has a chat template, else GPT-2's."""
-    return dict(CHAT_SAMPLING if tokenizer.chat_template else ALPACA_SAMPLING)
-
-
 def pad(rows: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, attention mask) of token rows padded to one length, on the left or the right."""
     T = max(len(r) for r in rows)
@@ -221,8 +212,11 @@ def pad(rows: list[list[int]], pad_id: int, left: bool, device) -> tuple[torch.T
 
 
 def load_model(cls, path: str, device, dtype: str):
-    model = cls.from_pretrained(path, dtype=getattr(torch, dtype))
-    return model.to(device).eval().requires_grad_(False)
+    """(the model at `path`, frozen in eval mode; its tokenizer; its pad token id, else its EOS)."""
+    from transformers import AutoTokenizer
+    tokenizer, model = AutoTokenizer.from_pretrained(path), cls.from_pretrained(path, dtype=getattr(torch, dtype))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return model.to(device).eval().requires_grad_(False), tokenizer, pad
 
 
 # --- the victim ----------------------------------------------------------------------------------------
@@ -246,7 +240,7 @@ class Victim:
     def __init__(self, path: str, llm, n: int, max_new_tokens: int | None = None):
         from transformers import AutoTokenizer
         self.tokenizer, self.llm, self.n = AutoTokenizer.from_pretrained(path), llm, n
-        self.sampling = victim_sampling(self.tokenizer)
+        self.sampling = dict(CHAT_SAMPLING if self.tokenizer.chat_template else ALPACA_SAMPLING)
         self.sampling["max_new_tokens"] = max_new_tokens or self.sampling["max_new_tokens"]
 
     def prompt(self, attack: str) -> list[int]:
@@ -262,11 +256,11 @@ class Victim:
 
     def respond(self, attacks: list[str], seed: int) -> list[str]:
         """n responses to each attack, attack by attack ([a0 r0, a0 r1, ..., a1 r0, ...]): one request an
-        attack with its own seed (vLLM gives its n samples seed + i, vllm/v1/engine/parallel_sampling.py:76-81),
-        so that the answers follow from `seed` alone. No top-k cut, as Lee et al.'s vLLM; it stops at every EOS
-        id of the victim's generation_config.json (vllm/sampling_params.py:786-800,
-        vllm/v1/engine/input_processor.py:489): Llama 3's <|eot_id|>, which theirs lists by hand
-        (gfn_trainer.py:183-187)."""
+        attack with its own seed (vLLM gives its n samples seed + i,
+        vllm/v1/engine/parallel_sampling.py:76-81), so that the answers follow from `seed` alone. No top-k
+        cut, as Lee et al.'s vLLM; it stops at every EOS id of the victim's generation_config.json
+        (vllm/sampling_params.py:786-800, vllm/v1/engine/input_processor.py:489): Llama 3's <|eot_id|>, which
+        theirs lists by hand (gfn_trainer.py:183-187)."""
         s = self.sampling
         params = [sampling_params(s["temperature"], s["max_new_tokens"], (seed, i), n=self.n, logprobs=None,
                                   top_p=s["top_p"]) for i in range(len(attacks))]
@@ -280,11 +274,9 @@ class SequenceClassifier:
     """log P(unsafe) of a response alone (Lee et al.'s RobertaClassifier: the victim's text only)."""
 
     def __init__(self, path: str, device, dtype: str, unsafe_label: str | None, batch: int):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model, self.device, self.batch = load_model(AutoModelForSequenceClassification, path, device, dtype), device, batch
-        self.unsafe = unsafe_index(self.model.config, unsafe_label)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        from transformers import AutoModelForSequenceClassification
+        self.model, self.tokenizer, self.pad_id = load_model(AutoModelForSequenceClassification, path, device, dtype)
+        self.device, self.batch, self.unsafe = device, batch, unsafe_index(self.model.config, unsafe_label)
         if self.model.config.pad_token_id is None:  # decoder classifiers read the last token before padding
             self.model.config.pad_token_id = self.pad_id
         self.max_len = min(512, getattr(self.model.config, "max_position_embeddings", 512))
@@ -303,12 +295,12 @@ class SequenceClassifier:
 
 
 class Judge:
-    """log P(first verdict token = that of "unsafe") of a causal LM judging (attack, response), on a vLLM engine
-    of its own (`llm`, with prefix caching: the prompts' shared head, Llama Guard's category list, is computed
-    once). One token is generated greedily and the verdict token's log-prob read among `logprob_token_ids`, which
-    vLLM 0.32 takes from the raw logits whatever the token's rank (vllm/v1/sample/sampler.py:86-95, 112-119,
-    134-137; the engine keeps the default raw_logprobs): Lee et al.'s top-2 (utils.py:108-109, 129) misses
-    "unsafe" when two other tokens are likelier."""
+    """log P(first verdict token = that of "unsafe") of a causal LM judging (attack, response), on a vLLM
+    engine of its own (`llm`, with prefix caching: the prompts' shared head, Llama Guard's category list, is
+    computed once). One token is generated greedily and the verdict token's log-prob read among
+    `logprob_token_ids`, which vLLM 0.32 takes from the raw logits whatever the token's rank
+    (vllm/v1/sample/sampler.py:86-95, 112-119, 134-137; the engine keeps the default raw_logprobs): Lee et
+    al.'s top-2 (utils.py:108-109, 129) misses "unsafe" when two other tokens are likelier."""
 
     def __init__(self, path: str, llm):
         from transformers import AutoTokenizer
@@ -368,10 +360,9 @@ class Embedder:
     states mean-pooled over the tokens (padding left out), then L2-normalised."""
 
     def __init__(self, path: str, device, dtype: str, batch: int):
-        from transformers import AutoModel, AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model, self.device, self.batch = load_model(AutoModel, path, device, dtype), device, batch
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        from transformers import AutoModel
+        self.model, self.tokenizer, self.pad_id = load_model(AutoModel, path, device, dtype)
+        self.device, self.batch = device, batch
 
     @torch.no_grad()
     def __call__(self, texts: list[str]) -> torch.Tensor:
@@ -411,9 +402,8 @@ def eval_counts(prompts: int, attacks: int | None) -> list[int]:
 
 # --- the task's work in a searcher: the reward's models, the embeddings, the evaluation ---------------
 class RedteamScorer(Scorer):
-    """The victim, and a judge of the causal-LM kind, on vLLM engines of their own beside the attacker's (on a
-    GPU with their shares of --searcher-memory); a sequence classifier and the embedder in transformers
-    (docs/tasks.md says why)."""
+    """The victim, and a judge of the causal-LM kind, on vLLM engines of their own beside the attacker's; a
+    sequence classifier and the embedder in transformers (docs/tasks.md says why, and how a GPU is split)."""
 
     def __init__(self, engine, task, evaluates: bool):
         self.engine, self.cfg, self.seconds, self.embedder = engine, engine.cfg, {}, None
@@ -485,13 +475,11 @@ def memory(cfg, evaluates: bool, engines: dict, beside: dict):
 class BestBuffer(ReplayBuffer):
     """TBA's buffer, and beside its newest data (which the recent draws keep using) each prompt's set of its
     best `capacity` trajectories by log R = logp_ref + reward / beta (at gamma = T_R = 1, as theirs ranks),
-    from which the whole-buffer draws come. A newcomer that is an exact duplicate of one held is dropped
-    (theirs keeps the copy held); one that is a near-duplicate of one held (embedding cosine above
-    `similarity`, or token edit distance below `edit` x the two lengths; the nearest held one) replaces it
-    if its log R is higher and is dropped otherwise; else it joins, and the lowest log R leaves when the
-    set is full. Copies of one prompt (red-teaming searches one instruction as B copies) share one set
-    (`group_of`). Departures: theirs takes the first near-duplicate in heap order, ours the nearest; their
-    edit distance leaves EOS out, ours counts it as a token."""
+    from which the whole-buffer draws come. A newcomer that is an exact duplicate of one held is dropped; one
+    that is a near-duplicate of one held (embedding cosine above `similarity`, or token edit distance below
+    `edit` x the two lengths; the nearest) replaces it if its log R is higher, else is dropped; else it joins,
+    and the lowest log R leaves a full set. Copies of one prompt (one instruction searched as B copies) share
+    one set (`group_of`). docs/departures.md gives what differs from theirs."""
 
     FLAGS = {**ReplayBuffer.FLAGS, "beta": "beta", "similarity": "dedup_similarity", "edit": "dedup_edit"}
     SAVED = ReplayBuffer.SAVED | {"best", "best_size"}  # its state's `best_*` arrays

@@ -1,33 +1,25 @@
 """What a task is: its problems, its reward and its evaluation, and the loaders the tasks share.
 
-A task is one file of this folder with one `TASK = Task(...)`: every module here that holds one is a task, named
-by its file (`tasks.TASKS`; tasks/__init__.py says what happens to one that does not import). The rest of the code asks the entry, never the task's name:
+A task is one file of this folder holding `TASK = Task(...)`, named by its file (`tasks.TASKS`; __init__.py
+says what happens to one that does not import). The rest of the code asks the entry, never the task's name:
 - `load(--data folder or None) -> (train, test)` problems, each `Problem(prompt, answer)`;
-- `reward(completion, answer) -> float`, the training reward: a plain string function (rewards.py), or none where
-  a model scores the responses (`--reward-model`, or a `Scorer` of the task's own);
-- `metric(completion, answer) -> float`: the held-out figure, a plain string function too (default: `reward`). The
-  evaluation scores with it and never with the training reward, so a reward shaped for training (a `Scorer`
-  whose `reward` adds a penalty, docs/experiments.md) leaves the held-out figures as they were;
-- `defaults`: {flag: value} the task needs (countdown: a longer --max-new-tokens), taken where the command line
-  does not give the flag;
-- `demos() -> [Problem(prompt, solution)]`: solved problems, for a warm start of the tiny model on the task
-  (`python -m runtime.tiny --task NAME`; `--model tiny` does it on first use);
-- `scorer`: what the task does inside a searcher's engine, once per round and at each evaluation. The
-  default, `Scorer` below, rewards with the string function (or `--reward-model`) and evaluates the
-  accuracy of one response per held-out prompt; a task with a reward model of its own, extra vLLM
-  engines or an evaluation of its own subclasses it (tldr.py, redteam.py);
-- `check(cfg) -> {derived field: value}`: the task's own flags, refused in one line, and the values
-  they derive (the folders of its models);
+- `reward(completion, answer) -> float`, the training reward: a plain string function (rewards.py), or none
+  where a model scores the responses (`--reward-model`, or a `Scorer` of the task's own);
+- `metric(completion, answer) -> float`: the held-out figure (default: `reward`); the evaluation never scores
+  with the training reward, so a reward shaped for training (docs/experiments.md) leaves the held-out figures;
+- `defaults`: {flag: value} the task needs (countdown: a longer --max-new-tokens) where the line gives none;
+- `demos() -> [Problem(prompt, solution)]`: solved problems, for a warm start of the tiny model on the task;
+- `scorer`: the task's work in a searcher's engine, each round and evaluation: `Scorer` below (the string
+  reward or `--reward-model`; the accuracy of one response a held-out prompt), or a subclass (tldr, redteam);
+- `check(cfg) -> {derived field: value}`: the task's own flags, refused in one line, and what they derive;
 - `flags`: the flags that belong to it alone (refused with any other task);
-- `memory(cfg, evaluates, engines, beside)`: adds the GPU memory of the extra vLLM engines and models its
-  scorer loads on a searcher's GPU to the policy's and pi_ref's (runtime/gpu.memory_needs);
-- `buffer(cfg, prompts) -> ReplayBuffer`: its replay buffer (TBA's; red-teaming's `--buffer-keep best` is
-  Lee et al.'s buffer of the best attacks, a subclass);
-- `score`: the evaluation's headline figure; `max_prompt`: longer prompts (in tokens) are dropped;
-  `fill`: the training prompts are repeated to fill a batch of B (one instruction searched as B copies);
-  `chat`: each prompt is a user turn of the model's chat template, with the assistant's turn begun
-  (runtime/checks.py tokenizes them; a model without a template is refused); `prompt(cfg, text)`: a problem's
-  prompt as the flags make it (the math task's instruction, ours or the authors' exact one).
+- `memory(cfg, evaluates, engines, beside)`: the GPU memory of the extra engines and models its scorer loads
+  beside the policy's and pi_ref (runtime/gpu.memory_needs);
+- `buffer(cfg, prompts) -> ReplayBuffer`: its replay buffer (red-teaming's `--buffer-keep best`: a subclass);
+- `score`: the evaluation's headline figure; `max_prompt`: longer prompts (in tokens) are dropped; `fill`: the
+  training prompts repeated to fill a batch of B; `chat`: each prompt a user turn of the model's chat template
+  (runtime/checks.py tokenizes them; a model without one is refused); `prompt(cfg, text)`: a problem's prompt
+  as the flags make it (math's instruction, ours or the authors').
 Bad data raises ConfigError with a one-line message; tba.py prints it and exits with 2.
 """
 
@@ -66,10 +58,10 @@ class Data:
 
 
 class Scorer:
-    """A task's work inside a searcher's engine (searcher.Engine): the reward of a round's responses, and
-    the evaluation. This one scores with the task's string reward (or `--reward-model` in its place) and
-    evaluates the accuracy (pass@1) of one response per held-out prompt, greedy or at --eval-temperature.
-    `seconds`: the last reward's time by part, for the train rows (red-teaming: the victim's, the classifier's)."""
+    """A task's work inside a searcher's engine (searcher.Engine): the reward of a round's responses, and the
+    evaluation. This one scores with the task's string reward (or `--reward-model` in its place) and evaluates
+    the accuracy (pass@1) of one response per held-out prompt, greedy or at --eval-temperature. `seconds`: the
+    last reward's time by part, for the train rows (red-teaming: the victim's, the classifier's)."""
 
     def __init__(self, engine, task: "Task", evaluates: bool):
         self.engine, self.cfg, self.seconds = engine, engine.cfg, {}
@@ -94,10 +86,9 @@ class Scorer:
 
     def evaluate(self, prompts: list[list[int]], answers: list[str], beat=lambda done: None) -> tuple[dict, dict]:
         """One response to each prompt with the loaded weights: each score's mean, and the first problem's
-        example. In parts of a search round's size (B x responses per prompt; 256 at least, vLLM's batch of
-        sequences on the CPU), each followed by beat(prompts done): a long evaluation (the TL;DR one at 2.8B,
-        with a 6.9B judge: about 15 minutes on an A100) is then no silence to the trainer's watch, while a part
-        that hangs is."""
+        example. In parts of a search round's size (256 at least), each followed by beat(prompts done): a long
+        evaluation (TL;DR's at 2.8B: about 15 minutes on an A100) is then no silence to the trainer's watch,
+        while a part that hangs is."""
         size = max(256, self.cfg.prompts_per_step * self.cfg.search_samples_per_prompt)
         rows, example = {}, None
         for i in range(0, len(prompts), size):
@@ -109,15 +100,15 @@ class Scorer:
         return {k: float(np.mean(v)) for k, v in rows.items()}, example
 
     def evaluate_part(self, prompts: list[list[int]], answers: list[str]) -> tuple[dict, dict]:
-        """evaluate() on some prompts: each score's value for each response (the task's metric, never the training
-        reward of `reward`, which a subclass may shape), and the first one's example."""
+        """evaluate() on some prompts: each score's value for each response (the task's metric, never the
+        training reward of `reward`, which a subclass may shape), and the first one's example."""
         responses, texts = self.engine.respond(prompts)
         scores = self.metric(prompts, responses, texts, answers)
         return {self.cfg.score: list(scores)}, self.example(prompts, texts, scores)
 
     def example(self, prompts, texts, values, name: str | None = None) -> dict:
-        """The eval row's `example`: the first problem's prompt, its completion, and that completion's value of the
-        score `name` (default: the task's headline score, `Task.score`), under that name."""
+        """The eval row's `example`: the first problem's prompt, its completion, and that completion's value
+        of the score `name` (default: the task's headline score, `Task.score`), under that name."""
         return dict(prompt=self.engine.tokenizer.decode(prompts[0], skip_special_tokens=True), completion=texts[0],
                     **{name or self.cfg.score: float(values[0])})
 

@@ -1,18 +1,6 @@
-"""`tldr`, the paper's summarisation task, scored by a reward model (`--reward-model`) and evaluated as
-the authors' eval_tldr/ does, inside the run.
-
-Data: the authors' `vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144`, from
-`--data DIR` (`train.jsonl` for searching, `validation.jsonl` for evaluation, one JSON object a line with
-`query`: the formatted post, ending in "TL;DR:", and `reference_response`: a human summary) or from the
-hub. The prompt is `query` as it is; prompts over 512 tokens are dropped (the authors' tba_tldr.py:89-91).
-
-The evaluation (docs/tasks.md gives it against the authors'), one response to each validation prompt:
-"score" (the mean training reward), "win_rate" (the judge, --eval-reward-model, scores the response above
-the reference summary), "kl_ref_theta_per_token" (the mean over responses of the per-token mean of the
-full-vocabulary KL(pi_ref || pi_theta) along the response, pi_ref the SFT model), "ppl_sft" (the mean over
-responses of exp(mean NLL of the response tokens under the SFT model)) and "ppl_sft_authors" (the same NLL
-summed, divided by the whole sequence's predicted tokens, prompt included: what their src/perplexity.py:50-57
-computes, the perplexity of the paper's Table 1).
+"""`tldr`, the paper's summarisation task, scored by a reward model (`--reward-model`) and evaluated as the
+authors' eval_tldr/ does, inside the run: docs/tasks.md gives its data, its evaluation's figures and how they
+compare with the authors'.
 """
 
 import numpy as np

@@ -35,10 +35,10 @@ def test_a_qwen_slot_is_exact_and_a_block_a_tensor_was_1_9x():
     slot = gpu.pinned_block(sizes)
     assert sum(sizes) == 2 * QWEN_P and 15.2e9 < slot < 15.24e9
     assert slot - sum(sizes) < 64 * len(sizes)  # each tensor's offset aligned to 64 bytes
-    assert 1.85 < gpu.pinned_tensors(sizes) / sum(sizes) < 1.95
-    assert gpu.pinned_tensors([18944 * 3584 * 2]) == 2**28  # an MLP matrix: 136 MB in a 256 MiB block
+    assert 1.85 < memory.pinned_tensors(sizes) / sum(sizes) < 1.95
+    assert memory.pinned_tensors([18944 * 3584 * 2]) == 2**28  # an MLP matrix: 136 MB in a 256 MiB block
     assert gpu.pinned_block([1, 1]) == 128 and gpu.pinned_block([64, 64]) == 128 and gpu.pinned_block([]) == 1
-    assert [gpu.pow2_ceil(n) for n in (0, 1, 3, 2**34, 2**34 + 1)] == [0, 1, 4, 2**34, 2**35]
+    assert [memory.pow2_ceil(n) for n in (0, 1, 3, 2**34, 2**34 + 1)] == [0, 1, 4, 2**34, 2**35]
 
 
 def test_the_count_is_the_block_flat_slot_allocates():
@@ -181,7 +181,7 @@ def test_the_host_plan_counts_the_rings_as_allocated():
         assert mine["--behaviour-logprobs trainer's history"] == pytest.approx((lag + 1) * 2 * QWEN_P / 4, rel=1e-4)
     assert [round(memory.host_plan(lag)["--lag's history"] / 1e9, 1) for lag in (2, 10)] == [45.7, 167.5]
     assert "a checkpoint: pi_ref's" not in memory.host_plan(2, loss="drgrpo")
-    assert round(3 * gpu.pinned_tensors(qwen_sizes()) / 1e9, 1) == 86.9
+    assert round(3 * memory.pinned_tensors(qwen_sizes()) / 1e9, 1) == 86.9
 
 
 def test_the_rho_plan_counts_the_evaluator():

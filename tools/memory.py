@@ -274,6 +274,18 @@ def shard_sizes(c: dict, world: int, rank: int, nbytes: int) -> list[int]:
     return [gpu.shard_rows(s[0], world, rank) * math.prod(s[1:]) * nbytes for s in decoder_shapes(c)]
 
 
+def pow2_ceil(n: int) -> int:
+    """n rounded up to a power of two, as c10::llvm::PowerOf2Ceil (c10/util/llvmMathExtras.h:701-705)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def pinned_tensors(sizes) -> int:
+    """Bytes of the tensors of `sizes` bytes pinned one block each by torch's caching host allocator (--lag's history
+    before runtime/weights.flat_slot), each block rounded up to a power of two (ATen/core/CachingHostAllocator.h:
+    302-309): about 1.9x the bytes for Qwen2.5-7B's shapes. The "before" figure of docs/gpu.md's plan."""
+    return sum(pow2_ceil(s) for s in sizes)
+
+
 def history(c: dict, lag: int, world: int = 1, rank: int = 0) -> float:
     """--lag's ring on the host: L + 1 slots, each ONE pinned block of the bf16 weights (world 1: runtime/weights.Outbox,
     every distinct tensor) or of a rank's bf16 shards (runtime/policy.LaggedCopy), registered in place, so exact on any
@@ -451,7 +463,7 @@ def host_line(lag: int) -> str:
     other = host_plan(lag, rank=1, behaviour=True)["--behaviour-logprobs trainer's history"]
     checkpoint = sum(v for k, v in host_plan(lag).items() if k.startswith("a checkpoint"))
     disk = checkpoint + ring  # trainer.pt also holds the history's slots (weights.Outbox.saved), each block once
-    old = (lag + 1) * gpu.pinned_tensors([math.prod(x) * 2 for x in decoder_shapes(QWEN_7B)])
+    old = (lag + 1) * pinned_tensors([math.prod(x) * 2 for x in decoder_shapes(QWEN_7B)])
     return (f"Qwen2.5-7B, --lag {lag}: rank 0's host RAM for the weights of the last {lag} steps and the current: "
             f"{ring / GB:.1f} GB pinned ({lag + 1} slots of one block each, registered host memory: exact; one "
             f"block a tensor from torch's pinned allocator would take {old / GB:.1f}); --behaviour-logprobs trainer "
