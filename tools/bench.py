@@ -553,20 +553,26 @@ def round_alone(costs: dict, n: int, shape: str = "linear", cfg=None, devices: i
     """The synchronous round's emulated cost alone (X = 1, the calibration's costs): N searchers' rounds of B / N
     prompts each, the slowest of them; or with `devices` D (the colocated run) one round of B prompts spread over D.
     Linear decoding: the batch's tokens over N (or D). GPU-shaped with GSM8K's tail (`cfg`: B, n and the model's
-    shape): each response of the calibration's mean length, its emulated steps stretched by a draw from the tail as
-    runtime.slowdown.Tails stretches them, each step costing runtime.slowdown.Clock.alone of those still running; the
-    mean over `draws` seeded rounds."""
+    shape): each response's emulated steps from `tail_steps`, each step costing runtime.slowdown.Clock.alone
+    of those still running; the mean over `draws` seeded rounds."""
     if shape == "linear":
         return costs["tokens_per_batch"] / (devices if devices > 1 else n) * costs["seconds_per_token"]
     from runtime import seeds, slowdown
     B, samples = cfg.prompts_per_step, cfg.search_samples_per_prompt
-    mean = max(1, round(costs["tokens_per_batch"] / (B * samples)))
     clock = slowdown.Clock(1.0, costs["seconds_per_token"], "gpu", B * samples, model=cfg.decode_shape, devices=devices)
     rng = np.random.default_rng([0, seeds.TAILS])
-    quantiles = np.linspace(0, 1, len(slowdown.GSM8K_TAIL))
     size = [B * samples] if devices > 1 else [-(-B // n) * samples] * n  # a round each engine
-    steps = lambda k: np.maximum(mean, np.round(mean * np.interp(rng.random(k), quantiles, slowdown.GSM8K_TAIL)))
-    return float(np.mean([max(clock.round_alone(steps(k)) for k in size) for _ in range(draws)]))
+    return float(np.mean([max(clock.round_alone(tail_steps(costs, cfg, rng.random(k))) for k in size)
+                          for _ in range(draws)]))
+
+
+def tail_steps(costs: dict, cfg, draws) -> np.ndarray:
+    """Each response's emulated decoding steps for uniform `draws`: the calibration's mean length, stretched
+    by a draw from GSM8K's tail as runtime.slowdown.Tails stretches them (never below the mean)."""
+    from runtime import slowdown
+    mean = max(1, round(costs["tokens_per_batch"] / (cfg.prompts_per_step * cfg.search_samples_per_prompt)))
+    tail = np.interp(draws, np.linspace(0, 1, len(slowdown.GSM8K_TAIL)), slowdown.GSM8K_TAIL)
+    return np.maximum(mean, np.round(mean * tail))
 
 
 def point(costs: dict, ratio: float, n: int, shape: str = "linear", cfg=None) -> tuple:
@@ -592,10 +598,7 @@ def ceiling(costs: dict, ratio: float, n: int, cfg) -> dict:
     T = y * costs["train_step"]
     B, K = cfg.prompts_per_step, cfg.search_samples_per_prompt
     colocated = x * round_alone(costs, n, "gpu+tails", cfg, n + 1) + T / (n + 1) + all_reduce_share(n + 1) * T
-    mean = max(1, round(costs["tokens_per_batch"] / (B * K)))
-    draws = np.random.default_rng([0, seeds.TAILS]).random(20000)
-    length = float(np.mean(np.maximum(mean, np.round(mean * np.interp(draws, np.linspace(0, 1, len(slowdown.GSM8K_TAIL)),
-                                                                        slowdown.GSM8K_TAIL)))))
+    length = float(np.mean(tail_steps(costs, cfg, np.random.default_rng([0, seeds.TAILS]).random(20000))))
     clock = slowdown.Clock(1.0, costs["seconds_per_token"], "gpu", B * K, model=cfg.decode_shape)
     G, G_full = x * round_alone(costs, n, "gpu+tails", cfg), x * length * clock.alone(-(-B // n) * K)
     return dict(ratio=ratio, x=x, y=y, T=T, G=G, G_full=G_full, colocated=colocated, stream=colocated / max(G, T),
