@@ -821,14 +821,6 @@ def mean_accuracy(points: list, horizon: float | None) -> float | None:
     return sum((a + b) / 2 * (t1 - t0) for t0, t1, a, b in zip(grid, grid[1:], values, values[1:])) / horizon
 
 
-def speedups(reference: list, times: list) -> list:
-    """Per seed, how many times sooner `times` reached the target than `reference` (seconds, None where a run never
-    did): a seed whose reference never reached it has no speed-up (None); one whose run never did, 0 (the slowest
-    rank: a median and its interval count it, not leave it out)."""
-    return [None if a is None or (b is not None and b <= 0) else 0.0 if b is None else a / b
-            for a, b in zip(reference, times)]
-
-
 def over_share(last: dict) -> tuple[float, str]:
     """(the largest share of any one process's real compute over its own charge, with its work no device pays for,
     that process) from a run's last train row: the trainer's `over_trainer` and `uncharged_trainer`, each searcher's
@@ -911,16 +903,14 @@ def hardware_row(run: str, r: dict, sync: dict | None, baseline: bool = False, h
                uncharged=last.get("uncharged"), cpu=r["cpu"], accuracy_at_sync=at,
                curve=[(e["step"], e["accuracy"]) for e in evals])
     if baseline:
-        one = 1.0 if row["reached"] else None
-        row.update(speedup_interp=one, speedup_interp_first_step=one, accuracy_gain=0.0)
+        row.update(speedup_interp=1.0, speedup_interp_first_step=1.0, accuracy_gain=0.0)
     elif sync is None:  # a cell without its baseline (the scaling's): no speed-up over one
         row.update(speedup_interp=None, speedup_interp_first_step=None, accuracy_gain=None)
     else:
         gain = (row["mean_accuracy"] - sync["mean_accuracy"] if None not in (row["mean_accuracy"], sync["mean_accuracy"])
                 else None)
-        row.update(bound=sync["bound"], speedup_interp=speedups([sync["seconds_interp"]], [row["seconds_interp"]])[0],
-                   speedup_interp_first_step=speedups([sync["from_first_round"]], [row["from_first_round"]])[0],
-                   accuracy_gain=gain)
+        row.update(bound=sync["bound"], speedup_interp=speedup(sync, row, "seconds_interp"),
+                   speedup_interp_first_step=speedup(sync, row), accuracy_gain=gain)
     return row
 
 
@@ -939,13 +929,18 @@ def reached_by(r: dict, field: str = "from_first_round") -> float:
     return r["horizon"] + (0.0 if field == "from_first_round" else r["first_round"] or r["first_step"] or 0.0)
 
 
+def speedup(a: dict, b: dict, field: str = "from_first_round") -> float:
+    """How many times sooner b reached the target than a, each at `reached_by` (never: its horizon)."""
+    return reached_by(a, field) / reached_by(b, field)
+
+
 def paired(a: list[dict], b: list[dict], field: str = "from_first_round") -> tuple[list, list]:
     """Two modes' rows, by seed (the seeds both ran): b's speed-ups over a in interpolated time to the target (`field`:
     from the first round, or `seconds_interp` from launch; `reached_by`) and b's mean accuracy less a's (the same
     horizon)."""
     by = {r["seed"]: r for r in b}
     both = [(r, by[r["seed"]]) for r in a if r["seed"] in by]
-    ups = [reached_by(x, field) / reached_by(y, field) for x, y in both]
+    ups = [speedup(x, y, field) for x, y in both]
     gains = [y["mean_accuracy"] - x["mean_accuracy"] for x, y in both
              if x["mean_accuracy"] is not None and y["mean_accuracy"] is not None]
     return ups, gains
@@ -1579,11 +1574,11 @@ def table(r: dict) -> str:
     if r["time_to_target"]:  # the seeds' ratios: their median and its bootstrap interval
         by = {n: [next(x for x in r["time_to_target"] if x["seed"] == s and x["searchers"] == n)
                   for s in r["seeds"]] for n in (0, 1)}
-        train = lambda x: x["seconds"] - x["first_step_seconds"] if x["reached"] else None
+        at = lambda x: x["seconds"] if x["reached"] else r["cap"]  # never: at the cap, a bound (`reached_by`)
+        train = lambda x: at(x) - (x["first_step_seconds"] or 0)
         said = []
-        for what, of in (("from launch", lambda x: x["seconds"]), ("from the first step", train)):
-            ratio, ends = plot.interval([x for x in speedups([of(x) for x in by[0]], [of(x) for x in by[1]])
-                                         if x is not None])
+        for what, of in (("from launch", at), ("from the first step", train)):
+            ratio, ends = plot.interval([of(s) / of(a) for s, a in zip(by[0], by[1])])
             said.append(f"{what} {'-' if ratio is None else f'{ratio:.2f}'}"
                         f" {f'[{ends[0]:.2f}, {ends[1]:.2f}]' if ends else '(no interval below 2 seeds)'}")
         lines.append(f"   sync / async, the median over {len(r['seeds'])} seed(s) with its "
