@@ -13,6 +13,7 @@
 """
 
 import contextlib
+import gc
 import os
 import signal
 import warnings
@@ -29,6 +30,8 @@ FORK_SERVER = "TBA_FORK_SERVER"  # set while runtime.fleet.fork_server starts th
 if os.environ.pop(FORK_SERVER, None):
     for sig in STOPS:  # (SIGHUP and SIGUSR1 too: a closed terminal's reaches the whole group)
         signal.signal(sig, signal.SIG_IGN)
+    # its preload (vLLM's import, the start's longest wait) with no cyclic GC passing over the heap it grows
+    gc.disable()  # (the searchers it forks turn it on again: searcher.run)
 
 
 def early(argv: list[str]) -> bool:
