@@ -62,6 +62,7 @@ def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, fir
         gc.freeze()  # (0.7 s of a CPU engine's start); its shutdown unfreezes them (vllm/v1/engine/core.py:836)
         engine = Engine(cfg, device, cfg.searcher_memory, data.prompts, data.answers,
                         evaluates=channels.evals is not None)
+        gc.enable()  # (off since the fork server's preload, runtime.vllm_env, and the engine's imports)
         slowdown.calibrate_alone(engine, channels.calibration, cfg, parent_alive)  # --generation-slowdown
         weights = Inbox(shared, index % cfg.searchers, channels.stop, parent_alive, cfg.timeout)
         requests = Requests(channels, parent_alive, cfg.timeout)

@@ -22,6 +22,7 @@ runs the vLLM engine itself: it generates before each step and evaluates. Severa
 Departures from the paper and the authors' code, and why: docs/departures.md.
 """
 
+import gc
 import os
 import signal
 import sys
@@ -42,6 +43,7 @@ from runtime.errors import STOPS  # noqa: E402  (a leaf module)
 if __name__ == "__main__":  # before the heavy imports below, which take seconds
     for sig in STOPS:
         signal.signal(sig, stopped_at_start)
+    gc.disable()  # the start-up's imports (seconds) with no cyclic GC passing over the heap they grow: `run`
 # torchrun, this rank's launcher, read before it can be gone: a rank stops once it is (runtime.ranks.Watchdog)
 LAUNCHER = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
@@ -410,6 +412,7 @@ def run(cfg, data, ckpt):
     # from here a signal stops the run (at once before the first step, else after a checkpoint), and torchrun's end too
     signals = Signals(LAUNCHER)
     trainer = Trainer(cfg, data, ckpt, signals, t_start)
+    gc.enable()  # (off since tba.py's start on the command line)
     try:
         train(trainer)
     finally:

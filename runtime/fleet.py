@@ -123,7 +123,7 @@ class Fleet:
         self.published[self.shared.version.value] = self.log.clock()
         if self.procs:  # silent searchers: each node's leader watches its own
             self.watch = Watch(self.procs, self.cfg.timeout, first=self.first, where=self.where,
-                               start_timeout=self.cfg.start_timeout)
+                               start_timeout=self.cfg.start_timeout, clock=self.messages.clock)
 
     def saved(self, step: int) -> dict:
         """What a checkpoint keeps of the weights (rank 0: runtime/weights.Outbox.saved)."""

@@ -129,7 +129,8 @@ class Messages:
         # the local queue is as long as the searchers' own, whose bound (`send` waits) stays theirs
         self.queue, self.local, self.closed = queue, Queue(maxsize=max(1, size)), threading.Event()
         self.faults = {}  # searcher -> its fault line (`last_word`)
-        self.stamps = collections.deque()  # (when it was read, message): for the watch, off the trainer's thread
+        self.stamps = collections.deque()  # (`clock()` when read, message): the watch's, off the trainer's thread
+        self.held = (0.0, None)  # (s the local queue was full, since when it is full now): `clock`
         self.thread = threading.Thread(target=self.read, name="tba-messages", daemon=True)
         self.thread.start()
 
@@ -141,17 +142,28 @@ class Messages:
                 continue
             except Exception as e:  # a message that does not unpickle, a closed queue: raised where the trainer reads
                 msg = e
-            self.stamps.append((time.time(), msg))
+            self.stamps.append((self.clock(), msg))
             if isinstance(msg, dict) and msg.get("kind") == "fault":
                 self.faults[msg["searcher"]] = msg["line"]
+            if self.local.full():  # the trainer reads nothing (a step, a collective): searchers wait to send
+                self.held = (self.held[0], time.time())
             while not self.closed.is_set():
                 try:
                     self.local.put(msg, timeout=WAIT)
                     break
                 except Full:
                     pass
+            if self.held[1] is not None:
+                self.held = (self.held[0] + time.time() - self.held[1], None)
             if isinstance(msg, Exception):
                 return
+
+    def clock(self) -> float:
+        """The time less the seconds the trainer read nothing, its local queue full: a searcher's silence
+        then is not its own (it waits to send), so the watch counts it on this clock."""
+        total, since = self.held
+        now = time.time()
+        return now - total - (now - since if since is not None else 0.0)
 
     def get(self, block: bool = True, timeout: float | None = None) -> dict:
         """The next message, as queue.Queue's get (Empty when none comes in `timeout` s, or none is there)."""
@@ -196,18 +208,20 @@ class Watch:
     `where` ("node 1: ")."""
     WARN_FACTOR, WARN_MIN = 5.0, 10.0  # warn after 5 x its longest gap so far, 10 s at least
 
-    def __init__(self, procs, timeout: float, first: int = 0, where: str = "", start_timeout: float | None = None):
+    def __init__(self, procs, timeout: float, first: int = 0, where: str = "",
+                 start_timeout: float | None = None, clock=None):
         self.procs, self.timeout, self.first, self.where = procs, timeout, first, where
+        self.clock = clock or time.time  # Messages.clock: the time the trainer read nothing is no silence
         self.start_timeout = timeout if start_timeout is None else start_timeout  # before a searcher's first message
         self.evaluating = False  # an evaluation asked of searcher 0 has not come yet
-        self.last = [time.time()] * len(procs)  # when each was last heard from (or spawned)
+        self.last = [self.clock()] * len(procs)  # when each was last heard from (or spawned)
         self.gap = [None] * len(procs)          # its longest time between two messages (None: one or none yet)
         self.heard_once = [False] * len(procs)
         self.warned = [False] * len(procs)
 
     def heard(self, msg, now: float | None = None) -> list[str]:
         """A message from a searcher (read at `now`); the line to say if it had been warned about."""
-        i, now = msg.get("searcher", self.first) - self.first, now or time.time()
+        i, now = msg.get("searcher", self.first) - self.first, now or self.clock()
         if self.heard_once[i] and not (i == 0 and self.evaluating):  # a round's gap, not an evaluation's
             self.gap[i] = max(self.gap[i] or 0.0, now - self.last[i])
         lines = [f"tba.py: {self.where}searcher {i} sends again, after {now - self.last[i]:.0f} s"] if self.warned[i] else []
@@ -218,7 +232,7 @@ class Watch:
 
     def check(self) -> list[str]:
         """Silent for a searcher quiet for --timeout; else the warnings to say (each once)."""
-        now, lines = time.time(), []
+        now, lines = self.clock(), []
         for i, p in enumerate(self.procs):
             quiet = now - self.last[i]
             if quiet > (self.timeout if self.heard_once[i] else self.start_timeout):

@@ -3,6 +3,7 @@ nor torch at its top: `set_up()` sets their environment variables before either 
 import), and the fork server imports this module first, with FORK_SERVER set."""
 
 import contextlib
+import gc
 import os
 import signal
 import warnings
@@ -19,6 +20,8 @@ FORK_SERVER = "TBA_FORK_SERVER"  # set while runtime.fleet.fork_server starts th
 if os.environ.pop(FORK_SERVER, None):
     for sig in STOPS:  # (SIGHUP and SIGUSR1 too: a closed terminal's reaches the whole group)
         signal.signal(sig, signal.SIG_IGN)
+    # its preload (vLLM's import, the start's longest wait) with no cyclic GC passing over the heap it grows
+    gc.disable()  # (the searchers it forks turn it on again: searcher.run)
 
 
 def early(argv: list[str]) -> bool:

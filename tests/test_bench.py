@@ -196,6 +196,25 @@ def test_the_crossing_is_interpolated_between_the_evaluations_around_it():
     assert bench.crossing([(0.0, 0, 0.20), (10.0, 2, 0.36), (20.0, 4, 0.50)], 0.35)[0] == pytest.approx(9.375)
 
 
+def test_a_row_counts_a_run_that_never_reached_the_target_at_its_horizon(monkeypatch):
+    """hardware_row's speed-ups over the synchronous run of its seed take the pairs' convention (`reached_by`): a run
+    that never reached the target counts at its horizon's end, a bound (before, its row said 0), and a synchronous
+    run that never did is 1x itself (before, it had none)."""
+    import bench
+    train = [dict(step=s, time=20.0 + s, overhead=0.0, wait=0.5, sync=0.01, search=0.0, seconds=1.0, staleness=1.0)
+             for s in range(11)]
+    monkeypatch.setattr(bench.plot, "read", lambda run: (train, [], {}))
+    run = lambda last: dict(reached=last >= 0.55, start_accuracy=0.4, seconds=25.0, step=5, first_step_seconds=21.0,
+                            first_round=20.0, curve=[(20.0, 0, 0.4), (30.0, 10, last)], target=0.55,
+                            last_step_seconds=30.0, cpu=50.0)
+    sync = bench.hardware_row("sync", run(0.7), None, baseline=True)  # crosses at 25 s: 5 s from its first round
+    assert (sync["from_first_round"], sync["horizon"], sync["speedup_interp_first_step"]) == (5.0, 10.0, 1.0)
+    never = bench.hardware_row("stream", run(0.5), sync)  # its horizon: the synchronous run's 10 s
+    assert never["from_first_round"] is None and never["speedup_interp_first_step"] == pytest.approx(5 / 10)
+    assert never["speedup_interp"] == pytest.approx(25 / 30)  # from launch: its horizon after its first round
+    assert bench.hardware_row("sync", run(0.5), None, baseline=True)["speedup_interp"] == 1.0
+
+
 def test_mean_accuracy_is_the_area_under_the_curve_over_its_window():
     """Part 9's area: held-out accuracy against seconds from the first step, linear between evaluations, the start's
     before the first (an evaluation made before the first step counts from 0), the last held after the run's end,
@@ -235,7 +254,7 @@ def hw_row(mode, seed, t, gain=0.0, over=0.0, **extra):
     """A part 9 row as hardware_row makes it, for hardware_summary: reached at `t` s from the first step (None:
     never) against a synchronous run at SYNC_T[seed]."""
     sync_t = SYNC_T[seed]
-    up = 1.0 if mode == "sync" else bench_speedup(sync_t, t)
+    up = 1.0 if mode == "sync" else sync_t / (30.0 if t is None else t)  # never: at its horizon (bench.reached_by)
     return dict(dict(searchers=4, ratio=2.0, x=10.0, y=1.7, shape="gpu+tails", mode=mode, seed=seed,
                      reached=t is not None, seconds=t and t + 20, step=18, from_first_step=t, seconds_interp=t and t + 20,
                      from_first_round=t, step_interp=t and t * 2, first_step=21.0, first_round=20.0, end=30.0,
@@ -245,11 +264,6 @@ def hw_row(mode, seed, t, gain=0.0, over=0.0, **extra):
                      bound=1.5 if mode == "sync" else None, steps_per_s=1.5, staleness=1.0, accuracy_at_sync=0.5,
                      over=over, over_process="the trainer", over_budget=0.0, uncharged={"reload": 0.01, "score": 0.03},
                      cpu=70.0), **extra)
-
-
-def bench_speedup(sync_t, t):
-    import bench
-    return bench.speedups([sync_t], [t])[0]
 
 
 SYNC_T = [16.0, 14.0, 18.0, 15.0, 17.0, 16.5, 13.5, 18.5, 15.5, 16.0]
@@ -726,18 +740,26 @@ def test_a_lag_run_leaves_out_the_flags_declared_streaming():
 
 def test_part_1_gives_each_ratio_with_its_interval():
     """Part 1's table: sync is --searchers 0 --lag 0 (on-policy), and beside each seed's ratio the median over the
-    seeds with its bootstrap interval (plot.interval), from launch and from the first step; a seed whose sync run
-    never reached the target has no ratio, one whose async run never did counts as 0."""
+    seeds with its bootstrap interval (plot.interval), from launch and from the first step; a run that never reached
+    the target counts at the cap, a bound, as part 9's rows count one at their horizon (before, a seed whose sync run
+    never did had no ratio, one whose async run never did counted as 0)."""
     import bench
+    import plot
     run = lambda seed, n, s: dict(seed=seed, searchers=n, reached=s is not None, seconds=s, first_step_seconds=5.0,
                                   step=20, seconds_per_step=0.5, utilisation=0.9 if n else None)
-    r = dict(machine=dict(cpu="x", cores=2, threads_per_process=1, torch="t"), flags=[], seeds=[0, 1, 2, 3], cap=600,
-             time_to_target=[run(0, 0, 40), run(0, 1, 20), run(1, 0, 30), run(1, 1, 25), run(2, 0, 50), run(2, 1, 20),
-                             run(3, 0, None), run(3, 1, 20)])
+    r = dict(machine=dict(cpu="x", cores=2, threads_per_process=1, torch="t"), flags=[], seeds=[0, 1, 2, 3, 4],
+             cap=600, time_to_target=[run(0, 0, 40), run(0, 1, 20), run(1, 0, 30), run(1, 1, 25), run(2, 0, 50),
+                                      run(2, 1, 20), run(3, 0, None), run(3, 1, 20), run(4, 0, 36), run(4, 1, None)])
     lines = bench.table(r).splitlines()
     assert any("sync: --searchers 0 --lag 0 (one process, on-policy)" in line for line in lines)
-    assert ("   sync / async, the median over 4 seed(s) with its 90% interval: from launch 2.00 [1.20, 2.50]; from "
-            "the first step 2.33 [1.25, 3.00]") in lines
+    said = []
+    for t in (lambda s: s, lambda s: s - 5):  # from launch, from the first step (at 5 s)
+        ratio, (lo, hi) = plot.interval([t(40) / t(20), t(30) / t(25), t(50) / t(20), t(600) / t(20), t(36) / t(600)])
+        said.append(f"{ratio:.2f} [{lo:.2f}, {hi:.2f}]")
+    assert (f"   sync / async, the median over 5 seed(s) with its 90% interval: from launch {said[0]}; from "
+            f"the first step {said[1]}") in lines, lines
+    r.update(seeds=[0, 1, 2, 3], time_to_target=r["time_to_target"][:8])
+    assert "from launch 2.25 " in bench.table(r)  # seed 3's sync at the cap: 30x (before: no ratio, 2.00)
     r.update(seeds=[0], time_to_target=r["time_to_target"][:2])
     assert "from launch 2.00 (no interval below 2 seeds)" in bench.table(r)
 

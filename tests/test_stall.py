@@ -253,6 +253,35 @@ def test_watch_warns_then_stops_on_its_clock(monkeypatch):
         watch.check()
 
 
+def test_the_time_the_trainer_reads_nothing_is_no_searchers_silence():
+    """Issue 65 (review item 4): while the trainer reads nothing (stalled in a collective, a long step), its
+    local queue fills and the searchers wait to send: the watch counts no silence then (before, it warned that a
+    searcher was silent beside a stalled rank's error line); once the trainer reads again, silence counts."""
+    import queue as queue_module
+    import types
+    from runtime import processes
+    q = queue_module.Queue()
+    messages = processes.Messages(q, 1)
+    try:
+        watch = processes.Watch([types.SimpleNamespace(pid=42)], 4.0, clock=messages.clock)  # warns after 2 s
+        for _ in range(2):  # a gap of 0.3 s; the second message waits for room: the trainer reads nothing
+            q.put({"kind": "search", "searcher": 0})
+            deadline = time.time() + 30
+            while len(messages.stamps) < 1 and time.time() < deadline:
+                time.sleep(0.01)
+            now, msg = messages.stamps.popleft()
+            assert watch.heard(msg, now) == []
+            time.sleep(0.3)
+        time.sleep(3)
+        assert watch.check() == [] and messages.held[1] is not None
+        messages.get(timeout=5)  # the trainer reads again
+        time.sleep(3)
+        lines = watch.check()
+        assert len(lines) == 1 and lines[0].startswith("tba.py: warning: searcher 0 (pid 42) has sent"), lines
+    finally:
+        messages.close()
+
+
 def test_take_counts_what_arrives_and_the_newest_version():
     """Fleet.take: each search message's trajectories into the buffer (received, and kept: not those scored
     under an older pi_ref), the newest weight version that sampled data; evaluations into the log."""

@@ -553,20 +553,26 @@ def round_alone(costs: dict, n: int, shape: str = "linear", cfg=None, devices: i
     """The synchronous round's emulated cost alone (X = 1, the calibration's costs): N searchers' rounds of B / N
     prompts each, the slowest of them; or with `devices` D (the colocated run) one round of B prompts spread over D.
     Linear decoding: the batch's tokens over N (or D). GPU-shaped with GSM8K's tail (`cfg`: B, n and the model's
-    shape): each response of the calibration's mean length, its emulated steps stretched by a draw from the tail as
-    runtime.slowdown.Tails stretches them, each step costing runtime.slowdown.Clock.alone of those still running; the
-    mean over `draws` seeded rounds."""
+    shape): each response's emulated steps from `tail_steps`, each step costing runtime.slowdown.Clock.alone
+    of those still running; the mean over `draws` seeded rounds."""
     if shape == "linear":
         return costs["tokens_per_batch"] / (devices if devices > 1 else n) * costs["seconds_per_token"]
     from runtime import seeds, slowdown
     B, samples = cfg.prompts_per_step, cfg.search_samples_per_prompt
-    mean = max(1, round(costs["tokens_per_batch"] / (B * samples)))
     clock = slowdown.Clock(1.0, costs["seconds_per_token"], "gpu", B * samples, model=cfg.decode_shape, devices=devices)
     rng = np.random.default_rng([0, seeds.TAILS])
-    quantiles = np.linspace(0, 1, len(slowdown.GSM8K_TAIL))
     size = [B * samples] if devices > 1 else [-(-B // n) * samples] * n  # a round each engine
-    steps = lambda k: np.maximum(mean, np.round(mean * np.interp(rng.random(k), quantiles, slowdown.GSM8K_TAIL)))
-    return float(np.mean([max(clock.round_alone(steps(k)) for k in size) for _ in range(draws)]))
+    return float(np.mean([max(clock.round_alone(tail_steps(costs, cfg, rng.random(k))) for k in size)
+                          for _ in range(draws)]))
+
+
+def tail_steps(costs: dict, cfg, draws) -> np.ndarray:
+    """Each response's emulated decoding steps for uniform `draws`: the calibration's mean length, stretched
+    by a draw from GSM8K's tail as runtime.slowdown.Tails stretches them (never below the mean)."""
+    from runtime import slowdown
+    mean = max(1, round(costs["tokens_per_batch"] / (cfg.prompts_per_step * cfg.search_samples_per_prompt)))
+    tail = np.interp(draws, np.linspace(0, 1, len(slowdown.GSM8K_TAIL)), slowdown.GSM8K_TAIL)
+    return np.maximum(mean, np.round(mean * tail))
 
 
 def point(costs: dict, ratio: float, n: int, shape: str = "linear", cfg=None) -> tuple:
@@ -592,10 +598,7 @@ def ceiling(costs: dict, ratio: float, n: int, cfg) -> dict:
     T = y * costs["train_step"]
     B, K = cfg.prompts_per_step, cfg.search_samples_per_prompt
     colocated = x * round_alone(costs, n, "gpu+tails", cfg, n + 1) + T / (n + 1) + all_reduce_share(n + 1) * T
-    mean = max(1, round(costs["tokens_per_batch"] / (B * K)))
-    draws = np.random.default_rng([0, seeds.TAILS]).random(20000)
-    length = float(np.mean(np.maximum(mean, np.round(mean * np.interp(draws, np.linspace(0, 1, len(slowdown.GSM8K_TAIL)),
-                                                                        slowdown.GSM8K_TAIL)))))
+    length = float(np.mean(tail_steps(costs, cfg, np.random.default_rng([0, seeds.TAILS]).random(20000))))
     clock = slowdown.Clock(1.0, costs["seconds_per_token"], "gpu", B * K, model=cfg.decode_shape)
     G, G_full = x * round_alone(costs, n, "gpu+tails", cfg), x * length * clock.alone(-(-B // n) * K)
     return dict(ratio=ratio, x=x, y=y, T=T, G=G, G_full=G_full, colocated=colocated, stream=colocated / max(G, T),
@@ -819,14 +822,6 @@ def mean_accuracy(points: list, horizon: float | None) -> float | None:
     return sum((a + b) / 2 * (t1 - t0) for t0, t1, a, b in zip(grid, grid[1:], values, values[1:])) / horizon
 
 
-def speedups(reference: list, times: list) -> list:
-    """Per seed, how many times sooner `times` reached the target than `reference` (seconds, None where a run never
-    did): a seed whose reference never reached it has no speed-up (None); one whose run never did, 0 (the slowest
-    rank: a median and its interval count it, not leave it out)."""
-    return [None if a is None or (b is not None and b <= 0) else 0.0 if b is None else a / b
-            for a, b in zip(reference, times)]
-
-
 def over_share(last: dict) -> tuple[float, str]:
     """(the largest share of any one process's real compute over its own charge, with its work no device pays for,
     that process) from a run's last train row: the trainer's `over_trainer` and `uncharged_trainer`, each searcher's
@@ -909,16 +904,14 @@ def hardware_row(run: str, r: dict, sync: dict | None, baseline: bool = False, h
                uncharged=last.get("uncharged"), cpu=r["cpu"], accuracy_at_sync=at,
                curve=[(e["step"], e["accuracy"]) for e in evals])
     if baseline:
-        one = 1.0 if row["reached"] else None
-        row.update(speedup_interp=one, speedup_interp_first_step=one, accuracy_gain=0.0)
+        row.update(speedup_interp=1.0, speedup_interp_first_step=1.0, accuracy_gain=0.0)
     elif sync is None:  # a cell without its baseline (the scaling's): no speed-up over one
         row.update(speedup_interp=None, speedup_interp_first_step=None, accuracy_gain=None)
     else:
         gain = (row["mean_accuracy"] - sync["mean_accuracy"] if None not in (row["mean_accuracy"], sync["mean_accuracy"])
                 else None)
-        row.update(bound=sync["bound"], speedup_interp=speedups([sync["seconds_interp"]], [row["seconds_interp"]])[0],
-                   speedup_interp_first_step=speedups([sync["from_first_round"]], [row["from_first_round"]])[0],
-                   accuracy_gain=gain)
+        row.update(bound=sync["bound"], speedup_interp=speedup(sync, row, "seconds_interp"),
+                   speedup_interp_first_step=speedup(sync, row), accuracy_gain=gain)
     return row
 
 
@@ -937,13 +930,18 @@ def reached_by(r: dict, field: str = "from_first_round") -> float:
     return r["horizon"] + (0.0 if field == "from_first_round" else r["first_round"] or r["first_step"] or 0.0)
 
 
+def speedup(a: dict, b: dict, field: str = "from_first_round") -> float:
+    """How many times sooner b reached the target than a, each at `reached_by` (never: its horizon)."""
+    return reached_by(a, field) / reached_by(b, field)
+
+
 def paired(a: list[dict], b: list[dict], field: str = "from_first_round") -> tuple[list, list]:
     """Two modes' rows, by seed (the seeds both ran): b's speed-ups over a in interpolated time to the target (`field`:
     from the first round, or `seconds_interp` from launch; `reached_by`) and b's mean accuracy less a's (the same
     horizon)."""
     by = {r["seed"]: r for r in b}
     both = [(r, by[r["seed"]]) for r in a if r["seed"] in by]
-    ups = [reached_by(x, field) / reached_by(y, field) for x, y in both]
+    ups = [speedup(x, y, field) for x, y in both]
     gains = [y["mean_accuracy"] - x["mean_accuracy"] for x, y in both
              if x["mean_accuracy"] is not None and y["mean_accuracy"] is not None]
     return ups, gains
@@ -1578,11 +1576,11 @@ def table(r: dict) -> str:
     if r["time_to_target"]:  # the seeds' ratios: their median and its bootstrap interval
         by = {n: [next(x for x in r["time_to_target"] if x["seed"] == s and x["searchers"] == n)
                   for s in r["seeds"]] for n in (0, 1)}
-        train = lambda x: x["seconds"] - x["first_step_seconds"] if x["reached"] else None
+        at = lambda x: x["seconds"] if x["reached"] else r["cap"]  # never: at the cap, a bound (`reached_by`)
+        train = lambda x: at(x) - (x["first_step_seconds"] or 0)
         said = []
-        for what, of in (("from launch", lambda x: x["seconds"]), ("from the first step", train)):
-            ratio, ends = plot.interval([x for x in speedups([of(x) for x in by[0]], [of(x) for x in by[1]])
-                                         if x is not None])
+        for what, of in (("from launch", at), ("from the first step", train)):
+            ratio, ends = plot.interval([of(s) / of(a) for s, a in zip(by[0], by[1])])
             said.append(f"{what} {'-' if ratio is None else f'{ratio:.2f}'}"
                         f" {f'[{ends[0]:.2f}, {ends[1]:.2f}]' if ends else '(no interval below 2 seeds)'}")
         lines.append(f"   sync / async, the median over {len(r['seeds'])} seed(s) with its "
