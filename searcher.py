@@ -173,7 +173,8 @@ class Engine:
         return decoder.generate(self.to_requests(prompt_ids, n, seed), drain=prompt_ids is None)
 
     def to_requests(self, prompt_ids, n: int, seed: tuple) -> list[decoding.Request]:
-        return [decoding.Request(int(p), self.prompts[p], n, self.explore(seed, p), max_tokens(self.cfg, self.prompts[p]),
+        explore = self.explore if self.cfg.explore_temp_min else lambda seed, p: self.cfg.temperature
+        return [decoding.Request(int(p), self.prompts[p], n, explore(seed, p), max_tokens(self.cfg, self.prompts[p]),
                                  seed) for p in (() if prompt_ids is None else prompt_ids)]
 
     def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1) -> tuple[list[Trajectory], dict]:

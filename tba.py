@@ -112,7 +112,8 @@ def train(t: "Trainer"):
         t.opt.zero_grad(set_to_none=True)
         t.step += 1
         t.fleet.signals.training = True  # from now on a signal stops the run after a checkpoint
-        t.clock.charge(time.time() - t_train)  # --train-slowdown: the step lasts Y x its cost alone, before its weights go
+        if t.log.emulated:  # --train-slowdown: the step lasts Y x its cost alone, before its weights go
+            t.clock.charge(time.time() - t_train)
         # ===== sync weights to the searchers every k steps; TBA′: reset pi_ref every rho ========
         t_sync = time.time()
         if cfg.ref_reset_every and t.step % cfg.ref_reset_every == 0:
@@ -197,20 +198,19 @@ class Trainer:
     def waiting_for(self) -> str | None:
         """What the next step still lacks (rank 0), or None: an evaluation's weights held, the initial buffer, B prompts,
         data no more than --max-staleness old, --max-reuse's credit (--lag: `rounds_missing`, chosen once)."""
-        cfg, fleet = self.cfg, self.fleet
-        if evaluation := fleet.evals.pending():  # an evaluation's weights first (its wait: the log's overhead)
+        if evaluation := self.fleet.evals.pending():  # an evaluation's weights first (the log's overhead)
             return evaluation
-        if fleet.received < self.initial:  # (received only grows: after the first step, never)
-            return f"the initial buffer ({fleet.received} of {self.initial} trajectories)"
-        if len(self.buffer.prompts) < cfg.prompts_per_step:
-            return f"data for {cfg.prompts_per_step} prompts ({len(self.buffer.prompts)} so far)"
-        if cfg.max_staleness and self.step - fleet.newest > cfg.max_staleness:
-            return (f"fresher data: the newest was sampled by the weights of step {fleet.newest}, "
-                    f"{self.step - fleet.newest} steps ago (--max-staleness {cfg.max_staleness})")
-        self.cap.receive(fleet.kept)
-        if not self.cap.allows(cfg.prompts_per_step * cfg.samples_per_prompt):
-            return (f"fresh data: {self.cap.drawn} trajectories drawn for training, {fleet.kept} kept "
-                    f"(--max-reuse {cfg.max_reuse:g})")
+        if self.fleet.received < self.initial:  # (received only grows: after the first step, never)
+            return f"the initial buffer ({self.fleet.received} of {self.initial} trajectories)"
+        if len(self.buffer.prompts) < self.cfg.prompts_per_step:
+            return f"data for {self.cfg.prompts_per_step} prompts ({len(self.buffer.prompts)} so far)"
+        if self.cfg.max_staleness and self.step - self.fleet.newest > self.cfg.max_staleness:
+            return (f"fresher data: the newest was sampled by the weights of step {self.fleet.newest}, "
+                    f"{self.step - self.fleet.newest} steps ago (--max-staleness {self.cfg.max_staleness})")
+        self.cap.receive(self.fleet.kept)
+        if not self.cap.allows(self.cfg.prompts_per_step * self.cfg.samples_per_prompt):
+            return (f"fresh data: {self.cap.drawn} trajectories drawn for training, {self.fleet.kept} kept "
+                    f"(--max-reuse {self.cfg.max_reuse:g})")
 
     def sample(self):
         """B prompts x K responses from the buffer (--lag: from this step's rounds, `draw_round`), drawn by
