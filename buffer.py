@@ -376,16 +376,13 @@ class ReuseCap:
 
     def receive(self, kept: int):
         """`kept`: the trajectories the buffer has kept so far over the run (every node's)."""
-        self.credit = min(self.bank, self.credit + self.ratio * (kept - self.counted))
-        self.counted = kept
+        self.credit, self.counted = min(self.bank, self.credit + self.ratio * (kept - self.counted)), kept
 
     def allows(self, draws: int) -> bool:
         return not self.ratio or self.credit >= draws - 1e-6  # R x received is a float: 1.3 x 216 = 280.8
 
     def draw(self, draws: int):
-        self.drawn += draws
-        if self.ratio:
-            self.credit -= draws
+        self.drawn, self.credit = self.drawn + draws, self.credit - (draws if self.ratio else 0)
 
 
 def unfit(trajectories, task: str) -> str | None:
