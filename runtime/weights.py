@@ -188,8 +188,7 @@ def held(t, chunk: int = 2**24) -> list:
     """`fingerprint`'s three sums of `t`, as float64 scalars on its device, a float64 chunk of 2^24 elements at a time
     (128 MiB: a 7B model's embeddings whole would take 4.4 GB)."""
     sums = torch.zeros(3, dtype=torch.float64, device=t.device)
-    for x in t.reshape(-1).split(chunk):
-        x = x.double()
+    for x in (part.double() for part in t.reshape(-1).split(chunk)):
         sums += torch.stack([x.sum(), x.abs().sum(), x.dot(x)])
     return list(sums)
 
