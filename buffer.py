@@ -219,6 +219,7 @@ class ReplayBuffer:
 
     def sample(self, B: int, K: int, rng: np.random.Generator) -> list[list[Trajectory]]:
         """B groups of K trajectories, each group from one prompt (see the module docstring)."""
+        assert self.groups, "sample() from an empty buffer"
         cutoff, recent_prompts = self.recent(B)
         chosen, batch = set(), []
         for _ in range(B):
