@@ -220,7 +220,7 @@ class ReplayBuffer:
     def sample(self, B: int, K: int, rng: np.random.Generator) -> list[list[Trajectory]]:
         """B groups of K trajectories, each group from one prompt (see the module docstring)."""
         assert self.groups, "sample() from an empty buffer"
-        cutoff, recent_prompts = self.recent(B)
+        since, recent_prompts = self.recent(B)
         chosen, batch = set(), []
         for _ in range(B):
             recent = rng.random() < self.recency
@@ -228,10 +228,10 @@ class ReplayBuffer:
             # recent: the newest windows' data (on-policy up to the sync period and a round), uniformly; else
             # the whole group, by `weights`
             group = self.groups[prompt]
-            pool = [t for t, w in group.values() if w >= cutoff] if recent else self.whole(prompt)
+            pool = [t for t, w in group.values() if w >= since] if recent else self.whole(prompt)
             weights = np.ones(len(pool)) if recent else self.weights(pool)
-            if self.duplicates == "count":  # each distinct response as often as the searchers sent it (since cutoff)
-                copies = self.multiplicity(prompt, cutoff if recent else -1)
+            if self.duplicates == "count":  # each distinct response as often as the searchers sent it
+                copies = self.multiplicity(prompt, since if recent else -1)
                 counts = np.array([copies.get(t.response.tobytes(), 1) for t in pool])
                 batch.append([pool[i] for i in draw(counts, weights, K, rng)])
             else:

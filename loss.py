@@ -268,11 +268,8 @@ def unique_pairs(trajectories, prompts) -> tuple[list, list[int]]:
 
 def collate(pairs, pad: int, device):
     """(prompt, response) pairs -> input_ids, attention_mask, response_mask, each (N, T), right-padded."""
-    T = max(len(p) + len(r) for p, r in pairs)
-    ids = torch.full((len(pairs), T), pad, dtype=torch.long)
-    attention, response = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (p, r) in enumerate(pairs):
-        n, m = len(p), len(r)
-        ids[i, :n + m] = torch.cat([torch.as_tensor(p).long(), torch.as_tensor(r).long()])
-        attention[i, :n + m], response[i, n:n + m] = 1, 1
-    return ids.to(device), attention.to(device), response.to(device)
+    seqs = [torch.cat([torch.as_tensor(p).long(), torch.as_tensor(r).long()]) for p, r in pairs]
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad)          # (N, T)
+    at, ends = torch.arange(ids.shape[1]), torch.tensor([len(s) for s in seqs])[:, None]      # (T,), (N, 1)
+    starts = torch.tensor([len(p) for p, _ in pairs])[:, None]                                   # (N, 1)
+    return ids.to(device), (at < ends).long().to(device), ((at >= starts) & (at < ends)).long().to(device)
