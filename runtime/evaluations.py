@@ -40,7 +40,7 @@ class Asked:
             self.asked.append(step)
             f.channels.asked.value = step  # before the request: a searcher that sees newer weights sees it asked
             f.channels.evals.put(step)
-            f.watch.evaluating = True  # its parts may each take longer than a round: no warning
+            f.watch.asked, f.watch.evaluating = step, True  # its parts may each outlast a round: no warning
 
     def snapshot(self, step: int):
         """--evaluator after's `request`: the weights of `step` kept on the host, evaluated after the last

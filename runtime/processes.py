@@ -200,6 +200,7 @@ class Watch:
         self.procs, self.timeout, self.first, self.where = procs, timeout, first, where
         self.start_timeout = timeout if start_timeout is None else start_timeout  # before a searcher's first message
         self.evaluating = False  # an evaluation asked of searcher 0 has not come yet
+        self.asked = -1          # the step of the latest evaluation asked (an earlier one's ends nothing)
         self.last = [time.time()] * len(procs)  # when each was last heard from (or spawned)
         self.gap = [None] * len(procs)          # its longest time between two messages (None: one or none yet)
         self.heard_once = [False] * len(procs)
@@ -212,7 +213,7 @@ class Watch:
             self.gap[i] = max(self.gap[i] or 0.0, now - self.last[i])
         lines = [f"tba.py: {self.where}searcher {i} sends again, after {now - self.last[i]:.0f} s"] if self.warned[i] else []
         self.last[i], self.heard_once[i], self.warned[i] = now, True, False
-        if msg["kind"] == "eval":
+        if msg["kind"] == "eval" and msg["version"] >= self.asked:  # (a stamp may be read after the next request)
             self.evaluating = False
         return lines
 
