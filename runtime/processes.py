@@ -213,7 +213,7 @@ class Watch:
             self.gap[i] = max(self.gap[i] or 0.0, now - self.last[i])
         lines = [f"tba.py: {self.where}searcher {i} sends again, after {now - self.last[i]:.0f} s"] if self.warned[i] else []
         self.last[i], self.heard_once[i], self.warned[i] = now, True, False
-        if msg["kind"] == "eval" and msg["version"] >= self.asked:  # (a stamp may be read after the next request)
+        if msg["kind"] == "eval" and msg["version"] >= self.asked:  # (read, maybe, after the next request)
             self.evaluating = False
         return lines
 
