@@ -155,16 +155,13 @@ class ReplayBuffer:
         kept = [t for t in trajectories if t.for_step < 0 and t.pi_ref_version == self.pi_ref_version]
         for t in kept:
             if t.prompt_id not in self.groups:
-                self.groups[t.prompt_id] = OrderedDict()
                 self.prompts.append(t.prompt_id)
-            group, copies = self.groups[t.prompt_id], self.copies.setdefault(t.prompt_id, {})
-            key = t.response.tobytes()
-            self.size -= group.pop(key, None) is not None  # exact duplicate: the newest copy stands for all
-            group[key] = (t, self.window)
-            counts = copies.setdefault(key, {})
+            group, key = self.groups.setdefault(t.prompt_id, OrderedDict()), t.response.tobytes()
+            copies = self.copies.setdefault(t.prompt_id, {})
+            self.size += group.pop(key, None) is None  # exact duplicate: the newest copy stands for all
+            group[key], counts = (t, self.window), copies.setdefault(key, {})
             counts[self.window] = counts.get(self.window, 0) + 1
-            self.size += 1
-            if len(group) > self.capacity:                 # keep the newest `capacity`
+            if len(group) > self.capacity:             # keep the newest `capacity`
                 copies.pop(group.popitem(last=False)[0])
                 self.size -= 1
             self.last_window.pop(t.prompt_id, None)
@@ -185,15 +182,11 @@ class ReplayBuffer:
         return max((t.version for group in self.groups.values() for t, _ in group.values()), default=-1)
 
     def recent(self, B: int) -> tuple[int, list[int]]:
-        """(the oldest window of the recent pool, its prompts): the newest windows that cover B prompts
-        (all there are if fewer)."""
-        prompts, cutoff = [], None
-        for prompt, window in reversed(self.last_window.items()):
-            if len(prompts) >= B and window != cutoff:
-                break
-            prompts.append(prompt)
-            cutoff = window
-        return cutoff, prompts[::-1]
+        """(the oldest window of the recent pool, its prompts): the newest windows that cover B prompts (all
+        there are if fewer), from the B-th newest prompt's window on (`last_window` runs oldest first)."""
+        windows = list(self.last_window.values())
+        cutoff = windows[-min(B, len(windows))] if windows else None
+        return cutoff, [prompt for prompt, window in self.last_window.items() if window >= cutoff]
 
     def whole(self, prompt: int) -> list[Trajectory]:
         """A prompt's trajectories for the whole-buffer draws."""
@@ -227,27 +220,24 @@ class ReplayBuffer:
     def sample(self, B: int, K: int, rng: np.random.Generator) -> list[list[Trajectory]]:
         """B groups of K trajectories, each group from one prompt (see the module docstring)."""
         assert self.groups, "sample() from an empty buffer"
-        cutoff, recent_prompts = self.recent(B)
-        chosen: set[int] = set()
-        batch = []
+        since, recent_prompts = self.recent(B)
+        chosen, batch = set(), []
         for _ in range(B):
             recent = rng.random() < self.recency
-            prompt = pick(recent_prompts if recent else self.prompts, chosen, rng)
-            chosen.add(prompt)
-            if recent:   # data of the newest windows (on-policy up to the sync period and a round), uniformly
-                pool_t = [t for t, w in self.groups[prompt].values() if w >= cutoff]
-                weights = np.ones(len(pool_t))
-            else:        # the whole group, by `weights`
-                pool_t = self.whole(prompt)
-                weights = self.weights(pool_t)
-            if self.duplicates == "count":  # each distinct response as often as the searchers sent it (since cutoff)
-                copies = self.multiplicity(prompt, cutoff if recent else -1)
-                batch.append([pool_t[i] for i in draw(np.array([copies.get(t.response.tobytes(), 1) for t in pool_t]),
-                                                      weights, K, rng)])
+            chosen.add(prompt := pick(recent_prompts if recent else self.prompts, chosen, rng))
+            # recent: the newest windows' data (on-policy up to the sync period and a round), uniformly; else
+            # the whole group, by `weights`
+            group = self.groups[prompt]
+            pool = [t for t, w in group.values() if w >= since] if recent else self.whole(prompt)
+            weights = np.ones(len(pool)) if recent else self.weights(pool)
+            if self.duplicates == "count":  # each distinct response as often as the searchers sent it
+                copies = self.multiplicity(prompt, since if recent else -1)
+                counts = np.array([copies.get(t.response.tobytes(), 1) for t in pool])
+                batch.append([pool[i] for i in draw(counts, weights, K, rng)])
             else:
                 p = None if recent else weights / weights.sum()  # uniform as None: NumPy draws another stream for a p
-                idx = rng.choice(len(pool_t), size=K, replace=len(pool_t) < K, p=p)
-                batch.append([pool_t[i] for i in idx])
+                idx = rng.choice(len(pool), size=K, replace=len(pool) < K, p=p)
+                batch.append([pool[i] for i in idx])
         return batch
 
     def weights(self, pool: list[Trajectory]) -> np.ndarray:
@@ -387,16 +377,13 @@ class ReuseCap:
 
     def receive(self, kept: int):
         """`kept`: the trajectories the buffer has kept so far over the run (every node's)."""
-        self.credit = min(self.bank, self.credit + self.ratio * (kept - self.counted))
-        self.counted = kept
+        self.credit, self.counted = min(self.bank, self.credit + self.ratio * (kept - self.counted)), kept
 
     def allows(self, draws: int) -> bool:
         return not self.ratio or self.credit >= draws - 1e-6  # R x received is a float: 1.3 x 216 = 280.8
 
     def draw(self, draws: int):
-        self.drawn += draws
-        if self.ratio:
-            self.credit -= draws
+        self.drawn, self.credit = self.drawn + draws, self.credit - (draws if self.ratio else 0)
 
 
 def unfit(trajectories, task: str) -> str | None:
@@ -410,9 +397,8 @@ def unfit(trajectories, task: str) -> str | None:
 def draw(copies: np.ndarray, weights: np.ndarray, K: int, rng: np.random.Generator) -> list[int]:
     """K draws from a multiset (item i held `copies[i]` times, each copy weighted `weights[i]`), without replacement
     while it holds K copies: a batch follows the searchers' multiplicities, as the raw rounds would."""
-    mass = copies * weights                                     # (n,) each item's copies' weight
-    if copies.sum() < K:
-        return rng.choice(len(copies), size=K, p=mass / mass.sum()).tolist()
+    if copies.sum() < K:  # with replacement, by each item's copies' weight
+        return rng.choice(len(copies), size=K, p=copies * weights / (copies * weights).sum()).tolist()
     left, out = copies.astype(float), []
     for _ in range(K):
         i = int(rng.choice(len(left), p=left * weights / (left * weights).sum()))

@@ -261,26 +261,15 @@ def sequence_logprobs(model, input_ids, attention_mask, response_mask, temperatu
 def unique_pairs(trajectories, prompts) -> tuple[list, list[int]]:
     """The distinct (prompt, response) pairs among `trajectories`, and each trajectory's index into
     them: log-probs are computed once per distinct sequence (sampling repeats short answers often)."""
-    pairs, seen, index = [], {}, []
-    for t in trajectories:
-        key = (t.prompt_id, t.response.tobytes())
-        if key not in seen:
-            seen[key] = len(pairs)
-            pairs.append((prompts[t.prompt_id], t.response))
-        index.append(seen[key])
-    return pairs, index
+    first = {}  # (prompt id, response bytes) -> (its pair's index, its first trajectory)
+    index = [first.setdefault((t.prompt_id, t.response.tobytes()), (len(first), t))[0] for t in trajectories]
+    return [(prompts[t.prompt_id], t.response) for _, t in first.values()], index
 
 
 def collate(pairs, pad: int, device):
     """(prompt, response) pairs -> input_ids, attention_mask, response_mask, each (N, T), right-padded."""
-    T = max(len(p) + len(r) for p, r in pairs)
-    ids = torch.full((len(pairs), T), pad, dtype=torch.long)
-    attention = torch.zeros((len(pairs), T), dtype=torch.long)
-    response = torch.zeros((len(pairs), T), dtype=torch.long)
-    for i, (p, r) in enumerate(pairs):
-        n, m = len(p), len(r)
-        ids[i, :n] = torch.as_tensor(p)
-        ids[i, n:n + m] = torch.as_tensor(r, dtype=torch.long)
-        attention[i, :n + m] = 1
-        response[i, n:n + m] = 1
-    return ids.to(device), attention.to(device), response.to(device)
+    seqs = [torch.cat([torch.as_tensor(p).long(), torch.as_tensor(r).long()]) for p, r in pairs]
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad)          # (N, T)
+    at, ends = torch.arange(ids.shape[1]), torch.tensor([len(s) for s in seqs])[:, None]      # (T,), (N, 1)
+    starts = torch.tensor([len(p) for p, _ in pairs])[:, None]                                   # (N, 1)
+    return ids.to(device), (at < ends).long().to(device), ((at >= starts) & (at < ends)).long().to(device)

@@ -18,7 +18,6 @@ searcher process and, with `--searchers 0`, inside the trainer. Searcher 0
 for it, with a beat to the trainer after each part, so that a long evaluation is not taken for silence.
 """
 
-import contextlib
 import gc
 import itertools
 import os
@@ -91,16 +90,20 @@ def loop(index: int, cfg, channels, data, engine: "Engine", weights: Inbox, requ
         if channels.stop.is_set():
             break
         # ===== the weights: the newest published, or (--lag) exactly those of step round - L =======
-        for_step, version = lagged(cfg, round_, lambda: requests.wanted(engine.version))
-        weights.wait_for(version, lambda: say(dict(kind="beat")))
-        if round_ > first_round:  # ===== evaluate, if asked (after a first round: the trainer's first data first)
+        for_step = -1  # streaming: a round for any step, by the newest weights
+        if cfg.lag is not None:
+            for_step, version = lagged(cfg, round_, lambda: requests.wanted(engine.version))
+            weights.wait_for(version, lambda: say(dict(kind="beat")))
+        # ===== evaluate, if asked (after a first round: the trainer's first data first) ============
+        if round_ > first_round and requests.due(engine.version):
             requests.evaluate(engine, data, say)
         engine.sync(weights)
-        weights.announce(lagged(cfg, round_ + 1, lambda: None)[1])  # --lag: held, it needs the next round's now
+        if cfg.lag is not None:
+            weights.announce(lagged(cfg, round_ + 1, lambda: None)[1])  # held, it needs the next round's now
+            if for_step is None:  # every round made: only evaluations are left to do
+                time.sleep(WAIT / 4)
+                continue
         # ===== search: sample, score, pi_ref's log-probs; send to the trainer =======================
-        if for_step is None:  # every round made (--lag): only evaluations are left to do
-            time.sleep(WAIT / 4)
-            continue
         t0 = time.time()
         rng = np.random.default_rng([cfg.seed, index, round_, seeds.SEARCH_PROMPTS])  # a resumed run's too
         ids = rng.choice(len(data.prompts), size=min(engine.decoder.prompts(), len(data.prompts)), replace=False)
@@ -111,11 +114,8 @@ def loop(index: int, cfg, channels, data, engine: "Engine", weights: Inbox, requ
 
 
 def lagged(cfg, round_: int, wanted) -> tuple[int | None, int | None]:
-    """(the trainer step whose batch round `round_` makes, the weights' version it needs) with --lag: (round, round
-    - L); past --steps no batch needs a round: (None, the next evaluation's weights, `wanted()`). Streaming: (-1,
-    None), any step's, the newest weights."""
-    if cfg.lag is None:
-        return -1, None
+    """--lag: (the trainer step whose batch round `round_` makes, the weights' version it needs): (round,
+    round - L); past --steps no batch needs a round: (None, the next evaluation's weights, `wanted()`)."""
     return (round_, max(0, round_ - cfg.lag)) if round_ < cfg.steps else (None, wanted())
 
 
@@ -156,6 +156,7 @@ class Engine:
         self.weights = None       # the shared weights (`follow`)
         self.resumed = (0, 0)     # (the step a run begins at, the pi_ref version published then): `follow`
         self.requests = Requests()  # searcher 0's evaluations asked for (`follow`); none elsewhere
+        self.reads = reads(LOSSES[cfg.loss])  # the fields the loss reads: pi_ref's log-probs, or none
         costs = slowdown.read_calibration(cfg.calibration) if cfg.calibration else {}  # --generation-slowdown's clock
         self.clock = slowdown.Clock(cfg.generation_slowdown, costs.get("seconds_per_token"), cfg.decode_cost,
                                     cfg.prompts_per_step * cfg.search_samples_per_prompt, cfg.timeout, cfg.decode_shape,
@@ -173,7 +174,8 @@ class Engine:
         return decoder.generate(self.to_requests(prompt_ids, n, seed), drain=prompt_ids is None)
 
     def to_requests(self, prompt_ids, n: int, seed: tuple) -> list[decoding.Request]:
-        return [decoding.Request(int(p), self.prompts[p], n, self.explore(seed, p), max_tokens(self.cfg, self.prompts[p]),
+        explore = self.explore if self.cfg.explore_temp_min else lambda seed, p: self.cfg.temperature
+        return [decoding.Request(int(p), self.prompts[p], n, explore(seed, p), max_tokens(self.cfg, self.prompts[p]),
                                  seed) for p in (() if prompt_ids is None else prompt_ids)]
 
     def search(self, prompt_ids, n: int, seed: tuple, for_step: int = -1) -> tuple[list[Trajectory], dict]:
@@ -184,23 +186,25 @@ class Engine:
         texts = [c.text for _, c in done]
         rewards = self.scorer.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done], texts,
                                      [self.answers[p] for p, _ in done])
-        versions = [[int(span.version) for span in (c.weight_versions or ()) if self.cfg.keep_full] or [self.version]
-                    for _, c in done]
         trajectories = [Trajectory(prompt_id=p, response=np.asarray(c.token_ids, dtype=np.int32), reward=float(r),
-                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob), version=v[0],
-                                   version_last=v[-1], pi_ref_version=self.pi_ref_version, for_step=for_step,
-                                   truncated=int(c.finish_reason == "length"),
-                                   behaviour_logps=np.array([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
-                                                            np.float32))
-                        for (p, c), r, v in zip(done, rewards, versions)]
-        pairs, index, fields = *unique_pairs(trajectories, self.prompts), reads(LOSSES[self.cfg.loss])
-        if "ref_logps" in fields:  # the loss reads pi_ref's log-prob of each token
+                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob),
+                                   version=self.version, pi_ref_version=self.pi_ref_version,
+                                   for_step=for_step,
+                                   truncated=int(c.finish_reason == "length"), behaviour_logps=np.array(
+                                       [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], np.float32))
+                        for (p, c), r in zip(done, rewards)]
+        if self.cfg.keep_full:  # weights loaded in flight: the first and the last that sampled each response
+            for t, (_, c) in zip(trajectories, done):
+                versions = [int(span.version) for span in (c.weight_versions or ())] or [self.version]
+                t.version, t.version_last = versions[0], versions[-1]
+        pairs, index = unique_pairs(trajectories, self.prompts)
+        if "ref_logps" in self.reads:  # the loss reads pi_ref's log-prob of each token
             ref_logps = self.token_logprobs(self.pi_ref(), pairs, self.cfg.temperature)
             logp_ref = [float(r.sum()) for r in ref_logps]
             for t, i in zip(trajectories, index):
                 t.ref_logps = ref_logps[i]
         else:  # no pi_ref pass where the loss reads none (NaN: a resumed run with one that does is refused)
-            logp_ref = (self.logprobs(self.pi_ref(), pairs, self.cfg.temperature) if "logp_ref" in fields
+            logp_ref = (self.logprobs(self.pi_ref(), pairs, self.cfg.temperature) if "logp_ref" in self.reads
                         else [float("nan")] * len(pairs))
         for t, i in zip(trajectories, index):
             t.logp_ref = logp_ref[i]
@@ -226,11 +230,9 @@ class Engine:
     @torch.no_grad()
     def logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]], temperature: float) -> list[float]:
         """Summed log-probs of (prompt, response) pairs under a transformers model, --score-batch at a time."""
-        out = []
-        for i in range(0, len(pairs), self.cfg.score_batch):
-            batch = collate(pairs[i:i + self.cfg.score_batch], 0, self.device)
-            out += sequence_logprobs(model, *batch, temperature).tolist()
-        return out
+        n, device = self.cfg.score_batch, self.device
+        return [x for i in range(0, len(pairs), n)
+                for x in sequence_logprobs(model, *collate(pairs[i:i + n], 0, device), temperature).tolist()]
 
     @torch.no_grad()
     def token_logprobs(self, model, pairs: list[tuple[list[int], np.ndarray]], temperature: float) -> list[np.ndarray]:
@@ -272,8 +274,7 @@ class Engine:
         policy = not self.requests.hold(self.version, version) and version != self.version  # (held pinned)
         if not policy and pi_ref_version == self.pi_ref_version:
             return False
-        apart = self.clock.apart("reload") if self.clock.emulated else contextlib.nullcontext()  # no device pays for it
-        with weights.read(self.device) as held, apart:
+        with weights.read(self.device) as held, self.clock.apart("reload"):  # (time no device pays for)
             if policy and held.version != self.version:
                 self.load(held.tensors, held.version)
                 self.verify(*held.prints)

@@ -91,18 +91,16 @@ def train(t: "Trainer"):
     while t.step < cfg.steps:
         t_step, t.at = time.time(), t.step + 1
         # ===== collect: searched trajectories into the buffer ====================================
-        initial = cfg.initial_buffer if t.step == first_step and not t.resumed else 0  # before the first step
-        wait, search = t.fleet.collect(t.buffer, t.step, lambda: t.waiting_for(initial))
+        wait, search = t.fleet.collect(t.buffer, t.step, t.waiting_for)
         t_train = time.time()
         # ===== sample a batch: B prompts x K responses (TBA: recency m, reward softmax) =========
         batch = t.sample()
         if batch is None:  # rank 0 stops the run (a signal, a silent searcher): every rank with it
             t.stop(saved=t.step > first_step)
-        rescored = t.rescore(batch)  # --behaviour-logprobs trainer: the lagged weights' log-probs (policy.LaggedCopy)
+        rescored = t.rescore(batch) if t.lagged else {}  # --behaviour-logprobs trainer: the lagged log-probs
         # ===== loss (TB unless --loss) and update ================================================
         temps, lr = scheduled(cfg, t.step), lr_at(cfg, t.step)  # beta, gamma, T_R (Lee et al.'s log R); the lr
-        for g in t.opt.param_groups:
-            g["lr"] = lr
+        t.opt.param_groups[0]["lr"] = lr  # (its one group: Trainer's AdamW)
         sums = t.backward(t.model, batch, t.rank, t.world, t.data.prompts, t.pad, t.device, cfg, **temps)
         stats = torch.tensor(list(sums.values()), dtype=torch.float64)
         dist.all_reduce(stats)
@@ -116,7 +114,8 @@ def train(t: "Trainer"):
         t.opt.zero_grad(set_to_none=True)
         t.step += 1
         t.fleet.signals.training = True  # from now on a signal stops the run after a checkpoint
-        t.clock.charge(time.time() - t_train)  # --train-slowdown: the step lasts Y x its cost alone, before its weights go
+        if t.log.emulated:  # --train-slowdown: the step lasts Y x its cost alone, before its weights go
+            t.clock.charge(time.time() - t_train)
         # ===== sync weights to the searchers every k steps; TBA′: reset pi_ref every rho ========
         t_sync = time.time()
         if cfg.ref_reset_every and t.step % cfg.ref_reset_every == 0:
@@ -156,6 +155,7 @@ class Trainer:
         # the step whose weights the searchers were last sent (a checkpoint's: they may hold older ones)
         self.synced = (ckpt["synced_version"] if ckpt and ckpt.get("synced") is not None else self.step)
         self.unsaved_said = self.dropped_said = False  # said once: a checkpoint unwritten, the buffer's drops
+        self.initial = 0 if ckpt else cfg.initial_buffer  # trajectories before the first step
         self.backward = gradient(cfg)  # the gradient's path, chosen once
         costs = slowdown.read_calibration(cfg.calibration) if cfg.calibration else {}  # --train-slowdown's clock
         self.clock = slowdown.TrainClock(cfg.train_slowdown, costs.get("train_step"), cfg.timeout,
@@ -197,24 +197,22 @@ class Trainer:
             raise
 
     # --- what the next step waits for, its batch ---------------------------------------------------
-    def waiting_for(self, initial: int) -> str | None:
+    def waiting_for(self) -> str | None:
         """What the next step still lacks (rank 0), or None: an evaluation's weights held, the initial buffer, B prompts,
         data no more than --max-staleness old, --max-reuse's credit (--lag: `rounds_missing`, chosen once)."""
-        cfg, fleet = self.cfg, self.fleet
-        if evaluation := fleet.evals.pending():  # an evaluation's weights first (its wait: the log's overhead)
+        if evaluation := self.fleet.evals.pending():  # an evaluation's weights first (the log's overhead)
             return evaluation
-        if fleet.received < initial:
-            return f"the initial buffer ({fleet.received} of {initial} trajectories)"
-        if len(self.buffer.prompts) < cfg.prompts_per_step:
-            return f"data for {cfg.prompts_per_step} prompts ({len(self.buffer.prompts)} so far)"
-        if cfg.max_staleness and self.step - fleet.newest > cfg.max_staleness:
-            return (f"fresher data: the newest was sampled by the weights of step {fleet.newest}, "
-                    f"{self.step - fleet.newest} steps ago (--max-staleness {cfg.max_staleness})")
-        self.cap.receive(fleet.kept)
-        if not self.cap.allows(cfg.prompts_per_step * cfg.samples_per_prompt):
-            return (f"fresh data: {self.cap.drawn} trajectories drawn for training, {fleet.kept} kept "
-                    f"(--max-reuse {cfg.max_reuse:g})")
-        return None
+        if self.fleet.received < self.initial:  # (received only grows: after the first step, never)
+            return f"the initial buffer ({self.fleet.received} of {self.initial} trajectories)"
+        if len(self.buffer.prompts) < self.cfg.prompts_per_step:
+            return f"data for {self.cfg.prompts_per_step} prompts ({len(self.buffer.prompts)} so far)"
+        if self.cfg.max_staleness and self.step - self.fleet.newest > self.cfg.max_staleness:
+            return (f"fresher data: the newest was sampled by the weights of step {self.fleet.newest}, "
+                    f"{self.step - self.fleet.newest} steps ago (--max-staleness {self.cfg.max_staleness})")
+        self.cap.receive(self.fleet.kept)
+        if not self.cap.allows(self.cfg.prompts_per_step * self.cfg.samples_per_prompt):
+            return (f"fresh data: {self.cap.drawn} trajectories drawn for training, {self.fleet.kept} kept "
+                    f"(--max-reuse {self.cfg.max_reuse:g})")
 
     def sample(self):
         """B prompts x K responses from the buffer (--lag: from this step's rounds, `draw_round`), drawn by
@@ -229,7 +227,7 @@ class Trainer:
         return broadcast_batch(batch, self.rank) if self.world > 1 else batch
 
     # --- --lag: each step's batch its own rounds (chosen once, in __init__) --------------------------
-    def rounds_missing(self, initial: int = 0) -> str | None:
+    def rounds_missing(self) -> str | None:
         """What the next step still lacks (rank 0): this step's rounds, all of them; or None."""
         got, want = self.buffer.waiting(self.step), self.fleet.round_size()
         return None if got >= want else (f"the rounds of step {self.step}, sampled by the weights of step "
@@ -240,9 +238,7 @@ class Trainer:
 
     def rescore(self, batch) -> dict:
         """--behaviour-logprobs trainer: this rank's trajectories' behaviour log-probs recomputed with the weights that
-        sampled them (step - L), and the row's field of how far vLLM's were; else nothing."""
-        if not self.lagged:
-            return {}
+        sampled them (step - L), and the row's field of how far vLLM's were (`train` calls it only then)."""
         self.lagged.record(self.model, self.step)  # the weights of this step, for the batch L steps on
         mine = batch[self.rank * len(batch) // self.world:(self.rank + 1) * len(batch) // self.world]
         return {"behaviour_gap": self.lagged.rescore(mine, self.step, self.data.prompts, self.pad, self.device,

@@ -33,18 +33,22 @@ class Asked:
         self.held_since = None  # since when the next step waits for searcher 0 to hold an evaluation's weights
 
     def request(self, step: int):
-        """Ask for the evaluation of the weights of `step`, which the trainer has published."""
+        """Ask searcher 0 for the evaluation of the weights of `step`, which the trainer has published
+        (--evaluator after: `snapshot`, chosen once by the fleet)."""
         f = self.fleet
-        if f.evaluator:  # --evaluator after: the weights kept, evaluated after the last step (`wait`)
-            t0 = time.time()  # one tensor at a time to the host, a tied one once (its names added at the evaluation)
-            named = {n: t.to("cpu", copy=True) for n, t in gather(f.model, getattr(torch, f.cfg.dtype))}
-            self.snapshots.append((step, named, f.log.clock()))
-            f.log.overhead += time.time() - t0
-        elif f.rank == 0:
+        if f.rank == 0:
             self.asked.append(step)
             f.channels.asked.value = step  # before the request: a searcher that sees newer weights sees it asked
             f.channels.evals.put(step)
-            f.watch.evaluating = True  # its parts may each take longer than a round: no warning
+            f.watch.asked, f.watch.evaluating = step, True  # its parts may each outlast a round: no warning
+
+    def snapshot(self, step: int):
+        """--evaluator after's `request`: the weights of `step` kept on the host, evaluated after the last
+        step (`wait`); one tensor at a time, a tied one once (its names added at the evaluation)."""
+        f, t0 = self.fleet, time.time()
+        named = {n: t.to("cpu", copy=True) for n, t in gather(f.model, getattr(torch, f.cfg.dtype))}
+        self.snapshots.append((step, named, f.log.clock()))
+        f.log.overhead += time.time() - t0
 
     def came(self, msg: dict):
         """Searcher 0's "eval" message: its row in the log, with the time its weights were made."""
@@ -63,7 +67,6 @@ class Asked:
         if self.held_since:
             self.fleet.log.overhead += time.time() - self.held_since
             self.held_since = None
-        return None
 
     def wait(self, buffer, step: int | None = None):
         """Wait for the evaluation of step `step` (None: of every step asked so far), taking whatever else comes
@@ -135,10 +138,8 @@ class Requests:
         self.pending = [step for step in self.pending if step > version]
 
     def evaluate(self, engine, data, say):
-        """If an evaluation of the weights held (or of older ones) is asked: the held-out problems' scores, a beat after
-        each part (a long evaluation is no silence)."""
-        if not self.due(engine.version):
-            return
+        """The evaluation asked of the weights held (or of older ones: `due`, which the loop asks first): the
+        held-out problems' scores, a beat after each part (a long evaluation is no silence)."""
         t0 = self.drain(engine, say) if engine.decoder.busy() else time.time()  # --keep-full: those in flight first
         scores, example = engine.evaluate(data.test_prompts, data.test_answers, lambda n: say(dict(kind="beat", done=n)))
         self.done(engine.version)

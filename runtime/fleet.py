@@ -15,13 +15,14 @@ the reasons to stop. The trainer (tba.py) calls it through a few verbs, which ru
 - `saved(step)`: what a checkpoint keeps of the weights; `beside()`: where the trainer builds its model;
 - `stop_reason()`: why the run must stop (a silent searcher, a signal), or None; `close()`.
 
-Every wait polls, has a timeout and checks that the other side lives: a dead searcher raises Dead, none
-heard from for --timeout raises TimeoutError, and the watch notices a searcher that lives but has gone
-silent (a warning, then Silent, which stops the run after a checkpoint). A thread reads the searchers'
-messages (runtime/processes.py's `Messages`): a message a stopped searcher left half-written blocks no wait. Several trainer ranks
-wait with rank 0 (runtime/ranks.py, `wait_together`); several nodes' leaders meet every POLL seconds (`meet`).
-This file and runtime/checks.py are the assembly above the core: they import searcher.py and tasks/ to
-start and check what the algorithm's files define.
+Every wait polls, has a timeout and checks that the other side lives: the watch, in the trainer's watchdog
+thread, notices a dead searcher (Dead) and one that lives but has gone silent (a warning, then Silent after
+--timeout, --start-timeout before its first message); either ends the wait, and the run stops after a
+checkpoint. A thread reads the searchers' messages (runtime/processes.py's `Messages`): a message a stopped
+searcher left half-written blocks no wait. Several trainer ranks wait with rank 0 (runtime/ranks.py,
+`wait_together`); several nodes' leaders meet every POLL seconds (`meet`). This file and runtime/checks.py
+are the assembly above the core: they import searcher.py and tasks/ to start and check what the algorithm's
+files define.
 """
 
 import contextlib
@@ -66,7 +67,6 @@ class Fleet:
         self.evals = Asked(self)  # searcher 0's evaluations: the trainer's end (runtime/evaluations.py)
         self.silent = None     # a line, once a searcher of this node has sent nothing for --timeout
         self.dead = None       # a line, once a searcher of this node has died (one node; several: `meet`)
-        self.heard = False     # a message came (before it, waits allow --start-timeout)
         self.procs, self.channels, self.watch = [], None, None
         self.said = []         # the watch's lines, for rank 0 to print (a leader of another node: `queued`)
         self.messages = None   # the searchers' messages, as this process reads them (`Messages`)
@@ -82,6 +82,7 @@ class Fleet:
                 raise
         if cfg.evaluator == "after":  # one trainer rank (runtime.checks)
             self.evaluator = searcher.Engine(cfg, device, cfg.trainer_memory, data.prompts, data.answers)
+            self.evals.request = self.evals.snapshot  # the weights kept, evaluated after the last step
 
     def spawn(self, ctx):
         """This node's `--searchers` processes (searcher.run). Searcher i of this node runs on GPU (trainer
@@ -139,48 +140,44 @@ class Fleet:
         return self.wait_for(buffer, lambda: waiting_for() is None, waiting_for), 0.0
 
     def wait_for(self, buffer, until, what) -> float:
-        """Take the searchers' messages; wait until `until()` holds, or a signal or a silent searcher stops
-        the run. Every rank waits with rank 0 (wait_together); `what()` says what for. Returns seconds waited."""
-        def some(seconds):
-            try:
-                return self.take(buffer, done, seconds)
-            except Dead as e:  # a searcher's fault line: the trainer lives, and stops after a checkpoint
-                self.dead = str(e)
-                return 0.0
-        done = lambda: self.rank == 0 and (until() or bool(self.signals.first) or bool(self.silent or self.dead))
-        return wait_together(self.rank, self.world, some, done, what, self.log, min(5.0, self.cfg.timeout / 4),
-                             self.signals, say_every=min(30.0, self.cfg.timeout / 4))
+        """Take the searchers' messages; wait until `until()` holds, or a signal, a silent or a dead searcher
+        stops the run. Every rank waits with rank 0 (wait_together); `what()` says what for. Returns seconds
+        waited."""
+        done = lambda: self.rank == 0 and (until() or bool(self.signals.first or self.silent or self.dead))
+        return wait_together(self.rank, self.world, lambda seconds: self.take(buffer, done, seconds), done,
+                             what, self.log, min(5.0, self.cfg.timeout / 4), self.signals,
+                             min(30.0, self.cfg.timeout / 4))
 
     def take(self, buffer, done, budget: float = math.inf) -> float:
-        """Every waiting message into the buffer or the log (a beat only counts as life); then, while not done(), wait
-        for more, polling, checking the searchers and a timeout, `budget` s at most. Returns seconds waited."""
-        timeout = self.cfg.timeout if self.heard else self.cfg.start_timeout
-        waited, deadline, end = 0.0, time.time() + timeout, time.time() + budget  # the deadline moves with each message
-        while True:
-            block = not done() and time.time() < end
-            t0 = time.time()
-            try:
-                msg = self.messages.get(timeout=WAIT) if block else self.messages.get_nowait()
-            except Empty:
-                self.serve()
-                if not block:
-                    return waited
-                waited += time.time() - t0
-                if time.time() > deadline:
-                    raise TimeoutError(f"no message from the searchers in {timeout:.0f} s (see "
-                                       f"{'--timeout' if self.heard else '--start-timeout'})")
-                continue
-            waited += time.time() - t0 if block else 0.0
-            self.heard, timeout, deadline = True, self.cfg.timeout, time.time() + self.cfg.timeout
-            self.serve()
-            if msg["kind"] == "eval":
-                self.evals.came(msg)
-            elif msg["kind"] == "search":
-                self.add(buffer, msg["trajectories"])
-                self.newest, self.verified[msg["searcher"]] = max(self.newest, msg["version"]), msg["verified"]
-                self.log.searched(msg)
-            elif msg["kind"] == "fault":  # a searcher's last word before it exits: its line
-                raise Dead(msg["line"])
+        """Every waiting message into the buffer or the log (a beat only counts as life); then, while not
+        done(), wait for more, polling, `budget` s at most (`watching` ends a wait on a silent or dead one).
+        A fault line or an unfit round is kept in `dead`: the run stops after a checkpoint. Returns seconds
+        waited."""
+        waited, end = 0.0, time.time() + budget
+        try:
+            while True:
+                if self.cfg.lag is not None:  # the next weights the rounds need, once none needs those before
+                    self.serve()
+                block, t0 = not done() and time.time() < end, time.time()
+                try:
+                    msg = self.messages.get(block, WAIT)
+                except Empty:
+                    if not block:
+                        return waited
+                    msg = {"kind": None}  # none in WAIT s: poll again
+                waited += time.time() - t0 if block else 0.0
+                if msg["kind"] == "search":
+                    self.add(buffer, msg["trajectories"])
+                    self.newest = max(self.newest, msg["version"])
+                    self.verified[msg["searcher"]] = msg["verified"]
+                    self.log.searched(msg)
+                elif msg["kind"] == "eval":
+                    self.evals.came(msg)
+                elif msg["kind"] == "fault":  # a searcher's last word before it exits: its line
+                    raise Dead(msg["line"])
+        except Dead as e:  # the trainer lives, and stops after a checkpoint
+            self.dead = str(e)
+            return waited
 
     def watching(self):
         """A beat of the trainer's watchdog thread (runtime.ranks.Watchdog), off the step's path: the
@@ -225,6 +222,8 @@ class Fleet:
                     self.alive()  # (the watchdog's finding: one node's searcher dead stops every node at once)
                     before = (self.received, len(self.evals.evaluated))
                     self.take(buffer, lambda: True)  # node 0: whatever its searchers queued, without waiting
+                    if self.dead:
+                        raise Dead(self.dead)
                     got = (self.received, len(self.evals.evaluated)) != before
                     multi.heard[0] = multi.heard[0] or self.received > before[0]
                     payload = nodes.encode([])

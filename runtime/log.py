@@ -125,28 +125,29 @@ class Log:
         with emulated device time, the trainer's charges (`clock`) and a timeline (`emulated_fields`)."""
         if self.rank != 0:
             return
-        trajectories = [traj for group in batch for traj in group]
-        stale = [step - 1 - traj.version for traj in trajectories]
+        ts = [traj for group in batch for traj in group]
+        mean, stale = lambda f: float(np.mean([f(t) for t in ts])), [step - 1 - t.version for t in ts]
         fields = {k: v for k, v in fields.items() if not (k in ("gamma", "reward_temp") and v == 1.0)}  # Lee et al.'s
         if self.cfg.keep_full:  # weights loaded in flight: from the last weights that sampled each response too
-            fields["staleness_last"] = float(np.mean([step - 1 - t.version_last for t in trajectories]))
+            fields["staleness_last"] = mean(lambda t: step - 1 - t.version_last)
         if self.cfg.ref_reset_every:  # TBA′: the oldest pi_ref that scored a trajectory of the batch
-            fields["batch_reference"] = min(traj.pi_ref_version for traj in trajectories)
+            fields["batch_reference"] = min(t.pi_ref_version for t in ts)
         self.row(kind="train", step=step, time=self.now(), **{k: v for k, v in stats.items() if k != "prompts"},
-                 reward=float(np.mean([traj.reward for traj in trajectories])),
-                 truncated=float(np.mean([traj.truncated for traj in trajectories])), staleness=float(np.mean(stale)),
-                 staleness_max=int(max(stale)), **fields, samples=fleet.received, tokens=fleet.tokens,
-                 response_length=float(np.mean([len(traj.response) for traj in trajectories])),
+                 reward=mean(lambda t: t.reward), truncated=mean(lambda t: t.truncated),
+                 staleness=float(np.mean(stale)), staleness_max=int(max(stale)), **fields,
+                 samples=fleet.received, tokens=fleet.tokens, response_length=mean(lambda t: len(t.response)),
                  reuse=cap.drawn / max(1, fleet.received), verified=min(fleet.verified.values(), default=-1),
-                 generate=self.generate, slept=self.slept,
-                 charged=self.charged, buffer=len(buffer), reference=buffer.pi_ref_version, overhead=self.overhead,
-                 **self.per_round(), **(fleet.nodes.row(fleet.received) if fleet.nodes else {}),
-                 **(dict(train_slept=clock.slept, train_charged=clock.charged) if clock.factor != 1 else {}),
+                 generate=self.generate, slept=self.slept, charged=self.charged, buffer=len(buffer),
+                 reference=buffer.pi_ref_version, overhead=self.overhead, **self.per_round(),
+                 **(fleet.nodes.row(fleet.received) if fleet.nodes else {}),
                  **(self.emulated_fields(step, fleet, clock, fields.get("sync", 0.0)) if self.emulated else {}))
+        if self.bar is not None or step % self.cfg.log_every == 0 or step == self.cfg.steps:
+            self.show()  # the bar follows each row; a plain line every --log-every steps
 
     def emulated_fields(self, step: int, fleet, clock, sync: float) -> dict:
         """With emulated device time, the train row's timeline (`trained`, `published`, `rounds`:
-        docs/output.md) and the real compute over the charges (`over_budget`, `over_shares`)."""
+        docs/output.md), the trainer's charges (--train-slowdown) and the real compute over the charges
+        (`over_budget`, `over_shares`)."""
         self.published += sync  # the trainer's publish: its own work no device pays for
         timeline = dict(trained=round(clock.ended - self.t0, 4) if clock.ended else None,
                         published=round(fleet.sent[step], 4) if step in fleet.sent else None, rounds=self.received)
@@ -154,7 +155,8 @@ class Log:
         if clock.seconds is not None and "train_step" not in self.calibration:  # its cost alone, once known
             self.calibration["train_step"] = clock.seconds
             self.write_config(**self.calibration)
-        return dict(timeline, over_budget=self.over + clock.over, **self.over_shares(clock))
+        trainer = dict(train_slept=clock.slept, train_charged=clock.charged) if clock.factor != 1 else {}
+        return dict(trainer, **timeline, over_budget=self.over + clock.over, **self.over_shares(clock))
 
     def over_shares(self, clock) -> dict:
         """Each process's real compute above its own charge, as a share of it, so far: `over_trainer` (its training
@@ -192,6 +194,8 @@ class Log:
         """An evaluation of the weights of step `version`; time and overhead: when they were made."""
         self.row(kind="eval", step=version, version=version, **scores, time=made[0], overhead=made[1],
                  seconds=seconds, example=example)
+        if self.bar is not None and self.last_train is not None:  # the bar's postfix has the held-out score
+            self.show()
 
     def row(self, **row):
         if self.rank != 0:
@@ -211,7 +215,6 @@ class Log:
                        f"{row[self.cfg.score]:.3f}")
         else:
             self.last_train = row
-        self.show(row)
 
     def write(self, data: bytes):
         """A row into metrics.jsonl. One that fails (a full disk) is cut off (no half line is left), and
@@ -227,12 +230,9 @@ class Log:
             why = e.strerror or type(e).__name__
             self.unwritten = f"{self.cfg.out}/metrics.jsonl could not be written ({why})"
 
-    def show(self, row):
-        """The console: the bar's position and postfix, or a plain line every --log-every steps."""
+    def show(self):
+        """The console, of the latest train row: the bar's position and postfix, or a plain line."""
         last = self.last_train
-        due = row["kind"] == "train" and (last["step"] % self.cfg.log_every == 0 or last["step"] == self.cfg.steps)
-        if last is None or not (self.bar or due):  # the bar follows each row; a plain line every --log-every steps
-            return
         held_out = f" | held-out {self.last_eval[self.cfg.score]:.3f}" if self.last_eval else ""
         cut = f" | cut {last['truncated']:.1%}" if last.get("truncated") else ""  # responses at the length limit
         brief = (f"reward {last['reward']:.3f}{cut} | loss {last['loss']:.4g} | stale {last['staleness']:.1f}/"

@@ -214,6 +214,7 @@ class Watch:
         self.clock = clock or time.time  # Messages.clock: the time the trainer read nothing is no silence
         self.start_timeout = timeout if start_timeout is None else start_timeout  # before a searcher's first message
         self.evaluating = False  # an evaluation asked of searcher 0 has not come yet
+        self.asked = -1          # the step of the latest evaluation asked (an earlier one's ends nothing)
         self.last = [self.clock()] * len(procs)  # when each was last heard from (or spawned)
         self.gap = [None] * len(procs)          # its longest time between two messages (None: one or none yet)
         self.heard_once = [False] * len(procs)
@@ -226,7 +227,7 @@ class Watch:
             self.gap[i] = max(self.gap[i] or 0.0, now - self.last[i])
         lines = [f"tba.py: {self.where}searcher {i} sends again, after {now - self.last[i]:.0f} s"] if self.warned[i] else []
         self.last[i], self.heard_once[i], self.warned[i] = now, True, False
-        if msg["kind"] == "eval":
+        if msg["kind"] == "eval" and msg["version"] >= self.asked:  # (read, maybe, after the next request)
             self.evaluating = False
         return lines
 

@@ -72,6 +72,8 @@ class Clock:
         self.b = per_sequence(model)  # b / a of a decoding step, with --decode-cost gpu
         self.generate = self.slept = self.charged = self.over = 0.0
         self.uncharged = {}  # part -> seconds of work no device pays for (`apart`)
+        if not self.emulated:  # no device pays for anything: no work is timed apart
+            self.apart = contextlib.nullcontext
 
     def alone(self, running: int) -> float:
         """A decoding step's cost alone: each of its sequences' share (linear), or as on a GPU a fixed part
@@ -121,8 +123,7 @@ class Clock:
         """The seconds since the last call, and the calibration; then from zero again."""
         out = dict(generate=self.generate, slept=self.slept, charged=self.charged, over=self.over,
                    seconds_per_token=self.seconds_per_token, uncharged=self.uncharged)
-        self.generate = self.slept = self.charged = self.over = 0.0
-        self.uncharged = {}
+        self.generate, self.slept, self.charged, self.over, self.uncharged = 0.0, 0.0, 0.0, 0.0, {}
         return out
 
 
@@ -180,9 +181,10 @@ class TrainClock:
     def charge(self, seconds: float) -> float:
         """A training step took `seconds` of compute: sleep until Y x its cost alone has passed. Returns the
         seconds slept."""
+        if self.factor == 1:
+            self.ended = time.time()  # (read by the timeline of an emulated generation alone)
+            return 0.0
         try:
-            if self.factor == 1:
-                return 0.0
             if self.seconds is None:
                 self.first.append(seconds)
                 if len(self.first) == self.CALIBRATION_STEPS:

@@ -116,7 +116,7 @@ def check():
     value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if value != "0":  # =1 moves vLLM's engine core into a child process (vllm/v1/engine/llm_engine.py:170 ->
         # vllm/v1/engine/core_client.py:125, SyncMPClient), which cannot open the CUDA IPC handles this process
-        # received, and where locked() no longer covers the copies
+        # received, and where the read hold (weights.reading) no longer covers the copies
         raise ConfigError(f"VLLM_ENABLE_V1_MULTIPROCESSING={value}: tba.py keeps vLLM's engine core in the searcher "
                           f"process (the shared weights and their lock are there); unset it or set it to 0")
 

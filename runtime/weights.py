@@ -14,7 +14,7 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
 3. Reading (`reading`, searcher): when `version` has moved, the searcher takes the lock only to flag itself in
    `reading` (no writer is inside: it holds the lock while it writes), loads the shared tensors into its engine
    beside the other searchers, and waits for its devices to finish those copies before its flag goes. The writer
-   (`locked`) takes the lock, so that no reader can begin, then waits for the flagged readers to leave
+   (`write`) takes the lock, so that no reader can begin, then waits for the flagged readers to leave
    (`no_readers`), so that a publish can never overwrite weights still being read. A searcher stopped while it
    read is named after --timeout (`Reading`); one that died, at once (the trainer's `alive()`).
 4. Checking (`fingerprint`, searcher.Engine.verify): each version carries each tensor's sum, sum of absolute values
@@ -80,9 +80,8 @@ def gather(model, dtype=None):
     for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: tied names are one object
         if id(t) not in seen:
             seen.add(id(t))
-            t = t.detach()
-            if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)  # a DTensor casts its local shard only
+            # cast before the all-gather: a DTensor casts its local shard only
+            t = t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()
             yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
@@ -189,8 +188,7 @@ def held(t, chunk: int = 2**24) -> list:
     """`fingerprint`'s three sums of `t`, as float64 scalars on its device, a float64 chunk of 2^24 elements at a time
     (128 MiB: a 7B model's embeddings whole would take 4.4 GB)."""
     sums = torch.zeros(3, dtype=torch.float64, device=t.device)
-    for x in t.reshape(-1).split(chunk):
-        x = x.double()
+    for x in (part.double() for part in t.reshape(-1).split(chunk)):
         sums += torch.stack([x.sum(), x.abs().sum(), x.dot(x)])
     return list(sums)
 
@@ -224,12 +222,12 @@ def check_arrival(version: int, prints, groups: list, parts: torch.Tensor, held_
     return parts.shape[1]
 
 
-def on_host(rows: list, sums: list, like) -> torch.Tensor:
-    """The fingerprints `sums` (on their tensors' device) in rows `rows` of a float64 host tensor shaped as
+def on_host(sums: dict, like) -> torch.Tensor:
+    """The fingerprints `sums` ({row: on its tensor's device}) in their rows of a float64 host tensor, as
     `like`, the others 0: ONE copy to the host, so a publish waits for its device once, not once a tensor."""
     out = torch.zeros_like(like)
-    if rows:
-        out[rows] = torch.stack(sums).cpu()
+    if sums:
+        out[list(sums)] = torch.stack(list(sums.values())).cpu()
     return out
 
 
@@ -311,22 +309,23 @@ def write(weights: SharedWeights | None, named, version: int, alive, timeout: fl
     if weights is None:
         return join_gathers(named)
     targets = [t for key, t in (("policy", weights.tensors), ("pi_ref", weights.pi_ref)) if key in to]
-    names, shared = weights.prints
-    row = {n: i for i, n in enumerate(names)}
-    with locked(weights, alive, timeout):
-        rows, sums = [], []
+    row, sums = {n: i for i, n in enumerate(weights.prints[0])}, {}  # {row of the fingerprints: its sums}
+    acquire(weights.lock, alive, timeout)  # while it is held no reader begins; those inside leave first
+    try:
+        no_readers(weights, alive, timeout)
         for name, t in named:  # tied names share a tensor: `named` gives it once
             for target in targets:
                 target[name].copy_(t, non_blocking=True)
             if prints is None and name in row:
-                rows.append(row[name])
-                sums.append(fingerprint(t))  # on t's device, queued behind its copies: no wait here
+                sums[row[name]] = fingerprint(t)  # on t's device, queued behind its copies: no wait here
         synchronize([t for target in targets for t in target.values()])  # done before the version moves
         if "policy" in to:
-            shared.copy_(on_host(rows, sums, shared) if prints is None else prints)
+            weights.prints[1].copy_(on_host(sums, weights.prints[1]) if prints is None else prints)
             weights.version.value = version
         if "pi_ref" in to:
             weights.pi_ref_version.value = version
+    finally:
+        weights.lock.release()
 
 
 class Outbox:
@@ -384,12 +383,11 @@ class Outbox:
             return join_gathers(named)
         slot = self.ring[version % len(self.ring)]
         names, shared = self.shared.prints
-        row, rows, sums = {n: i for i, n in enumerate(names)}, [], []
+        row, sums = {n: i for i, n in enumerate(names)}, {}
         for n, t in named:
             slot[n].copy_(t.detach(), non_blocking=True)
-            rows.append(row[n])
-            sums.append(fingerprint(t))
-        prints = on_host(rows, sums, shared)  # the copies before them on the stream done too
+            sums[row[n]] = fingerprint(t)
+        prints = on_host(sums, shared)  # the copies before them on the stream done too
         synchronize([t for t in self.shared.tensors.values()])  # and those of every device (no-op on the CPU)
         self.history = {v: w for v, w in self.history.items() if w is not slot}
         self.history[version] = slot
@@ -494,18 +492,6 @@ def acquire(lock, alive, timeout: float):
         alive()
         if time.monotonic() > deadline:
             raise TimeoutError(f"weight-sync lock not free after {timeout:.0f} s")
-
-
-@contextlib.contextmanager
-def locked(weights: SharedWeights, alive, timeout: float):
-    """The writer's hold of the shared copy: the lock, so that no reader can begin, once the readers inside have left
-    (`no_readers`); `write` waits for its own copies before the version moves."""
-    acquire(weights.lock, alive, timeout)
-    try:
-        no_readers(weights, alive, timeout)
-        yield
-    finally:
-        weights.lock.release()
 
 
 @contextlib.contextmanager

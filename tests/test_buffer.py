@@ -364,10 +364,11 @@ def test_the_reuse_cap_earns_credit_only_for_what_the_buffer_kept():
     fleet.add(buf, old + new)
     assert (fleet.received, fleet.kept, len(buf)) == (3 * B * K, B * K, B * K)
     trainer = types.SimpleNamespace(cfg=Config(prompts_per_step=B, samples_per_prompt=K, max_reuse=1.0), fleet=fleet,
-                                    buffer=buf, cap=ReuseCap(1.0, bank=100 * B * K), step=4, held_since=None)
-    assert tba.Trainer.waiting_for(trainer, 0) is None  # one step's worth was kept: one step
+                                    buffer=buf, cap=ReuseCap(1.0, bank=100 * B * K), step=4, held_since=None,
+                                    initial=0)
+    assert tba.Trainer.waiting_for(trainer) is None  # one step's worth was kept: one step
     trainer.cap.draw(B * K)
-    assert tba.Trainer.waiting_for(trainer, 0).startswith("fresh data: 8 trajectories drawn for training, 8 kept")
+    assert tba.Trainer.waiting_for(trainer).startswith("fresh data: 8 trajectories drawn for training, 8 kept")
 
 
 def test_draws_follow_the_searchers_multiplicities():
