@@ -17,14 +17,12 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    (`write`) takes the lock, so that no reader can begin, then waits for the flagged readers to leave
    (`no_readers`), so that a publish can never overwrite weights still being read. A searcher stopped while it
    read is named after --timeout (`Reading`); one that died, at once (the trainer's `alive()`).
-4. Checking (`fingerprint`, searcher.Engine.verify): each version carries each tensor's sum, sum of absolute values
-   and sum of squares in float64, computed as it is copied. All three are blind to the order of the elements, so a
-   searcher checks its engine's copy in the engine's own layout (vLLM fuses q, k and v, whose sums add up,
-   transposes GPT-2's Conv1D, pads the vocabulary with zeros, repacks CPU linear weights:
-   vllm_env.held_fingerprints), every name published, or the check fails (`check_arrival`); equal values in another
-   order differ by float64 rounding alone, while one step's update (Adam moves every weight by about lr) moves a sum
-   by far more. A few passes over the bytes: milliseconds for Qwen2.5-7B's 15 GB at a GPU's bandwidth. Version 0's
-   also identify --model's weights on --resume (`identity`).
+4. Checking (`fingerprint`, searcher.Engine.verify; what fails and how: docs/faults.md): each version
+   carries each tensor's sum, sum of absolute values and sum of squares in float64, blind to the order of the
+   elements, so that a searcher checks its engine's copy in the engine's own layout (fused q, k and v,
+   transposed Conv1D, padded vocabulary, repacked CPU linears: vllm_env.held_fingerprints). Equal values in
+   another order differ by float64 rounding alone, while one step's update (Adam moves every weight by about
+   lr) moves a sum by far more. Version 0's also identify --model's weights on --resume (`identity`).
 TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `pi_ref`, with
 its own `pi_ref_version`: pi_ref after the latest reset, published the same way.
 With --lag each searcher says in `wants` which version its next round needs and waits for it (`Inbox.wait_for`);
