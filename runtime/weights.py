@@ -5,12 +5,11 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    once it has loaded its model (`allocate`): in shared memory on the CPU, on its own GPU on a GPU
    node (sent to other processes as CUDA IPC handles, so the bytes are never copied to the host).
    It hands them to each searcher through the `handoff` queue (`receive`).
-2. Publishing (`write`, trainer): every rank gathers each parameter in turn on its device
-   (`gather`: FSDP2's all-gather, so memory holds one full parameter at a time); rank 0, holding
-   the lock, copies it into its shared tensor, waits for the copies to finish, then moves `version`.
-   The other ranks call `write` too, with no shared copy: they only take part in the all-gathers
-   (`join_gathers`). Over several nodes each node's first trainer process does what rank 0 does here
-   (nodes.py).
+2. Publishing (`write`, trainer): every rank gathers each parameter in turn on its device (`gather`: FSDP2's
+   all-gather, so memory holds one full parameter at a time); rank 0, holding the lock, copies it into its
+   shared tensor, waits for the copies to finish, then moves `version`. The other ranks call `write` too, with
+   no shared copy: they only take part in the all-gathers (`join_gathers`). Over several nodes each node's
+   first trainer process does what rank 0 does here (nodes.py).
 3. Reading (`reading`, searcher): when `version` has moved, the searcher takes the lock only to flag itself in
    `reading` (no writer is inside: it holds the lock while it writes), loads the shared tensors into its engine
    beside the other searchers, and waits for its devices to finish those copies before its flag goes. The writer
@@ -263,13 +262,8 @@ def share(t):
 
 
 def allocator_for_sharing(device):
-    """CUDA tensors sent to other processes must not live in expandable segments
-    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, common with FSDP): those travel as the
-    sender's file descriptors, which the receiver opens with pidfd_getfd, refused in unprivileged
-    containers and under Yama ptrace_scope=1 (PyTorch issue 165685; c10/cuda/CUDACachingAllocator.cpp,
-    ExpandableSegment::fromShared). The allocator takes plain cudaMalloc segments while the setting is
-    off, so turn it off around the allocation, as vLLM does around its sleep-mode pool
-    (vllm/device_allocator/cumem.py:383-428)."""
+    """CUDA tensors sent to other processes must not live in expandable segments (why: docs/gpu.md, "CUDA IPC
+    traps"; c10/cuda/CUDACachingAllocator.cpp, ExpandableSegment::fromShared; vllm/device_allocator/cumem.py)."""
     return allocator_settings(device, expandable_segments=False)
 
 
