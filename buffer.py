@@ -30,10 +30,8 @@ Rules (the paper, Sec. 3.2, and the authors' `buffer_utils.py`):
 - Checkpoints: `state` / `from_state` as plain NumPy arrays, the settings by name (no pickle, no code), any
   other attribute (a researcher's) as plain data (`plain`) or named as left out. A trajectory's arrays come
   from its dataclass's fields (`to_arrays`), as on the wire between nodes.
-- `ReuseCap` (--max-reuse R): the trainer learns only as fast as data arrives. It draws at most R
-  times the trajectories the buffer has kept, counted over the run, so scarce data is not replayed
-  without bound (the authors' trainer gets the same bound by waiting at each sync for every
-  searcher's round: docs/performance.md).
+- `ReuseCap` (--max-reuse R): the trainer draws at most R times the trajectories the buffer has kept,
+  counted over the run, so scarce data is not replayed without bound (docs/departures.md, "Reuse").
 A task may extend it (its entry's `buffer`, tasks/task.py): Lee et al.'s buffer of the best trajectories,
 --buffer-keep best, is one.
 """

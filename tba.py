@@ -1,12 +1,11 @@
 """TBA: Trajectory Balance with Asynchrony (Bartoldson et al., NeurIPS 2025), from a laptop to several nodes.
 
-Searcher processes generate responses with vLLM and a local copy of the policy, score them and
-push them to the trainer without ever waiting for it (searcher.py). The trainer keeps learning
-from a replay buffer of everything searched so far (buffer.py) with the trajectory balance
-objective (loss.py), which stays valid for off-policy data, and every `--sync-every` steps its
-weights go to the searchers through shared tensors. This file is the trainer: its loop (`train`),
-the algorithm's state (`Trainer`) and the gradient (`backward`); every flag is a field of
-runtime/config.py's `Config`.
+Searcher processes generate responses with vLLM and a local copy of the policy, score them and push them to
+the trainer without ever waiting for it (searcher.py). The trainer keeps learning from a replay buffer of
+everything searched so far (buffer.py) with the trajectory balance objective (loss.py), which stays valid for
+off-policy data, and every `--sync-every` steps its weights go to the searchers through shared tensors. This
+file is the trainer: its loop (`train`), the algorithm's state (`Trainer`) and the gradient (`backward`);
+every flag is a field of runtime/config.py's `Config`.
 
     torchrun --nproc_per_node=1 tba.py                  # the toy task on a laptop: about a minute
     torchrun --nproc_per_node=1 tba.py --searchers 0 --lag 0    # the synchronous on-policy baseline, same code

@@ -64,9 +64,8 @@ class Plain:
         if not requests:
             return []
         t0 = time.time()
-        outputs = self.llm.generate([{"prompt_token_ids": r.tokens} for r in requests],
-                                    [sampling_params(r.temperature, r.max_tokens, (*r.seed, r.prompt_id), r.n)
-                                     for r in requests], use_tqdm=False)
+        sp = [sampling_params(r.temperature, r.max_tokens, (*r.seed, r.prompt_id), r.n) for r in requests]
+        outputs = self.llm.generate([{"prompt_token_ids": r.tokens} for r in requests], sp, use_tqdm=False)
         self.clock.took(time.time() - t0)
         return [(r.prompt_id, list(o.outputs)) for r, o in zip(requests, outputs)]
 

@@ -1,12 +1,11 @@
 """What a run reports: `metrics.jsonl` (the full record), `config.json`, the console, and optionally
 Weights & Biases. Trainer rank 0 writes; on other ranks every method does nothing.
 
-The console is a progress bar (tqdm) over the steps, with the elapsed and remaining time and the
-latest reward, loss, staleness and held-out score, where the output is a terminal; elsewhere (a log
-file, CI, nohup) it is one plain line every `--log-every` steps. Evaluations print above the bar.
-`--wandb PROJECT` sends the same rows to W&B (the package is optional and imported only then).
-`check_out` refuses an --out that cannot take the run's files before the run starts, or that a run still runs
-in (`hold`).
+The console is a progress bar (tqdm) over the steps, with the elapsed and remaining time and the latest
+reward, loss, staleness and held-out score, where the output is a terminal; elsewhere (a log file, CI, nohup)
+it is one plain line every `--log-every` steps. Evaluations print above the bar. `--wandb PROJECT` sends the
+same rows to W&B (the package is optional and imported only then). `check_out` refuses an --out that cannot
+take the run's files before the run starts, or that a run still runs in (`hold`).
 """
 
 import dataclasses

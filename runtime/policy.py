@@ -163,9 +163,7 @@ def lr_at(cfg, step: int) -> float:
     stable = cfg.stable_steps if cfg.stable_steps is not None else max(0, cfg.steps - cfg.warmup_steps - cfg.decay_steps)
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    if step < cfg.warmup_steps + stable:
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps - stable) / max(1, cfg.decay_steps))
-    if cfg.lr_decay == "linear":  # transformers' get_linear_schedule_with_warmup
-        return cfg.lr * (1.0 - progress)
-    return cfg.lr * (0.5 * (1 + math.cos(math.pi * progress)))
+    progress = min(1.0, max(0, step - cfg.warmup_steps - stable) / max(1, cfg.decay_steps))  # 0 while stable
+    # linear as transformers' get_linear_schedule_with_warmup
+    return cfg.lr * (1.0 - progress if cfg.lr_decay == "linear" else 0.5 * (1 + math.cos(math.pi * progress)))
+

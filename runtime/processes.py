@@ -118,12 +118,9 @@ def parent_alive():
 
 class Messages:
     """The searchers' queue as the trainer reads it: a thread of its own takes each message off the queue into a
-    local one, where the trainer's waits poll (`get`, `get_nowait`). multiprocessing reads a message whole, with
-    no timeout, once its first byte is in the pipe (Connection.recv_bytes), and a searcher stopped while it wrote
-    one (stopped by a signal, a debugger, a frozen container) leaves part of it there for good: a message over
-    16 KB goes in two writes, and a full pipe cuts any. That wait is this thread's, never the trainer's, whose watch
-    then names the silent searcher (on another node: before the leaders' group's timeout). A searcher's fault line
-    is also kept as it is read (`fault`), for the trainer that sees the searcher's exit before the message."""
+    local one, where the trainer's waits poll (`get`, `get_nowait`), so that a message a stopped searcher left
+    half-written (docs/nodes.md) blocks this thread, never the trainer. A searcher's fault line is also kept as it
+    is read (`fault`), for the trainer that sees the searcher's exit before the message."""
 
     def __init__(self, queue, size: int):
         # the local queue is as long as the searchers' own, whose bound (`send` waits) stays theirs
@@ -135,7 +132,8 @@ class Messages:
         self.thread.start()
 
     def read(self):
-        while not self.closed.is_set():
+        msg = None
+        while not (self.closed.is_set() or isinstance(msg, Exception)):
             try:
                 msg = self.queue.get(timeout=WAIT)
             except Empty:
@@ -155,8 +153,6 @@ class Messages:
                     pass
             if self.held[1] is not None:
                 self.held = (self.held[0] + time.time() - self.held[1], None)
-            if isinstance(msg, Exception):
-                return
 
     def clock(self) -> float:
         """The time less the seconds the trainer read nothing, its local queue full: a searcher's silence
@@ -196,16 +192,14 @@ def fork_server():
 
 
 class Watch:
-    """Each node's leader (rank 0 on one node) watches its searchers' messages. A searcher stuck in
-    vLLM, on a wedged GPU or a stalled file system still lives, and the trainer, which never waits once
-    the buffer has data, would train on frozen data without a word. So: a warning (`say`) once a
-    searcher has sent nothing for well over its usual time between two messages (a round), and Silent
-    once --timeout passes with nothing from it (--start-timeout before its first message: vLLM's import, load
-    and compile). Searcher 0
-    beats after each part of an evaluation, so a long one is not silence; while one is asked for
-    (`evaluating`, until its result comes) a part longer than a round is no cause for a warning. On several
-    nodes a leader's searchers are numbered from `first` in their messages, and its lines begin with
-    `where` ("node 1: ")."""
+    """Each node's leader (rank 0 on one node) watches its searchers' messages. A searcher stuck in vLLM, on a
+    wedged GPU or a stalled file system still lives, and the trainer, which never waits once the buffer has
+    data, would train on frozen data without a word. So: a warning (`say`) once a searcher has sent nothing
+    for well over its usual time between two messages (a round), and Silent once --timeout passes with nothing
+    from it (--start-timeout before its first message: vLLM's import, load and compile). Searcher 0 beats
+    after each part of an evaluation, so a long one is not silence; while one is asked for (`evaluating`,
+    until its result comes) a part longer than a round is no cause for a warning. On several nodes a leader's
+    searchers are numbered from `first` in their messages, and its lines begin with `where` ("node 1: ")."""
     WARN_FACTOR, WARN_MIN = 5.0, 10.0  # warn after 5 x its longest gap so far, 10 s at least
 
     def __init__(self, procs, timeout: float, first: int = 0, where: str = "",

@@ -122,7 +122,7 @@ def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float, 
     on (rank 0 not done, no rank signalled): no collective waits longer than a slice. Returns seconds
     waited."""
     waited, said, finished = 0.0, 0.0, None
-    while not (world == 1 and finished):
+    while not finished:
         if rank == 0:
             waited += wait(slice_s)
             if not (finished := done()) and waited - said >= say_every - 1e-6:
@@ -131,8 +131,7 @@ def wait_together(rank: int, world: int, wait, done, what, log, slice_s: float, 
         if world > 1:
             flags = torch.tensor([float(bool(finished)), float(bool(signals and signals.first))])
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            if flags.any():
-                return waited
+            finished = bool(flags.any())
     return waited
 
 

@@ -116,8 +116,7 @@ class Clock:
 
     def took(self, seconds: float):
         """A generation in vLLM's own loop took `seconds` (not emulated)."""
-        self.generate += seconds
-        self.charged += seconds
+        self.generate, self.charged = self.generate + seconds, self.charged + seconds
 
     def account(self) -> dict:
         """The seconds since the last call, and the calibration; then from zero again."""

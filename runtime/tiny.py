@@ -14,17 +14,11 @@ same way until TASK_RECIPE's target), `--model tiny` builds the model once into 
 a folder named by the hash of what decides it, saying why in one line, with a line every few seconds; docs/faults.md
 says what a damaged folder or a second builder does.
 
-The warm start is a short supervised pass on the answers of training problems, stopped on purpose as soon as greedy
-accuracy on 512 training problems, checked after every step near the target, reaches 35%, so that RL has room to
-improve it. Where the warm start stops decides how much RL gains in 200 steps: a fixed number of steps does not do
-(accuracy climbs from 25% to 70% within 30 steps, and float rounding moves that climb by several steps between
-CPUs). A build on another CPU stops at another model (0.385 held-out on a 2-core AMD EPYC, the shipped one; 0.325
-on a 2-core Intel Xeon, measured): each CPU's float kernels (AVX2 or AVX-512 code paths, another order of
-summation) round differently, the difference grows over some 240 steps into other weights, and the 512 check
-problems and the 400 held-out ones (sampling error about 0.02 each) agree only roughly on where 35% lies. Equal
-kernels everywhere (one thread, ATen's default CPU capability, MKL's reproducible mode) would give another model
-on every CPU, this project's measurements' included, so they are not used: the shipped model is what makes the
-start the same.
+The warm start is a short supervised pass on the answers of training problems, stopped as soon as greedy
+accuracy on 512 training problems reaches 35% (why, and how far apart two CPUs' models land:
+docs/performance.md, "The same start on every CPU"). Equal kernels everywhere (one thread, ATen's default CPU
+capability, MKL's reproducible mode) would give another model on every CPU, this project's measurements'
+included, so they are not used: the shipped model is what makes the start the same.
 
     python -m runtime.tiny                            # the model --model tiny uses (built if need be): its path
     python -m runtime.tiny OUT_DIR                    # build it into OUT_DIR (a new folder)

@@ -5,26 +5,23 @@ The protocol (every wait polls, checks that the other side lives and has a timeo
    once it has loaded its model (`allocate`): in shared memory on the CPU, on its own GPU on a GPU
    node (sent to other processes as CUDA IPC handles, so the bytes are never copied to the host).
    It hands them to each searcher through the `handoff` queue (`receive`).
-2. Publishing (`write`, trainer): every rank gathers each parameter in turn on its device
-   (`gather`: FSDP2's all-gather, so memory holds one full parameter at a time); rank 0, holding
-   the lock, copies it into its shared tensor, waits for the copies to finish, then moves `version`.
-   The other ranks call `write` too, with no shared copy: they only take part in the all-gathers
-   (`join_gathers`). Over several nodes each node's first trainer process does what rank 0 does here
-   (nodes.py).
+2. Publishing (`write`, trainer): every rank gathers each parameter in turn on its device (`gather`: FSDP2's
+   all-gather, so memory holds one full parameter at a time); rank 0, holding the lock, copies it into its
+   shared tensor, waits for the copies to finish, then moves `version`. The other ranks call `write` too, with
+   no shared copy: they only take part in the all-gathers (`join_gathers`). Over several nodes each node's
+   first trainer process does what rank 0 does here (nodes.py).
 3. Reading (`reading`, searcher): when `version` has moved, the searcher takes the lock only to flag itself in
    `reading` (no writer is inside: it holds the lock while it writes), loads the shared tensors into its engine
    beside the other searchers, and waits for its devices to finish those copies before its flag goes. The writer
    (`write`) takes the lock, so that no reader can begin, then waits for the flagged readers to leave
    (`no_readers`), so that a publish can never overwrite weights still being read. A searcher stopped while it
    read is named after --timeout (`Reading`); one that died, at once (the trainer's `alive()`).
-4. Checking (`fingerprint`, searcher.Engine.verify): each version carries each tensor's sum, sum of absolute values
-   and sum of squares in float64, computed as it is copied. All three are blind to the order of the elements, so a
-   searcher checks its engine's copy in the engine's own layout (vLLM fuses q, k and v, whose sums add up,
-   transposes GPT-2's Conv1D, pads the vocabulary with zeros, repacks CPU linear weights:
-   vllm_env.held_fingerprints), every name published, or the check fails (`check_arrival`); equal values in another
-   order differ by float64 rounding alone, while one step's update (Adam moves every weight by about lr) moves a sum
-   by far more. A few passes over the bytes: milliseconds for Qwen2.5-7B's 15 GB at a GPU's bandwidth. Version 0's
-   also identify --model's weights on --resume (`identity`).
+4. Checking (`fingerprint`, searcher.Engine.verify; what fails and how: docs/faults.md): each version
+   carries each tensor's sum, sum of absolute values and sum of squares in float64, blind to the order of the
+   elements, so that a searcher checks its engine's copy in the engine's own layout (fused q, k and v,
+   transposed Conv1D, padded vocabulary, repacked CPU linears: vllm_env.held_fingerprints). Equal values in
+   another order differ by float64 rounding alone, while one step's update (Adam moves every weight by about
+   lr) moves a sum by far more. Version 0's also identify --model's weights on --resume (`identity`).
 TBA′ (reference-policy resetting, `--ref-reset-every`) adds a second set of tensors, `pi_ref`, with
 its own `pi_ref_version`: pi_ref after the latest reset, published the same way.
 With --lag each searcher says in `wants` which version its next round needs and waits for it (`Inbox.wait_for`);
@@ -265,13 +262,8 @@ def share(t):
 
 
 def allocator_for_sharing(device):
-    """CUDA tensors sent to other processes must not live in expandable segments
-    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, common with FSDP): those travel as the
-    sender's file descriptors, which the receiver opens with pidfd_getfd, refused in unprivileged
-    containers and under Yama ptrace_scope=1 (PyTorch issue 165685; c10/cuda/CUDACachingAllocator.cpp,
-    ExpandableSegment::fromShared). The allocator takes plain cudaMalloc segments while the setting is
-    off, so turn it off around the allocation, as vLLM does around its sleep-mode pool
-    (vllm/device_allocator/cumem.py:383-428)."""
+    """CUDA tensors sent to other processes must not live in expandable segments (why: docs/gpu.md, "CUDA IPC
+    traps"; c10/cuda/CUDACachingAllocator.cpp, ExpandableSegment::fromShared; vllm/device_allocator/cumem.py)."""
     return allocator_settings(device, expandable_segments=False)
 
 

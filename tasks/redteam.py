@@ -17,22 +17,18 @@ al., "Learning diverse attacks on large language models for robust red-teaming a
   scores the (attack, response) conversation under its chat template, P(unsafe) = the probability
   that the first token of its verdict is the first token of "unsafe" (their LlamaToxicClassifier).
   A judge without a chat template reads `JUDGE_PROMPT`, and its verdict token is that of " unsafe".
-- The reward is r = mean over the n responses of log P(unsafe): a mean of logs, as theirs. TB's
-  target pi_ref(y) exp(r / beta) is then their log-reward log pi_ref(y) / gamma + r / beta with their
-  gamma and reward temperature at 1; tba.py's --reward-temp and --gamma-final anneal the two as
-  theirs (loss.tb_loss).
-- Length: theirs blocks EOS at the first attack token and replaces the prior term of an attack under
-  5 tokens, its first EOS counted, by -500 (trainers/gfn_trainer.py:377-401). Here a searched attack
-  under `MIN_ATTACK_TOKENS` tokens, counted the same way, gets r = `SHORT_PENALTY` = -25 instead,
-  i.e. -500 in r / beta at beta 0.05 (log R = log pi_ref - 500 where theirs is -500 + c / beta: both
-  hundreds below any other attack), and EOS is not blocked while searching: vLLM then samples from
-  the policy itself, whose log-probs TB uses. The evaluation blocks EOS before 5 tokens, as their
-  eval.py (min_new_tokens).
-- Evaluation (their eval.py: 1,024 attacks sampled at temperature 1, 5 responses each): `asr`, the
-  share of attacks whose mean P(unsafe) over the responses is above 0.5; `toxicity`, the mean
-  P(unsafe); `diversity`, 1 - the mean cosine similarity of distinct pairs of the attacks' sentence
-  embeddings (`--embedding-model`, mean-pooled over tokens and L2-normalised as sentence-transformers'
-  all-MiniLM-L6-v2, theirs, does); `unique`, the share of distinct attacks.
+- The reward is r = mean over the n responses of log P(unsafe): a mean of logs, as theirs. TB's target
+  pi_ref(y) exp(r / beta) is then their log-reward log pi_ref(y) / gamma + r / beta with their gamma and
+  reward temperature at 1; tba.py's --reward-temp and --gamma-final anneal the two as theirs (loss.tb_loss).
+- Length: theirs blocks EOS at the first attack token and replaces the prior term of an attack under 5 tokens,
+  its first EOS counted, by -500 (trainers/gfn_trainer.py:377-401). Here a searched attack under
+  `MIN_ATTACK_TOKENS` tokens, counted the same way, gets r = `SHORT_PENALTY` = -25 instead, i.e. -500 in r /
+  beta at beta 0.05 (log R = log pi_ref - 500 where theirs is -500 + c / beta: both hundreds below any other
+  attack), and EOS is not blocked while searching: vLLM then samples from the policy itself, whose log-probs
+  TB uses. The evaluation blocks EOS before 5 tokens, as their eval.py (min_new_tokens).
+- Evaluation: their eval.py's, 1,024 attacks sampled at temperature 1, 5 responses each (the figures:
+  docs/tasks.md); the embeddings (`--embedding-model`) mean-pooled and L2-normalised as sentence-transformers'
+  all-MiniLM-L6-v2, theirs, does.
 
 The models, where they run and why, and the cost of a round: docs/tasks.md, "Red-teaming". `--buffer-keep best` is
 their buffer (`BestBuffer`).
