@@ -792,6 +792,9 @@ def test_a_study_flag_goes_only_to_the_runs_where_it_acts():
     assert bench.acting(flags, ["--lag", "0"], 4) == ["--lr", "1e-4", "--no-activation-checkpointing"]
     assert bench.acting(flags, ["--lag", "0"], 0) == ["--lr", "1e-4", "--no-activation-checkpointing"]
     assert bench.acting(["--max-reuse", "1.5"], ["--keep-full"], 4) == ["--max-reuse", "1.5"]
+    # a row's mode names those of them that act in some modes only: the flags every run gets name nothing apart
+    assert bench.mode_label("stream", bench.acting(flags, [], 4)) == "stream --max-reuse 1.5 --keep-full --recency=0.5"
+    assert bench.mode_label("sync", bench.acting(flags, ["--lag", "0"], 4)) == "sync"
 
 
 def test_the_plan_counts_the_horizon_and_the_bound_the_mean_cycle():

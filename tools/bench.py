@@ -749,7 +749,7 @@ def equal_hardware(seeds: list[int], out: str, flags: list[str], cap: float, cou
                                                                           horizon=horizon))
                 rows.append(dict(hardware_row(run, r, sync, baseline=mode == "sync", horizon=horizon),
                                  searchers=cell["n"], ratio=cell["ratio"], x=cell["x"],
-                                 y=cell["y"], shape=cell["shape"], mode=" ".join([mode, *theirs]), seed=seed))
+                                 y=cell["y"], shape=cell["shape"], mode=mode_label(mode, theirs), seed=seed))
                 sync = rows[-1] if mode == "sync" else sync
                 h = rows[-1]
                 print(f"9. N {cell['n']} {'G/T %g' % cell['ratio'] if cell['ratio'] else 'X %g' % cell['x']} "
@@ -782,14 +782,24 @@ def acting(flags: list[str], mode: list[str], searchers: int) -> list[str]:
     cfg = Config(lag=int(mode[mode.index("--lag") + 1]) if "--lag" in mode else None, searchers=searchers,
                  keep_full="--keep-full" in mode)
     idle = {"--" + name.replace("_", "-") for name, acts, _ in acts_only() if not acts(cfg)}
-    out, i = [], 0
+    return [w for name, words in flag_items(flags) if name not in idle for w in words]
+
+
+def flag_items(flags: list[str]):
+    """(--name, its words) for each flag of `flags`: a flag and its value, or a --flag / --no-flag (as --flag)."""
+    i = 0
     while i < len(flags):
-        name = flags[i].split("=")[0]
         has_value = "=" not in flags[i] and i + 1 < len(flags) and not flags[i + 1].startswith("--")
-        if name not in idle and name.replace("--no-", "--") not in idle:
-            out += flags[i:i + 1 + has_value]
+        yield flags[i].split("=")[0].replace("--no-", "--"), flags[i:i + 1 + has_value]
         i += 1 + has_value
-    return out
+
+
+def mode_label(mode: str, theirs: list[str]) -> str:
+    """A run's mode as the rows name it: with those of its flags after -- that act in some modes only (acts_only:
+    `stream --max-reuse 2`), so that the runs of one study made one after another stay apart in one table."""
+    from runtime.checks import acts_only
+    some = {"--" + name.replace("_", "-") for name, _, _ in acts_only()}
+    return " ".join([mode, *(w for name, words in flag_items(theirs) if name in some for w in words)])
 
 
 def crossing(curve: list, level: float) -> tuple[float, float] | None:
