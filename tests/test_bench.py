@@ -392,7 +392,11 @@ def test_the_docs_table_is_recomputed_from_the_committed_seeds(tmp_path):
     assert len(joined["rows"]) == len(rows) + len(r2)
     assert any("| stream --max-reuse 2 |" in line for line in bench.part9_table(joined))
     other.write_text(json.dumps(bench.per_seed(dict(eh, rows=r2, horizon=60.0), {"cpu": "test"}, ["bench.py"])))
-    with pytest.raises(bench.BadInput, match="one table needs one target and horizon"):
+    with pytest.raises(bench.BadInput, match="one table needs one target, horizon and machine"):
+        bench.read_per_seeds([str(path), str(other)])
+    costs = dict(eh["costs"], train_step=0.3)  # another calibration: another emulated machine
+    other.write_text(json.dumps(bench.per_seed(dict(eh, rows=r2, costs=costs), {"cpu": "test"}, ["bench.py"])))
+    with pytest.raises(bench.BadInput, match="differ in gain, horizon or calibration"):
         bench.read_per_seeds([str(path), str(other)])
     path.write_text(json.dumps({"rows": [{"mode": "sync"}], "gain": 0.15}))
     with pytest.raises(bench.BadInput, match="a row has no searchers"):

@@ -778,11 +778,16 @@ def acting(flags: list[str], mode: list[str], searchers: int) -> list[str]:
     (tba.py refuses a flag where it cannot act: its field's `acts`, runtime.checks.acts_only), so that one study of a
     streaming flag (`-- --max-reuse 1.5`, `-- --recency 1`) keeps its baselines; a flag and its value, or a --flag /
     --no-flag."""
-    from runtime.checks import acts_only
     cfg = Config(lag=int(mode[mode.index("--lag") + 1]) if "--lag" in mode else None, searchers=searchers,
                  keep_full="--keep-full" in mode)
-    idle = {"--" + name.replace("_", "-") for name, acts, _ in acts_only() if not acts(cfg)}
+    idle = {flag for flag, acts in mode_flags() if not acts(cfg)}
     return [w for name, words in flag_items(flags) if name not in idle for w in words]
+
+
+def mode_flags() -> list[tuple[str, object]]:
+    """(--flag, where it acts) of each flag that acts in some modes only (runtime.checks.acts_only)."""
+    from runtime.checks import acts_only
+    return [("--" + name.replace("_", "-"), acts) for name, acts, _ in acts_only()]
 
 
 def flag_items(flags: list[str]):
@@ -797,8 +802,7 @@ def flag_items(flags: list[str]):
 def mode_label(mode: str, theirs: list[str]) -> str:
     """A run's mode as the rows name it: with those of its flags after -- that act in some modes only (acts_only:
     `stream --max-reuse 2`), so that the runs of one study made one after another stay apart in one table."""
-    from runtime.checks import acts_only
-    some = {"--" + name.replace("_", "-") for name, _, _ in acts_only()}
+    some = {flag for flag, _ in mode_flags()}
     return " ".join([mode, *(w for name, words in flag_items(theirs) if name in some for w in words)])
 
 
@@ -1817,10 +1821,11 @@ def read_per_seeds(paths: list[str]) -> dict:
     """--table FILE...: their rows joined (`read_per_seed` each), so that runs made one after another (one mode with
     `-- --max-reuse 2`, another with none) make one table; BadInput in one line where their gain or horizon differ."""
     parts = [read_per_seed(p) for p in paths]
+    same = lambda d: (d["gain"], d.get("horizon"), d.get("costs"))  # one target, horizon and emulated machine
     for p, d in zip(paths[1:], parts[1:]):
-        if (d["gain"], d.get("horizon")) != (parts[0]["gain"], parts[0].get("horizon")):
-            raise BadInput(f"--table: {p} has gain {d['gain']:g} and horizon {d.get('horizon')}, {paths[0]} "
-                           f"{parts[0]['gain']:g} and {parts[0].get('horizon')}: one table needs one target and horizon")
+        if same(d) != same(parts[0]):
+            raise BadInput(f"--table: {p} and {paths[0]} differ in gain, horizon or calibration (pass --costs with "
+                           f"the first run's calibration.json): one table needs one target, horizon and machine")
     return dict(parts[0], rows=[r for d in parts for r in d["rows"]])
 
 
