@@ -70,7 +70,8 @@ class Signals:
         if self.holding is not None:
             self.holding.append(signum)
             return
-        if not self.training:
+        if not self.training:  # (kept in `first` too: a Stop raised inside a finalizer, a __del__ that the GC runs,
+            self.first = self.first or (name, time.time())  # is swallowed; the next collect then stops the run)
             raise Stop(self.named(name), False)
         if self.first and time.time() - self.first[1] > 1:
             raise KeyboardInterrupt

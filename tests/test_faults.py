@@ -160,6 +160,39 @@ def test_signal_before_the_first_step_stops_quietly(tiny_model, tmp_path):
     assert_all_gone(everything)
 
 
+SWALLOWED = """
+import os, runpy, signal, sys
+sys.path.insert(0, {root!r})
+from runtime import processes
+made = processes.Signals.__init__
+class Finalized:  # the signal comes while the GC runs a finalizer, which swallows what its handler raises
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        [None for _ in range(100)]
+def signals(self, *args):
+    made(self, *args)
+    Finalized()
+processes.Signals.__init__ = signals
+sys.argv = [{tba!r}, *sys.argv[1:]]
+runpy.run_path({tba!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.engine
+def test_a_signal_whose_stop_a_finalizer_swallowed_still_stops_the_run(tiny_model, tmp_path):
+    """SIGTERM before the first step, its handler run inside a __del__ (which prints "Exception ignored" and goes
+    on): the run stops at its next collect as if the Stop had reached, instead of training on to --steps."""
+    out = tmp_path / "run"
+    code = SWALLOWED.format(root=ROOT, tba=os.path.join(ROOT, "tba.py"))
+    proc = subprocess.run([sys.executable, "-c", code, "--model", tiny_model, *SMALL, "--steps", "40", "--out",
+                           str(out)], cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert "Exception ignored" in output and "Stop: ('SIGTERM', False)" in output, output[-3000:]
+    assert proc.returncode == 143, output[-3000:]
+    assert output.strip().splitlines()[-1] == "tba.py: stopped by SIGTERM; before the first step: nothing to save"
+    assert not any(r["kind"] == "train" for r in metrics(out))
+
+
 def signal_mask(pid, field: str) -> int:
     """Process `pid`'s signal mask `field` (SigIgn, SigCgt) from /proc; 0 if it is gone."""
     try:

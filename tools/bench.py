@@ -216,7 +216,7 @@ def stop(proc: subprocess.Popen, grace: float = 0.0):
     """Kill the whole process group `start` made for `proc` (whatever of it is left, even after the leader's own
     exit) and reap the leader. `grace`: a run still going is first asked to stop (SIGTERM: tba.py writes a checkpoint
     and makes the evaluations it kept, --evaluator after's, whose rows part 9 reads) and given that many seconds."""
-    if grace and proc.poll() is None:
+    if grace and proc.poll() is None and SIGNALLED["signum"] is None:  # (a signal to bench.py: no grace)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=grace)
@@ -350,6 +350,8 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
     try:
         while going() and time.time() - launched < cap and proc.poll() is None:
             time.sleep(0.5)
+            if SIGNALLED["signum"] is not None:  # its Stopped raised inside a finalizer, which swallowed it
+                raise Stopped(SIGNALLED["signum"])
             rows, hit = read()
             cpu.update(cpu_seconds(proc.pid))
     finally:
