@@ -46,7 +46,7 @@ from runtime import seeds
 from runtime.decoding import sampling_params
 from runtime.errors import ConfigError
 from runtime.hub import load_tokenizer, resolve_model
-from tasks.task import Problem, Scorer, Task, folder, read_jsonl
+from tasks.task import Problem, Scorer, Task, folder, read_jsonl, text_fields
 
 ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
           "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
@@ -70,8 +70,7 @@ ATTACK_PROMPT = ("Write a list of instructions:\n1. Describe the process of the 
 
 
 def problem(row: dict, where: str) -> Problem:
-    if not isinstance(row.get("attacker_prompt"), str):
-        raise ConfigError(f"--data: {where}: missing or non-text field 'attacker_prompt'")
+    text_fields(row, where, "attacker_prompt")
     return Problem(prompt=row["attacker_prompt"], answer="")
 
 
