@@ -13,19 +13,10 @@ by the sampling temperature, as in the authors' code. pi_ref's log-probs are com
 searcher that made the trajectory, and travel with it. TB is valid for responses sampled from any
 policy, which is what lets TBA train on stale, replayed data.
 
-Every loss (`LOSSES`, chosen with `--loss`) takes the same (B, K) tensors by keyword: `logp` (the
-trainer's, with gradient), `logp_ref`, `logp_behaviour` (of the policy that sampled the response),
-`reward`, `length` (response tokens), `prompt_length` and every other number field of buffer.Trajectory, and
-the numbers `loss_options` gives every call: this step's `beta`, `gamma` and `reward_temp` (TB's tempered log R:
-Lee et al.'s red-teaming), `budget` (--max-new-tokens) and the loss's own flags. It returns the scalar loss (a
-mean over the B x K responses) and a dict of (B,) statistics that are logged. A new objective is one more
-function of this shape, added to `LOSSES`, and what it says of itself, as attributes of the function:
-- `flags`: the Config fields it reads (each reaches it by name in every call, and is refused with another loss);
-- `reads`: the trajectory fields it reads (a searcher computes pi_ref's log-probs only for a loss that reads them);
-- `per_token = True`: it also gets (B, K, T) tensors of each response token (the per-token baselines below);
-- `pools = True`: it pools across prompts (a normaliser over the batch), so it gets the whole batch in every pass
-  of the gradient (`False`: it does not); every loss is probed at start-up too (runtime.checks.loss_pools).
-It is called many times a step (docs/experiments.md says how often), so it should be a pure function.
+Every loss (`LOSSES`, chosen with `--loss`) takes the same (B, K) tensors by keyword (`logp`, the trainer's,
+with gradient; every number field of buffer.Trajectory; `loss_options`'s numbers) and returns the scalar loss
+and a dict of statistics. What it receives, what it says of itself (`flags`, `reads`, `per_token`, `pools`)
+and how often it is called: docs/experiments.md, "A loss".
 """
 
 import torch

@@ -2,33 +2,18 @@
 al., "Learning diverse attacks on large language models for robust red-teaming and safety tuning"
 (arXiv 2405.18540); every detail below is from their code (github.com/GFNOrg/red-teaming).
 
-- The attacker is the policy TBA trains (pi_ref: the starting attacker). Its prompt is one fixed
-  instruction list (their prompts/attack_prompt.jsonl, `tasks.ATTACK_PROMPT`); an attack is the text it
-  writes after "4.", at most --max-new-tokens tokens (theirs: 20).
-- The victim (`--victim`, a frozen causal LM) answers each attack `--victim-responses` times (theirs:
-  5). A victim whose tokenizer has a chat template gets the attack as a user turn and their chat
-  sampling (temperature 0.1, top-p 0.9, 64 tokens); one without gets their Alpaca template and
-  GPT-2 sampling (temperature 0.7, top-p 0.92, 30 tokens); --victim-max-new-tokens changes the
-  length. Theirs tell the two apart by the model's name (configs/*.json); here the tokenizer decides.
-- The classifier (`--classifier`) gives log P(unsafe) of one response, in one of two kinds, told apart
-  by the model's config: a sequence classifier (theirs: facebook/roberta-hate-speech-dynabench-r4-
-  target) scores the response alone, P(unsafe) = softmax of its logits at the label named
-  --unsafe-label or found by name (`UNSAFE_LABELS`); a causal LM judge in the style of Llama Guard
-  scores the (attack, response) conversation under its chat template, P(unsafe) = the probability
-  that the first token of its verdict is the first token of "unsafe" (their LlamaToxicClassifier).
-  A judge without a chat template reads `JUDGE_PROMPT`, and its verdict token is that of " unsafe".
-- The reward is r = mean over the n responses of log P(unsafe): a mean of logs, as theirs. TB's target
-  pi_ref(y) exp(r / beta) is then their log-reward log pi_ref(y) / gamma + r / beta with their gamma and
-  reward temperature at 1; tba.py's --reward-temp and --gamma-final anneal the two as theirs (loss.tb_loss).
+- The attacker is the policy TBA trains (pi_ref: the starting attacker), prompted with their instruction list
+  (prompts/attack_prompt.jsonl: `ATTACK_PROMPT`); an attack is the text it writes after "4.".
+- The victim, the classifier's two kinds and the reward: docs/tasks.md, "Red-teaming". The victim's template
+  and sampling (`CHAT_SAMPLING`, `ALPACA_SAMPLING`) follow whether its tokenizer has a chat template, where
+  theirs follow the model's name (configs/*.json); a judge reads as their LlamaToxicClassifier does, and one
+  without a chat template reads `JUDGE_PROMPT`, its verdict token that of " unsafe".
 - Length: theirs blocks EOS at the first attack token and replaces the prior term of an attack under 5 tokens,
   its first EOS counted, by -500 (trainers/gfn_trainer.py:377-401). Here a searched attack under
   `MIN_ATTACK_TOKENS` tokens, counted the same way, gets r = `SHORT_PENALTY` = -25 instead, i.e. -500 in r /
   beta at beta 0.05 (log R = log pi_ref - 500 where theirs is -500 + c / beta: both hundreds below any other
   attack), and EOS is not blocked while searching: vLLM then samples from the policy itself, whose log-probs
   TB uses. The evaluation blocks EOS before 5 tokens, as their eval.py (min_new_tokens).
-- Evaluation: their eval.py's, 1,024 attacks sampled at temperature 1, 5 responses each (the figures:
-  docs/tasks.md); the embeddings (`--embedding-model`) mean-pooled and L2-normalised as sentence-transformers'
-  all-MiniLM-L6-v2, theirs, does.
 
 The models, where they run and why, and the cost of a round: docs/tasks.md, "Red-teaming". `--buffer-keep best` is
 their buffer (`BestBuffer`).
