@@ -45,8 +45,6 @@ from runtime.processes import SAID, last_word, parent_alive, send
 from runtime.weights import WAIT, Inbox, SharedWeights, arrival_plan, check_arrival
 
 
-
-
 # ===== the searcher's loop: its side of the paper's Algorithm 1 ==================================
 def run(index: int, cfg, shared: SharedWeights, channels, data, device: str, first_round: int = 0):
     """A searcher process: its start (signals, the engine, the weights' inbox, searcher 0's evaluation requests), its

@@ -113,10 +113,6 @@ class Scorer:
                     **{name or self.cfg.score: float(values[0])})
 
 
-def no_memory(cfg, evaluates: bool, engines: dict, beside: dict):
-    """A task whose scorer loads nothing beyond the policy's engine, pi_ref and a reward model."""
-
-
 @dataclass(frozen=True)
 class Task:
     """What `--task NAME` is (the module docstring gives each field's contract)."""
@@ -129,7 +125,7 @@ class Task:
     score: str = "accuracy"
     check: Callable = lambda cfg: {}
     flags: tuple[str, ...] = ()
-    memory: Callable = no_memory
+    memory: Callable = lambda cfg, evaluates, engines, beside: None  # no models of its own
     buffer: Callable = ReplayBuffer.from_config
     max_prompt: int | None = None
     fill: bool = False
@@ -170,12 +166,6 @@ def text_fields(row: dict, where: str, *fields: str):
             raise ConfigError(f"--data: {where}: missing or non-text field {name!r}")
 
 
-def from_hub(name: str, config, splits: tuple[str, str], problem) -> tuple[list[Problem], list[Problem]]:
-    files = " and ".join(f"{s}.jsonl" for s in splits)
-    ds = hub_dataset(name, config, files)
-    return tuple([problem(r, f"{name} {split} row {i}") for i, r in enumerate(ds[split])] for split in splits)
-
-
 def hub_dataset(name: str, config, files: str):
     """A data set of the Hugging Face hub (its splits); refused in one line naming the `files` --data would take."""
     try:
@@ -200,6 +190,7 @@ def load_splits(name: str, config, splits: tuple[str, str], problem):
     """A loader of a data set with two splits, (train, test), from --data's JSONL files or the hub."""
     def load(data: str | None) -> tuple[list[Problem], list[Problem]]:
         if data is None:
-            return from_hub(name, config, splits, problem)
+            ds = hub_dataset(name, config, " and ".join(f"{s}.jsonl" for s in splits))
+            return tuple([problem(r, f"{name} {s} row {i}") for i, r in enumerate(ds[s])] for s in splits)
         return tuple(read_jsonl(os.path.join(folder(data), f"{split}.jsonl"), problem) for split in splits)
     return load
