@@ -83,13 +83,9 @@ def text_config(path: str):
 
 
 def model_bytes(path: str, dtype: str, kind: str = "causal") -> int:
-    """Bytes of the weights of the model at `path` in `dtype`, counted on the meta device (no weights read);
-    `kind`: causal (an LM), sequence (a classifier) or base (an encoder)."""
-    import transformers
-    config = transformers.AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = getattr(transformers, KINDS[kind]).from_config(config)
-    return sum(p.numel() for p in model.parameters()) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    """Bytes of the weights of the model at `path` in `dtype` (`weight_shapes`)."""
+    size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return sum(math.prod(shape) for shape in weight_shapes(path, kind)) * size
 
 
 def kv_bytes_per_token(path: str, dtype: str) -> int:
@@ -278,11 +274,12 @@ def shard_rows(rows: int, world: int, rank: int) -> int:
     return max(0, min(each, rows - rank * each))
 
 
-def weight_shapes(path: str) -> list[tuple[int, ...]]:
-    """The shapes of the distinct weights of the model at `path` (a tied tensor once), counted on the meta device."""
+def weight_shapes(path: str, kind: str = "causal") -> list[tuple[int, ...]]:
+    """The shapes of the distinct weights of the model at `path` (a tied tensor once), counted on the meta device (no
+    weights read); `kind`: causal (an LM), sequence (a classifier) or base (an encoder)."""
     import transformers
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+        model = getattr(transformers, KINDS[kind]).from_config(transformers.AutoConfig.from_pretrained(path))
     return [tuple(p.shape) for p in model.parameters()]
 
 
