@@ -110,10 +110,9 @@ def load_checkpoint(folder: str) -> dict:
         inside = os.path.join(folder, "checkpoint")
         hint = f" (its run's checkpoint is {inside})" if os.path.isfile(os.path.join(inside, "trainer.pt")) else ""
         raise ConfigError(f"--resume: {folder} is not a checkpoint folder{hint}")
-    if not os.path.isfile(buffer):
-        raise ConfigError(f"--resume: {folder} has no buffer.npz (an incomplete checkpoint?)")
-    if not os.path.isfile(os.path.join(folder, "model", "config.json")):  # transformers: a traceback
-        raise ConfigError(f"--resume: {folder} has no model/config.json (an incomplete checkpoint?)")
+    for name in ("buffer.npz", "model/config.json"):  # (without model/config.json: transformers' traceback)
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise ConfigError(f"--resume: {folder} has no {name} (an incomplete checkpoint?)")
     check_weights(os.path.join(folder, "model"), "resume", "; an incomplete checkpoint?")
     try:
         state = torch.load(trainer, weights_only=True, map_location="cpu")  # tensors and plain data only

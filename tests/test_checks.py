@@ -161,6 +161,18 @@ def test_resume_with_truncated_weights_is_refused(tiny_model, checkpoint, tmp_pa
     assert lines[0].endswith(": it would not load; an incomplete checkpoint?"), lines
 
 
+def test_a_checkpoint_without_its_buffer_or_model_config_is_refused_in_one_line(tmp_path):
+    """runtime.checkpoint.load_checkpoint names the file an incomplete checkpoint lacks, before anything reads it."""
+    from runtime.checkpoint import load_checkpoint
+    (tmp_path / "model").mkdir()
+    (tmp_path / "trainer.pt").write_bytes(b"")
+    for name in ("buffer.npz", "model/config.json"):
+        with pytest.raises(ConfigError) as e:
+            load_checkpoint(str(tmp_path))
+        assert str(e.value) == f"--resume: {tmp_path} has no {name} (an incomplete checkpoint?)"
+        (tmp_path / name).write_text("{}")
+
+
 def test_a_damaged_safetensors_file_is_named_from_its_header(tmp_path):
     """hub.safetensors_damage reads the header alone (plain json and struct) and finds every damage that safetensors
     would refuse the file for: a file cut anywhere, bytes added, a header that is not JSON or whose ranges do not
