@@ -1,11 +1,6 @@
-"""Several nodes: searchers on every node, one replay buffer on trainer rank 0 (docs/nodes.md: how to launch,
-how it works, what crosses nodes and what a fault does).
-
-On one node nothing here runs (runtime/fleet.py's Fleet holds `nodes`: None). On several, each node's leader
-(LOCAL_RANK 0) does for its node what rank 0 does on one; once a step the leaders meet (`Nodes`), and a gather
-over a gloo group brings to rank 0 what their searchers queued, or a line naming a dead or silent one. What
-crosses nodes is plain data (`encode`, `decode`: a length-prefixed JSON header and the arrays by field, as the
-buffer saves them), never pickled.
+"""Several nodes: searchers on every node, one replay buffer on trainer rank 0. On one node nothing here runs
+(runtime/fleet.py's Fleet holds `nodes`: None). How to launch, how it works (the leaders' meetings, `Nodes`;
+the plain data that crosses nodes, `encode` and `decode`) and what a fault does: docs/nodes.md.
 """
 
 import datetime
