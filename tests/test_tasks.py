@@ -297,3 +297,19 @@ def test_the_tasks_page_has_a_row_for_every_task_the_readme_names():
     page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "tasks.md")).read()
     rows = {line.split("|")[1].split("`")[1] for line in page.splitlines() if line.startswith("| `")}
     assert len(named) >= 6 and named <= rows, named - rows
+
+
+def test_a_hub_loader_names_each_problem_by_split_and_row(monkeypatch):
+    """tasks.task.load_splits without --data: each split of the hub's data set, each problem named by its split and
+    row (a refusal says where), and the files --data would take said to hub_dataset (its refusal names them)."""
+    import tasks.task
+    from tasks.task import Problem
+    asked = []
+    rows = {"train": [{"q": "1"}, {"q": "2"}], "test": [{"q": "3"}]}
+    monkeypatch.setattr(tasks.task, "hub_dataset", lambda name, config, files: asked.append((name, config, files))
+                        or rows)
+    load = tasks.task.load_splits("owner/set", "main", ("train", "test"), lambda row, where: Problem(row["q"], where))
+    train, test = load(None)
+    assert asked == [("owner/set", "main", "train.jsonl and test.jsonl")]
+    assert [(p.prompt, p.answer) for p in train + test] == [
+        ("1", "owner/set train row 0"), ("2", "owner/set train row 1"), ("3", "owner/set test row 0")]
