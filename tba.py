@@ -11,12 +11,9 @@ every flag is a field of runtime/config.py's `Config`.
     torchrun --nproc_per_node=1 tba.py --searchers 0 --lag 0    # the synchronous on-policy baseline, same code
     bash run_gsm8k.sh                                   # the paper's GSM8K run on a 4-GPU node
 
-The machinery it calls is in runtime/ (the README's house says what is where), the tasks in tasks/,
-one file each. Layout: torchrun starts the trainer ranks, which train one
-model with FSDP2; rank 0 holds the replay buffer, samples each batch and broadcasts it, and its fleet
-spawns `--searchers` searcher processes (on a GPU node trainer rank r uses GPU r and searcher i GPU
-ranks + i; on a CPU machine everything shares the cores). With `--searchers 0` the trainer's one process
-runs the vLLM engine itself: it generates before each step and evaluates. Several nodes: runtime/nodes.py.
+The machinery it calls is in runtime/ (the README's house says what is where), the tasks in tasks/, one file
+each; the processes and what passes between them: the README's picture (on a GPU node trainer rank r uses GPU
+r, searcher i GPU ranks + i; on a CPU all share the cores). Several nodes: runtime/nodes.py.
 
 Departures from the paper and the authors' code, and why: docs/departures.md.
 """
