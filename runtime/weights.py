@@ -181,6 +181,7 @@ def covers(held: torch.Tensor, prints: torch.Tensor) -> bool:
     return bool(((a - b).abs() <= 1e-9 * a[..., [1, 1, 2]] + 1e-12).all(-1).any(1).all())
 
 
+@torch.no_grad()  # (a parameter's, read back in the engine: runtime.vllm_env.held_fingerprints)
 def held(t, chunk: int = 2**24) -> list:
     """`fingerprint`'s three sums of `t`, as float64 scalars on its device, a float64 chunk of 2^24 elements at a time
     (128 MiB: a 7B model's embeddings whole would take 4.4 GB)."""
