@@ -28,8 +28,6 @@ function of this shape, added to `LOSSES`, and what it says of itself, as attrib
 It is called many times a step (docs/experiments.md says how often), so it should be a pure function.
 """
 
-import math
-
 import torch
 import torch.utils.checkpoint
 
@@ -194,7 +192,7 @@ def reward_temp_at(cfg, step: int) -> float:
     """T_R: --reward-temp at step 0, then linearly to 1 (Lee et al.'s get_total_reward_temp,
     trainers/gfn_trainer.py:253-258; their steps count from 1, ours from 0 like beta_at's); constant without
     an anneal length (one without end), so that --reward-temp alone does what it says."""
-    return linear(cfg.reward_temp, 1.0, step, cfg.reward_temp_anneal_steps or math.inf)
+    return linear(cfg.reward_temp, 1.0, step, cfg.reward_temp_anneal_steps or float("inf"))
 
 
 def gamma_at(cfg, step: int) -> float:
