@@ -153,8 +153,7 @@ class Messages:
     def clock(self) -> float:
         """The time less the seconds the trainer read nothing, its local queue full: a searcher's silence
         then is not its own (it waits to send), so the watch counts it on this clock."""
-        total, since = self.held
-        now = time.time()
+        (total, since), now = self.held, time.time()
         return now - total - (now - since if since is not None else 0.0)
 
     def get(self, block: bool = True, timeout: float | None = None) -> dict:
