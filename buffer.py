@@ -155,12 +155,11 @@ class ReplayBuffer:
             if t.prompt_id not in self.groups:
                 self.prompts.append(t.prompt_id)
             group, key = self.groups.setdefault(t.prompt_id, OrderedDict()), t.response.tobytes()
-            copies = self.copies.setdefault(t.prompt_id, {})
             self.size += group.pop(key, None) is None  # exact duplicate: the newest copy stands for all
-            group[key], counts = (t, self.window), copies.setdefault(key, {})
+            group[key], counts = (t, self.window), self.copies.setdefault(t.prompt_id, {}).setdefault(key, {})
             counts[self.window] = counts.get(self.window, 0) + 1
             if len(group) > self.capacity:             # keep the newest `capacity`
-                copies.pop(group.popitem(last=False)[0])
+                self.copies[t.prompt_id].pop(group.popitem(last=False)[0])
                 self.size -= 1
             self.last_window.pop(t.prompt_id, None)
             self.last_window[t.prompt_id] = self.window

@@ -168,27 +168,27 @@ def scheduled(cfg, step: int) -> dict:
     return dict(beta=beta_at(cfg, step), gamma=gamma_at(cfg, step), reward_temp=reward_temp_at(cfg, step))
 
 
+def linear(start: float, end: float, step: int, steps: float) -> float:
+    """`start` at step 0, linearly to `end` at step `steps`, then `end`; `end` throughout if `steps` is 0."""
+    return start + (end - start) * (min(1.0, step / steps) if steps else 1.0)
+
+
 def beta_at(cfg, step: int) -> float:
     if cfg.beta_stop_step and step + 1 >= cfg.beta_stop_step:  # `step` updates done: this is update step + 1
         return cfg.beta_final  # the authors' TL;DR jump (src/tba_trainer_tldr.py:576-580)
-    frac = min(1.0, step / cfg.beta_anneal_steps) if cfg.beta_anneal_steps else 1.0
-    return cfg.beta + (cfg.beta_final - cfg.beta) * frac
+    return linear(cfg.beta, cfg.beta_final, step, cfg.beta_anneal_steps)
 
 
 def reward_temp_at(cfg, step: int) -> float:
     """T_R: --reward-temp at step 0, then linearly to 1 (Lee et al.'s get_total_reward_temp,
     trainers/gfn_trainer.py:253-258; their steps count from 1, ours from 0 like beta_at's); constant without
-    an anneal length, so that --reward-temp alone does what it says."""
-    if not cfg.reward_temp_anneal_steps:
-        return cfg.reward_temp
-    frac = min(1.0, step / cfg.reward_temp_anneal_steps)
-    return cfg.reward_temp + (1.0 - cfg.reward_temp) * frac
+    an anneal length (one without end), so that --reward-temp alone does what it says."""
+    return linear(cfg.reward_temp, 1.0, step, cfg.reward_temp_anneal_steps or float("inf"))
 
 
 def gamma_at(cfg, step: int) -> float:
     """gamma: 1 at step 0, then linearly to --gamma-final (their get_lm_reward_temp, gfn_trainer.py:260-264)."""
-    frac = min(1.0, step / cfg.gamma_anneal_steps) if cfg.gamma_anneal_steps else 1.0
-    return 1.0 + (cfg.gamma_final - 1.0) * frac
+    return linear(1.0, cfg.gamma_final, step, cfg.gamma_anneal_steps)
 
 
 def reads(loss) -> tuple:

@@ -185,9 +185,8 @@ class Engine:
         rewards = self.scorer.reward([self.prompts[p] for p, _ in done], [c.token_ids for _, c in done], texts,
                                      [self.answers[p] for p, _ in done])
         trajectories = [Trajectory(prompt_id=p, response=np.asarray(c.token_ids, dtype=np.int32), reward=float(r),
-                                   logp_ref=0.0, logp_behaviour=float(c.cumulative_logprob),
-                                   version=self.version, pi_ref_version=self.pi_ref_version,
-                                   for_step=for_step,
+                                   logp_behaviour=float(c.cumulative_logprob), version=self.version,
+                                   logp_ref=0.0, pi_ref_version=self.pi_ref_version, for_step=for_step,
                                    truncated=int(c.finish_reason == "length"), behaviour_logps=np.array(
                                        [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)], np.float32))
                         for (p, c), r in zip(done, rewards)]
@@ -251,9 +250,9 @@ class Engine:
         return model.to(self.device).eval().requires_grad_(False)
 
     # --- weights ---------------------------------------------------------------------------
-    def load(self, named_tensors, version: int):
-        """Reload weights into vLLM (Hugging Face names) and drop the prefix cache (between rounds: none in flight)."""
-        named_tensors = list(named_tensors)  # read twice where the scorer keeps a copy
+    def load(self, named_tensors: list, version: int):
+        """Reload weights into vLLM ((Hugging Face name, tensor) pairs, a list: the scorer may read them
+        too) and drop the prefix cache (between rounds: none in flight)."""
         self.scorer.loaded(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.version = version
@@ -282,15 +281,14 @@ class Engine:
                 self.pi_ref_version = held.pi_ref_version
         return True
 
-    def verify(self, names: list[str], prints) -> int:
+    def verify(self, names: list[str], prints):
         """The weights just loaded, read back from the engine, against the trainer's fingerprints (which
         parameter holds each name: found at the first arrival): WrongWeights names what did not arrive intact,
-        or went into no parameter (docs/faults.md). Returns the names checked."""
+        or went into no parameter (docs/faults.md); every name is checked."""
         if names != self.plan[0]:
             self.plan = (names, *arrival_plan(self.version, names, vllm_env.engine_params(self.llm, names)))
-        checked = check_arrival(self.version, prints, *self.plan[1:], vllm_env.held_fingerprints(self.llm))
+        check_arrival(self.version, prints, *self.plan[1:], vllm_env.held_fingerprints(self.llm))
         self.verified = self.version
-        return checked
 
     def reference_of(self, step: int):
         """TBA′ with --lag: pi_ref of the latest reset at or before `step` (the trainer's batch of `step` is trained

@@ -173,8 +173,9 @@ class Trainer:
             with self.fleet.beside():
                 self.model = load_policy(path, self.device, cfg.dtype, cfg.trainer_dtype, cfg.activation_checkpointing,
                                          adapter if cfg.lora_rank else None)
-            self.opt = AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr,
-                             weight_decay=cfg.weight_decay, betas=tuple(map(float, cfg.adam_betas.split(","))))
+            trained = [p for p in self.model.parameters() if p.requires_grad]
+            self.opt = AdamW.for_weights(trained, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                         betas=tuple(map(float, cfg.adam_betas.split(","))))
             self.buffer = ckpt["buffer"] if ckpt else tasks.get(cfg.task).buffer(cfg, data.prompts)
             self.draw = self.buffer.sample  # (--lag: this step's rounds)
             if cfg.lag is not None:
@@ -213,13 +214,12 @@ class Trainer:
     def sample(self):
         """B prompts x K responses from the buffer (--lag: from this step's rounds, `draw_round`), drawn by
         rank 0 and sent to every rank; None on every rank when rank 0 stops the run."""
-        batch, cfg = None, self.cfg
+        batch, B, K = None, self.cfg.prompts_per_step, self.cfg.samples_per_prompt
         if self.world > 1:  # a signal to any rank stops every rank
             share_signals(self.fleet.signals, self.world)
         if self.rank == 0 and not self.fleet.stop_reason():
-            batch = self.draw(cfg.prompts_per_step, cfg.samples_per_prompt,
-                              np.random.default_rng([cfg.seed, self.step, seeds.BATCH]))
-            self.cap.draw(cfg.prompts_per_step * cfg.samples_per_prompt)
+            batch = self.draw(B, K, np.random.default_rng([self.cfg.seed, self.step, seeds.BATCH]))
+            self.cap.draw(B * K)
         return broadcast_batch(batch, self.rank) if self.world > 1 else batch
 
     # --- --lag: each step's batch its own rounds (chosen once, in __init__) --------------------------

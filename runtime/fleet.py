@@ -57,6 +57,8 @@ class Fleet:
         self.nodes = nodes.Nodes(world, local, cfg.timeout) if world > local else None
         self.where = f"node {rank // local}: " if self.nodes else ""  # in this node's lines
         self.first = rank // local * cfg.searchers  # this node's searchers are numbered from here
+        # s between the ranks' decisions in a wait (`wait_for`), and between its lines of what it waits for
+        self.slice_s, self.say_every = min(5.0, cfg.timeout / 4), min(30.0, cfg.timeout / 4)
         self.received = 0      # trajectories received over the run (every node's; rank 0)
         self.tokens = 0        # their responses' tokens
         self.kept = 0          # those the buffer kept (--max-reuse counts them)
@@ -145,8 +147,7 @@ class Fleet:
         waited."""
         done = lambda: self.rank == 0 and (until() or bool(self.signals.first or self.silent or self.dead))
         return wait_together(self.rank, self.world, lambda seconds: self.take(buffer, done, seconds), done,
-                             what, self.log, min(5.0, self.cfg.timeout / 4), self.signals,
-                             min(30.0, self.cfg.timeout / 4))
+                             what, self.log, self.slice_s, self.signals, self.say_every)
 
     def take(self, buffer, done, budget: float = math.inf) -> float:
         """Every waiting message into the buffer or the log (a beat only counts as life); then, while not

@@ -190,15 +190,15 @@ class Log:
         return f"CPU-bound ({', '.join(over)} over its own charge, uncharged work counted)" if over else ""
 
     def eval(self, version: int, scores: dict, example: dict, seconds: float, made: tuple[float, float]):
-        """An evaluation of the weights of step `version`; time and overhead: when they were made."""
+        """An evaluation of the weights of step `version` (rank 0); time and overhead: when they were made."""
+        if self.rank != 0:
+            return
         self.row(kind="eval", step=version, version=version, **scores, time=made[0], overhead=made[1],
                  seconds=seconds, example=example)
         if self.bar is not None and self.last_train is not None:  # the bar's postfix has the held-out score
             self.show()
 
-    def row(self, **row):
-        if self.rank != 0:
-            return
+    def row(self, **row):  # (rank 0's: `train_row` and `eval` return on the others)
         if self.resumed is not None:  # a resumed process's rows: which branch of the run they belong to
             row["resumed"] = self.resumed["step"]  # (tools/plot.py, `latest`, keeps the latest branch's)
         if self.file is not None:

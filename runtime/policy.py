@@ -54,6 +54,12 @@ class AdamW(torch.optim.AdamW):
     functional AdamW on a float32 copy, one parameter at a time (a copy of them all would cost 8 bytes a
     parameter at once), and rounded back; float32 weights take torch's path unchanged."""
 
+    @classmethod
+    def for_weights(cls, params: list, **options) -> torch.optim.AdamW:
+        """torch's own AdamW if every weight is float32 (chosen once: a step runs none of ours), else this."""
+        plain = all(p.dtype == torch.float32 for p in params)
+        return (torch.optim.AdamW if plain else cls)(params, **options)
+
     @torch.no_grad()
     def step(self, closure=None):
         if all(p.dtype == torch.float32 for g in self.param_groups for p in g["params"]):

@@ -92,14 +92,21 @@ class Channels(NamedTuple):
 SAID = 5  # the exit status of a searcher that said its fault to the trainer first (`last_word`)
 
 
-def send(queue, message, stop):
+def parent_alive():
+    """In a searcher: Dead once the trainer (its parent process) is gone."""
+    parent = mp.parent_process()
+    if parent is not None and not parent.is_alive():
+        raise Dead("the trainer (parent process) is gone")
+
+
+def send(queue, message, stop, alive=parent_alive):
     """A searcher's message (a round's trajectories, an evaluation, a beat, a fault) on the bounded queue, waiting
-    while it is full, but never on a stopped or dead trainer."""
+    while it is full, but never once `stop` is set, nor on a dead trainer (`alive()`)."""
     while not stop.is_set():
         try:
             return queue.put(message, timeout=WAIT)
         except Full:
-            parent_alive()
+            alive()
 
 
 def last_word(channels, message):
@@ -108,13 +115,6 @@ def last_word(channels, message):
     send(channels.queue, message, channels.stop)
     channels.queue.close()
     channels.queue.join_thread()
-
-
-def parent_alive():
-    """In a searcher: Dead once the trainer (its parent process) is gone."""
-    parent = mp.parent_process()
-    if parent is not None and not parent.is_alive():
-        raise Dead("the trainer (parent process) is gone")
 
 
 class Messages:
@@ -146,20 +146,14 @@ class Messages:
                 self.faults[msg["searcher"]] = msg["line"]
             if self.local.full():  # the trainer reads nothing (a step, a collective): searchers wait to send
                 self.held = (self.held[0], time.time())
-            while not self.closed.is_set():
-                try:
-                    self.local.put(msg, timeout=WAIT)
-                    break
-                except Full:
-                    pass
+            send(self.local, msg, self.closed, alive=lambda: None)  # (the trainer's own thread: it lives)
             if self.held[1] is not None:
                 self.held = (self.held[0] + time.time() - self.held[1], None)
 
     def clock(self) -> float:
         """The time less the seconds the trainer read nothing, its local queue full: a searcher's silence
         then is not its own (it waits to send), so the watch counts it on this clock."""
-        total, since = self.held
-        now = time.time()
+        (total, since), now = self.held, time.time()
         return now - total - (now - since if since is not None else 0.0)
 
     def get(self, block: bool = True, timeout: float | None = None) -> dict:

@@ -234,12 +234,9 @@ def engine_params(llm, names: list[str]) -> dict[str, list[str]]:
 def held_fingerprints(llm) -> list[list[float]]:
     """The three sums (runtime.weights.fingerprint's) of each parameter `engine_params` found, read back
     now."""
-    import torch
-
     from runtime.weights import held
 
     def read(worker):
-        with torch.no_grad():
-            return [[float(x) for x in held(m.cpu_linear(eye, None, None) if eye is not None else getattr(m, leaf))]
-                    for m, leaf, eye in worker.tba_held]
+        return [[float(x) for x in held(m.cpu_linear(eye, None, None) if eye is not None else getattr(m, leaf))]
+                for m, leaf, eye in worker.tba_held]
     return llm.collective_rpc(read)[0]

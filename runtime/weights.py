@@ -181,6 +181,7 @@ def covers(held: torch.Tensor, prints: torch.Tensor) -> bool:
     return bool(((a - b).abs() <= 1e-9 * a[..., [1, 1, 2]] + 1e-12).all(-1).any(1).all())
 
 
+@torch.no_grad()  # (a parameter's, read back in the engine: runtime.vllm_env.held_fingerprints)
 def held(t, chunk: int = 2**24) -> list:
     """`fingerprint`'s three sums of `t`, as float64 scalars on its device, a float64 chunk of 2^24 elements at a time
     (128 MiB: a 7B model's embeddings whole would take 4.4 GB)."""
@@ -206,17 +207,16 @@ def arrival_plan(version: int, names: list[str], groups: dict) -> tuple[list, to
     return list(groups.items()), parts
 
 
-def check_arrival(version: int, prints, groups: list, parts: torch.Tensor, held_back: list) -> int:
+def check_arrival(version: int, prints, groups: list, parts: torch.Tensor, held_back: list):
     """Each parameter's three sums read back at version `version` (`held_back`, in `groups`' order) against
-    the trainer's (`prints`, summed by `parts`: `arrival_plan`): WrongWeights naming the first off by more
-    than float64 rounding (1e-9 of its sum of |x| or of x^2). Returns the names checked."""
+    the trainer's (`prints`, summed by `parts`: `arrival_plan`, whose groups hold every name): WrongWeights
+    naming the first off by more than float64 rounding (1e-9 of its sum of |x| or of x^2)."""
     want, got = parts @ prints, torch.tensor(held_back, dtype=torch.float64)                 # (P, 3) each
     if len(wrong := ((got - want).abs() > 1e-9 * want[:, [1, 1, 2]] + 1e-12).any(1).nonzero()):
         (_, members), got, want = groups[int(wrong[0])], got[int(wrong[0])], want[int(wrong[0])]
         raise WrongWeights(f"the weights of step {version} did not arrive intact: {' + '.join(members)} holds sum "
                            f"{got[0]:.9g} (|x| {got[1]:.9g}, x^2 {got[2]:.9g}) in vLLM's engine, where the "
                            f"trainer published {want[0]:.9g} ({want[1]:.9g}, {want[2]:.9g})")
-    return parts.shape[1]
 
 
 def on_host(sums: dict, like) -> torch.Tensor:
