@@ -70,8 +70,8 @@ def test_the_tutorials_runs_show_what_it_says(tmp_path):
             rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
             outs[os.path.basename(out)] = (argv, rows, p.stdout)
     train = {name: [r for r in rows if r["kind"] == "train"] for name, (_, rows, _) in outs.items()}
-    assert {"sync", "lag4", "emulated-sync"} <= set(outs)
-    for name, (argv, _, _) in outs.items():  # 1 and 3: exactly min(step - 1, L), 0 if synchronous
+    assert {"sync", "lag1", "lag2", "lag4", "emulated-sync"} <= set(outs)
+    for name, (argv, _, _) in outs.items():  # 1, 3 and exercise 2: exactly min(step - 1, L), 0 if synchronous
         if "--lag" in argv:
             lag = int(folder(argv, "--lag"))
             got = [(r["staleness"], r["staleness_max"]) for r in train[name]]
@@ -85,4 +85,4 @@ def test_the_tutorials_runs_show_what_it_says(tmp_path):
     assert all(abs(r["log_z"] - r["reward"] / r["beta"]) < 1 for r in stream) and len(stream) == STEPS, stream
     assert "grpo" in outs
     if importlib.util.find_spec("matplotlib") is not None:
-        assert all(os.path.getsize(f"{repo}/runs/tutorial/{png}") > 0 for png in ("runs.png",))
+        assert all(os.path.getsize(f"{repo}/runs/tutorial/{png}") > 0 for png in ("runs.png", "lags.png"))
