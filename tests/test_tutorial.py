@@ -1,7 +1,8 @@
 """docs/tutorial.md runs as it says: each of its command blocks (the exercises' answers too) is run as
 written, in a copy of the repository and with fewer steps, and what the page says each run shows is checked on
 its rows (staleness exactly min(step - 1, L) with --lag L, so 0 when synchronous; older batches with
---recency 0 than streaming; log Z near mean reward / beta; the emulation named in the summary), and each example summary line matches its command."""
+--recency 0 than streaming; log Z near mean reward / beta; the partial reward above arith's, and learning;
+the emulation named in the summary), and each example summary line matches its command."""
 
 import importlib.util
 import json
@@ -83,6 +84,9 @@ def test_the_tutorials_runs_show_what_it_says(tmp_path):
         assert "generation slowed 16x (emulated) | training slowed 8x (emulated)" in said, said[-2000:]
     stream = train["stream"]  # section 6, exercise 2: log Z about mean r / beta (log_z_fixed.py)
     assert all(abs(r["log_z"] - r["reward"] / r["beta"]) < 1 for r in stream) and len(stream) == STEPS, stream
+    assert train["partial"][0]["reward"] > stream[0]["reward"]  # exercise 3: the half points, same weights
+    held_out = [r["accuracy"] for r in outs["partial"][1] if r["kind"] == "eval"]
+    assert held_out[-1] > held_out[0], held_out  # and its run learns
     assert "grpo" in outs
     if importlib.util.find_spec("matplotlib") is not None:
         assert all(os.path.getsize(f"{repo}/runs/tutorial/{png}") > 0 for png in ("runs.png", "lags.png"))
