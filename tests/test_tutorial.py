@@ -1,13 +1,15 @@
-"""docs/tutorial.md runs as it says: each of its command blocks is run as written, with fewer steps and its folders
-under a temporary one, and what the page says each run shows is checked on its rows (staleness 0 when synchronous,
-0, 1, 2, 3 and then exactly L with --lag 4, log Z near mean reward / beta, the emulation named in the
-summary), and each example summary line matches its command."""
+"""docs/tutorial.md runs as it says: each of its command blocks (the exercises' answers too) is run as
+written, in a copy of the repository and with fewer steps, and what the page says each run shows is checked on
+its rows (staleness exactly min(step - 1, L) with --lag L, so 0 when synchronous; older batches with
+--recency 0 than streaming; log Z near mean reward / beta; the partial reward above arith's, and learning;
+the emulation named in the summary), and each example summary line matches its command."""
 
 import importlib.util
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -40,30 +42,51 @@ def test_each_run_is_under_two_minutes_as_written_and_its_summary_matches():
     assert sorted(set(said)) == sorted(set(steps)), (said, steps)
 
 
+def copy(to) -> str:
+    """The repository's files as git sees them (tracked and new), copied to `to`, where the page's commands
+    write (runs/, and exercise 3's task into tasks/)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, stdout=subprocess.PIPE,
+                           text=True, check=True).stdout.splitlines()
+    for f in files:
+        if os.path.isfile(os.path.join(ROOT, f)):
+            os.makedirs(os.path.dirname(os.path.join(to, f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(to, f))
+    return str(to)
+
+
 @pytest.mark.engine
 def test_the_tutorials_runs_show_what_it_says(tmp_path):
-    outs = {}
+    repo, outs = copy(tmp_path / "repo"), {}
     for argv in commands():
-        argv = [a.replace("runs/tutorial", str(tmp_path / "tutorial")) for a in argv]
-        if argv[:2] == ["python", "tba.py"]:
+        argv = [sys.executable, *argv[1:]] if argv[0] == "python" else argv
+        if argv[1:2] == ["tba.py"]:
             argv[argv.index("--steps") + 1] = str(STEPS)
-        elif argv[:2] == ["python", "tools/plot.py"] and importlib.util.find_spec("matplotlib") is None:
+        elif argv[1:2] == ["tools/plot.py"] and importlib.util.find_spec("matplotlib") is None:
             continue  # (the page says: pip install matplotlib)
-        p = subprocess.run([sys.executable, os.path.join(ROOT, argv[1]), *argv[2:]], cwd=str(tmp_path),
-                           env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+        p = subprocess.run(argv, cwd=repo, env=env(tmp_path), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=600)
         assert p.returncode == 0, f"{shlex.join(argv)}\n{p.stdout[-3000:]}"
-        if argv[1] == "tba.py":
-            rows = [json.loads(line) for line in open(os.path.join(folder(argv, "--out"), "metrics.jsonl"))]
-            outs[os.path.basename(folder(argv, "--out"))] = ([r for r in rows if r["kind"] == "train"], p.stdout)
-    sync, _ = outs["sync"]
-    assert len(sync) == STEPS and {r["staleness_max"] for r in sync} == {0}  # 1: on-policy
-    lag, _ = outs["lag4"]
-    assert [r["staleness"] for r in lag] == [0.0, 1.0, 2.0, 3.0] + [4.0] * (STEPS - 4)  # 3: then exactly L
-    assert max(r["staleness_max"] for r in lag) == 4
+        if argv[1:2] == ["tba.py"]:
+            out = os.path.join(repo, folder(argv, "--out"))
+            rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+            outs[os.path.basename(out)] = (argv, rows, p.stdout)
+    train = {name: [r for r in rows if r["kind"] == "train"] for name, (_, rows, _) in outs.items()}
+    assert {"sync", "lag1", "lag2", "lag4", "emulated-sync"} <= set(outs)
+    for name, (argv, _, _) in outs.items():  # 1, 3 and exercise 2: exactly min(step - 1, L), 0 if synchronous
+        if "--lag" in argv:
+            lag = int(folder(argv, "--lag"))
+            got = [(r["staleness"], r["staleness_max"]) for r in train[name]]
+            assert got == [(min(i, lag), min(i, lag)) for i in range(STEPS)], (name, got)
+    stale = {name: sum(r["staleness"] for r in train[name][-3:]) / 3 for name in ("stream", "recency0")}
+    assert stale["recency0"] > stale["stream"], stale  # exercise 1: the whole buffer is older than the recent
     for name in ("emulated-sync", "emulated-stream"):  # 5: the emulation named in the summary
-        assert "generation slowed 16x (emulated) | training slowed 8x (emulated)" in outs[name][1], outs[name][1][-2000:]
-    stream, _ = outs["stream"]  # section 6, exercise 2: log Z about mean r / beta (log_z_fixed.py)
+        said = outs[name][2]
+        assert "generation slowed 16x (emulated) | training slowed 8x (emulated)" in said, said[-2000:]
+    stream = train["stream"]  # section 6, exercise 2: log Z about mean r / beta (log_z_fixed.py)
     assert all(abs(r["log_z"] - r["reward"] / r["beta"]) < 1 for r in stream) and len(stream) == STEPS, stream
+    assert train["partial"][0]["reward"] > stream[0]["reward"]  # exercise 3: the half points, same weights
+    held_out = [r["accuracy"] for r in outs["partial"][1] if r["kind"] == "eval"]
+    assert held_out[-1] > held_out[0], held_out  # and its run learns
     assert "grpo" in outs
     if importlib.util.find_spec("matplotlib") is not None:
-        assert os.path.getsize(tmp_path / "tutorial" / "runs.png") > 0
+        assert all(os.path.getsize(f"{repo}/runs/tutorial/{png}") > 0 for png in ("runs.png", "lags.png"))

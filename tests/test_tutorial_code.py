@@ -143,6 +143,17 @@ def test_answer_reuse_bank():
     assert a.steps_after(1, 1) == 1 and a.steps_after(0, 1) == 0  # one round, one step; none, none
 
 
+def test_answer_arith_partial():
+    """Exercise 3 of the runs: 1 for the answer, 0.5 for a wrong one with its first digit, else 0; held out:
+    exact match, on arith's problems (its run learns: tests/test_tutorial.py)."""
+    from tasks import arith
+    task = answer("arith_partial").TASK
+    said = ("132", " 132\n", "139", "1", "13", "232", "", "32")
+    assert [task.reward(c, "132") for c in said] == [1, 1, .5, .5, .5, 0, 0, 0]
+    assert [task.metric(c, "132") for c in ("132", "139")] == [1, 0]
+    assert task.load(None) == arith.load(None) and task.demos is None  # demos: --model tiny is arith's model
+
+
 def test_the_prediction_on_tb_loss_as_the_page_answers_it():
     """Section 6, the loss: one prompt, two of K = 8 right, logp = logp_ref, beta 0.05: log Z 5, gradients
     -3.75 and 1.25 (the right ones raised by descent, the wrong lowered, summing to 0)."""
