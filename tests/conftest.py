@@ -220,11 +220,18 @@ def get_report(queue, procs, timeout: float):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a test's own process group)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a test's own process group), below Linux's ephemeral
+    range (32768-60999): a port the kernel hands out (bind to 0, an outgoing connection: vLLM's, gloo's) may be
+    taken by another test's process in the seconds before this test's rank binds it (EADDRINUSE)."""
+    import random
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port := random.SystemRandom().randrange(20000, 32000)))  # (unseeded)
+                return port
+            except OSError:
+                continue
 
 
 def report_of(target, *args, timeout: float = 300):

@@ -58,7 +58,8 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 # the seconds stage $1 may run: its limit, or what is left of BUDGET after its kill grace, whichever is less
-share() { local left=$((BUDGET - (SECONDS - start) - KILL)); echo $((left < LIMIT[$1] ? left : LIMIT[$1])); }
+share() { local left=$((BUDGET - (SECONDS - start) - KILL)); left=$((left < 0 ? 0 : left))  # (a stage may overrun by its grace)
+  echo $((left < LIMIT[$1] ? left : LIMIT[$1])); }
 
 # tools/$1 with the parts $2 within $3 s: a part that hung (past its own limit the tool dumps the stacks and ends) or
 # crashed the process is named, and a new process runs the parts after it while 20 s are left
