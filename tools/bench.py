@@ -20,7 +20,7 @@ It prints a table and writes OUT/bench.json (default OUT: runs/bench-<time>):
    from the start of the first training step (start-up, mostly importing vLLM and starting its
    engine, left out), with the seconds per step of each mode.
 2. trainer utilisation of the TBA runs: the fraction of the trainer's wall time, from its first step
-   to its last, not spent waiting for data or for a weight sync.
+   to its last, less evaluations and checkpoints, spent in its steps but not waiting for data or a weight sync.
 3. weight-sync cost: seconds per sync (publish on the trainer, reload into vLLM, prefix-cache reset)
    against one plain `copy_` of the same bytes, for the tiny model and a ~100M-parameter Llama.
 4. searcher overhead: trajectories/s and tokens/s of a search round (vLLM sampling, rewards, pi_ref's
@@ -372,7 +372,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
 
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
-    busy = [r["wait"] + r["sync"] for r in train[1:]]
+    work = [r["seconds"] - r["wait"] - r["sync"] for r in train[1:]]  # (an evaluation's hold is wait and overhead)
     span = train[-1]["time"] - train[0]["time"] - (train[-1]["overhead"] - train[0]["overhead"]) if len(train) > 1 else 0
     return dict(
         searchers=searchers, seed=seed, reached=hit is not None,
@@ -381,7 +381,7 @@ def run_until_target(searchers: int, seed: int, cap: float, out: str, flags: lis
         first_step_seconds=clock(train[0]) - train[0]["seconds"] + train[0]["wait"] if train else None,
         last_step_seconds=clock(train[-1]) if train else None,
         seconds_per_step=span / (len(train) - 1) if len(train) > 1 else None,
-        utilisation=1 - sum(busy) / span if span > 0 else None,
+        utilisation=sum(work) / span if span > 0 else None,
         curve=[(clock(e), e["step"], e["accuracy"]) for e in evals], cpu=sum(cpu.values()),
         first_round=offset + first_round(rows) if first_round(rows) is not None else None,
     )
