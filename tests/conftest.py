@@ -219,6 +219,18 @@ def get_report(queue, procs, timeout: float):
     return msg
 
 
+def copy_repo(to) -> str:
+    """The repository's files as git sees them (tracked and new), copied to `to`: a copy a test's commands may write
+    into (runs/, a task file into tasks/, a page's code applied)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, stdout=subprocess.PIPE,
+                           text=True, check=True).stdout.splitlines()
+    for f in files:
+        if os.path.isfile(os.path.join(ROOT, f)):
+            os.makedirs(os.path.dirname(os.path.join(to, f)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, f), os.path.join(to, f))
+    return str(to)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a test's own process group), below Linux's ephemeral
     range (32768-60999): a port the kernel hands out (bind to 0, an outgoing connection: vLLM's, gloo's) may be

@@ -6,14 +6,13 @@ batch, a flag is on --help, and a shaped training reward leaves the held-out fig
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, SMALL, env
+from conftest import ROOT, SMALL, copy_repo, env
 
 PAGE = os.path.join(ROOT, "docs", "experiments.md")
 
@@ -63,13 +62,7 @@ def repo(tmp_path_factory):
     a copy: the copy itself)."""
     if applied():
         return ROOT
-    copy = str(tmp_path_factory.mktemp("experiments") / "repo")
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, stdout=subprocess.PIPE,
-                           text=True, check=True).stdout.split()
-    for f in files:
-        if os.path.isfile(os.path.join(ROOT, f)):
-            os.makedirs(os.path.dirname(os.path.join(copy, f)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, f), os.path.join(copy, f))
+    copy = copy_repo(tmp_path_factory.mktemp("experiments") / "repo")
     apply(copy)
     return copy
 

@@ -9,13 +9,12 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, env
+from conftest import ROOT, copy_repo, env
 
 PAGE = os.path.join(ROOT, "docs", "tutorial.md")
 STEPS = 6  # enough for --lag 4's staleness to reach 4 (step 5 on)
@@ -42,21 +41,9 @@ def test_each_run_is_under_two_minutes_as_written_and_its_summary_matches():
     assert sorted(set(said)) == sorted(set(steps)), (said, steps)
 
 
-def copy(to) -> str:
-    """The repository's files as git sees them (tracked and new), copied to `to`, where the page's commands
-    write (runs/, and exercise 3's task into tasks/)."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, stdout=subprocess.PIPE,
-                           text=True, check=True).stdout.splitlines()
-    for f in files:
-        if os.path.isfile(os.path.join(ROOT, f)):
-            os.makedirs(os.path.dirname(os.path.join(to, f)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, f), os.path.join(to, f))
-    return str(to)
-
-
 @pytest.mark.engine
 def test_the_tutorials_runs_show_what_it_says(tmp_path):
-    repo, outs = copy(tmp_path / "repo"), {}
+    repo, outs = copy_repo(tmp_path / "repo"), {}  # (exercise 3 copies its task into tasks/)
     for argv in commands():
         argv = [sys.executable, *argv[1:]] if argv[0] == "python" else argv
         if argv[1:2] == ["tba.py"]:
