@@ -52,7 +52,7 @@ class AdamW(torch.optim.AdamW):
     weights' dtype (zeros_like(p): torch/optim/adam.py:178-184), and in bf16 v x 0.999 rounds back to v,
     so v stops decaying (docs/departures.md, "bf16 weights"). A bf16 weight is updated by torch's own
     functional AdamW on a float32 copy, one parameter at a time (a copy of them all would cost 8 bytes a
-    parameter at once), and rounded back; float32 weights take torch's path unchanged."""
+    parameter at once), and rounded back; float32 weights take torch's own AdamW (`for_weights`)."""
 
     @classmethod
     def for_weights(cls, params: list, **options) -> torch.optim.AdamW:
@@ -62,8 +62,6 @@ class AdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if all(p.dtype == torch.float32 for g in self.param_groups for p in g["params"]):
-            return super().step(closure)
         from torch.optim.adam import adam
         for group in self.param_groups:
             for p in [p for p in group["params"] if p.grad is not None]:

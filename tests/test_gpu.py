@@ -422,7 +422,8 @@ def fsdp_rank(kind, rank, world, port, path, results, weights_dtype="float32", r
         # policy.LaggedCopy's (--behaviour-logprobs trainer) run on its own copy, resharded after each.)
         seen = []
         hook = model.lm_head.register_forward_hook(lambda module, args, output: seen.append(str(output.dtype)))
-        opt = policy.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)  # 1e-2: bf16 norm weights of 1 move
+        # as the Trainer's (torch's own AdamW for float32 weights); 1e-2: bf16 norm weights of 1 move
+        opt = policy.AdamW.for_weights(list(model.parameters()), lr=1e-2, weight_decay=0.0)
         sums = tba.gradient(cfg)(model, batch, rank, world, prompts, 0, device, cfg, beta=cfg.beta)
         hook.remove()
         out["logits_dtype"] = sorted(set(seen))
